@@ -1,0 +1,223 @@
+"""Wire models of the v1 HTTP API, shared by server, worker and client (pydantic only)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .environment import VALIDITY_FIELDS, Environment
+
+Role = Literal["reader", "worker", "admin"]
+JobStatus = Literal["queued", "running", "succeeded", "failed"]
+CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
+
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+GRAPH_KEY_PATTERN = r"^[0-9a-f]{64}$"
+GraphKey = str
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def b64encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def b64decode(text: str, what: str = "blob") -> bytes:
+    """Strict base64 decode; raises ``ValueError`` naming ``what``."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{what} is not valid base64: {exc}") from exc
+
+
+class TargetEnvironment(_Model):
+    """Which environments a tuning job is for. A field left ``None`` matches any value."""
+
+    sm: int | None = Field(default=None, ge=10, le=1000)
+    sm_count: int | None = Field(default=None, ge=1, le=100_000)
+    cudnn_version: int | None = Field(default=None, ge=1)
+    driver_version: int | None = Field(default=None, ge=1)
+    frontend_version: str | None = Field(default=None, min_length=1, max_length=64)
+
+    def matches(self, env: Environment) -> bool:
+        return all(getattr(self, f) is None or getattr(self, f) == getattr(env, f) for f in VALIDITY_FIELDS)
+
+    @classmethod
+    def exactly(cls, env: Environment) -> "TargetEnvironment":
+        return cls(**env.validity())
+
+
+class Candidate(_Model):
+    """One candidate execution plan seen during autotuning."""
+
+    index: int = Field(ge=0)
+    engine_id: int | None = None
+    knobs: dict[str, int] = Field(default_factory=dict)
+    name: str = Field(default="", max_length=512)
+    workspace_bytes: int | None = Field(default=None, ge=0)
+    median_ms: float | None = Field(default=None, ge=0)
+    max_abs_err: float | None = None
+    status: CandidateStatus
+    error: str | None = Field(default=None, max_length=4000)
+
+
+class PlanMeta(_Model):
+    """Everything a plan record states about a blob, as produced by a worker."""
+
+    graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
+    environment: Environment
+    blob_sha256: str = Field(pattern=SHA256_PATTERN)
+    blob_size: int = Field(ge=1)
+    signature: str | None = Field(default=None, max_length=512, description="base64 ed25519 signature")
+    signer_key_id: str | None = Field(default=None, max_length=128)
+    engine_id: int
+    knobs: dict[str, int] = Field(default_factory=dict)
+    plan_name: str = Field(default="", max_length=512)
+    workspace_bytes: int = Field(ge=0)
+    winner_median_ms: float = Field(ge=0)
+    heuristic_median_ms: float | None = Field(default=None, ge=0)
+    worst_median_ms: float | None = Field(default=None, ge=0)
+    candidates: list[Candidate] = Field(default_factory=list, max_length=10_000)
+    tuning_seconds: float = Field(ge=0)
+    worker_id: str = Field(min_length=1, max_length=256)
+
+
+class PlanUpload(PlanMeta):
+    """``PUT /v1/plans`` body: the record plus the blob inline (base64) and, optionally, its spec."""
+
+    blob_b64: str = Field(min_length=1)
+    spec: dict[str, Any] | None = None
+    replace: bool = Field(default=False, description="replace an existing plan for this key+environment")
+
+    def blob_bytes(self) -> bytes:
+        return b64decode(self.blob_b64)
+
+
+class PlanRecord(PlanMeta):
+    """A stored plan record."""
+
+    env_id: str
+    job_id: int | None = None
+    created_at: datetime
+
+
+class ResolveRequest(_Model):
+    environment: Environment
+    graph_keys: list[GraphKey] = Field(min_length=1)
+    include_blobs: bool = False
+
+    @field_validator("graph_keys")
+    @classmethod
+    def _keys_are_hex(cls, keys: list[str]) -> list[str]:
+        bad = [k for k in keys if len(k) != 64 or any(c not in "0123456789abcdef" for c in k)]
+        if bad:
+            raise ValueError(f"graph key {bad[0][:80]!r} is not 64 lowercase hex characters")
+        return keys
+
+
+class ResolvedPlan(_Model):
+    record: PlanRecord
+    blob_b64: str | None = None
+
+
+class ResolveResponse(_Model):
+    plans: dict[GraphKey, ResolvedPlan]
+    missing: list[GraphKey]
+
+
+class SpecCreated(_Model):
+    graph_key: GraphKey
+    created: bool
+
+
+class TuneRequest(_Model):
+    """``POST /v1/admin/tune``: tune these graph keys and/or specs on each target."""
+
+    graph_keys: list[GraphKey] = Field(default_factory=list)
+    specs: list[dict[str, Any]] = Field(default_factory=list)
+    targets: list[TargetEnvironment] = Field(min_length=1)
+    priority: int = 0
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+
+
+class EnqueueMissesRequest(_Model):
+    """``POST /v1/admin/tune/misses``: enqueue the ``top`` most-missed keys of ``environment``."""
+
+    environment: Environment
+    top: int = Field(default=10, ge=1, le=10_000)
+    priority: int = 0
+
+
+class Job(_Model):
+    id: int
+    graph_key: GraphKey
+    target: TargetEnvironment
+    status: JobStatus
+    priority: int
+    attempts: int
+    max_attempts: int
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    fencing_token: int
+    error: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+
+
+class JobList(_Model):
+    jobs: list[Job]
+
+
+class ClaimRequest(_Model):
+    environment: Environment
+    worker_id: str = Field(min_length=1, max_length=256)
+
+
+class ClaimResponse(_Model):
+    job: Job
+    spec: dict[str, Any]
+    lease_token: int = Field(description="fencing token; send it back with heartbeat/complete/fail")
+    lease_expires_at: datetime
+
+
+class LeaseRequest(_Model):
+    worker_id: str = Field(min_length=1, max_length=256)
+    lease_token: int
+
+
+class CompleteRequest(LeaseRequest):
+    plan: PlanUpload
+
+
+class FailRequest(LeaseRequest):
+    error: str = Field(min_length=1, max_length=8000)
+    retryable: bool = True
+
+
+class Miss(_Model):
+    graph_key: GraphKey
+    env_id: str
+    environment: Environment
+    count: int
+    first_seen: datetime
+    last_seen: datetime
+
+
+class MissList(_Model):
+    misses: list[Miss]
+
+
+class ErrorBody(_Model):
+    code: str
+    message: str
+
+
+class ErrorResponse(_Model):
+    error: ErrorBody
