@@ -1,0 +1,202 @@
+"""Autotune a spec: build every candidate plan, time it, check its numerics, keep the fastest correct one."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cudnn
+import torch
+
+from ..environment import Environment, detect
+from ..errors import TuningError
+from ..protocol import Candidate, PlanMeta
+from ..spec import GraphSpec, parse_spec
+from . import reference
+from .lowering import HEURISTIC_MODES, lower
+from .runtime import _plan_identity, apply_constraints, check_memory, require_gpu
+
+#: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
+CANDIDATE_BUDGET_S = 0.25
+#: Two medians within this relative distance are a tie, broken by the smaller workspace.
+TIE_TOLERANCE = 0.01
+
+Progress = Callable[[int, int, Candidate], None]
+
+
+@dataclass
+class TunedPlan:
+    """The autotuner's result: the serialized winner and what was learned choosing it."""
+
+    blob: bytes
+    sha256: str
+    workspace_bytes: int
+    engine_id: int
+    knobs: dict[str, int]
+    plan_name: str
+    winner_index: int
+    heuristic_index: int
+    winner_median_ms: float
+    heuristic_median_ms: float | None
+    worst_median_ms: float | None
+    candidates: list[Candidate]
+    tuning_seconds: float
+    build_seconds: float
+    timing_seconds: float
+    environment: Environment
+    max_abs_err: float
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup_vs_heuristic(self) -> float | None:
+        if not self.heuristic_median_ms:
+            return None
+        return self.heuristic_median_ms / self.winner_median_ms
+
+    def to_meta(self, graph_key: str, worker_id: str) -> PlanMeta:
+        """The (unsigned) plan record for this result."""
+        return PlanMeta(
+            graph_key=graph_key, environment=self.environment, blob_sha256=self.sha256, blob_size=len(self.blob),
+            engine_id=self.engine_id, knobs=self.knobs, plan_name=self.plan_name, workspace_bytes=self.workspace_bytes,
+            winner_median_ms=self.winner_median_ms, heuristic_median_ms=self.heuristic_median_ms,
+            worst_median_ms=self.worst_median_ms, candidates=self.candidates, tuning_seconds=self.tuning_seconds,
+            worker_id=worker_id,
+        )
+
+
+def _time_plan(graph: Any, pack: dict[int, Any], workspace: torch.Tensor, handle: Any, index: int,
+               warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` CUDA-event-timed runs after ``warmup`` runs."""
+    stream = torch.cuda.current_stream()
+    for _ in range(warmup):
+        graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
+    end.record(stream)
+    end.synchronize()
+    first = start.elapsed_time(end)
+    n = max(3, min(repeats, int(CANDIDATE_BUDGET_S * 1000 / max(first, 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        s.record(stream)
+        graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
+        e.record(stream)
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def _dedupe(graph: Any, count: int) -> list[int]:
+    """Indices of distinct (engine_id, knobs) configs, first occurrence kept (modes A, B, FALLBACK overlap)."""
+    seen, keep = set(), []
+    for i in range(count):
+        eid, knobs, name = _plan_identity(graph, i)
+        ident = (eid, tuple(sorted(knobs.items()))) if eid is not None else ("name", name, i)
+        if ident not in seen:
+            seen.add(ident)
+            keep.append(i)
+    return keep
+
+
+def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeats: int = 20,
+             progress: Progress | None = None, seed: int | None = None) -> TunedPlan:
+    """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
+    the float32 torch reference (ties → smaller workspace)."""
+    spec = parse_spec(spec)
+    dev = require_gpu(device)
+    t0 = time.perf_counter()
+    check_memory(spec, device=device)
+    env = detect(device)
+    seed = int(time.time_ns() % 2**31) if seed is None else seed
+    with torch.cuda.device(dev):
+        handle = cudnn.create_handle()
+        cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
+        low = lower(spec, handle=handle)
+        g = low.graph
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([HEURISTIC_MODES[m] for m in spec.tuning.heuristic_modes])
+        apply_constraints(g, spec)
+        g.check_support()
+        indices = _dedupe(g, g.get_execution_plan_count())
+
+        inputs = reference.make_inputs(spec, dev, seed=seed)
+        outputs = reference.allocate_outputs(spec, dev)
+        ref = reference.reference_outputs(spec, inputs)
+        pack = {low.uids[n]: t for n, t in {**inputs, **outputs}.items()}
+
+        candidates: list[Candidate] = []
+        timed: list[tuple[float, int, int]] = []  # (median ms, workspace, index)
+        build_s = timing_s = 0.0
+        workspace = torch.empty(1, dtype=torch.uint8, device=dev)
+        for n_done, i in enumerate(indices):
+            eid, knobs, name = _plan_identity(g, i)
+            cand = dict(index=i, engine_id=eid, knobs=knobs, name=name)
+            tb = time.perf_counter()
+            try:
+                g.build_plan_at_index(i)
+                ws = int(g.get_workspace_size_plan_at_index(i))
+            except Exception as exc:  # a candidate the backend declines to build is data, not a failure
+                build_s += time.perf_counter() - tb
+                candidates.append(Candidate(**cand, status="build_failed", error=str(exc)[:4000]))
+                _report(progress, n_done, len(indices), candidates[-1])
+                continue
+            build_s += time.perf_counter() - tb
+            tt = time.perf_counter()
+            try:
+                if ws > workspace.numel():
+                    workspace = torch.empty(ws, dtype=torch.uint8, device=dev)
+                for t in outputs.values():
+                    t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+                g.execute_plan_at_index(pack, workspace, index=i, handle=handle)
+                torch.cuda.synchronize(dev)
+                errs = reference.output_errors(spec, outputs, ref)
+                err = max(errs.values())
+                bad = [n for n, e in errs.items() if not e <= reference.TOLERANCE[spec.outputs[n].dtype]]
+                if bad:
+                    candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
+                                                error=f"output {bad[0]!r} normalised error {errs[bad[0]]:.3g}"))
+                else:
+                    ms = _time_plan(g, pack, workspace, handle, i, warmup, repeats)
+                    candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
+                    timed.append((ms, ws, i))
+            except Exception as exc:
+                candidates.append(Candidate(**cand, workspace_bytes=ws, status="run_failed", error=str(exc)[:4000]))
+            timing_s += time.perf_counter() - tt
+            _report(progress, n_done, len(indices), candidates[-1])
+
+        if not timed:
+            reasons = "; ".join(f"#{c.index} {c.status}: {c.error}" for c in candidates[:5])
+            raise TuningError(f"no candidate plan built, ran and matched the reference ({len(candidates)} tried): {reasons}")
+        fastest = min(t[0] for t in timed)
+        winner = min((t for t in timed if t[0] <= fastest * (1 + TIE_TOLERANCE)), key=lambda t: (t[1], t[0]))
+        win_ms, win_ws, win_idx = winner
+        heuristic_idx = indices[0]
+        heur = next((c for c in candidates if c.index == heuristic_idx), None)
+        ok_ms = [c.median_ms for c in candidates if c.median_ms is not None]
+
+        g.build_plan_at_index(win_idx)  # rebuild the winner last: the blob then holds only it
+        blob = bytes(g.serialize(as_bytes=True))
+        eid, knobs, name = _plan_identity(g, win_idx)
+        err = next(c.max_abs_err for c in candidates if c.index == win_idx)
+        if eid is None:
+            raise TuningError(f"winning plan #{win_idx} ({name}) exposes no (engine_id, knobs) to record")
+    return TunedPlan(
+        blob=blob, sha256=hashlib.sha256(blob).hexdigest(), workspace_bytes=win_ws, engine_id=eid, knobs=knobs,
+        plan_name=name, winner_index=win_idx, heuristic_index=heuristic_idx, winner_median_ms=win_ms,
+        heuristic_median_ms=heur.median_ms if heur else None, worst_median_ms=max(ok_ms) if ok_ms else None,
+        candidates=candidates, tuning_seconds=time.perf_counter() - t0, build_seconds=build_s, timing_seconds=timing_s,
+        environment=env, max_abs_err=float(err or 0.0),
+    )
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and x not in (float("inf"), float("-inf")) else None
+
+
+def _report(progress: Progress | None, done: int, total: int, cand: Candidate) -> None:
+    if progress is not None:
+        progress(done + 1, total, cand)
