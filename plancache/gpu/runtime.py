@@ -105,7 +105,8 @@ def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None) -
     apply_constraints(g, spec)
     g.check_support()
     g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
-    engine_id, knobs, name = _plan_identity(g, g._plan_index) if hasattr(g, "_plan_index") else (None, {}, "")
+    # The walk selects the first plan that builds; pygraph keeps that index privately.
+    engine_id, knobs, name = _plan_identity(g, getattr(g, "_plan_index", 0))
     return BuiltPlan(spec, g, low.uids, int(g.get_workspace_size()), engine_id, knobs, name)
 
 

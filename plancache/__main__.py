@@ -1,0 +1,5 @@
+"""``python -m plancache`` runs the CLI."""
+
+from .cli import main
+
+main()
