@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +17,7 @@ from ..spec import GraphSpec, parse_spec
 from . import reference
 from .lowering import HEURISTIC_MODES, lower
 from .runtime import _plan_identity, apply_constraints, check_memory, require_gpu
+from .timing import median_ms
 
 #: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
 CANDIDATE_BUDGET_S = 0.25
@@ -65,28 +65,6 @@ class TunedPlan:
             worst_median_ms=self.worst_median_ms, candidates=self.candidates, tuning_seconds=self.tuning_seconds,
             worker_id=worker_id,
         )
-
-
-def _time_plan(graph: Any, pack: dict[int, Any], workspace: torch.Tensor, handle: Any, index: int,
-               warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``repeats`` CUDA-event-timed runs after ``warmup`` runs."""
-    stream = torch.cuda.current_stream()
-    for _ in range(warmup):
-        graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
-    end.record(stream)
-    end.synchronize()
-    first = start.elapsed_time(end)
-    n = max(3, min(repeats, int(CANDIDATE_BUDGET_S * 1000 / max(first, 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for s, e in events:
-        s.record(stream)
-        graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)
-        e.record(stream)
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def _dedupe(graph: Any, count: int) -> list[int]:
@@ -160,7 +138,8 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
                     candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
                                                 error=f"output {bad[0]!r} normalised error {errs[bad[0]]:.3g}"))
                 else:
-                    ms = _time_plan(g, pack, workspace, handle, i, warmup, repeats)
+                    ms = median_ms(lambda: g.execute_plan_at_index(pack, workspace, index=i, handle=handle),
+                                   warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S)
                     candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
                     timed.append((ms, ws, i))
             except Exception as exc:
