@@ -548,13 +548,14 @@ class SpecBuilder:
         }
         return TensorRef(self, name)
 
-    def tensor_like(self, tensor: Any, name: str) -> TensorRef:
-        """An input shaped like a torch tensor (dims, strides, dtype); CPU scalars become pass-by-value."""
+    def tensor_like(self, tensor: Any, name: str, is_pass_by_value: bool | None = None) -> TensorRef:
+        """An input shaped like a torch tensor (dims, strides, dtype). As in cudnn, a CPU tensor becomes
+        pass-by-value unless ``is_pass_by_value`` says otherwise."""
         dtype = _TORCH_DTYPES.get(str(tensor.dtype))
         if dtype is None:
             raise SpecError(f"tensor_like({name!r}): unsupported dtype {tensor.dtype}")
-        return self.tensor(name, list(tensor.shape), list(tensor.stride()), dtype,
-                           is_pass_by_value=str(tensor.device) == "cpu")
+        by_value = str(tensor.device) == "cpu" if is_pass_by_value is None else is_pass_by_value
+        return self.tensor(name, list(tensor.shape), list(tensor.stride()), dtype, is_pass_by_value=by_value)
 
     # ops
     def conv_fprop(self, image: TensorRef, weight: TensorRef, padding: list[int] | None = None,
