@@ -14,20 +14,24 @@ from plancache.spec import GraphSpec, SpecBuilder, channels_last_strides
 HERE = Path(__file__).resolve().parent
 
 
-def conv_bias_relu(n: int = 32, c: int = 128, hw: int = 56, k: int = 256, rs: int = 3) -> GraphSpec:
-    """bf16 NHWC conv (pad 1) + per-channel bias + relu."""
-    b = SpecBuilder(io_data_type="bfloat16", name=f"conv_bias_relu_n{n}")
+def conv_bias_relu(n: int = 32, c: int = 128, hw: int = 56, k: int = 256, rs: int = 3, stride: int = 1,
+                   name: str | None = None) -> GraphSpec:
+    """bf16 NHWC conv ("same" padding rs//2) + per-channel bias + relu."""
+    b = SpecBuilder(io_data_type="bfloat16", name=name or f"conv_bias_relu_n{n}")
     x = b.tensor("X", dim=[n, c, hw, hw], stride=channels_last_strides([n, c, hw, hw]))
     w = b.tensor("W", dim=[k, c, rs, rs], stride=channels_last_strides([k, c, rs, rs]))
     bias = b.tensor("B", dim=[1, k, 1, 1], stride=[k, 1, k, k])
-    y = b.relu(b.bias(b.conv_fprop(x, w, padding=[rs // 2] * 2, stride=[1, 1], dilation=[1, 1]), bias))
-    y.set_output(True).set_name("Y").set_stride(channels_last_strides([n, k, hw, hw]))
+    pad = rs // 2
+    y = b.relu(b.bias(b.conv_fprop(x, w, padding=[pad, pad], stride=[stride, stride], dilation=[1, 1]), bias))
+    out = (hw + 2 * pad - rs) // stride + 1
+    y.set_output(True).set_name("Y").set_stride(channels_last_strides([n, k, out, out]))
     return b.build()
 
 
-def matmul_epilogue(batch: int = 16, m: int = 512, k: int = 1024, n: int = 512, act: str = "gelu") -> GraphSpec:
+def matmul_epilogue(batch: int = 16, m: int = 512, k: int = 1024, n: int = 512, act: str = "gelu",
+                    name: str | None = None) -> GraphSpec:
     """bf16 batched matmul, * alpha (pass-by-value), + bias, gelu/relu, and the AMAX of the result."""
-    b = SpecBuilder(io_data_type="bfloat16", name=f"matmul_scale_bias_{act}_amax_b{batch}")
+    b = SpecBuilder(io_data_type="bfloat16", name=name or f"matmul_scale_bias_{act}_amax_b{batch}")
     a = b.tensor("A", dim=[batch, m, k])
     w = b.tensor("B", dim=[batch, k, n])
     alpha = b.tensor("alpha", dim=[1, 1, 1], data_type="float32", is_pass_by_value=True)

@@ -12,6 +12,11 @@ def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, bu
     """Median milliseconds of ``run()`` on the current stream, each run bracketed by CUDA events.
 
     With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3)."""
+    return statistics.median(timings_ms(run, warmup=warmup, repeats=repeats, budget_s=budget_s))
+
+
+def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25) -> list[float]:
+    """Every timed run's milliseconds (see :func:`median_ms`)."""
     stream = torch.cuda.current_stream()
     for _ in range(warmup):
         run()
@@ -29,4 +34,4 @@ def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, bu
         run()
         e.record(stream)
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return [s.elapsed_time(e) for s, e in events]
