@@ -13,6 +13,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="plancache: a
 # Modules that define ``register(app)``; each owns one group of commands.
 _COMMAND_MODULES = [
     "plancache.cli.spec_cmds",
+    "plancache.cli.worker_cmds",
 ]
 
 

@@ -1,0 +1,307 @@
+"""The worker's job loop: claim → heartbeat while tuning → tune → verify round trip → sign → spool → complete.
+
+Only a plan that matched the reference during autotuning *and* again after a
+deserialize round trip in this process is published; any failure is reported to the
+server as a failed attempt with its reason. A finished result is written to the spool
+before it is sent, so neither the server being down nor the worker restarting loses it.
+On stop (SIGTERM), a tuning in progress gets ``shutdown_grace`` seconds to finish and be
+published; otherwise the job is released for another worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from types import FrameType
+
+from ..environment import Environment
+from ..errors import (
+    Conflict,
+    EnvironmentMismatch,
+    Forbidden,
+    InsufficientGpuMemory,
+    IntegrityError,
+    LeaseLost,
+    NotFound,
+    PlanCacheError,
+    SpecError,
+    Unauthorized,
+)
+from ..protocol import ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest
+from ..signing import Signer
+from ..spec import GraphSpec, parse_spec
+from .client import JobClient, ServerUnavailable
+from .spool import Spool, SpoolEntry
+from .tuner import TunedResult, Tuner
+
+log = logging.getLogger("plancache.worker")
+
+#: Errors that would recur on any worker of the environment: the job is failed for good.
+PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, SpecError)
+MAX_ERROR_CHARS = 8000
+
+
+@dataclass
+class WorkerStats:
+    """What one :meth:`Worker.run` did."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    released: int = 0
+    dropped: int = 0
+
+
+def lease_duration(claim: ClaimResponse) -> float:
+    """How long a lease lasts, measured on the server's clock (expiry minus the claim's update time)
+    when the server gives both, else against this machine's clock."""
+    expires, claimed = claim.lease_expires_at, claim.job.updated_at
+    if (expires.tzinfo is None) == (claimed.tzinfo is None) and expires > claimed:
+        return (expires - claimed).total_seconds()
+    now = datetime.now(timezone.utc) if expires.tzinfo else datetime.now(timezone.utc).replace(tzinfo=None)
+    return max((expires - now).total_seconds(), 0.0)
+
+
+class _Heartbeat(threading.Thread):
+    """Extends a job's lease every ``interval`` seconds until halted; sets :attr:`lost` when fenced."""
+
+    def __init__(self, client: JobClient, job_id: int, lease: LeaseRequest, interval: float) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-job-{job_id}")
+        self.client, self.job_id, self.lease, self.interval = client, job_id, lease, interval
+        self.lost = threading.Event()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                self.client.heartbeat(self.job_id, self.lease, retry_for=0, timeout=max(self.interval, 0.5))
+            except (LeaseLost, Conflict, NotFound) as exc:
+                log.warning("job %d: lease lost (%s)", self.job_id, exc.message)
+                self.lost.set()
+                return
+            except PlanCacheError as exc:
+                log.warning("job %d: heartbeat failed: %s", self.job_id, exc.message)
+
+    def halt(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+@dataclass
+class _Tuning:
+    """The outcome of the tuning thread."""
+
+    tuned: TunedResult | None = None
+    round_trip_error: float | None = None
+    error: BaseException | None = None
+
+
+class Worker:
+    """Tunes the jobs a plancache server hands out for this machine's GPU environment."""
+
+    def __init__(self, client: JobClient, tuner: Tuner, signer: Signer, spool: Spool, *, worker_id: str,
+                 poll_interval: float = 5.0, once: bool = False, shutdown_grace: float = 25.0) -> None:
+        self.client = client
+        self.tuner = tuner
+        self.signer = signer
+        self.spool = spool
+        self.worker_id = worker_id
+        self.poll_interval = poll_interval
+        self.once = once
+        self.shutdown_grace = shutdown_grace
+        self.stats = WorkerStats()
+        self.environment: Environment | None = None
+
+    def run(self, stop: threading.Event) -> WorkerStats:
+        """Work until ``stop`` is set (or, with ``once``, until no job is left for this environment).
+
+        Spooled results from earlier runs are delivered first. Unreachable servers are
+        retried with backoff; only a revoked or wrong token (401/403) ends the loop early.
+        """
+        self.client.stop = stop
+        env = self.environment = self.tuner.environment()
+        log.info("worker %s: environment %s (env_id %s), signing key %s, spool %s",
+                 self.worker_id, env.describe(), env.env_id, self.signer.key_id, self.spool.directory)
+        while not stop.is_set():
+            if not self.flush_spool():
+                break
+            try:
+                claim = self.client.claim(env, self.worker_id)
+            except ServerUnavailable:
+                break  # only raised once stopping
+            if claim is None:
+                if self.once:
+                    log.info("worker %s: no job for this environment; exiting (--once)", self.worker_id)
+                    break
+                stop.wait(self.poll_interval)
+                continue
+            self.process(claim, stop)
+        log.info("worker %s: stopped (%s)", self.worker_id, self.stats)
+        return self.stats
+
+    def flush_spool(self) -> bool:
+        """Deliver every spooled result; False when stopped before all were delivered."""
+        return all(self._deliver(entry) for entry in self.spool.pending())
+
+    # ------------------------------------------------------------ one job
+
+    def process(self, claim: ClaimResponse, stop: threading.Event) -> None:
+        """Tune one claimed job and publish or fail it, heartbeating all along."""
+        assert self.environment is not None, "run() sets the environment"
+        job = claim.job
+        lease = LeaseRequest(worker_id=self.worker_id, lease_token=claim.lease_token)
+        duration = lease_duration(claim)
+        self.stats.claimed += 1
+        log.info("job %d: claimed graph %s (attempt %d of %d, lease %.1fs, token %d)",
+                 job.id, job.graph_key[:12], job.attempts, job.max_attempts, duration, claim.lease_token)
+        beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.05))
+        beat.start()
+        try:
+            entry = self._tune_job(claim, lease, beat, stop)
+            if entry is not None:
+                path = self.spool.save(entry)
+                log.info("job %d: result spooled at %s", job.id, path)
+                self._deliver(entry)
+        finally:
+            beat.halt()
+
+    def _tune_job(self, claim: ClaimResponse, lease: LeaseRequest, beat: _Heartbeat,
+                  stop: threading.Event) -> SpoolEntry | None:
+        """Run the GPU step in a thread; the signed result, or None when the job was failed, released or lost."""
+        job = claim.job
+        try:
+            spec = self._check_job(claim)
+            need = self.tuner.check_memory(spec)
+        except PlanCacheError as exc:
+            self._report_failure(job, lease, exc)
+            return None
+        log.info("job %d: tuning (needs ~%.1f MiB of device memory)", job.id, need / 2**20)
+        outcome = _Tuning()
+        done = threading.Event()
+        thread = threading.Thread(target=self._tune_and_verify, args=(spec, outcome, done), daemon=True,
+                                  name=f"tune-job-{job.id}")
+        thread.start()
+        while not done.wait(0.05):
+            if stop.is_set():
+                log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
+                if not done.wait(self.shutdown_grace):
+                    self._fail(job.id, lease, "worker shutting down", retryable=True)
+                    self.stats.released += 1
+                    return None
+        if beat.lost.is_set():
+            log.warning("job %d: lease was taken over while tuning; dropping the result", job.id)
+            self.stats.dropped += 1
+            return None
+        if outcome.error is not None:
+            self._report_failure(job, lease, outcome.error)
+            return None
+        tuned = outcome.tuned
+        assert tuned is not None
+        meta = self.signer.sign(tuned.to_meta(job.graph_key, self.worker_id))
+        log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
+                 job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
+                 outcome.round_trip_error, tuned.tuning_seconds)
+        return SpoolEntry(job.id, claim.lease_token, self.worker_id, meta, spec.to_json(), tuned.blob)
+
+    def _check_job(self, claim: ClaimResponse) -> GraphSpec:
+        spec = parse_spec(claim.spec)
+        if spec.graph_key != claim.job.graph_key:
+            raise SpecError(f"the job's spec hashes to {spec.graph_key}, not to its graph key {claim.job.graph_key}")
+        assert self.environment is not None
+        if not claim.job.target.matches(self.environment):
+            raise EnvironmentMismatch(f"job {claim.job.id} targets {claim.job.target.model_dump(exclude_none=True)}, "
+                                      f"not this worker's environment {self.environment.env_id}")
+        return spec
+
+    def _tune_and_verify(self, spec: GraphSpec, outcome: _Tuning, done: threading.Event) -> None:
+        """Thread body: autotune, then check the blob's digest, environment and numerics after a round trip."""
+        try:
+            tuned = self.tuner.tune(spec)
+            if len(tuned.blob) == 0 or hashlib.sha256(tuned.blob).hexdigest() != tuned.sha256:
+                raise IntegrityError("the tuned blob does not match its sha256")
+            assert self.environment is not None
+            if not tuned.environment.compatible_with(self.environment):
+                raise EnvironmentMismatch(f"tuned on {tuned.environment.describe()}, "
+                                          f"but this worker registered {self.environment.describe()}")
+            outcome.round_trip_error = self.tuner.verify(spec, tuned.blob)
+            outcome.tuned = tuned
+        except Exception as exc:  # reported to the server as the attempt's failure reason
+            outcome.error = exc
+        finally:
+            done.set()
+
+    # ------------------------------------------------------------ talking to the server
+
+    def _deliver(self, entry: SpoolEntry) -> bool:
+        """Send a spooled result as its job's completion, retrying while the server is down.
+        False when stopped first (the entry stays spooled); the entry is removed otherwise."""
+        req = CompleteRequest(worker_id=entry.worker_id, lease_token=entry.lease_token, plan=entry.upload())
+        try:
+            self.client.complete(entry.job_id, req)
+        except ServerUnavailable as exc:
+            log.warning("job %d: not delivered (%s); the result stays in %s", entry.job_id, exc.message,
+                        self.spool.directory)
+            return False
+        except LeaseLost as exc:
+            log.warning("job %d: lease lost (%s); another worker owns the job now; dropping the spooled result",
+                        entry.job_id, exc.message)
+            self.stats.dropped += 1
+        except (Unauthorized, Forbidden):
+            raise
+        except PlanCacheError as exc:
+            log.error("job %d: the server refused the plan: %s", entry.job_id, exc.message)
+            self._fail(entry.job_id, LeaseRequest(worker_id=entry.worker_id, lease_token=entry.lease_token),
+                       f"server refused the plan: {exc.message}", retryable=not isinstance(exc, Conflict))
+            self.stats.failed += 1
+        else:
+            log.info("job %d: published plan %s (%d bytes, key %s)", entry.job_id, entry.meta.blob_sha256[:12],
+                     entry.meta.blob_size, entry.meta.signer_key_id)
+            self.stats.succeeded += 1
+        self.spool.remove(entry)
+        return True
+
+    def _report_failure(self, job: Job, lease: LeaseRequest, exc: BaseException) -> None:
+        if isinstance(exc, PlanCacheError):
+            reason = f"{exc.code}: {exc.message}"
+        else:
+            log.error("job %d: unexpected error while tuning", job.id, exc_info=exc)
+            reason = f"{type(exc).__name__}: {exc}"
+        retryable = not isinstance(exc, PERMANENT_ERRORS)
+        log.error("job %d: failed (%s): %s", job.id, "will be retried" if retryable else "permanent", reason)
+        self._fail(job.id, lease, reason, retryable=retryable)
+        self.stats.failed += 1
+
+    def _fail(self, job_id: int, lease: LeaseRequest, reason: str, *, retryable: bool) -> None:
+        """Report a failed attempt (``retryable``: the job goes back to the queue)."""
+        req = FailRequest(worker_id=lease.worker_id, lease_token=lease.lease_token, error=reason[:MAX_ERROR_CHARS],
+                          retryable=retryable)
+        try:
+            self.client.fail(job_id, req)
+        except ServerUnavailable as exc:
+            log.warning("job %d: could not report the failure (%s); its lease will expire", job_id, exc.message)
+        except (LeaseLost, Conflict, NotFound) as exc:
+            log.warning("job %d: failure not recorded: %s", job_id, exc.message)
+        else:
+            log.info("job %d: failure reported (%s)", job_id, "retryable" if retryable else "permanent")
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """Set ``stop`` on SIGTERM or SIGINT (call from the main thread)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.warning("received %s; finishing or releasing the current job", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def default_worker_id() -> str:
+    """``<hostname>-<pid>``."""
+    return f"{socket.gethostname()}-{os.getpid()}"[:256]

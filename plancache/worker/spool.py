@@ -1,0 +1,107 @@
+"""Finished job results on local disk, so a result survives the server being down or the worker restarting.
+
+Each entry is ``job-<id>-<lease token>.blob`` (the plan bytes) plus ``.json`` (the signed
+record, the spec and the lease that completes the job). The blob is written first and the
+JSON last, each atomically (temporary file, fsync, rename), so a JSON file always names a
+complete blob. An entry is removed once the server accepted (or definitively refused) it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..protocol import PlanMeta, PlanUpload, b64encode
+
+log = logging.getLogger("plancache.worker")
+
+SPOOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    """A finished, signed result waiting to be sent as the completion of ``job_id``."""
+
+    job_id: int
+    lease_token: int
+    worker_id: str
+    meta: PlanMeta
+    spec: dict[str, Any]
+    blob: bytes
+
+    @property
+    def name(self) -> str:
+        return f"job-{self.job_id}-{self.lease_token}"
+
+    def upload(self) -> PlanUpload:
+        return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob), spec=self.spec)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Spool:
+    """A directory of :class:`SpoolEntry` files."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def save(self, entry: SpoolEntry) -> Path:
+        """Persist ``entry`` durably; return the path of its JSON file."""
+        blob_path = self.directory / f"{entry.name}.blob"
+        json_path = self.directory / f"{entry.name}.json"
+        _write_atomic(blob_path, entry.blob)
+        doc = {"version": SPOOL_VERSION, "job_id": entry.job_id, "lease_token": entry.lease_token,
+               "worker_id": entry.worker_id, "meta": entry.meta.model_dump(mode="json"), "spec": entry.spec}
+        _write_atomic(json_path, json.dumps(doc, sort_keys=True).encode())
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return json_path
+
+    def pending(self) -> list[SpoolEntry]:
+        """Entries waiting for upload, oldest first. An unreadable or inconsistent one is renamed
+        ``*.corrupt`` (kept for inspection) with a log line, never uploaded."""
+        entries = []
+        for path in sorted(self.directory.glob("job-*.json"), key=lambda p: p.stat().st_mtime):
+            try:
+                entries.append(self._load(path))
+            except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+                log.error("spool entry %s is unreadable (%s); renamed to %s.corrupt", path, exc, path.name)
+                for p in (path, path.with_suffix(".blob")):
+                    if p.exists():
+                        os.replace(p, p.with_name(p.name + ".corrupt"))
+        return entries
+
+    def _load(self, path: Path) -> SpoolEntry:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != SPOOL_VERSION:
+            raise ValueError(f"unknown spool version {doc.get('version')!r}")
+        meta = PlanMeta.model_validate(doc["meta"])
+        blob = path.with_suffix(".blob").read_bytes()
+        if len(blob) != meta.blob_size or hashlib.sha256(blob).hexdigest() != meta.blob_sha256:
+            raise ValueError("blob does not match the recorded size and sha256")
+        entry = SpoolEntry(int(doc["job_id"]), int(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob)
+        if entry.name != path.stem:
+            raise ValueError(f"file name does not match job {entry.job_id} lease {entry.lease_token}")
+        return entry
+
+    def remove(self, entry: SpoolEntry) -> None:
+        for suffix in (".json", ".blob"):
+            (self.directory / f"{entry.name}{suffix}").unlink(missing_ok=True)

@@ -1,0 +1,73 @@
+"""The GPU step of the worker behind a small protocol, so the job loop can run without a GPU in tests."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ..environment import Environment
+from ..protocol import PlanMeta
+from ..spec import GraphSpec
+
+if TYPE_CHECKING:
+    from ..gpu import TunedPlan
+
+
+class TunedResult(Protocol):
+    """What the worker needs from a tuning result (:class:`plancache.gpu.TunedPlan` provides it)."""
+
+    blob: bytes
+    sha256: str
+    environment: Environment
+    max_abs_err: float
+    tuning_seconds: float
+    winner_median_ms: float
+    heuristic_median_ms: float | None
+
+    def to_meta(self, graph_key: str, worker_id: str) -> PlanMeta: ...
+
+
+class Tuner(Protocol):
+    """Detects the environment, refuses oversized specs, autotunes, and re-checks a serialized plan."""
+
+    def environment(self) -> Environment: ...
+
+    def check_memory(self, spec: GraphSpec) -> int:
+        """Bytes ``spec`` needs; raise :class:`~plancache.errors.InsufficientGpuMemory` before allocating."""
+        ...
+
+    def tune(self, spec: GraphSpec) -> TunedResult:
+        """Autotune ``spec``; the winner has already matched the reference in this process."""
+        ...
+
+    def verify(self, spec: GraphSpec, blob: bytes) -> float:
+        """Deserialize ``blob``, run it, compare with the reference; return the error or raise ``TuningError``."""
+        ...
+
+
+class GpuTuner:
+    """:class:`Tuner` on CUDA device ``device`` through :mod:`plancache.gpu` (imported on first use)."""
+
+    def __init__(self, device: int = 0, *, warmup: int = 3, repeats: int = 20) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.repeats = repeats
+
+    def environment(self) -> Environment:
+        from ..environment import detect
+
+        return detect(self.device)
+
+    def check_memory(self, spec: GraphSpec) -> int:
+        from .. import gpu
+
+        return gpu.check_memory(spec, device=self.device)
+
+    def tune(self, spec: GraphSpec) -> "TunedPlan":
+        from .. import gpu
+
+        return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats)
+
+    def verify(self, spec: GraphSpec, blob: bytes) -> float:
+        from .. import gpu
+
+        return gpu.verify_plan(spec, blob, device=self.device)
