@@ -1,0 +1,71 @@
+"""The persistence layer: specs, content-addressed blobs, plan records, misses, the job queue and API tokens,
+on SQLite (embedded default) or Postgres (psycopg 3). :class:`Store` is the one facade the server uses::
+
+    store = open_store("sqlite:///./plancache.db", create=True)
+    store.put_spec(key, spec); job, created = store.enqueue(key, TargetEnvironment(sm=90))
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Callable
+
+from sqlalchemy.engine import Engine
+
+from ..settings import get_settings
+from .content import SpecsAndBlobs
+from .db import Database, SchemaNotReady
+from .jobs import Jobs
+from .plans import Plans
+from .tokens import TokenInfo, Tokens
+
+__all__ = ["SchemaNotReady", "Store", "TokenInfo", "open_store"]
+
+
+class Store(SpecsAndBlobs, Plans, Jobs, Tokens):
+    """All store operations over one database. Thread-safe: each call runs in its own transaction.
+
+    ``clock`` returns the current time (timezone-aware) for every timestamp and lease; tests inject one.
+    ``job_max_attempts`` defaults to ``Settings.job_max_attempts``.
+    """
+
+    def __init__(self, url: str, *, clock: Callable[[], datetime] | None = None, job_max_attempts: int | None = None) -> None:
+        self.db = Database(url, clock=clock)
+        self.job_max_attempts = get_settings().job_max_attempts if job_max_attempts is None else job_max_attempts
+
+    @property
+    def engine(self) -> Engine:
+        return self.db.engine
+
+    def upgrade(self) -> None:
+        """Apply the Alembic migrations up to head."""
+        self.db.upgrade()
+
+    def ping(self) -> None:
+        """Raise if the database is unreachable (for ``/readyz``)."""
+        self.db.ping()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(url: str, *, create: bool = False, clock: Callable[[], datetime] | None = None,
+               job_max_attempts: int | None = None) -> Store:
+    """Open the store at ``url``. ``create`` migrates the schema to head; otherwise the schema must
+    already be at head (:class:`SchemaNotReady` says to run ``plancache db upgrade``)."""
+    store = Store(url, clock=clock, job_max_attempts=job_max_attempts)
+    try:
+        if create:
+            store.upgrade()
+        else:
+            store.db.require_schema()
+    except BaseException:
+        store.close()
+        raise
+    return store

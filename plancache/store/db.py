@@ -1,0 +1,179 @@
+"""Engine construction (SQLite pragmas, Postgres via psycopg 3), transactions, and Alembic migrations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from ..errors import PlanCacheError
+
+Clock = Callable[[], datetime]
+
+#: Where the Alembic environment lives: the top-level ``migrations/`` folder next to the package.
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Any constant: serialises concurrent ``upgrade()`` calls against one Postgres database.
+_PG_MIGRATION_LOCK = 0x706C616E
+
+
+class SchemaNotReady(PlanCacheError):
+    """The database has no schema, or not the one this version of plancache needs."""
+
+    code = "schema_not_ready"
+    http_status = 503
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse a database URL; ``postgres://`` and ``postgresql://`` mean psycopg 3. Only SQLite files and Postgres."""
+    u = make_url(url)
+    backend = u.get_backend_name()
+    if backend in ("postgres", "postgresql"):
+        return u.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        if u.database in (None, "", ":memory:") or (u.database or "").startswith("file::memory:"):
+            raise ValueError("an in-memory SQLite database cannot be shared between connections; use a file, e.g. sqlite:///./plancache.db")
+        return u.set(drivername="sqlite+pysqlite")
+    raise ValueError(f"unsupported database URL {u.render_as_string(hide_password=True)!r}: use sqlite:///PATH or postgresql+psycopg://…")
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" hook (below) emit BEGIN itself, so write transactions can be IMMEDIATE.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA journal_mode = WAL")
+    cur.execute("PRAGMA synchronous = NORMAL")
+    cur.execute("PRAGMA foreign_keys = ON")
+    cur.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # A write transaction takes the write lock up front: a deferred one that upgrades later can fail
+    # with SQLITE_BUSY without waiting. Reads stay deferred so they never block behind writers (WAL).
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("plancache_write") else "BEGIN")
+
+
+def make_engine(url: str | URL) -> Engine:
+    """An engine with a thread-friendly pool; SQLite gets WAL, a busy timeout and foreign keys."""
+    u = normalize_url(url)
+    if u.get_backend_name() == "sqlite":
+        engine = sa.create_engine(
+            u, pool_size=16, max_overflow=16, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
+        )
+        sa.event.listen(engine, "connect", _sqlite_on_connect)
+        sa.event.listen(engine, "begin", _sqlite_on_begin)
+        return engine
+    return sa.create_engine(u, pool_size=16, max_overflow=16, pool_pre_ping=True, pool_recycle=1800)
+
+
+def upsert_insert(conn: Connection, table: sa.Table) -> Any:
+    """The dialect's INSERT with ``on_conflict_do_nothing`` / ``on_conflict_do_update`` (SQLite or Postgres)."""
+    return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
+
+
+class Database:
+    """An engine plus the clock every timestamp comes from; hands out read and write transactions."""
+
+    def __init__(self, url: str | URL, *, clock: Clock | None = None) -> None:
+        self.url = normalize_url(url)
+        self.engine = make_engine(self.url)
+        self.clock: Clock = clock or utcnow
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    def now(self) -> datetime:
+        now = self.clock()
+        if now.tzinfo is None:
+            raise ValueError("the store's clock must return timezone-aware datetimes")
+        return now
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only transaction."""
+        with self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction (SQLite: ``BEGIN IMMEDIATE``); commits on success, rolls back on any exception."""
+        with self.engine.connect() as conn:
+            conn.execution_options(plancache_write=True)
+            with conn.begin():
+                yield conn
+
+    # ------------------------------------------------------------------ migrations
+
+    def alembic_config(self, conn: Connection | None = None) -> Any:
+        """An Alembic config for this database, independent of the working directory."""
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+        cfg.set_main_option("sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%"))
+        cfg.attributes["connection"] = conn
+        return cfg
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised)."""
+        from alembic import command
+
+        with self.write() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+            command.upgrade(self.alembic_config(conn), revision)
+
+    def downgrade(self, revision: str) -> None:
+        from alembic import command
+
+        with self.write() as conn:
+            command.downgrade(self.alembic_config(conn), revision)
+
+    def head_revision(self) -> str | None:
+        from alembic.script import ScriptDirectory
+
+        return ScriptDirectory.from_config(self.alembic_config()).get_current_head()
+
+    def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        with self.read() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def require_schema(self) -> None:
+        """Raise :class:`SchemaNotReady` unless the database is migrated to this version's head."""
+        where = self.url.render_as_string(hide_password=True)
+        if self.is_sqlite and not Path(self.url.database or "").exists():
+            raise SchemaNotReady(f"no SQLite database at {self.url.database}; run `plancache db upgrade` first")
+        current, head = self.current_revision(), self.head_revision()
+        if current != head:
+            raise SchemaNotReady(
+                f"database {where} is at schema revision {current or '(none)'}, this plancache needs {head}; "
+                "run `plancache db upgrade`"
+            )
+
+    def ping(self) -> None:
+        """Raise if the database cannot be reached."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def check_page(limit: int, offset: int = 0) -> None:
+    """Refuse a negative page; an explicit message beats a database error."""
+    if limit < 0 or offset < 0:
+        raise ValueError(f"limit and offset must be non-negative (got limit={limit}, offset={offset})")

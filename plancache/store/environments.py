@@ -1,0 +1,24 @@
+"""Environments as table columns: the validity fields (plus info fields) stored individually."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
+
+
+def env_columns(env: Environment) -> dict[str, Any]:
+    """Column values of an environment: env_id, validity and info fields."""
+    return {"env_id": env.env_id, **env.model_dump(include=set(VALIDITY_FIELDS) | set(INFO_FIELDS))}
+
+
+def env_from_row(m: Mapping[str, Any]) -> Environment:
+    return Environment(**{f: m[f] for f in VALIDITY_FIELDS + INFO_FIELDS})
+
+
+def same_env(table: sa.Table, env: Environment) -> list[Any]:
+    """WHERE clauses for an exact match on the validity fields (env_id is their digest, indexed)."""
+    return [table.c.env_id == env.env_id, *(table.c[f] == getattr(env, f) for f in VALIDITY_FIELDS)]

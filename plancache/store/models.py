@@ -1,0 +1,170 @@
+"""SQLAlchemy Core tables of the store. The Alembic migrations in ``migrations/`` must match these exactly
+(``tests/test_migrations.py`` runs ``alembic check``)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+ACTIVE_JOB_STATUSES = ("queued", "running")
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite keeps no offset: values are stored as UTC)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: the store only takes timezone-aware datetimes")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def _validity_columns(nullable: bool, index: bool) -> list[sa.Column[Any]]:
+    """The environment validity fields as columns (``TargetEnvironment`` uses NULL for "any")."""
+    return [
+        sa.Column("sm", sa.Integer, nullable=nullable, index=index),
+        sa.Column("sm_count", sa.Integer, nullable=nullable, index=index),
+        sa.Column("cudnn_version", sa.Integer, nullable=nullable, index=index),
+        sa.Column("driver_version", sa.Integer, nullable=nullable, index=index),
+        sa.Column("frontend_version", sa.String(64), nullable=nullable, index=index),
+    ]
+
+
+def _info_columns() -> list[sa.Column[Any]]:
+    return [
+        sa.Column("device_name", sa.String(256), nullable=False),
+        sa.Column("cuda_runtime", sa.String(64), nullable=False),
+        sa.Column("torch_version", sa.String(64), nullable=False),
+    ]
+
+
+specs = sa.Table(
+    "specs",
+    metadata,
+    sa.Column("graph_key", sa.String(64), primary_key=True),
+    sa.Column("canonical_json", sa.Text, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+blobs = sa.Table(
+    "blobs",
+    metadata,
+    sa.Column("sha256", sa.String(64), primary_key=True),
+    sa.Column("size", sa.BigInteger, nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+jobs = sa.Table(
+    "jobs",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
+    *_validity_columns(nullable=True, index=False),
+    # Canonical JSON of the target (NULLs included): the de-duplication key, since NULL never equals NULL.
+    sa.Column("target_key", sa.String(256), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("lease_owner", sa.String(256)),
+    sa.Column("lease_expires_at", UTCDateTime),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("error", sa.Text),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.Column("finished_at", UTCDateTime),
+    sa.CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
+    sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
+    sa.Index("ix_jobs_claim_order", "status", "priority", "id"),
+    sa.Index(
+        "uq_jobs_active_target",
+        "graph_key",
+        "target_key",
+        unique=True,
+        sqlite_where=sa.text("status IN ('queued', 'running')"),
+        postgresql_where=sa.text("status IN ('queued', 'running')"),
+    ),
+)
+
+plans = sa.Table(
+    "plans",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
+    sa.Column("env_id", sa.String(32), nullable=False, index=True),
+    *_validity_columns(nullable=False, index=True),
+    *_info_columns(),
+    sa.Column("blob_sha256", sa.String(64), sa.ForeignKey("blobs.sha256"), nullable=False, index=True),
+    sa.Column("blob_size", sa.BigInteger, nullable=False),
+    sa.Column("signature", sa.String(512)),
+    sa.Column("signer_key_id", sa.String(128)),
+    sa.Column("engine_id", sa.BigInteger, nullable=False),
+    sa.Column("knobs", sa.JSON, nullable=False),
+    sa.Column("plan_name", sa.String(512), nullable=False),
+    sa.Column("workspace_bytes", sa.BigInteger, nullable=False),
+    sa.Column("winner_median_ms", sa.Float, nullable=False),
+    sa.Column("heuristic_median_ms", sa.Float),
+    sa.Column("worst_median_ms", sa.Float),
+    sa.Column("candidates", sa.JSON, nullable=False),
+    sa.Column("tuning_seconds", sa.Float, nullable=False),
+    sa.Column("worker_id", sa.String(256), nullable=False),
+    sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("graph_key", "env_id"),
+)
+
+misses = sa.Table(
+    "misses",
+    metadata,
+    sa.Column("graph_key", sa.String(64), primary_key=True),
+    sa.Column("env_id", sa.String(32), primary_key=True),
+    *_validity_columns(nullable=False, index=False),
+    *_info_columns(),
+    sa.Column("count", sa.BigInteger, nullable=False),
+    sa.Column("first_seen", UTCDateTime, nullable=False),
+    sa.Column("last_seen", UTCDateTime, nullable=False),
+    sa.Index("ix_misses_env_count", "env_id", "count"),
+)
+
+api_tokens = sa.Table(
+    "api_tokens",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("token_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("revoked_at", UTCDateTime),
+    sa.CheckConstraint("role IN ('reader', 'worker', 'admin')", name="role"),
+    sa.Index(
+        "uq_api_tokens_active_name",
+        "name",
+        unique=True,
+        sqlite_where=sa.text("revoked_at IS NULL"),
+        postgresql_where=sa.text("revoked_at IS NULL"),
+    ),
+)

@@ -1,0 +1,131 @@
+"""Plan records: publishing (blob + record + job completion in one transaction), lookup and resolve."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Row
+
+from .. import errors
+from ..environment import Environment
+from ..protocol import Candidate, PlanMeta, PlanRecord
+from .content import insert_blob, spec_exists
+from .db import Database, check_page, upsert_insert
+from .environments import env_columns, env_from_row, same_env
+from .jobs import complete_held_job
+from .misses import Misses
+from .models import blobs, plans
+
+# PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
+_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates"))
+
+
+def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[str, Any]:
+    return {
+        **{f: getattr(meta, f) for f in _META_COLUMNS},
+        **env_columns(meta.environment),
+        "candidates": [c.model_dump() for c in meta.candidates],
+        "job_id": job_id,
+        "created_at": now,
+    }
+
+
+def row_to_record(row: Row[Any]) -> PlanRecord:
+    m = row._mapping
+    return PlanRecord(
+        **{f: m[f] for f in _META_COLUMNS},
+        environment=env_from_row(m),
+        candidates=[Candidate.model_validate(c) for c in m["candidates"]],
+        env_id=m["env_id"],
+        job_id=m["job_id"],
+        created_at=m["created_at"],
+    )
+
+
+class Plans(Misses):
+    """Plan records; resolving records misses, hence the base class."""
+
+    db: Database
+
+    def publish_plan(self, meta: PlanMeta, blob: bytes, *, job_id: int | None = None, worker_id: str | None = None,
+                     lease_token: int | None = None, replace: bool = False) -> PlanRecord:
+        """Store a plan in one transaction: the blob if absent, the record, and (with ``job_id``) the job's success.
+
+        Raises :class:`errors.IntegrityError` (digest/size), :class:`errors.NotFound` (no spec),
+        :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
+        :class:`errors.LeaseLost` (``worker_id``/``lease_token`` no longer hold job ``job_id``).
+        Publishing the same blob again returns the stored record unchanged.
+        """
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != meta.blob_sha256:
+            raise errors.IntegrityError(f"blob sha256 is {digest}, the record declares {meta.blob_sha256}")
+        if len(blob) != meta.blob_size:
+            raise errors.IntegrityError(f"blob is {len(blob)} bytes, the record declares {meta.blob_size}")
+        env = meta.environment
+        now = self.db.now()
+        values = _record_values(meta, job_id, now)
+        with self.db.write() as conn:
+            if job_id is not None:
+                complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now)
+            if not spec_exists(conn, meta.graph_key):
+                raise errors.NotFound(f"no spec stored for graph key {meta.graph_key}; upload it with the plan")
+            insert_blob(conn, blob, digest, now)
+            row = conn.execute(
+                upsert_insert(conn, plans).values(**values)
+                .on_conflict_do_nothing(index_elements=["graph_key", "env_id"])
+                .returning(*plans.c)
+            ).first()
+            if row is None:
+                row = conn.execute(
+                    sa.select(plans).where(plans.c.graph_key == meta.graph_key, *same_env(plans, env)).with_for_update()
+                ).one()
+                if row.blob_sha256 != digest:
+                    if not replace:
+                        raise errors.Conflict(
+                            f"a different plan (blob {row.blob_sha256}) is stored for graph key {meta.graph_key} "
+                            f"on {env.describe()}; pass replace to overwrite it"
+                        )
+                    row = conn.execute(
+                        sa.update(plans).where(plans.c.id == row.id).values(**values).returning(*plans.c)
+                    ).one()
+        return row_to_record(row)
+
+    def get_plan(self, graph_key: str, env: Environment) -> PlanRecord | None:
+        """The record for ``graph_key`` on exactly this environment's validity fields."""
+        with self.db.read() as conn:
+            row = conn.execute(sa.select(plans).where(plans.c.graph_key == graph_key, *same_env(plans, env))).first()
+        return None if row is None else row_to_record(row)
+
+    def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool
+                ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:
+        """Records (and blobs) for the keys that have a plan on ``env``, and the missing keys (in input
+        order, once each), for which a miss is recorded. One query, plus one write when keys are missing."""
+        keys = list(dict.fromkeys(graph_keys))
+        found: dict[str, tuple[PlanRecord, bytes | None]] = {}
+        if keys:
+            cols: list[Any] = [plans, blobs.c.data] if include_blobs else [plans]
+            q = sa.select(*cols).where(plans.c.graph_key.in_(keys), *same_env(plans, env))
+            if include_blobs:
+                q = q.join(blobs, blobs.c.sha256 == plans.c.blob_sha256)
+            with self.db.read() as conn:
+                for row in conn.execute(q):
+                    found[row.graph_key] = (row_to_record(row), bytes(row.data) if include_blobs else None)
+        missing = [k for k in keys if k not in found]
+        if missing:
+            self.record_misses(env, missing)
+        return found, missing
+
+    def list_plans(self, *, env_id: str | None = None, graph_key: str | None = None,
+                   limit: int = 100, offset: int = 0) -> list[PlanRecord]:
+        """Records, newest first."""
+        check_page(limit, offset)
+        q = sa.select(plans).order_by(plans.c.created_at.desc(), plans.c.id.desc()).limit(limit).offset(offset)
+        if env_id is not None:
+            q = q.where(plans.c.env_id == env_id)
+        if graph_key is not None:
+            q = q.where(plans.c.graph_key == graph_key)
+        with self.db.read() as conn:
+            return [row_to_record(r) for r in conn.execute(q)]
