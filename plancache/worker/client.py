@@ -1,6 +1,6 @@
 """HTTP calls of the job protocol and plan upload, with capped exponential backoff and jitter.
 
-Transient failures (connection refused or reset, timeouts, 502/503/504, 429) are retried
+Transient failures (connection refused or reset, timeouts, 429 and 500/502/503/504) are retried
 for as long as the caller allows; a 4xx answer is raised as the matching
 :class:`~plancache.errors.PlanCacheError` (``409 lease_lost`` → :class:`LeaseLost`).
 """
@@ -45,7 +45,7 @@ from ..protocol import (
 
 log = logging.getLogger("plancache.worker")
 
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _BY_CODE: dict[str, type[PlanCacheError]] = {
     cls.code: cls
     for cls in (SpecError, NotFound, Conflict, IntegrityError, LeaseLost, Unauthorized, Forbidden, PayloadTooLarge,

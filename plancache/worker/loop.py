@@ -165,8 +165,10 @@ class Worker:
         try:
             entry = self._tune_job(claim, lease, beat, stop)
             if entry is not None:
-                path = self.spool.save(entry)
-                log.info("job %d: result spooled at %s", job.id, path)
+                try:
+                    log.info("job %d: result spooled at %s", job.id, self.spool.save(entry))
+                except OSError as exc:
+                    log.error("job %d: could not spool the result (%s); delivering it unspooled", job.id, exc)
                 self._deliver(entry)
         finally:
             beat.halt()
