@@ -221,5 +221,5 @@ class Jobs:
     def job_counts(self) -> dict[str, int]:
         """Number of jobs in each status (every status present, zeros included)."""
         with self.db.read() as conn:
-            counts = dict(conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).tuples().all())
+            counts = dict(conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all())
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}

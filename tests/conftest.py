@@ -1,0 +1,157 @@
+"""Shared fixtures for store and server tests.
+
+- ``db_url``: a fresh, migrated-nothing database URL, parametrized over ``sqlite`` (a file in
+  ``tmp_path``) and ``postgres`` (a uniquely named database created through the admin URL in
+  ``PLANCACHE_TEST_POSTGRES_URL`` and dropped afterwards). Without a reachable Postgres the
+  postgres case is skipped, or fails when the environment variable ``CI`` is set.
+- ``clock``: a :class:`FakeClock` (starts at the real current time, moves only when told).
+- ``store``: ``open_store(db_url, create=True, clock=clock)``, closed afterwards.
+- ``gpu_env``: an H200-like :class:`~plancache.environment.Environment`.
+- ``make_spec(i)``: a small valid spec dict, distinct for each ``i``, and its graph key.
+- ``make_plan(graph_key, env, blob=…, worker_id=…)``: a :class:`~plancache.protocol.PlanMeta`
+  consistent with ``blob`` (digest and size), and the blob.
+
+Tests that need both databases take ``db_url`` or ``store``; ``-m "not postgres"`` runs SQLite only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+DEFAULT_POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+class FakeClock:
+    """A settable clock for the store: ``clock()`` is now; ``clock.advance(seconds)`` moves it."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.now = start or datetime.now(timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    """The admin URL of a reachable Postgres (skip, or fail under CI, when there is none)."""
+    import sqlalchemy as sa
+
+    from plancache.store.db import normalize_url
+
+    url = normalize_url(os.environ.get("PLANCACHE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_ADMIN_URL))
+    engine = sa.create_engine(url, connect_args={"connect_timeout": 5})
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except sa.exc.OperationalError as exc:
+        message = f"PostgreSQL at {url.render_as_string(hide_password=True)} is unreachable: {exc.orig}"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI is set: Postgres is required)")
+        pytest.skip(message)
+    finally:
+        engine.dispose()
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty Postgres database, dropped (connections terminated) after the test."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    name = f"plancache_test_{uuid.uuid4().hex[:16]}"
+    admin = sa.create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        yield make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    """An empty database: a SQLite file under ``tmp_path``, or a fresh Postgres database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'plancache.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(db_url: str, clock: FakeClock) -> Iterator[Any]:
+    """A migrated :class:`plancache.store.Store` on ``db_url`` whose time is ``clock``."""
+    from plancache.store import open_store
+
+    s = open_store(db_url, create=True, clock=clock)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def gpu_env() -> Any:
+    from plancache.environment import Environment
+
+    return Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
+                       device_name="NVIDIA H200", cuda_runtime="13.0", torch_version="2.11.0")
+
+
+def _spec(i: int) -> dict[str, Any]:
+    from plancache.spec import SpecBuilder
+
+    b = SpecBuilder(io_data_type="bfloat16", name=f"matmul_relu_{i}")
+    a = b.tensor("A", dim=[1, 16 + i, 64])
+    w = b.tensor("B", dim=[1, 64, 32])
+    b.relu(b.matmul(a, w)).set_output(True).set_name("Y")
+    return b.build().to_json()
+
+
+@pytest.fixture
+def make_spec() -> Callable[[int], tuple[str, dict[str, Any]]]:
+    """``make_spec(i) -> (graph_key, spec_dict)``: a valid matmul+relu spec, different for each ``i >= 0``."""
+    from plancache.spec import graph_key
+
+    def make(i: int = 0) -> tuple[str, dict[str, Any]]:
+        spec = _spec(i)
+        return graph_key(spec), spec
+
+    return make
+
+
+@pytest.fixture
+def make_plan() -> Callable[..., tuple[Any, bytes]]:
+    """``make_plan(graph_key, env, blob=b"…", worker_id="w1", **overrides) -> (PlanMeta, blob)``."""
+    from plancache.protocol import Candidate, PlanMeta
+
+    def make(graph_key: str, env: Any, blob: bytes = b"serialized-plan", worker_id: str = "w1",
+             **overrides: Any) -> tuple[PlanMeta, bytes]:
+        fields: dict[str, Any] = dict(
+            graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(), blob_size=len(blob),
+            signature="c2ln", signer_key_id="0123456789abcdef", engine_id=7, knobs={"tile": 2, "stages": 3},
+            plan_name="eng7_k2=2", workspace_bytes=1024, winner_median_ms=0.05, heuristic_median_ms=0.08,
+            worst_median_ms=1.5, tuning_seconds=2.5, worker_id=worker_id,
+            candidates=[Candidate(index=0, engine_id=7, knobs={"tile": 2}, median_ms=0.05, status="ok"),
+                        Candidate(index=1, engine_id=9, status="build_failed", error="unsupported")],
+        )
+        fields.update(overrides)
+        return PlanMeta(**fields), blob
+
+    return make

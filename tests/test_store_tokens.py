@@ -1,0 +1,55 @@
+"""API tokens, on SQLite and Postgres."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import sqlalchemy as sa
+
+from plancache import errors
+from plancache.store import TokenInfo
+from plancache.store.models import api_tokens
+
+
+def test_create_and_authenticate(store, clock):
+    plaintext, info = store.create_token("ci-worker", "worker")
+    assert isinstance(info, TokenInfo) and info.name == "ci-worker" and info.role == "worker"
+    assert not info.revoked and info.created_at == clock.now
+    assert store.authenticate(plaintext) == info
+    assert store.authenticate(plaintext + "x") is None and store.authenticate("") is None
+    with store.engine.connect() as conn:
+        stored = conn.execute(sa.select(api_tokens.c.token_hash)).scalar_one()
+    assert stored == hashlib.sha256(plaintext.encode()).hexdigest() and plaintext not in stored
+
+
+def test_tokens_are_distinct_and_names_unique_among_live_ones(store):
+    a, _ = store.create_token("reader-1", "reader")
+    b, _ = store.create_token("admin-1", "admin")
+    assert a != b and len(a) > 40
+    with pytest.raises(errors.Conflict):
+        store.create_token("reader-1", "reader")
+    store.revoke_token("reader-1")
+    c, info = store.create_token("reader-1", "worker")
+    assert store.authenticate(c) == info and store.authenticate(a) is None
+
+
+def test_revoke_by_name_or_id(store):
+    t1, i1 = store.create_token("one", "reader")
+    t2, i2 = store.create_token("two", "admin")
+    assert store.revoke_token("one").revoked
+    assert store.revoke_token(i2.id).revoked and store.revoke_token(str(i2.id)).revoked
+    assert store.authenticate(t1) is None and store.authenticate(t2) is None
+    with pytest.raises(errors.NotFound):
+        store.revoke_token("one")  # no live token of that name is left
+    with pytest.raises(errors.NotFound):
+        store.revoke_token(9999)
+    assert [(t.name, t.revoked) for t in store.list_tokens()] == [("one", True), ("two", True)]
+
+
+def test_bad_role_and_name_are_refused(store):
+    with pytest.raises(ValueError, match="role"):
+        store.create_token("x", "root")
+    for bad in ("", " padded ", "n" * 200):
+        with pytest.raises(ValueError, match="name"):
+            store.create_token(bad, "reader")
