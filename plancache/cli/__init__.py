@@ -14,6 +14,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="plancache: a
 _COMMAND_MODULES = [
     "plancache.cli.spec_cmds",
     "plancache.cli.worker_cmds",
+    "plancache.cli.db_cmds",
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,8 +17,6 @@ from ..errors import PlanCacheError
 
 Clock = Callable[[], datetime]
 
-#: Where the Alembic environment lives: the top-level ``migrations/`` folder next to the package.
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Any constant: serialises concurrent ``upgrade()`` calls against one Postgres database.
 _PG_MIGRATION_LOCK = 0x706C616E
@@ -28,6 +27,16 @@ class SchemaNotReady(PlanCacheError):
 
     code = "schema_not_ready"
     http_status = 503
+
+
+def migrations_dir() -> Path:
+    """The Alembic environment: ``migrations/`` of a checkout (editable install), else the copy a wheel
+    installs under ``<prefix>/share/plancache/migrations``."""
+    candidates = (Path(__file__).resolve().parents[2] / "migrations", Path(sys.prefix) / "share" / "plancache" / "migrations")
+    for candidate in candidates:
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise SchemaNotReady(f"the plancache migrations are not installed (looked in {', '.join(map(str, candidates))})")
 
 
 def utcnow() -> datetime:
@@ -121,7 +130,7 @@ class Database:
         from alembic.config import Config
 
         cfg = Config()
-        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+        cfg.set_main_option("script_location", str(migrations_dir()))
         cfg.set_main_option("sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%"))
         cfg.attributes["connection"] = conn
         return cfg

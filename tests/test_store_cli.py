@@ -1,0 +1,62 @@
+"""``plancache db|token|plans`` commands against a real database (SQLite and Postgres)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from plancache.cli import db_cmds
+from plancache.store import open_store
+
+
+@pytest.fixture
+def cli():
+    app = typer.Typer()
+    db_cmds.register(app)
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0):
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, (result.stdout, result.stderr)
+        return result
+
+    return run
+
+
+def test_commands_need_an_upgraded_database(cli, tmp_path):
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    result = cli("token", "list", "--database-url", url, code=1)
+    assert "plancache db upgrade" in result.stderr
+    assert "(head)" in cli("db", "upgrade", "--database-url", url).stdout
+
+
+def test_token_lifecycle(cli, db_url):
+    cli("db", "upgrade", "--database-url", db_url)
+    created = cli("token", "create", "--role", "worker", "--name", "gpu-pool", "--database-url", db_url)
+    plaintext = created.stdout.strip()
+    assert "shown only now" in created.stderr and plaintext.startswith("pct_")
+    with open_store(db_url) as store:
+        assert store.authenticate(plaintext).role == "worker"
+    assert "exists" in cli("token", "create", "--role", "admin", "--name", "gpu-pool", "--database-url", db_url, code=1).stderr
+    cli("token", "create", "--role", "root", "--name", "x", "--database-url", db_url, code=2)
+    listing = cli("token", "list", "--database-url", db_url).stdout
+    assert "gpu-pool" in listing and "live" in listing and plaintext not in listing
+    assert "revoked worker token 'gpu-pool'" in cli("token", "revoke", "gpu-pool", "--database-url", db_url).stdout
+    assert "no live token" in cli("token", "revoke", "gpu-pool", "--database-url", db_url, code=1).stderr
+    assert "revoked" in cli("token", "list", "--database-url", db_url).stdout
+    with open_store(db_url) as store:
+        assert store.authenticate(plaintext) is None
+
+
+def test_plans_list(cli, store, db_url, make_spec, make_plan, gpu_env):
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    record = store.publish_plan(*make_plan(key, gpu_env))
+    table = cli("plans", "list", "--database-url", db_url).stdout
+    assert key[:16] in table and "NVIDIA H200" in table
+    lines = cli("plans", "list", "--json", "--env-id", gpu_env.env_id, "--database-url", db_url).stdout.splitlines()
+    assert [json.loads(line)["graph_key"] for line in lines] == [record.graph_key]
+    assert cli("plans", "list", "--json", "--graph-key", "0" * 64, "--database-url", db_url).stdout == ""
