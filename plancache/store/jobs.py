@@ -23,7 +23,7 @@ from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import Job, JobStatus, TargetEnvironment
 from .content import spec_exists
 from .db import Database, check_page, upsert_insert
-from .models import ACTIVE_JOB_STATUSES, jobs
+from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
@@ -95,8 +95,38 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
     )
 
 
-def _env_match(table: Any, env: Environment) -> list[Any]:
-    return [sa.or_(table.c[f].is_(None), table.c[f] == getattr(env, f)) for f in VALIDITY_FIELDS]
+def _claim_statements() -> tuple[Any, Any]:
+    """The two statements of a claim, built once (bound parameters: now, expires, worker, env_<field>)."""
+    cand = jobs.alias("candidate")
+    now = sa.bindparam("now", type_=UTCDateTime)
+    expired = sa.and_(cand.c.status == "running", cand.c.lease_expires_at < now)
+    exhausted = sa.select(cand.c.id).where(expired, cand.c.attempts >= cand.c.max_attempts).with_for_update(skip_locked=True)
+    fail_exhausted = (
+        sa.update(jobs).where(jobs.c.id.in_(exhausted))
+        .values(status="failed", lease_expires_at=None, updated_at=now, finished_at=now,
+                error=sa.literal("lease expired after ") + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
+    )
+    env_match = [sa.or_(cand.c[f].is_(None), cand.c[f] == sa.bindparam(f"env_{f}", type_=cand.c[f].type))
+                 for f in VALIDITY_FIELDS]
+    best = (
+        sa.select(cand.c.id)
+        .where(*env_match, sa.or_(cand.c.status == "queued", sa.and_(expired, cand.c.attempts < cand.c.max_attempts)))
+        .order_by(cand.c.priority.desc(), cand.c.id.asc())
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    claim = (
+        sa.update(jobs).where(jobs.c.id == best)
+        .values(status="running", attempts=jobs.c.attempts + 1, fencing_token=jobs.c.fencing_token + 1,
+                lease_owner=sa.bindparam("worker", type_=jobs.c.lease_owner.type),
+                lease_expires_at=sa.bindparam("expires", type_=UTCDateTime), updated_at=now)
+        .returning(*jobs.c)
+    )
+    return fail_exhausted, claim
+
+
+_FAIL_EXHAUSTED, _CLAIM = _claim_statements()
 
 
 class Jobs:
@@ -139,35 +169,11 @@ class Jobs:
         Running jobs whose lease expired are taken over; those with no attempts left end ``failed``.
         """
         now = self.db.now()
-        expires = _lease(lease_seconds, now)
-        cand = jobs.alias("candidate")
-        expired = sa.and_(cand.c.status == "running", cand.c.lease_expires_at < now)
+        params = {"now": now, "expires": _lease(lease_seconds, now), "worker": worker_id,
+                  **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
         with self.db.write() as conn:
-            exhausted = (
-                sa.select(cand.c.id)
-                .where(expired, cand.c.attempts >= cand.c.max_attempts)
-                .with_for_update(skip_locked=True)
-            )
-            conn.execute(
-                sa.update(jobs).where(jobs.c.id.in_(exhausted))
-                .values(status="failed", lease_expires_at=None, updated_at=now, finished_at=now,
-                        error=sa.literal("lease expired after ") + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
-            )
-            best = (
-                sa.select(cand.c.id)
-                .where(*_env_match(cand, env),
-                       sa.or_(cand.c.status == "queued", sa.and_(expired, cand.c.attempts < cand.c.max_attempts)))
-                .order_by(cand.c.priority.desc(), cand.c.id.asc())
-                .limit(1)
-                .with_for_update(skip_locked=True)
-                .scalar_subquery()
-            )
-            row = conn.execute(
-                sa.update(jobs).where(jobs.c.id == best)
-                .values(status="running", attempts=jobs.c.attempts + 1, fencing_token=jobs.c.fencing_token + 1,
-                        lease_owner=worker_id, lease_expires_at=expires, updated_at=now)
-                .returning(*jobs.c)
-            ).first()
+            conn.execute(_FAIL_EXHAUSTED, params)
+            row = conn.execute(_CLAIM, params).first()
         return None if row is None else row_to_job(row)
 
     def heartbeat(self, job_id: int, worker_id: str, lease_token: int, *, lease_seconds: float) -> Job:
