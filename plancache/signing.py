@@ -54,8 +54,11 @@ class Signer:
 
     def sign(self, meta: PlanMeta) -> PlanMeta:
         """Return ``meta`` with ``signature`` and ``signer_key_id`` set."""
-        sig = self.private_key.sign(statement(meta))
-        return meta.model_copy(update={"signature": base64.b64encode(sig).decode(), "signer_key_id": self.key_id})
+        return meta.model_copy(update={"signature": self.sign_bytes(statement(meta)), "signer_key_id": self.key_id})
+
+    def sign_bytes(self, message: bytes) -> str:
+        """The base64 ed25519 signature of ``message`` (for documents other than plan statements)."""
+        return base64.b64encode(self.private_key.sign(message)).decode()
 
     @classmethod
     def from_file(cls, path: Path | str) -> "Signer":
@@ -112,15 +115,19 @@ class TrustedKeys:
 
     def verify(self, meta: PlanMeta) -> None:
         """Raise :class:`SignatureError` unless ``meta`` carries a valid signature by a trusted key."""
-        if not meta.signature or not meta.signer_key_id:
-            raise SignatureError(f"plan {meta.graph_key[:12]} is unsigned", reason="unsigned")
-        key = self._keys.get(meta.signer_key_id)
+        self.verify_bytes(statement(meta), meta.signature, meta.signer_key_id, what=f"plan {meta.graph_key[:12]}")
+
+    def verify_bytes(self, message: bytes, signature: str | None, signer_key_id: str | None, *, what: str) -> None:
+        """Raise :class:`SignatureError` (naming ``what``) unless ``signature`` is a trusted key's signature of ``message``."""
+        if not signature or not signer_key_id:
+            raise SignatureError(f"{what} is unsigned", reason="unsigned")
+        key = self._keys.get(signer_key_id)
         if key is None:
-            raise SignatureError(f"plan {meta.graph_key[:12]} signed by unknown key {meta.signer_key_id}", reason="unknown_signer")
+            raise SignatureError(f"{what} signed by unknown key {signer_key_id}", reason="unknown_signer")
         try:
-            key.verify(base64.b64decode(meta.signature, validate=True), statement(meta))
+            key.verify(base64.b64decode(signature, validate=True), message)
         except (InvalidSignature, ValueError) as exc:
-            raise SignatureError(f"plan {meta.graph_key[:12]}: signature does not verify", reason="bad_signature") from exc
+            raise SignatureError(f"{what}: signature does not verify", reason="bad_signature") from exc
 
 
 def keygen(directory: Path | str, name: str = "plancache") -> tuple[Path, Path, str]:

@@ -15,6 +15,7 @@ _COMMAND_MODULES = [
     "plancache.cli.spec_cmds",
     "plancache.cli.worker_cmds",
     "plancache.cli.db_cmds",
+    "plancache.cli.bundle_cmds",
 ]
 
 

@@ -1,0 +1,108 @@
+"""Retention: drop plan records of environments no longer in use, then blobs that no record references.
+
+:func:`gc` runs two steps, one transaction each:
+
+1. with ``keep_env_ids``, delete the plan records whose environment is not among them;
+2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago.
+
+A blob still referenced is never deleted: the DELETE itself re-checks that no record points at the
+blob, and the foreign key from ``plans.blob_sha256`` to ``blobs`` makes the database refuse the
+deletion of a blob a concurrent publish has just pointed a record at (the step is then retried).
+The grace period keeps a blob stored moments ago by an upload whose record is still on its way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from .models import blobs, plans
+
+if TYPE_CHECKING:
+    from . import Store
+
+#: Attempts at the blob step when concurrent publishes keep referencing candidates (FK refusals).
+_BLOB_STEP_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :func:`gc` deleted (or, with ``dry_run``, would delete)."""
+
+    dry_run: bool
+    records_deleted: int
+    records_by_env: dict[str, int] = field(default_factory=dict)
+    blobs_deleted: int = 0
+    blob_bytes_freed: int = 0
+
+
+def _check_keep(store: "Store", keep_env_ids: set[str]) -> None:
+    """Refuse an empty keep set (it would delete every record) and ids that no record has (a typo would too)."""
+    if not keep_env_ids:
+        raise ValueError("keep_env_ids is empty: that would delete every plan record (pass None to keep them all)")
+    with store.db.read() as conn:
+        known = set(conn.execute(sa.select(plans.c.env_id).where(plans.c.env_id.in_(keep_env_ids)).distinct()).scalars())
+    unknown = sorted(keep_env_ids - known)
+    if unknown:
+        raise ValueError(f"no plan records have environment id {', '.join(unknown)}: refusing to treat every other "
+                         "environment as unused (check the ids with `plancache plans list`)")
+
+
+def _unreferenced(cutoff: Any, surviving_records: Any = None) -> list[Any]:
+    """WHERE clauses on ``blobs``: older than ``cutoff`` and referenced by no (surviving) record."""
+    referenced = sa.exists().where(plans.c.blob_sha256 == blobs.c.sha256)
+    if surviving_records is not None:
+        referenced = referenced.where(surviving_records)
+    return [blobs.c.created_at < cutoff, ~referenced]
+
+
+def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None, dry_run: bool = False) -> GcReport:
+    """Delete records of environments outside ``keep_env_ids`` (when given), then blobs no record references
+    that are older than ``grace``. With ``dry_run`` nothing is deleted and the report says what would be."""
+    if grace < timedelta(0):
+        raise ValueError(f"the grace period cannot be negative ({grace})")
+    if keep_env_ids is not None:
+        _check_keep(store, keep_env_ids)
+    doomed_records = None if keep_env_ids is None else plans.c.env_id.not_in(keep_env_ids)
+    by_env: dict[str, int] = {}
+    if doomed_records is not None:
+        if dry_run:
+            with store.db.read() as conn:
+                count_by_env = sa.select(plans.c.env_id, sa.func.count()).where(doomed_records).group_by(plans.c.env_id)
+                by_env = dict(conn.execute(count_by_env).tuples().all())
+        else:
+            with store.db.write() as conn:
+                for env_id in conn.execute(sa.delete(plans).where(doomed_records).returning(plans.c.env_id)).scalars():
+                    by_env[env_id] = by_env.get(env_id, 0) + 1
+    cutoff = store.db.now() - grace
+    if dry_run:
+        surviving = None if doomed_records is None else sa.not_(doomed_records)
+        with store.db.read() as conn:
+            n, size = conn.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(blobs.c.size), 0))
+                .where(*_unreferenced(cutoff, surviving))
+            ).one()
+    else:
+        n, size = _delete_blobs(store, cutoff)
+    return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,
+                    blobs_deleted=int(n), blob_bytes_freed=int(size))
+
+
+def _delete_blobs(store: "Store", cutoff: Any) -> tuple[int, int]:
+    """Delete unreferenced blobs older than ``cutoff`` in one transaction; the count and bytes freed."""
+    stmt = sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.size)
+    attempt = 1
+    while True:
+        try:
+            with store.db.write() as conn:
+                sizes = list(conn.execute(stmt).scalars())
+            return len(sizes), sum(sizes)
+        except sa.exc.IntegrityError:
+            # A publish pointed a record at a candidate between the check and the delete: the foreign key
+            # refused, the transaction rolled back; the next attempt sees that record and keeps the blob.
+            if attempt == _BLOB_STEP_ATTEMPTS:
+                raise
+            attempt += 1
