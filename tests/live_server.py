@@ -1,0 +1,113 @@
+"""A real plancache server for tests: uvicorn on 127.0.0.1 in a background thread, SQLite under ``tmp_path``.
+
+::
+
+    with LiveServer(tmp_path) as srv:
+        httpx.get(f"{srv.url}/healthz")
+        token = srv.token("reader")          # created once per role through the store
+        srv.store.put_spec(key, spec)        # seed directly
+        srv.delay = 2.0                      # every request now waits 2 s before it is handled
+        srv.stop(); srv.start()              # down and back up on the same port
+
+The helper owns the store (opened and migrated on construction, closed on exit), so it
+survives :meth:`LiveServer.stop`/:meth:`LiveServer.start`; a stopped server refuses connections.
+Extra keyword arguments become :class:`~plancache.settings.Settings` fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from plancache.protocol import Role
+from plancache.server import create_app
+from plancache.settings import Settings
+from plancache.store import open_store
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """See the module docstring. ``delay`` (seconds, default 0) is slept before each HTTP request."""
+
+    def __init__(self, tmp_path: Path, *, admin_token: str = "admin-test-token", open_reads: bool = False,
+                 lease_seconds: float = 120.0, start_timeout: float = 20.0, **settings: Any) -> None:
+        self.settings = Settings(database_url=f"sqlite:///{Path(tmp_path) / 'srv.db'}", admin_token=admin_token,
+                                 open_reads=open_reads, lease_seconds=lease_seconds, **settings)
+        self.admin_token = admin_token
+        self.store = open_store(self.settings.database_url, create=True)
+        self.app = create_app(self.settings, store=self.store)
+        self.delay = 0.0
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start_timeout = start_timeout
+        self._tokens: dict[str, str] = {}
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    async def _asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.delay > 0:
+            await asyncio.sleep(self.delay)
+        await self.app(scope, receive, send)
+
+    def start(self) -> None:
+        """Serve on :attr:`port` and return once ``/healthz`` answers."""
+        if self._thread is not None:
+            raise RuntimeError("the server is already running")
+        config = uvicorn.Config(self._asgi, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+                                lifespan="on", interface="asgi3", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)  # signal handlers are only installed on the main thread
+        self._thread = threading.Thread(target=self._server.run, name=f"live-server-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                self._thread = None
+                raise RuntimeError(f"the server on port {self.port} exited during start-up")
+            if self._server.started:
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"the server on port {self.port} did not answer /healthz within {self.start_timeout} s")
+
+    def stop(self) -> None:
+        """Shut the server down (in-flight requests get about a second); the port then refuses connections."""
+        if self._thread is None or self._server is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the server on port {self.port} did not stop")
+        self._thread = None
+        self._server = None
+
+    def token(self, role: Role) -> str:
+        """A bearer token of ``role`` (created through the store on first use, then reused)."""
+        if role not in self._tokens:
+            self._tokens[role], _ = self.store.create_token(f"test-{role}", role)
+        return self._tokens[role]
+
+    def __enter__(self) -> "LiveServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self.store.close()
