@@ -237,3 +237,21 @@ def test_concurrent_claimers_claim_every_job_exactly_once(store, make_spec, gpu_
     assert len(per_job) == n_jobs and set(per_job.values()) == {1}
     assert store.job_counts()["running"] == n_jobs
     assert len({w for w, _ in claims}) > 1  # the claimers really ran concurrently
+
+
+def test_out_of_range_values_are_refused_clearly(store, key, gpu_env):
+    from plancache.store.db import InvalidValue
+
+    with pytest.raises(InvalidValue, match="priority"):
+        store.enqueue(key, ANY, priority=2**40)
+    with pytest.raises(InvalidValue, match="cudnn_version"):
+        store.enqueue(key, TargetEnvironment(cudnn_version=10**12))
+    with pytest.raises(InvalidValue, match="driver_version"):
+        store.claim(gpu_env.model_copy(update={"driver_version": 10**30}), "w", lease_seconds=10)
+    with pytest.raises(InvalidValue, match="limit"):
+        store.list_jobs(limit=-1)
+    for job_id in (0, -1, 10**30):
+        with pytest.raises(errors.NotFound):
+            store.get_job(job_id)
+        with pytest.raises(errors.NotFound):
+            store.heartbeat(job_id, "w", 1, lease_seconds=10)

@@ -229,3 +229,22 @@ def test_list_plans_filters_and_pages(store, make_spec, gpu_env, make_plan, cloc
     assert store.list_plans(limit=1, offset=1) == [published[1]]
     with pytest.raises(ValueError):
         store.list_plans(limit=-1)
+
+
+def test_non_finite_candidate_figures_are_stored_as_null(store, key, gpu_env, make_plan):
+    from plancache.protocol import Candidate
+
+    bad = Candidate(index=0, engine_id=1, status="mismatch", max_abs_err=float("nan"), median_ms=float("inf"))
+    record = store.publish_plan(*make_plan(key, gpu_env, candidates=[bad]))
+    assert record.candidates[0].max_abs_err is None and record.candidates[0].median_ms is None
+    assert store.get_plan(key, gpu_env) == record
+
+
+def test_out_of_range_plan_fields_are_refused_clearly(store, key, gpu_env, make_plan):
+    from plancache.store.db import InvalidValue
+
+    with pytest.raises(InvalidValue, match="engine_id"):
+        store.publish_plan(*make_plan(key, gpu_env, engine_id=2**64))
+    with pytest.raises(InvalidValue, match="cudnn_version"):
+        store.resolve(gpu_env.model_copy(update={"cudnn_version": 2**40}), [key], include_blobs=False)
+    assert _rows(store, plans) == 0 and store.list_misses() == []

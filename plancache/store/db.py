@@ -22,6 +22,25 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 _PG_MIGRATION_LOCK = 0x706C616E
 
 
+class InvalidValue(PlanCacheError, ValueError):
+    """An argument the store cannot take (out of a column's range, negative page, unknown status…)."""
+
+    code = "invalid_value"
+    http_status = 422
+
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def check_int(name: str, value: int, maximum: int = INT32_MAX, minimum: int | None = None) -> int:
+    """``value`` if it fits the column (``minimum`` defaults to ``-maximum - 1``), else :class:`InvalidValue`."""
+    low = -maximum - 1 if minimum is None else minimum
+    if not low <= value <= maximum:
+        raise InvalidValue(f"{name} = {value} is out of range [{low}, {maximum}]")
+    return value
+
+
 class SchemaNotReady(PlanCacheError):
     """The database has no schema, or not the one this version of plancache needs."""
 
@@ -129,7 +148,7 @@ class Database:
         """An Alembic config for this database, independent of the working directory."""
         from alembic.config import Config
 
-        cfg = Config()
+        cfg = Config(stdout=sys.stdout)  # explicitly: Alembic's default is the sys.stdout of its import time
         cfg.set_main_option("script_location", str(migrations_dir()))
         cfg.set_main_option("sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%"))
         cfg.attributes["connection"] = conn
@@ -184,5 +203,5 @@ class Database:
 
 def check_page(limit: int, offset: int = 0) -> None:
     """Refuse a negative page; an explicit message beats a database error."""
-    if limit < 0 or offset < 0:
-        raise ValueError(f"limit and offset must be non-negative (got limit={limit}, offset={offset})")
+    check_int("limit", limit, INT64_MAX, 0)
+    check_int("offset", offset, INT64_MAX, 0)

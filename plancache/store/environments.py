@@ -8,10 +8,21 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
+from .db import check_int
+
+_INT_FIELDS = ("sm", "sm_count", "cudnn_version", "driver_version")
+
+
+def check_validity(fields: Mapping[str, Any]) -> None:
+    """Refuse integer validity fields (of an environment or a target) that no column can hold."""
+    for f in _INT_FIELDS:
+        if fields.get(f) is not None:
+            check_int(f, fields[f])
 
 
 def env_columns(env: Environment) -> dict[str, Any]:
     """Column values of an environment: env_id, validity and info fields."""
+    check_validity(env.validity())
     return {"env_id": env.env_id, **env.model_dump(include=set(VALIDITY_FIELDS) | set(INFO_FIELDS))}
 
 
@@ -21,4 +32,5 @@ def env_from_row(m: Mapping[str, Any]) -> Environment:
 
 def same_env(table: sa.Table, env: Environment) -> list[Any]:
     """WHERE clauses for an exact match on the validity fields (env_id is their digest, indexed)."""
+    check_validity(env.validity())
     return [table.c.env_id == env.env_id, *(table.c[f] == getattr(env, f) for f in VALIDITY_FIELDS)]

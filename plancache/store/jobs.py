@@ -22,7 +22,8 @@ from .. import errors
 from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import Job, JobStatus, TargetEnvironment
 from .content import spec_exists
-from .db import Database, check_page, upsert_insert
+from .db import INT64_MAX, Database, InvalidValue, check_int, check_page, upsert_insert
+from .environments import check_validity
 from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
@@ -56,7 +57,7 @@ def row_to_job(row: Row[Any]) -> Job:
 
 def _lease(lease_seconds: float, now: datetime) -> datetime:
     if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds > 0):
-        raise ValueError(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
+        raise InvalidValue(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
     return now + timedelta(seconds=lease_seconds)
 
 
@@ -65,7 +66,8 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
 
     A lease that expired but was not taken over by another claim is still held.
     """
-    row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
+    row = None if not 0 < job_id <= INT64_MAX else conn.execute(
+        sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
     if row is None:
         raise errors.NotFound(f"no job {job_id}")
     if worker_id is None or lease_token is None:
@@ -137,9 +139,9 @@ class Jobs:
                 max_attempts: int | None = None) -> tuple[Job, bool]:
         """Queue a tuning job; a queued or running job for the same key and target is returned instead
         (``False``). The spec must be stored (:class:`errors.NotFound`)."""
-        attempts_allowed = self.job_max_attempts if max_attempts is None else max_attempts
-        if attempts_allowed < 1:
-            raise ValueError(f"max_attempts must be at least 1, not {attempts_allowed}")
+        attempts_allowed = check_int("max_attempts", self.job_max_attempts if max_attempts is None else max_attempts, minimum=1)
+        check_int("priority", priority)
+        check_validity(target.model_dump())
         key = target_key(target)
         active = sa.select(jobs).where(jobs.c.graph_key == graph_key, jobs.c.target_key == key,
                                        jobs.c.status.in_(ACTIVE_JOB_STATUSES))
@@ -168,6 +170,7 @@ class Jobs:
 
         Running jobs whose lease expired are taken over; those with no attempts left end ``failed``.
         """
+        check_validity(env.validity())
         now = self.db.now()
         params = {"now": now, "expires": _lease(lease_seconds, now), "worker": worker_id,
                   **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
@@ -205,7 +208,7 @@ class Jobs:
 
     def get_job(self, job_id: int) -> Job:
         with self.db.read() as conn:
-            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            row = None if not 0 < job_id <= INT64_MAX else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
         if row is None:
             raise errors.NotFound(f"no job {job_id}")
         return row_to_job(row)
@@ -215,7 +218,7 @@ class Jobs:
         """Jobs, newest first."""
         check_page(limit, offset)
         if status is not None and status not in JOB_STATUSES:
-            raise ValueError(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
+            raise InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
         q = sa.select(jobs).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
         if status is not None:
             q = q.where(jobs.c.status == status)

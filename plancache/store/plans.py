@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import datetime
 from typing import Any
 
@@ -13,7 +14,7 @@ from .. import errors
 from ..environment import Environment
 from ..protocol import Candidate, PlanMeta, PlanRecord
 from .content import insert_blob, spec_exists
-from .db import Database, check_page, upsert_insert
+from .db import INT64_MAX, Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
@@ -24,10 +25,13 @@ _META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment
 
 
 def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[str, Any]:
+    check_int("engine_id", meta.engine_id, INT64_MAX)
+    check_int("workspace_bytes", meta.workspace_bytes, INT64_MAX)
     return {
         **{f: getattr(meta, f) for f in _META_COLUMNS},
         **env_columns(meta.environment),
-        "candidates": [c.model_dump() for c in meta.candidates],
+        # As on the wire: non-finite floats (a NaN error of a mismatching candidate) become null.
+        "candidates": json.loads(meta.model_dump_json(include={"candidates"}))["candidates"],
         "job_id": job_id,
         "created_at": now,
     }
