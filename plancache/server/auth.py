@@ -1,0 +1,89 @@
+"""Bearer-token roles: ``reader`` < ``worker`` < ``admin`` (a higher role may do everything a lower one may).
+
+A token is ``PLANCACHE_ADMIN_TOKEN`` (compared in constant time) or one created with
+``plancache token create`` (looked up by its hash in the store). No or a malformed
+``Authorization`` header, or an unknown or revoked token → 401; a role too low → 403.
+With ``Settings.open_reads`` reader routes need no token (a token that is sent must still be valid).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPBearer
+
+from ..errors import Forbidden, Unauthorized
+from ..protocol import Role
+from .deps import SettingsDep, StoreDep
+
+ROLE_RANK: dict[Role, int] = {"reader": 0, "worker": 1, "admin": 2}
+
+# Declares the scheme in OpenAPI (the "Authorize" button at /docs); the header is parsed below.
+_bearer = HTTPBearer(auto_error=False, scheme_name="token",
+                     description="`PLANCACHE_ADMIN_TOKEN`, or a token from `plancache token create --role reader|worker|admin`")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's role and name (``role`` None: anonymous, allowed by open reads)."""
+
+    role: Role | None
+    name: str
+
+    def may(self, role: Role) -> bool:
+        return self.role is not None and ROLE_RANK[self.role] >= ROLE_RANK[role]
+
+
+ANONYMOUS = Principal(role=None, name="anonymous")
+
+
+def _bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+    return token
+
+
+def identify(request: Request, store: Any, admin_token: str | None) -> Principal | None:
+    """The principal of the request's bearer token, None without one; :class:`Unauthorized` if it is not valid."""
+    token = _bearer_token(request)
+    if token is None:
+        return None
+    if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
+        return Principal(role="admin", name="bootstrap-admin")
+    info = store.authenticate(token)
+    if info is None:
+        raise Unauthorized("unknown or revoked token")
+    return Principal(role=info.role, name=info.name)
+
+
+def _a(role: Role) -> str:
+    return f"an {role}" if role == "admin" else f"a {role}"
+
+
+def require(role: Role) -> Callable[..., Principal]:
+    """A dependency admitting callers whose token has ``role`` or a higher one."""
+
+    def dependency(request: Request, store: StoreDep, settings: SettingsDep, _: Any = Depends(_bearer)) -> Principal:
+        principal = identify(request, store, settings.admin_token)
+        if principal is None:
+            if role == "reader" and settings.open_reads:
+                return ANONYMOUS
+            raise Unauthorized(f"this route needs {_a(role)} token: send 'Authorization: Bearer <token>'")
+        if not principal.may(role):
+            raise Forbidden(f"token {principal.name!r} has role {principal.role}; this route needs {role}")
+        return principal
+
+    return dependency
+
+
+Reader = Annotated[Principal, Depends(require("reader"))]
+Worker = Annotated[Principal, Depends(require("worker"))]
+Admin = Annotated[Principal, Depends(require("admin"))]

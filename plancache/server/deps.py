@@ -1,0 +1,31 @@
+"""Per-app state handed to routes as dependencies: the settings, the store (opened by the lifespan) and the metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..settings import Settings
+from ..store import Store
+from .metrics import Metrics
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> Store:
+    store = request.app.state.store
+    if store is None:
+        raise RuntimeError("the app's store is not open: run the app with its lifespan (uvicorn, or `with TestClient(app)`)")
+    return store
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[Store, Depends(get_store)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

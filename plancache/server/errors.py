@@ -1,0 +1,109 @@
+"""The one mapping from errors to HTTP responses. Every error body is ``{"error": {"code", "message"}}``.
+
+Domain errors (:class:`plancache.errors.PlanCacheError`) carry their own ``http_status`` and ``code``;
+request validation becomes 422 ``validation_error`` naming the field; routing errors keep their
+status (404, 405, 413); an unreachable or locked database is a retryable 503; anything else is a
+bug, logged with its traceback and answered 500 ``internal_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import PlanCacheError
+from ..protocol import ErrorResponse
+
+log = logging.getLogger("plancache.server")
+
+_CODES_BY_STATUS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+}
+_MAX_PROBLEMS = 5
+_MAX_PART_CHARS = 300
+
+_DOCUMENTED = {
+    401: "missing, malformed, unknown or revoked token",
+    403: "the token's role may not do this",
+    404: "not found",
+    409: "conflicts with stored state",
+    413: "request or blob too large",
+    422: "invalid request (the message names the field)",
+    503: "database unavailable",
+}
+
+
+def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these error statuses (all with the error body)."""
+    return {s: {"model": ErrorResponse, "description": _DOCUMENTED[s]} for s in statuses}
+
+
+def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=dict(headers or {}))
+
+
+def validation_message(problems: Sequence[Any]) -> str:
+    """``loc: msg`` for the first few pydantic/FastAPI validation problems, e.g. ``body.graph_keys: Field required``."""
+    parts = []
+    for problem in problems[:_MAX_PROBLEMS]:
+        loc = ".".join(str(p) for p in problem.get("loc", ()))
+        msg = str(problem.get("msg", "invalid value"))
+        if problem.get("type") == "json_invalid":  # loc is ("body", character position)
+            loc, msg = "body", f"invalid JSON: {(problem.get('ctx') or {}).get('error', msg)}"
+        part = f"{loc}: {msg}" if loc else msg
+        parts.append(part if len(part) <= _MAX_PART_CHARS else part[:_MAX_PART_CHARS] + "…")
+    if len(problems) > _MAX_PROBLEMS:
+        parts.append(f"and {len(problems) - _MAX_PROBLEMS} more problem(s)")
+    return "; ".join(parts) or "invalid request"
+
+
+async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PlanCacheError)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    return error_response(exc.http_status, exc.code, exc.message, headers)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(422, "validation_error", validation_message(exc.errors()))
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _CODES_BY_STATUS.get(exc.status_code, f"http_{exc.status_code}")
+    return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable during %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    return error_response(503, "database_unavailable", "the database is unavailable or busy; retry later",
+                          {"Retry-After": "1"})
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", "internal server error (logged)")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(PlanCacheError, _domain_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    for exc_type in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.TimeoutError):
+        app.add_exception_handler(exc_type, _database_unavailable)
+    app.add_exception_handler(Exception, _internal_error)

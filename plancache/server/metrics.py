@@ -1,0 +1,114 @@
+"""Prometheus metrics of one app, in its own :class:`CollectorRegistry` (never the process-global one).
+
+- ``plancache_http_requests_total{method,route,status}`` and ``plancache_http_request_duration_seconds{method,route}``
+  (``route`` is the path template, ``<unmatched>`` for unknown paths, so the label set stays small)
+- ``plancache_resolve_keys_total{result="hit"|"miss"}``
+- ``plancache_blob_bytes_served_total{route}`` (blob GETs and blobs inlined in resolve answers)
+- ``plancache_jobs{status}`` (read from the store at scrape time)
+- ``plancache_tuning_seconds`` (autotuning time of each newly published plan)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import sqlalchemy.exc
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("plancache.server")
+
+UNMATCHED_ROUTE = "<unmatched>"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_TUNING_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class _JobsCollector(Collector):
+    """``plancache_jobs{status}`` from ``store.job_counts()``; nothing while the store is closed or unreachable."""
+
+    def __init__(self, store: Callable[[], Any]) -> None:
+        self._store = store
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily("plancache_jobs", "Tuning jobs by status", labels=["status"])
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store()
+        if store is None:
+            return
+        try:
+            counts = store.job_counts()
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            log.warning("metrics: cannot count jobs: %s", type(exc).__name__)
+            return
+        family = self._family()
+        for status, n in counts.items():
+            family.add_metric([status], n)
+        yield family
+
+
+class Metrics:
+    """The app's metrics; ``store`` returns the open store (or None) when jobs are counted."""
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, store: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("plancache_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=r)
+        self.latency = Histogram("plancache_http_request_duration_seconds", "HTTP request latency by route",
+                                 ["method", "route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.resolve_keys = Counter("plancache_resolve_keys", "Graph keys asked for in resolve, by result",
+                                    ["result"], registry=r)
+        self.bytes_served = Counter("plancache_blob_bytes_served", "Plan blob bytes sent, by route", ["route"], registry=r)
+        self.tuning_seconds = Histogram("plancache_tuning_seconds", "Autotuning time of newly published plans",
+                                        buckets=_TUNING_BUCKETS, registry=r)
+        r.register(_JobsCollector(store))
+
+    def observe_resolve(self, hits: int, misses: int, blob_bytes: int) -> None:
+        self.resolve_keys.labels("hit").inc(hits)
+        self.resolve_keys.labels("miss").inc(misses)
+        if blob_bytes:
+            self.bytes_served.labels("/v1/plans/resolve").inc(blob_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request by method, route template and status (an escaping exception is a 500)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+            method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+            self.metrics.requests.labels(method, route, str(status)).inc()
+            self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)

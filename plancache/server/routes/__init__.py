@@ -1,0 +1,7 @@
+"""The API's routers, one module per area; :data:`ROUTERS` is what the app includes."""
+
+from __future__ import annotations
+
+from . import admin, health, jobs, plans, specs
+
+ROUTERS = (health.router, specs.router, plans.router, admin.router, jobs.router)

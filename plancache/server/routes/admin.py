@@ -1,0 +1,70 @@
+"""Admin: enqueue tuning (by graph keys or specs, for one or more targets), misses and "tune the top N misses"."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+
+from ...errors import NotFound, PayloadTooLarge, SpecError
+from ...protocol import EnqueueMissesRequest, Job, JobList, MissList, TargetEnvironment, TuneRequest
+from ...spec import graph_key
+from ..auth import Admin
+from ..bodies import CheckedRoute
+from ..deps import StoreDep
+from ..errors import documented_errors
+
+router = APIRouter(route_class=CheckedRoute, tags=["admin"])
+
+#: Most jobs (graph keys × targets) one tune request may create.
+MAX_TUNE_JOBS = 10_000
+
+
+def _unique(jobs: list[Job]) -> list[Job]:
+    return list({job.id: job for job in jobs}.values())
+
+
+@router.post("/v1/admin/tune", response_model=JobList, summary="Enqueue tuning jobs: each graph key × each target",
+             responses=documented_errors(401, 403, 404, 413, 422, 503))
+def tune(req: TuneRequest, store: StoreDep, _: Admin) -> JobList:
+    """Specs are validated and registered first; every graph key must have a stored spec (404 names the first
+    that has none). A queued or running job for the same key and target is returned instead of a new one."""
+    spec_keys = []
+    for i, spec in enumerate(req.specs):
+        try:
+            spec_keys.append(graph_key(spec))
+        except SpecError as exc:
+            raise SpecError(f"specs[{i}]: {exc.message}") from None
+    keys = list(dict.fromkeys([*req.graph_keys, *spec_keys]))
+    if not keys:
+        raise RequestValidationError([{"loc": ("body",), "msg": "give at least one of graph_keys or specs", "type": "value_error"}])
+    if len(keys) * len(req.targets) > MAX_TUNE_JOBS:
+        raise PayloadTooLarge(f"{len(keys)} graph keys × {len(req.targets)} targets is more than {MAX_TUNE_JOBS} jobs")
+    unknown = [k for k in dict.fromkeys(req.graph_keys) if k not in spec_keys and store.get_spec(k) is None]
+    if unknown:
+        others = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise NotFound(f"no spec stored for graph key {unknown[0][:80]!r}{others}; register it or send it in specs")
+    for key, spec in zip(spec_keys, req.specs):
+        store.put_spec(key, spec)
+    jobs = [store.enqueue(key, target, priority=req.priority, max_attempts=req.max_attempts)[0]
+            for key in keys for target in req.targets]
+    return JobList(jobs=_unique(jobs))
+
+
+@router.post("/v1/admin/tune/misses", response_model=JobList, summary="Enqueue the most-missed graph keys of an environment",
+             responses=documented_errors(401, 403, 422, 503))
+def tune_misses(req: EnqueueMissesRequest, store: StoreDep, _: Admin) -> JobList:
+    """The ``top`` keys missed most on ``environment`` that have a stored spec and still no plan there,
+    each enqueued for exactly that environment."""
+    target = TargetEnvironment.exactly(req.environment)
+    keys = store.top_misses(req.environment, req.top, require_spec=True)
+    return JobList(jobs=_unique([store.enqueue(key, target, priority=req.priority)[0] for key in keys]))
+
+
+@router.get("/v1/misses", response_model=MissList, summary="Recorded misses, most counted first",
+            responses=documented_errors(401, 403, 422, 503))
+def list_misses(store: StoreDep, _: Admin,
+                env_id: Annotated[str | None, Query(pattern=r"^[0-9a-f]{32}$", description="an environment id")] = None,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> MissList:
+    return MissList(misses=store.list_misses(env_id=env_id, limit=limit))

@@ -1,0 +1,33 @@
+"""Liveness, readiness (the database answers) and Prometheus metrics; none needs a token."""
+
+from __future__ import annotations
+
+import sqlalchemy.exc
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from ..bodies import CheckedRoute
+from ..deps import MetricsDep, StoreDep
+from ..errors import documented_errors, error_response
+
+router = APIRouter(route_class=CheckedRoute, tags=["health"])
+
+
+@router.get("/healthz", summary="The process is up")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="The database answers", responses=documented_errors(503))
+def readyz(store: StoreDep) -> JSONResponse:
+    try:
+        store.ping()
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        return error_response(503, "database_unavailable", f"the database does not answer ({type(exc).__name__})")
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})
+def metrics(m: MetricsDep) -> Response:
+    return Response(m.render(), media_type=m.content_type)

@@ -1,0 +1,91 @@
+"""Plans for clients (resolve many keys in one round trip, look one record up, fetch blobs) and uploads from workers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Response
+
+from ...environment import Environment
+from ...errors import NotFound, PayloadTooLarge
+from ...protocol import SHA256_PATTERN, PlanRecord, PlanUpload, ResolvedPlan, ResolveRequest, ResolveResponse, b64encode
+from ..auth import Reader, Worker
+from ..bodies import CheckedRoute
+from ..deps import MetricsDep, SettingsDep, StoreDep
+from ..errors import documented_errors
+from ..uploads import accept_upload
+from .specs import GraphKeyPath
+
+router = APIRouter(route_class=CheckedRoute, tags=["plans"])
+
+#: Blobs are content-addressed: a URL's bytes never change.
+IMMUTABLE = "public, max-age=31536000, immutable"
+BLOB_ROUTE = "/v1/blobs/{sha256}"
+
+
+@router.post("/v1/plans/resolve", response_model=ResolveResponse, summary="Records (and blobs) for many graph keys on one environment",
+             responses=documented_errors(401, 403, 413, 422, 503))
+def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, _: Reader) -> Response:
+    """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
+    and recorded as misses. ``include_blobs`` inlines each blob as base64."""
+    if len(req.graph_keys) > settings.max_resolve_keys:
+        raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
+    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=req.include_blobs)
+    plans = {key: ResolvedPlan(record=record, blob_b64=None if blob is None else b64encode(blob))
+             for key, (record, blob) in found.items()}
+    metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
+    # Serialized here, once: the response can hold many megabytes of base64.
+    return Response(ResolveResponse(plans=plans, missing=missing).model_dump_json(), media_type="application/json")
+
+
+@router.get("/v1/plans/{graph_key}", response_model=PlanRecord, summary="The plan record for one graph key on one environment",
+            responses=documented_errors(401, 403, 404, 422, 503))
+def read_plan(graph_key: GraphKeyPath, environment: Annotated[Environment, Query()], store: StoreDep, _: Reader) -> PlanRecord:
+    """The environment's validity fields (``sm``, ``sm_count``, ``cudnn_version``, ``driver_version``,
+    ``frontend_version``) are required query parameters; the info fields are ignored."""
+    record = store.get_plan(graph_key, environment)
+    if record is None:
+        raise NotFound(f"no plan for graph key {graph_key} on {environment.describe()}")
+    return record
+
+
+def _etag_matches(if_none_match: str | None, sha256: str) -> bool:
+    if if_none_match is None:
+        return False
+    tags = [t.strip() for t in if_none_match.split(",")]
+    return any(t == "*" or t.removeprefix("W/") == f'"{sha256}"' for t in tags)
+
+
+@router.get(BLOB_ROUTE, response_class=Response, summary="A plan blob by its sha256",
+            responses={200: {"content": {"application/octet-stream": {}}, "description": "the blob"},
+                       304: {"description": "If-None-Match matched: the cached copy is current"},
+                       **documented_errors(401, 403, 404, 422, 503)})
+def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], store: StoreDep, metrics: MetricsDep, _: Reader,
+              if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    headers = {"ETag": f'"{sha256}"', "Cache-Control": IMMUTABLE}
+    if _etag_matches(if_none_match, sha256):
+        if store.blob_size(sha256) is None:
+            raise NotFound(f"no blob {sha256}")
+        return Response(status_code=304, headers=headers)
+    data = store.get_blob(sha256)
+    if data is None:
+        raise NotFound(f"no blob {sha256}")
+    metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+@router.put("/v1/plans", response_model=PlanRecord, status_code=201, summary="Upload a tuned plan (worker)",
+            responses={200: {"model": PlanRecord, "description": "this key and environment already had a plan"},
+                       **documented_errors(401, 403, 404, 409, 413, 422, 503)})
+def upload_plan(upload: PlanUpload, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
+                principal: Worker) -> PlanRecord:
+    """201 for a new plan; 200 when the same blob was stored already (or ``replace``, admin only, swapped it).
+    A different blob for a stored key and environment without ``replace`` is 409."""
+    blob = accept_upload(upload, principal, store, settings)
+    existing = store.get_plan(upload.graph_key, upload.environment)
+    record = store.publish_plan(upload, blob, replace=upload.replace)
+    if existing is not None:
+        response.status_code = 200
+    if existing is None or existing.blob_sha256 != record.blob_sha256:
+        metrics.tuning_seconds.observe(upload.tuning_seconds)
+    return record

@@ -1,0 +1,39 @@
+"""Checks shared by ``PUT /v1/plans`` and job completion before a plan reaches the store."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+
+from ..errors import Forbidden, PayloadTooLarge
+from ..protocol import PlanUpload
+from ..settings import Settings
+from ..store import Store
+from .auth import Principal
+
+
+def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: Settings,
+                  loc: tuple[str, ...] = ("body",)) -> bytes:
+    """The upload's blob, decoded and within ``Settings.max_blob_bytes``; its spec (if sent) registered.
+
+    ``replace`` needs an admin token (:class:`Forbidden`); a blob over the limit is :class:`PayloadTooLarge`
+    (refused from its declared or encoded size before decoding); bad base64 is a 422 at ``loc + blob_b64``;
+    a spec that does not key to ``graph_key`` is refused by the store (422). Digest and size are
+    checked by :meth:`Store.publish_plan`.
+    """
+    if upload.replace and not principal.may("admin"):
+        raise Forbidden(f"token {principal.name!r} has role {principal.role}; replacing a stored plan needs admin")
+    limit = settings.max_blob_bytes
+    too_large = f"plan blob of %d bytes or more exceeds the limit of {limit} bytes"
+    if upload.blob_size > limit:
+        raise PayloadTooLarge(too_large % upload.blob_size)
+    if len(upload.blob_b64) > 4 * ((limit + 2) // 3):  # before decoding: its base64 is longer than any allowed blob's
+        raise PayloadTooLarge(too_large % (len(upload.blob_b64) // 4 * 3 - 2))
+    try:
+        blob = upload.blob_bytes()
+    except ValueError as exc:
+        raise RequestValidationError([{"loc": (*loc, "blob_b64"), "msg": str(exc), "type": "value_error"}]) from None
+    if len(blob) > limit:
+        raise PayloadTooLarge(too_large % len(blob))
+    if upload.spec is not None:
+        store.put_spec(upload.graph_key, upload.spec)
+    return blob
