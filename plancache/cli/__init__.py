@@ -16,6 +16,7 @@ _COMMAND_MODULES = [
     "plancache.cli.worker_cmds",
     "plancache.cli.db_cmds",
     "plancache.cli.bundle_cmds",
+    "plancache.cli.serve_cmds",
 ]
 
 
