@@ -5,10 +5,16 @@
 1. with ``keep_env_ids``, delete the plan records whose environment is not among them;
 2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago.
 
-A blob still referenced is never deleted: the DELETE itself re-checks that no record points at the
-blob, and the foreign key from ``plans.blob_sha256`` to ``blobs`` makes the database refuse the
-deletion of a blob a concurrent publish has just pointed a record at (the step is then retried).
-The grace period keeps a blob stored moments ago by an upload whose record is still on its way.
+A blob still referenced is never deleted, and a publish running at the same time neither fails nor
+loses its blob. The DELETE re-checks that no record points at a blob, and the foreign key from
+``plans.blob_sha256`` to ``blobs`` makes the database refuse to delete a blob a record points at. On
+Postgres each step also locks its table against writers (``SHARE ROW EXCLUSIVE``: reads go on): a
+publish finds an existing blob or record with ``ON CONFLICT DO NOTHING``, which takes no row lock, so
+without the table lock gc could delete that blob or record between the publish's check and its insert
+of the record. With it, a step waits for publishes already writing that table to commit, and later
+publishes wait for the step (blob uploads pause for as long as the step's DELETE runs). SQLite
+serialises all writers anyway. The grace period keeps a blob stored moments ago by an upload whose
+record is still on its way.
 """
 
 from __future__ import annotations
@@ -18,15 +24,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from .models import blobs, plans
 
 if TYPE_CHECKING:
     from . import Store
-
-#: Attempts at the blob step when concurrent publishes keep referencing candidates (FK refusals).
-_BLOB_STEP_ATTEMPTS = 5
-
 
 @dataclass(frozen=True)
 class GcReport:
@@ -37,6 +40,12 @@ class GcReport:
     records_by_env: dict[str, int] = field(default_factory=dict)
     blobs_deleted: int = 0
     blob_bytes_freed: int = 0
+
+
+def _lock_against_writers(conn: Connection, table: sa.Table) -> None:
+    """Postgres: wait for transactions writing ``table`` and hold off new ones until commit (reads go on)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text(f"LOCK TABLE {table.name} IN SHARE ROW EXCLUSIVE MODE"))
 
 
 def _check_keep(store: "Store", keep_env_ids: set[str]) -> None:
@@ -72,9 +81,10 @@ def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None
         if dry_run:
             with store.db.read() as conn:
                 count_by_env = sa.select(plans.c.env_id, sa.func.count()).where(doomed_records).group_by(plans.c.env_id)
-                by_env = dict(conn.execute(count_by_env).tuples().all())
+                by_env = {env_id: n for env_id, n in conn.execute(count_by_env)}
         else:
             with store.db.write() as conn:
+                _lock_against_writers(conn, plans)
                 for env_id in conn.execute(sa.delete(plans).where(doomed_records).returning(plans.c.env_id)).scalars():
                     by_env[env_id] = by_env.get(env_id, 0) + 1
     cutoff = store.db.now() - grace
@@ -93,16 +103,7 @@ def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None
 
 def _delete_blobs(store: "Store", cutoff: Any) -> tuple[int, int]:
     """Delete unreferenced blobs older than ``cutoff`` in one transaction; the count and bytes freed."""
-    stmt = sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.size)
-    attempt = 1
-    while True:
-        try:
-            with store.db.write() as conn:
-                sizes = list(conn.execute(stmt).scalars())
-            return len(sizes), sum(sizes)
-        except sa.exc.IntegrityError:
-            # A publish pointed a record at a candidate between the check and the delete: the foreign key
-            # refused, the transaction rolled back; the next attempt sees that record and keeps the blob.
-            if attempt == _BLOB_STEP_ATTEMPTS:
-                raise
-            attempt += 1
+    with store.db.write() as conn:
+        _lock_against_writers(conn, blobs)
+        sizes = list(conn.execute(sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.size)).scalars())
+    return len(sizes), sum(sizes)

@@ -1,0 +1,173 @@
+"""``plancache plans gc``: records of unused environments go, unreferenced blobs go after a grace period,
+and a blob still referenced never goes — also while publishes run concurrently."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from plancache.cli import _load, app
+from plancache.environment import Environment
+from plancache.store import open_store
+from plancache.store.models import blobs
+from plancache.store.retention import gc
+
+DAY = timedelta(hours=24)
+
+
+@pytest.fixture
+def old_env(gpu_env: Environment) -> Environment:
+    return gpu_env.model_copy(update={"cudnn_version": 91800})
+
+
+def _publish(store: Any, make_spec: Any, make_plan: Any, i: int, env: Environment, blob: bytes) -> str:
+    key, spec = make_spec(i)
+    store.put_spec(key, spec)
+    meta, data = make_plan(key, env, blob=blob)
+    store.publish_plan(meta, data)
+    return meta.blob_sha256
+
+
+def _blob_digests(store: Any) -> set[str]:
+    with store.db.read() as conn:
+        return set(conn.execute(sa.select(blobs.c.sha256)).scalars())
+
+
+def test_unreferenced_blobs_go_after_the_grace_period(store, clock, make_spec, make_plan, gpu_env):
+    used = _publish(store, make_spec, make_plan, 0, gpu_env, b"in-use-plan")
+    orphan = store.put_blob(b"uploaded, never referenced")
+    clock.advance(DAY.total_seconds() + 1)
+    fresh = store.put_blob(b"uploaded just now, record still on its way")
+
+    report = gc(store, grace=DAY)
+    assert (report.records_deleted, report.blobs_deleted) == (0, 1)
+    assert report.blob_bytes_freed == len(b"uploaded, never referenced")
+    assert _blob_digests(store) == {used, fresh}
+
+    clock.advance(DAY.total_seconds() + 1)
+    assert gc(store, grace=DAY).blobs_deleted == 1
+    assert _blob_digests(store) == {used}
+    assert store.get_blob(used) == b"in-use-plan"
+
+
+def test_records_of_unused_environments_and_their_blobs(store, clock, make_spec, make_plan, gpu_env, old_env):
+    keep = _publish(store, make_spec, make_plan, 0, gpu_env, b"new-env-plan")
+    shared = _publish(store, make_spec, make_plan, 1, gpu_env, b"same bytes on both environments")
+    assert _publish(store, make_spec, make_plan, 1, old_env, b"same bytes on both environments") == shared
+    only_old = _publish(store, make_spec, make_plan, 2, old_env, b"old-env-only plan")
+    clock.advance(DAY.total_seconds() + 1)
+
+    dry = gc(store, grace=DAY, keep_env_ids={gpu_env.env_id}, dry_run=True)
+    assert (dry.dry_run, dry.records_deleted, dry.records_by_env, dry.blobs_deleted) == (
+        True, 2, {old_env.env_id: 2}, 1)
+    assert len(store.list_plans()) == 4 and len(_blob_digests(store)) == 3, "a dry run deletes nothing"
+
+    real = gc(store, grace=DAY, keep_env_ids={gpu_env.env_id})
+    assert (real.records_deleted, real.records_by_env, real.blobs_deleted, real.blob_bytes_freed) == (
+        dry.records_deleted, dry.records_by_env, dry.blobs_deleted, dry.blob_bytes_freed)
+    assert {r.env_id for r in store.list_plans()} == {gpu_env.env_id}
+    assert _blob_digests(store) == {keep, shared}, "the blob the kept environment shares must survive"
+    assert only_old not in _blob_digests(store)
+
+
+def test_refuses_keep_sets_that_would_delete_everything(store, make_spec, make_plan, gpu_env, old_env):
+    _publish(store, make_spec, make_plan, 0, gpu_env, b"p")
+    with pytest.raises(ValueError, match="empty"):
+        gc(store, grace=DAY, keep_env_ids=set())
+    with pytest.raises(ValueError, match=old_env.env_id):
+        gc(store, grace=DAY, keep_env_ids={old_env.env_id})  # a typo'd / stale id matches no record
+    with pytest.raises(ValueError, match="negative"):
+        gc(store, grace=-DAY)
+    assert len(store.list_plans()) == 1
+
+
+def test_gc_interleaved_with_publishes_never_loses_a_referenced_blob(db_url, make_spec, make_plan, gpu_env, old_env):
+    """Publishers keep storing plans, some re-using bytes that gc is about to collect, while gc runs with no grace
+    and drops the old environment's records. Every publish succeeds and every record keeps its blob."""
+    store = open_store(db_url, create=True)  # the real clock: grace=0 makes every unreferenced blob collectable
+    try:
+        keys = []
+        for i in range(8):
+            key, spec = make_spec(i)
+            store.put_spec(key, spec)
+            keys.append(key)
+        meta, blob = make_plan(keys[0], gpu_env, blob=b"seed")
+        store.publish_plan(meta, blob)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        gc_runs = [0]
+
+        def publisher(worker: int) -> None:
+            try:
+                for n in range(40):
+                    key = keys[(worker * 40 + n) % len(keys)]
+                    shared = f"shared-{n % 5}".encode()  # bytes an old-environment record held a moment ago
+                    for env, data in ((old_env, shared), (gpu_env, shared), (gpu_env, f"w{worker}-{n}".encode())):
+                        store.publish_plan(*make_plan(key, env, blob=data), replace=True)
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        def collector() -> None:
+            try:
+                while not stop.is_set():
+                    gc(store, grace=timedelta(0), keep_env_ids={gpu_env.env_id})
+                    gc_runs[0] += 1
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=publisher, args=(w,)) for w in range(3)]
+        gc_thread = threading.Thread(target=collector)
+        gc_thread.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        stop.set()
+        gc_thread.join(timeout=60)
+        assert not errors, repr(errors[0])
+        assert gc_runs[0] > 0
+        time.sleep(0.01)  # the real clock moves on, so the final pass may collect everything unreferenced
+        gc(store, grace=timedelta(0), keep_env_ids={gpu_env.env_id})
+        records = store.list_plans(limit=10_000)
+        assert records and {r.env_id for r in records} == {gpu_env.env_id}
+        for r in records:
+            assert store.get_blob(r.blob_sha256) is not None, f"record {r.graph_key[:12]} lost its blob"
+        assert _blob_digests(store) == {r.blob_sha256 for r in records}
+    finally:
+        store.close()
+
+
+def test_cli_plans_gc(tmp_path, make_spec, make_plan, gpu_env, old_env):
+    url = f"sqlite:///{tmp_path / 'gc.db'}"
+    with open_store(url, create=True) as s:
+        _publish(s, make_spec, make_plan, 0, gpu_env, b"keep me")
+        _publish(s, make_spec, make_plan, 1, old_env, b"old")
+        s.put_blob(b"orphan")
+    _load()
+    runner = CliRunner()
+    env_file = tmp_path / "env.json"
+    env_file.write_text(gpu_env.model_dump_json())
+
+    r = runner.invoke(app, ["plans", "gc", "--grace-hours", "0", "--keep-environment", str(env_file), "--dry-run",
+                            "--database-url", url])
+    assert r.exit_code == 0, r.output
+    assert "would delete 1 plan records" in r.output and old_env.env_id in r.output
+    assert "would delete 2 unreferenced blobs" in r.output  # the orphan, and the blob only the old record holds
+
+    r = runner.invoke(app, ["plans", "gc", "--grace-hours", "0", "--keep-environment", gpu_env.env_id,
+                            "--database-url", url])
+    assert r.exit_code == 0, r.output
+    assert "deleted 1 plan records" in r.output and "deleted 2 unreferenced blobs" in r.output
+    with open_store(url) as s:
+        assert [p.env_id for p in s.list_plans()] == [gpu_env.env_id]
+
+    r = runner.invoke(app, ["plans", "gc", "--keep-environment", "0" * 32, "--database-url", url])
+    assert r.exit_code == 1 and "no plan records have environment id" in r.output
+    r = runner.invoke(app, ["plans", "gc", "--grace-hours", "-1", "--database-url", url])
+    assert r.exit_code == 2
