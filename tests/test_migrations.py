@@ -103,3 +103,9 @@ def test_unsupported_urls_are_refused():
         Store("sqlite://")
     with pytest.raises(ValueError, match="unsupported database URL"):
         Store("mysql://u@h/db")
+
+
+def test_create_makes_the_sqlite_folder(tmp_path):
+    with open_store(f"sqlite:///{tmp_path / 'new' / 'dir' / 'plancache.db'}", create=True) as store:
+        store.ping()
+    assert (tmp_path / "new" / "dir" / "plancache.db").is_file()

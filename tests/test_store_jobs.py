@@ -255,3 +255,16 @@ def test_out_of_range_values_are_refused_clearly(store, key, gpu_env):
             store.get_job(job_id)
         with pytest.raises(errors.NotFound):
             store.heartbeat(job_id, "w", 1, lease_seconds=10)
+
+
+def test_concurrent_identical_enqueues_make_one_job(store, key):
+    start = threading.Barrier(8)
+
+    def enqueue():
+        start.wait()
+        return store.enqueue(key, TargetEnvironment(sm=90))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [f.result(timeout=60) for f in [pool.submit(enqueue) for _ in range(8)]]
+    assert len({job.id for job, _ in results}) == 1 and sum(created for _, created in results) == 1
+    assert store.job_counts()["queued"] == 1

@@ -248,3 +248,18 @@ def test_out_of_range_plan_fields_are_refused_clearly(store, key, gpu_env, make_
     with pytest.raises(InvalidValue, match="cudnn_version"):
         store.resolve(gpu_env.model_copy(update={"cudnn_version": 2**40}), [key], include_blobs=False)
     assert _rows(store, plans) == 0 and store.list_misses() == []
+
+
+def test_concurrent_resolves_count_every_miss(store, make_spec, gpu_env):
+    keys = [make_spec(i)[0] for i in range(20)]
+    start = threading.Barrier(8)
+
+    def resolve(offset: int) -> None:
+        start.wait()
+        for _ in range(10):  # overlapping key sets in different orders: no deadlock, no lost update
+            store.resolve(gpu_env, keys[offset:] + keys[:offset], include_blobs=False)
+
+    with ThreadPoolExecutor(8) as pool:
+        for f in [pool.submit(resolve, i) for i in range(8)]:
+            f.result(timeout=120)
+    assert {m.graph_key: m.count for m in store.list_misses(limit=100)} == {k: 80 for k in keys}

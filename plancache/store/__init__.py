@@ -14,12 +14,12 @@ from sqlalchemy.engine import Engine
 
 from ..settings import get_settings
 from .content import SpecsAndBlobs
-from .db import Database, SchemaNotReady
+from .db import Database, InvalidValue, SchemaNotReady
 from .jobs import Jobs
 from .plans import Plans
 from .tokens import TokenInfo, Tokens
 
-__all__ = ["SchemaNotReady", "Store", "TokenInfo", "open_store"]
+__all__ = ["InvalidValue", "SchemaNotReady", "Store", "TokenInfo", "open_store"]
 
 
 class Store(SpecsAndBlobs, Plans, Jobs, Tokens):

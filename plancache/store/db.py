@@ -158,6 +158,8 @@ class Database:
         """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised)."""
         from alembic import command
 
+        if self.is_sqlite:
+            Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
         with self.write() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
