@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import admin, health, jobs, plans, specs
+from . import admin, campaigns, health, jobs, plans, specs
 
-ROUTERS = (health.router, specs.router, plans.router, admin.router, jobs.router)
+ROUTERS = (health.router, specs.router, plans.router, admin.router, campaigns.router, jobs.router)
