@@ -1,0 +1,109 @@
+"""The GPU side of the client, behind a small protocol so the plan ladder can be tested without a GPU.
+
+:class:`GpuBackend` is the default: a thin adapter over :mod:`plancache.gpu` (imported on
+construction; it needs torch, nvidia-cudnn-frontend and a CUDA device) and
+:func:`plancache.environment.detect`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from ..environment import Environment
+from ..spec import GraphSpec
+
+log = logging.getLogger("plancache.client")
+
+
+class BuiltPlanLike(Protocol):
+    """What the client needs of a built plan (:class:`plancache.gpu.BuiltPlan`)."""
+
+    workspace_size: int
+    engine_id: int | None
+    knobs: dict[str, int]
+    plan_name: str
+
+    def execute(self, tensors: dict[str, Any], workspace: Any, handle: Any) -> None: ...
+
+
+class Backend(Protocol):
+    """Builds and loads plans on one device and binds its cuDNN handle to streams."""
+
+    #: The torch device the plans run on (tensors given to ``Plan.execute`` must live there).
+    device: Any
+    #: The cuDNN handle every plan of this backend executes with.
+    handle: Any
+
+    def environment(self) -> Environment: ...
+
+    def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
+                    plan_name: str) -> BuiltPlanLike:
+        """Load a serialized plan. Called only with a verified blob."""
+        ...
+
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> BuiltPlanLike: ...
+
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> BuiltPlanLike: ...
+
+    def create_kernel_cache(self) -> Any: ...
+
+    def current_stream(self) -> Any:
+        """The caller's current stream on :attr:`device`."""
+        ...
+
+    def set_stream(self, stream: Any) -> None:
+        """Point :attr:`handle` at ``stream`` (a no-op when it already is)."""
+        ...
+
+
+class GpuBackend:
+    """The real backend: :mod:`plancache.gpu` on CUDA device ``device``."""
+
+    def __init__(self, device: int = 0) -> None:
+        import cudnn
+        import torch
+
+        from .. import gpu
+        from ..environment import detect
+
+        self._gpu, self._torch, self._cudnn = gpu, torch, cudnn
+        self.device = torch.device("cuda", device)
+        self._env = detect(device)
+        self.handle = gpu.create_handle(device)
+        self._stream_id: int | None = None
+        self._device_property: Any = None
+        try:  # deserializing through device properties skips the device warm-up (1.5-4x cheaper)
+            with torch.cuda.device(self.device):
+                self._device_property = cudnn.create_device_properties(device)
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            log.info("cudnn.create_device_properties unavailable (%s); deserializing through the handle", exc)
+
+    def environment(self) -> Environment:
+        return self._env
+
+    def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
+                    plan_name: str) -> Any:
+        with self._torch.cuda.device(self.device):
+            return self._gpu.deserialize_plan(spec, blob, self.handle, engine_id=engine_id, knobs=knobs,
+                                              plan_name=plan_name, device_property=self._device_property)
+
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> Any:
+        with self._torch.cuda.device(self.device):
+            return self._gpu.build_engine_config(spec, self.handle, engine_id, knobs)
+
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> Any:
+        with self._torch.cuda.device(self.device):
+            return self._gpu.build_heuristic(spec, self.handle, kernel_cache=kernel_cache)
+
+    def create_kernel_cache(self) -> Any:
+        return self._gpu.create_kernel_cache()
+
+    def current_stream(self) -> Any:
+        return self._torch.cuda.current_stream(self.device)
+
+    def set_stream(self, stream: Any) -> None:
+        sid = int(stream.cuda_stream)
+        if sid != self._stream_id:
+            self._cudnn.set_stream(self.handle, sid)
+            self._stream_id = sid

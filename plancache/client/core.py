@@ -1,0 +1,410 @@
+"""``PlanCache``: ready plans for this GPU, through a counted fallback ladder.
+
+For every graph the ladder tries, in order: memory → the local disk cache → the server
+(``POST /v1/plans/resolve``) → a rebuild of the tuned record's ``(engine_id, knobs)`` →
+a local heuristic build. A blob from disk or server is verified first (size → sha256 →
+signature → graph key → environment, see :mod:`plancache.client.verify`) and only then
+deserialized; a rejected blob is counted by reason and the ladder goes on. Modes:
+
+- ``normal``: the whole ladder; a plan is always returned (unless the local build itself fails).
+- ``strict``: tuned plans only — a verified blob, or the rebuild of an authentic tuned record whose
+  blob bytes were damaged; never a heuristic build. Otherwise :class:`~plancache.errors.PlanMiss`.
+- ``replay_only``: never builds anything: verified blobs only, :class:`~plancache.errors.PlanMiss` otherwise.
+
+A shape family (the same graph with other dims) shares one cuDNN kernel cache, so the heuristic
+build of a further shape of a family reuses the kernels compiled for the first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from .. import SPEC_SCHEMA_VERSION
+from ..environment import Environment
+from ..errors import PlanMiss, VerificationError
+from ..protocol import PlanRecord, ResolvedPlan, b64decode
+from ..settings import Settings, get_settings
+from ..signing import TrustedKeys
+from ..spec import GraphSpec, canonical_json, graph_key, parse_spec
+from .backend import Backend, BuiltPlanLike
+from .cache import DiskCache
+from .plan import Plan
+from .remote import Remote, RemoteRefused, RemoteUnavailable
+from .verify import check_record, verify_blob
+
+log = logging.getLogger("plancache.client")
+
+Mode = Literal["normal", "strict", "replay_only"]
+MODES: tuple[str, ...] = ("normal", "strict", "replay_only")
+SpecLike = GraphSpec | dict[str, Any] | str | bytes
+
+
+def family_key(spec: SpecLike) -> str:
+    """The shape family of ``spec``: sha256 of its canonical form with every tensor's dims and strides
+    replaced by its rank and its layout order (dimension indices, outermost first)."""
+    doc = parse_spec(spec).canonical()
+    for section in ("tensors", "outputs"):
+        for t in doc[section].values():
+            dims, strides = t["dims"], t["strides"]
+            t["strides"] = sorted(range(len(dims)), key=lambda i: (-strides[i], i))
+            t["dims"] = len(dims)
+    payload = f"plancache-family/v{SPEC_SCHEMA_VERSION}\n{canonical_json(doc)}"
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass
+class ClientStats:
+    """What the ladder did. ``hits[source]``: plans returned by source (``memory``, ``disk``, ``server``,
+    ``rebuild``, ``heuristic``). ``misses``: loads that found no verified tuned blob. ``rejects[reason]``:
+    blobs refused (never deserialized; ``deserialize`` counts verified blobs cuDNN refused to load).
+    ``fallbacks[rung]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
+    ``remote_errors``: failed server requests; ``remote_skipped``: requests not sent because the
+    remote was off after a failure. Seconds: ``load`` (inside ``plan``/``prefetch``), ``deserialize``,
+    ``build`` (rebuilds and heuristic builds)."""
+
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    remote_errors: int = 0
+    remote_skipped: int = 0
+    load_seconds: float = 0.0
+    deserialize_seconds: float = 0.0
+    build_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _bump(counter: dict[str, int], key: str) -> None:
+    counter[key] = counter.get(key, 0) + 1
+
+
+def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> TrustedKeys:
+    if isinstance(value, TrustedKeys):
+        return value
+    if value is None or isinstance(value, str):
+        return TrustedKeys.from_setting(value)
+    return TrustedKeys.from_files(list(value))
+
+
+class PlanCache:
+    """Ready cuDNN plans for the GPU of this process, tuned plans first.
+
+    ``server_url``, ``token``, ``trusted_keys``, ``cache_dir`` and the timeouts default to the
+    settings (``PLANCACHE_SERVER_URL``, ``PLANCACHE_TOKEN``, ``PLANCACHE_TRUSTED_KEYS``,
+    ``PLANCACHE_CACHE_DIR``, ``PLANCACHE_CONNECT_TIMEOUT``/``READ_TIMEOUT``). No server URL: disk
+    cache and local builds only. With trusted keys every blob must carry a valid signature by one
+    of them; without, only digests are checked (a warning says so). ``backend`` defaults to
+    :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment``
+    defaults to the backend's fingerprint. After a server failure the server is not asked again
+    for ``cooldown`` seconds. Thread-safe; all plans share one cuDNN handle, used by one thread at a time.
+    """
+
+    def __init__(self, server_url: str | None = None, *, environment: Environment | None = None,
+                 backend: Backend | None = None, trusted_keys: TrustedKeys | str | Iterable[str | Path] | None = None,
+                 cache_dir: Path | str | None = None, token: str | None = None, mode: Mode = "normal",
+                 cooldown: float = 30.0, connect_timeout: float | None = None, read_timeout: float | None = None,
+                 device: int = 0, settings: Settings | None = None, transport: httpx.BaseTransport | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        settings = settings or get_settings()
+        self.mode: Mode = mode
+        if backend is None:
+            from .backend import GpuBackend
+
+            backend = GpuBackend(device)
+        self._backend = backend
+        self.environment = environment or backend.environment()
+        self.trusted_keys = _trusted_keys(trusted_keys if trusted_keys is not None else settings.trusted_keys)
+        if not len(self.trusted_keys):
+            log.warning("plancache: no trusted keys configured (PLANCACHE_TRUSTED_KEYS): plan signatures are not "
+                        "checked, only sizes and digests")
+        url = server_url if server_url is not None else settings.server_url
+        self._remote = Remote(url, token=token if token is not None else settings.token,
+                              connect_timeout=connect_timeout or settings.connect_timeout,
+                              read_timeout=read_timeout or settings.read_timeout,
+                              cooldown=cooldown, transport=transport) if url else None
+        self.disk = DiskCache(cache_dir if cache_dir is not None else settings.cache_dir, self.environment)
+        self._lock = threading.RLock()      # the ladder's state
+        self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
+        self._memory: dict[str, Plan] = {}
+        self._kernel_caches: dict[str, Any] = {}
+        self._static_families: set[str] = set()
+        self._reported: set[str] = set()
+        self._may_register = True
+        self._stats = ClientStats()
+
+    # ------------------------------------------------------------ public
+
+    def plan(self, spec: SpecLike) -> Plan:
+        """A ready plan for ``spec`` (see the module docstring for the ladder and the modes)."""
+        s = parse_spec(spec)
+        key = graph_key(s)
+        result = self._load_many([(key, s)])[key]
+        if isinstance(result, PlanMiss):
+            raise result
+        return result
+
+    def prefetch(self, specs: Iterable[SpecLike]) -> dict[str, Plan]:
+        """Load plans for all ``specs`` at start-up: the disk cache first, then one resolve round trip for
+        the rest, then local builds as the mode allows. Returns plans by graph key; later :meth:`plan`
+        calls are memory hits. In strict/replay-only mode raises :class:`PlanMiss` naming every key
+        without a plan, after loading all the others."""
+        items: dict[str, GraphSpec] = {}
+        for spec in specs:
+            s = parse_spec(spec)
+            items.setdefault(graph_key(s), s)
+        if not items:
+            return {}
+        results = self._load_many(list(items.items()))
+        failed = {k: r for k, r in results.items() if isinstance(r, PlanMiss)}
+        if failed:
+            names = ", ".join(f"{items[k].name or 'unnamed'} ({k[:12]})" for k in failed)
+            raise PlanMiss(f"{len(failed)} of {len(items)} graphs have no verified tuned plan on "
+                           f"{self.environment.describe()} ({self.mode} mode): {names}")
+        return {k: r for k, r in results.items() if isinstance(r, Plan)}
+
+    def stats(self) -> ClientStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            s = self._stats
+            return ClientStats(dict(s.hits), s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
+                               s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds)
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+
+    def __enter__(self) -> "PlanCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ the ladder
+
+    def _load_many(self, items: list[tuple[str, GraphSpec]]) -> dict[str, Plan | PlanMiss]:
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                results: dict[str, Plan | PlanMiss] = {}
+                pending: list[tuple[str, GraphSpec, PlanRecord | None, list[str]]] = []
+                for key, spec in items:
+                    plan = self._memory.get(key)
+                    if plan is not None:
+                        _bump(self._stats.hits, "memory")
+                        results[key] = plan
+                        continue
+                    trail: list[str] = []
+                    plan, authentic = self._from_disk(spec, key, trail)
+                    if plan is not None:
+                        results[key] = self._keep(key, plan)
+                        continue
+                    _bump(self._stats.fallbacks, "disk")
+                    pending.append((key, spec, authentic, trail))
+                answers = self._ask([(k, s) for k, s, _, _ in pending]) if pending else None
+                for key, spec, authentic, trail in pending:
+                    try:
+                        results[key] = self._keep(key, self._finish(spec, key, authentic, answers, trail))
+                    except PlanMiss as exc:
+                        results[key] = exc
+                return results
+            finally:
+                self._stats.load_seconds += time.perf_counter() - t0
+
+    def _keep(self, key: str, plan: Plan) -> Plan:
+        self._memory[key] = plan
+        _bump(self._stats.hits, plan.source)
+        return plan
+
+    def _finish(self, spec: GraphSpec, key: str, authentic: PlanRecord | None,
+                answers: dict[str, ResolvedPlan] | None, trail: list[str]) -> Plan:
+        """The server rung (from the batch answer) and the build rungs."""
+        if self._remote is not None:
+            if answers is None:
+                trail.append("server: unavailable")
+            elif key not in answers:
+                trail.append("server: no plan for this environment")
+            else:
+                plan, record = self._from_server(spec, key, answers[key], trail)
+                if plan is not None:
+                    return plan
+                authentic = record or authentic
+            _bump(self._stats.fallbacks, "server")
+        else:
+            trail.append("server: none configured")
+        self._stats.misses += 1
+        if self.mode == "replay_only":
+            raise self._miss(spec, key, trail)
+        if authentic is not None:
+            plan = self._rebuild(spec, key, authentic, trail)
+            if plan is not None:
+                return plan
+        else:
+            trail.append("rebuild: no authentic tuned record")
+        _bump(self._stats.fallbacks, "rebuild")
+        if self.mode == "strict":
+            raise self._miss(spec, key, trail)
+        return self._heuristic(spec, key)
+
+    def _miss(self, spec: GraphSpec, key: str, trail: list[str]) -> PlanMiss:
+        return PlanMiss(f"no verified tuned plan for {spec.name or 'graph'} ({key}) on {self.environment.describe()} "
+                        f"({self.mode} mode): {'; '.join(trail)}")
+
+    def _reject(self, reason: str, where: str, key: str, message: str, trail: list[str]) -> None:
+        _bump(self._stats.rejects, reason)
+        trail.append(f"{where}: rejected ({reason})")
+        log.warning("plancache: rejected the %s plan %s (%s): %s", where, key[:12], reason, message)
+
+    def _admit(self, spec: GraphSpec, key: str, record: PlanRecord, blob: bytes, where: str,
+               trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+        """Verify, then deserialize. Returns the plan (or None) and the record when it is authentic."""
+        try:
+            verify_blob(record, blob, graph_key=key, environment=self.environment, trusted=self.trusted_keys)
+        except VerificationError as exc:
+            self._reject(exc.reason, where, key, exc.message, trail)
+            return None, record if exc.reason in ("size", "sha256") and self._authentic(record, key) else None
+        t0 = time.perf_counter()
+        try:
+            with self._handle_lock:
+                built = self._backend.deserialize(spec, blob, engine_id=record.engine_id, knobs=record.knobs,
+                                                  plan_name=record.plan_name)
+        except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
+            self._reject("deserialize", where, key, f"{type(exc).__name__}: {exc}", trail)
+            return None, record
+        finally:
+            self._stats.deserialize_seconds += time.perf_counter() - t0
+        return self._wrap(spec, key, built, where), record
+
+    def _authentic(self, record: PlanRecord, key: str) -> bool:
+        try:
+            check_record(record, graph_key=key, environment=self.environment, trusted=self.trusted_keys)
+        except VerificationError:
+            return False
+        return True
+
+    def _wrap(self, spec: GraphSpec, key: str, built: BuiltPlanLike, source: str) -> Plan:
+        return Plan(spec, key, built, self._backend, source=source, lock=self._handle_lock)
+
+    def _from_disk(self, spec: GraphSpec, key: str, trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+        try:
+            entry = self.disk.load(key)
+        except VerificationError as exc:
+            self._reject(exc.reason, "disk", key, exc.message, trail)
+            self.disk.discard(key)
+            return None, None
+        if entry is None:
+            trail.append("disk: no entry")
+            return None, None
+        record, blob = entry
+        plan, authentic = self._admit(spec, key, record, blob, "disk", trail)
+        if plan is None:
+            self.disk.discard(key, record.blob_sha256)
+        return plan, authentic
+
+    def _from_server(self, spec: GraphSpec, key: str, answer: ResolvedPlan,
+                     trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+        record = answer.record
+        try:
+            blob = b64decode(answer.blob_b64) if answer.blob_b64 is not None else self._fetch_blob(record.blob_sha256)
+        except ValueError as exc:
+            self._reject("malformed", "server", key, str(exc), trail)
+            return None, record if self._authentic(record, key) else None
+        if blob is None:
+            trail.append("server: blob unavailable")
+            return None, record if self._authentic(record, key) else None
+        plan, authentic = self._admit(spec, key, record, blob, "server", trail)
+        if plan is not None:
+            self.disk.save(record, blob)
+        return plan, authentic
+
+    def _fetch_blob(self, sha256: str) -> bytes | None:
+        assert self._remote is not None
+        try:
+            return self._remote.fetch_blob(sha256)
+        except (RemoteUnavailable, RemoteRefused) as exc:
+            self._count_remote_failure(exc)
+            return None
+
+    def _count_remote_failure(self, exc: RemoteUnavailable | RemoteRefused) -> None:
+        if isinstance(exc, RemoteUnavailable) and exc.skipped:
+            self._stats.remote_skipped += 1
+        else:
+            self._stats.remote_errors += 1
+            log.warning("plancache: %s", exc.message)
+
+    def _ask(self, items: list[tuple[str, GraphSpec]]) -> dict[str, ResolvedPlan] | None:
+        """One resolve for all ``items``; registers the specs of missing keys. None when the server cannot answer."""
+        if self._remote is None:
+            return None
+        try:
+            resp = self._remote.resolve(self.environment, [k for k, _ in items], include_blobs=True)
+        except (RemoteUnavailable, RemoteRefused) as exc:
+            self._count_remote_failure(exc)
+            return None
+        specs = dict(items)
+        for key in resp.missing:
+            if key in specs:
+                self._report_miss(key, specs[key])
+        return resp.plans
+
+    def _report_miss(self, key: str, spec: GraphSpec) -> None:
+        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it."""
+        if key in self._reported or not self._may_register or self._remote is None:
+            return
+        self._reported.add(key)
+        try:
+            self._remote.register_spec(spec)
+        except RemoteRefused as exc:
+            if exc.http_status in (401, 403):
+                self._may_register = False
+                log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
+                         exc.message)
+            else:
+                log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
+        except RemoteUnavailable as exc:
+            self._count_remote_failure(exc)
+
+    def _rebuild(self, spec: GraphSpec, key: str, record: PlanRecord, trail: list[str]) -> Plan | None:
+        t0 = time.perf_counter()
+        try:
+            with self._handle_lock:
+                built = self._backend.build_engine_config(spec, record.engine_id, record.knobs)
+        except Exception as exc:  # noqa: BLE001 - the recorded config may not build here; the next rung decides
+            trail.append(f"rebuild: engine {record.engine_id} failed ({type(exc).__name__})")
+            log.warning("plancache: rebuilding engine %s of %s failed: %s", record.engine_id, key[:12], exc)
+            return None
+        finally:
+            self._stats.build_seconds += time.perf_counter() - t0
+        return self._wrap(spec, key, built, "rebuild")
+
+    def _heuristic(self, spec: GraphSpec, key: str) -> Plan:
+        """A local heuristic build, sharing the kernel cache of the spec's shape family."""
+        family = family_key(spec)
+        t0 = time.perf_counter()
+        try:
+            with self._handle_lock:
+                if family not in self._static_families:
+                    try:
+                        cache = self._kernel_caches.get(family)
+                        if cache is None:
+                            cache = self._kernel_caches[family] = self._backend.create_kernel_cache()
+                        return self._wrap(spec, key, self._backend.build_heuristic(spec, cache), "heuristic")
+                    except Exception as exc:  # noqa: BLE001 - dynamic shapes unsupported for this graph
+                        log.info("plancache: dynamic-shape build of %s failed (%s: %s); building its family statically",
+                                 key[:12], type(exc).__name__, exc)
+                        self._static_families.add(family)
+                        self._kernel_caches.pop(family, None)
+                return self._wrap(spec, key, self._backend.build_heuristic(spec, None), "heuristic")
+        finally:
+            self._stats.build_seconds += time.perf_counter() - t0

@@ -1,0 +1,143 @@
+"""Test doubles of the client's GPU backend (no GPU): they record every call, so tests can assert that a
+rejected blob never reached ``deserialize``."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plancache.environment import Environment
+from plancache.spec import GraphSpec
+
+H200 = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
+                   device_name="NVIDIA H200", cuda_runtime="13.0", torch_version="2.11.0")
+OTHER_GPU = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
+                        device_name="NVIDIA A100")
+
+
+@dataclass
+class FakeBuiltPlan:
+    """Stands for :class:`plancache.gpu.BuiltPlan`; records its executions."""
+
+    spec: GraphSpec
+    how: str
+    workspace_size: int = 4096
+    engine_id: int | None = None
+    knobs: dict[str, int] = field(default_factory=dict)
+    plan_name: str = ""
+    kernel_cache: Any = None
+    executions: list[tuple[dict[str, Any], Any, Any]] = field(default_factory=list)
+
+    def execute(self, tensors: dict[str, Any], workspace: Any, handle: Any) -> None:
+        self.executions.append((tensors, workspace, handle))
+
+
+class FakeKernelCache:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class FakeStream:
+    """A stream stand-in with a ``cuda_stream`` id (no ``device``: the plan does not check it)."""
+
+    def __init__(self, sid: int) -> None:
+        self.cuda_stream = sid
+
+
+class RecordingBackend:
+    """A :class:`plancache.client.backend.Backend` double on the CPU that records every call.
+
+    ``deserialized`` holds each blob given to ``deserialize``; ``calls`` each operation as
+    ``(op, graph_key)``. ``fail`` names operations that raise (``deserialize``, ``engine_config``,
+    ``dynamic`` — heuristic builds with a kernel cache — or ``heuristic``)."""
+
+    def __init__(self, env: Environment = H200, *, fail: tuple[str, ...] = ()) -> None:
+        self.device = torch.device("cpu")
+        self.handle = object()
+        self._env = env
+        self.fail = set(fail)
+        self.deserialized: list[bytes] = []
+        self.calls: list[tuple[str, str]] = []
+        self.kernel_caches: list[FakeKernelCache] = []
+        self.streams_set: list[Any] = []
+        self.stream = FakeStream(7)
+        self._current: Any = None
+
+    def environment(self) -> Environment:
+        return self._env
+
+    def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
+                    plan_name: str) -> FakeBuiltPlan:
+        self.deserialized.append(bytes(blob))
+        self.calls.append(("deserialize", spec.graph_key))
+        if "deserialize" in self.fail:
+            raise RuntimeError("cudnn refused the blob")
+        return FakeBuiltPlan(spec, f"deserialized:{hashlib.sha256(blob).hexdigest()[:8]}", engine_id=engine_id,
+                             knobs=dict(knobs), plan_name=plan_name)
+
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> FakeBuiltPlan:
+        self.calls.append(("engine_config", spec.graph_key))
+        if "engine_config" in self.fail:
+            raise RuntimeError(f"engine {engine_id} is not supported")
+        return FakeBuiltPlan(spec, "engine_config", engine_id=engine_id, knobs=dict(knobs))
+
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> FakeBuiltPlan:
+        self.calls.append(("heuristic" if kernel_cache is None else "heuristic_dynamic", spec.graph_key))
+        if kernel_cache is not None and "dynamic" in self.fail:
+            raise RuntimeError("dynamic shapes are not supported for this graph")
+        if "heuristic" in self.fail:
+            raise RuntimeError("no engine supports this graph")
+        return FakeBuiltPlan(spec, "heuristic", engine_id=0, kernel_cache=kernel_cache)
+
+    def create_kernel_cache(self) -> FakeKernelCache:
+        cache = FakeKernelCache(len(self.kernel_caches))
+        self.kernel_caches.append(cache)
+        return cache
+
+    def current_stream(self) -> Any:
+        return self.stream
+
+    def set_stream(self, stream: Any) -> None:
+        if stream is not self._current:
+            self.streams_set.append(stream)
+            self._current = stream
+
+
+def new_signer() -> Any:
+    """A fresh ed25519 :class:`~plancache.signing.Signer` (in memory)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from plancache.signing import Signer
+
+    return Signer(Ed25519PrivateKey.generate())
+
+
+def trusted(*signers: Any) -> Any:
+    from plancache.signing import TrustedKeys
+
+    return TrustedKeys([s.private_key.public_key() for s in signers])
+
+
+def make_meta(graph_key: str, env: Environment, blob: bytes, signer: Any = None, **overrides: Any) -> Any:
+    """A :class:`~plancache.protocol.PlanMeta` consistent with ``blob``, signed by ``signer`` when given."""
+    from plancache.protocol import PlanMeta
+
+    fields: dict[str, Any] = dict(graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(),
+                                  blob_size=len(blob), engine_id=7, knobs={"TILE_M": 2}, plan_name="eng7",
+                                  workspace_bytes=1024, winner_median_ms=0.05, tuning_seconds=1.5, worker_id="w-test")
+    fields.update(overrides)
+    meta = PlanMeta(**fields)
+    return signer.sign(meta) if signer is not None else meta
+
+
+def make_record(graph_key: str, env: Environment, blob: bytes, signer: Any = None, **overrides: Any) -> Any:
+    """Like :func:`make_meta`, as a stored :class:`~plancache.protocol.PlanRecord`."""
+    from datetime import datetime, timezone
+
+    from plancache.protocol import PlanRecord
+
+    meta = make_meta(graph_key, env, blob, signer, **overrides)
+    return PlanRecord(**meta.model_dump(), env_id=meta.environment.env_id, created_at=datetime.now(timezone.utc))
