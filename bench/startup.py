@@ -172,7 +172,7 @@ def child_fetch(out: Path, limit: int | None, server: str, token: str) -> None:
         errors[spec.name] = gpu.compare_outputs(spec, outputs, gpu.reference_outputs(spec, inputs))
     (out / "fetch.json").write_text(json.dumps({
         "init_s": init_s, "total_s": total, "prefetch_s": t_prefetch, "errors": errors,
-        "stats": stats.model_dump() if hasattr(stats, "model_dump") else vars(stats)}, default=str))
+        "stats": stats.as_dict()}, default=str))
 
 
 def child_quality(out: Path, limit: int | None) -> None:
