@@ -27,8 +27,8 @@ class Environment(BaseModel):
 
     sm: int = Field(ge=10, le=1000, description="compute capability, major*10+minor")
     sm_count: int = Field(ge=1, le=100_000)
-    cudnn_version: int = Field(ge=1, description="cuDNN backend version, e.g. 91900")
-    driver_version: int = Field(ge=1, description="CUDA driver API version, e.g. 13000")
+    cudnn_version: int = Field(ge=1, le=2**31 - 1, description="cuDNN backend version, e.g. 91900")
+    driver_version: int = Field(ge=1, le=2**31 - 1, description="CUDA driver API version, e.g. 13000")
     frontend_version: str = Field(min_length=1, max_length=64, description="nvidia-cudnn-frontend version")
     device_name: str = Field(default="", max_length=256)
     cuda_runtime: str = Field(default="", max_length=64)

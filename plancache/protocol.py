@@ -18,6 +18,8 @@ CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 GRAPH_KEY_PATTERN = r"^[0-9a-f]{64}$"
 GraphKey = str
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 class _Model(BaseModel):
@@ -41,8 +43,8 @@ class TargetEnvironment(_Model):
 
     sm: int | None = Field(default=None, ge=10, le=1000)
     sm_count: int | None = Field(default=None, ge=1, le=100_000)
-    cudnn_version: int | None = Field(default=None, ge=1)
-    driver_version: int | None = Field(default=None, ge=1)
+    cudnn_version: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    driver_version: int | None = Field(default=None, ge=1, le=INT32_MAX)
     frontend_version: str | None = Field(default=None, min_length=1, max_length=64)
 
     def matches(self, env: Environment) -> bool:
@@ -56,8 +58,8 @@ class TargetEnvironment(_Model):
 class Candidate(_Model):
     """One candidate execution plan seen during autotuning."""
 
-    index: int = Field(ge=0)
-    engine_id: int | None = None
+    index: int = Field(ge=0, le=INT32_MAX)
+    engine_id: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
     knobs: dict[str, int] = Field(default_factory=dict)
     name: str = Field(default="", max_length=512)
     workspace_bytes: int | None = Field(default=None, ge=0)
@@ -73,13 +75,13 @@ class PlanMeta(_Model):
     graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
     environment: Environment
     blob_sha256: str = Field(pattern=SHA256_PATTERN)
-    blob_size: int = Field(ge=1)
+    blob_size: int = Field(ge=1, le=INT64_MAX)
     signature: str | None = Field(default=None, max_length=512, description="base64 ed25519 signature")
     signer_key_id: str | None = Field(default=None, max_length=128)
-    engine_id: int
+    engine_id: int = Field(ge=-INT64_MAX, le=INT64_MAX)
     knobs: dict[str, int] = Field(default_factory=dict)
     plan_name: str = Field(default="", max_length=512)
-    workspace_bytes: int = Field(ge=0)
+    workspace_bytes: int = Field(ge=0, le=INT64_MAX)
     winner_median_ms: float = Field(ge=0)
     heuristic_median_ms: float | None = Field(default=None, ge=0)
     worst_median_ms: float | None = Field(default=None, ge=0)
@@ -142,7 +144,7 @@ class TuneRequest(_Model):
     graph_keys: list[GraphKey] = Field(default_factory=list)
     specs: list[dict[str, Any]] = Field(default_factory=list)
     targets: list[TargetEnvironment] = Field(min_length=1)
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
 
 
@@ -151,7 +153,7 @@ class EnqueueMissesRequest(_Model):
 
     environment: Environment
     top: int = Field(default=10, ge=1, le=10_000)
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
 
 
 class Job(_Model):
