@@ -15,9 +15,10 @@ beyond the standard library on a client, ``jq`` can inspect it, and there are no
 paths or orderings to validate. The cost is base64's third more bytes for the blobs.
 
 Loading verifies everything before anything is used (:func:`verify_bundle`): the bundle signature
-against the trusted keys when any are configured (then it is required), each blob's size and sha256
-against its record, each record's own plan signature when it carries one, that each record is for the
-bundle's environment, and that each graph key is the key of the enclosed spec. Any failure refuses the
+against the trusted keys when any are configured (then it is required, and so is each record's own
+plan signature, as a client with trusted keys requires it of every plan), each blob's size and sha256
+against its record, that each record is for the bundle's environment, and that each graph key is the
+key of the enclosed spec. Reasons are those of :data:`plancache.client.verify.REASONS`. Any failure refuses the
 whole bundle with a :class:`~plancache.errors.VerificationError` naming the entry.
 
 This module needs no SQLAlchemy: :func:`export_bundle` and :func:`import_bundle` take a store object
@@ -166,14 +167,14 @@ def _verify_entry(index: int, entry: BundleEntry, header: BundleHeader, trusted:
         raise VerificationError("size", f"{name}: blob is {len(blob)} bytes, its record says {record.blob_size}")
     digest = hashlib.sha256(blob).hexdigest()
     if digest != record.blob_sha256:
-        raise VerificationError("digest", f"{name}: blob sha256 is {digest}, its record says {record.blob_sha256}")
+        raise VerificationError("sha256", f"{name}: blob sha256 is {digest}, its record says {record.blob_sha256}")
     try:
         key = graph_key(entry.spec)
     except PlanCacheError as exc:
-        raise VerificationError("spec", f"{name}: {exc.message}") from None
+        raise VerificationError("malformed", f"{name}: {exc.message}") from None
     if key != record.graph_key:
-        raise VerificationError("spec", f"{name}: the enclosed spec has graph key {key}")
-    if trusted and record.signature:
+        raise VerificationError("graph_key", f"{name}: the enclosed spec has graph key {key}")
+    if trusted:
         try:
             trusted.verify(record)
         except VerificationError as exc:

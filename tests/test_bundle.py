@@ -135,9 +135,10 @@ def _set_blob(doc: dict[str, Any], i: int, blob: bytes) -> None:
     (lambda d: d["entries"].pop(), True, "malformed", "counts 3 entries"),
     # Without trusted keys every entry is still checked on its own.
     (lambda d: _set_blob(d, 1, b"evil" * 10), False, "size", "bundle entry 1"),
-    (lambda d: _set_blob(d, 2, bytes(reversed(base64.b64decode(d["entries"][2]["blob_b64"])))), False, "digest",
+    (lambda d: _set_blob(d, 2, bytes(reversed(base64.b64decode(d["entries"][2]["blob_b64"])))), False, "sha256",
      "bundle entry 2"),
-    (lambda d: d["entries"][0]["spec"]["tensors"]["A"]["dims"].__setitem__(1, 999), False, "spec", "bundle entry 0"),
+    (lambda d: d["entries"][0]["spec"]["tensors"]["A"]["dims"].__setitem__(1, 999), False, "malformed", "bundle entry 0"),
+    (lambda d: d["entries"][0]["spec"]["tuning"].update(deterministic_only=True), False, "graph_key", "bundle entry 0"),
     (lambda d: d["entries"][0]["record"]["environment"].update(sm=80), False, "environment", "bundle entry 0"),
     (lambda d: d["entries"].append(d["entries"][0]) or d["header"].update(entries=4), False, "malformed",
      "repeats entry 0"),
@@ -278,3 +279,50 @@ def test_bundle_is_deterministic_in_content(store, make_spec, make_plan, gpu_env
     da, db = json.loads(a.read_text()), json.loads(b.read_text())
     assert da["entries"] == db["entries"]
     assert [e["record"]["graph_key"] for e in da["entries"]] == sorted(k)
+
+
+def test_trusted_keys_require_every_record_signed(store, make_spec, make_plan, gpu_env, keys, dest, tmp_path):
+    """A client with trusted keys rejects unsigned plans, so a trusted bundle may not carry any."""
+    _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    key, spec = make_spec(5)
+    store.put_spec(key, spec)
+    meta, blob = make_plan(key, gpu_env, blob=b"unsigned plan", signature=None, signer_key_id=None)
+    store.publish_plan(meta, blob)
+    out = tmp_path / "u.json"
+    export_bundle(store, gpu_env, None, out, keys["signer"])
+    with pytest.raises(VerificationError, match=f"graph key {key[:16]}.*unsigned") as err:
+        import_bundle(dest, out, keys["trusted"])
+    assert err.value.reason == "unsigned"
+    assert len(load_bundle(out, None)) == 2
+
+
+def test_client_starts_from_a_seeded_cache_with_no_server(tmp_path, make_spec, make_plan, gpu_env, keys, cli,
+                                                          monkeypatch):
+    from plancache.client import PlanCache
+    from plancache.spec import parse_spec
+
+    from .client_fakes import RecordingBackend
+
+    with open_store(f"sqlite:///{tmp_path / 'src.db'}", create=True) as src:
+        wanted = _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=2)
+        out = tmp_path / "image.bundle"
+        export_bundle(src, gpu_env, None, out, keys["signer"])
+        specs = {k: src.get_spec(k) for k in wanted}
+        blobs = {k: src.get_blob(src.get_plan(k, gpu_env).blob_sha256) for k in wanted}
+    cache = tmp_path / "cache"
+    r = cli("bundle", "import", str(out), "--cache-dir", str(cache), "--trusted-keys", str(keys["pub"]))
+    assert r.exit_code == 0, r.output
+    assert f"seeded {cache / gpu_env.env_id}: 2 plans" in r.output
+
+    monkeypatch.delenv("PLANCACHE_SERVER_URL", raising=False)
+    backend = RecordingBackend(gpu_env)
+    with PlanCache(None, backend=backend, cache_dir=cache, trusted_keys=[keys["pub"]], mode="strict") as pc:
+        for k in wanted:
+            plan = pc.plan(parse_spec(specs[k]))
+            assert plan.source == "disk"
+    assert sorted(backend.deserialized) == sorted(blobs.values())
+
+    bad = _edit(out, lambda d: _set_blob(d, 0, b"y" * 30))
+    r = cli("bundle", "import", str(bad), "--cache-dir", str(tmp_path / "cache2"), "--trusted-keys", str(keys["pub"]))
+    assert r.exit_code == 1 and "refused" in r.output
+    assert not (tmp_path / "cache2").exists()

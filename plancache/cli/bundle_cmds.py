@@ -106,11 +106,16 @@ def bundle_import(
     file: Path = typer.Argument(..., help="bundle file"),
     trusted_keys: Optional[str] = typer.Option(None, "--trusted-keys", envvar="PLANCACHE_TRUSTED_KEYS",
                                                help="public key files or folders of *.pub (, or : separated); "
-                                                    "when given, the bundle must be signed by one of them"),
+                                                    "when given, the bundle and every plan in it must be signed "
+                                                    "by one of them"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir",
+                                             help="seed this client plan cache folder (the PLANCACHE_CACHE_DIR of "
+                                                  "the processes that will use it) instead of the database"),
     database_url: Optional[str] = _url_option(),
 ) -> None:
-    """Verify every entry of a bundle, then store its specs and plans (nothing is stored if any entry fails)."""
-    from ..bundle import import_bundle
+    """Verify every entry of a bundle, then store its specs and plans in the database, or its plans in a
+    client cache folder (--cache-dir, no server or database needed). Nothing is stored if any entry fails."""
+    from ..bundle import import_bundle, read_bundle, verify_bundle
     from ..errors import PlanCacheError
     from ..signing import TrustedKeys
 
@@ -120,13 +125,29 @@ def bundle_import(
         raise _fail(str(getattr(exc, "message", exc))) from None
     if trusted_keys and not trusted:
         raise _fail(f"--trusted-keys {trusted_keys!r} names no public key")
+    unchecked = "warning: the bundle signature was not checked (no --trusted-keys / PLANCACHE_TRUSTED_KEYS)"
+    if cache_dir is not None:
+        from ..client.cache import DiskCache
+
+        try:
+            raw, doc = read_bundle(file)
+            plans = verify_bundle(raw, doc, trusted)
+        except (OSError, PlanCacheError) as exc:
+            raise _fail(f"{file}: refused: {getattr(exc, 'message', exc)}") from None
+        disk = DiskCache(cache_dir, doc.header.environment)
+        if not all(disk.save(p.record, p.blob) for p in plans):
+            raise _fail(f"cannot write the plan cache at {disk.dir}")
+        if not trusted:
+            typer.echo(unchecked, err=True)
+        typer.echo(f"seeded {disk.dir}: {len(plans)} plans for {doc.header.environment.describe()}")
+        return
     with _open(database_url) as store:
         try:
             report = import_bundle(store, file, trusted)
         except (OSError, PlanCacheError) as exc:
             raise _fail(f"{file}: refused: {getattr(exc, 'message', exc)}") from None
     if not report.signature_checked:
-        typer.echo("warning: the bundle signature was not checked (no --trusted-keys / PLANCACHE_TRUSTED_KEYS)", err=True)
+        typer.echo(unchecked, err=True)
     typer.echo(f"imported {file}: {report.imported} new plans, {report.unchanged} already stored, "
                f"for {report.environment.describe()}")
 
