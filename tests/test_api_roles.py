@@ -26,6 +26,7 @@ ROUTES = [
     ("PUT", "/v1/plans", "/v1/plans", "worker"),
     ("POST", "/v1/admin/tune", "/v1/admin/tune", "admin"),
     ("POST", "/v1/admin/tune/misses", "/v1/admin/tune/misses", "admin"),
+    ("POST", "/v1/admin/campaigns", "/v1/admin/campaigns", "admin"),
     ("GET", "/v1/misses", "/v1/misses", "admin"),
     ("GET", "/v1/jobs", "/v1/jobs", "admin"),
     ("GET", "/v1/jobs/{job_id}", "/v1/jobs/1", "worker"),

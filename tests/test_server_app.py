@@ -79,6 +79,8 @@ def test_routing_errors_have_the_error_body(sapi):
     (b'{"environment": {"sm": ' + b"9" * 5000 + b"}}", "too long"),
     (b'{"worker_id": "a\\u0000b"}', "NUL"),
     (b'{"worker_id": "a\\\\\\u0000b"}', "NUL"),
+    (b'{"worker_id": "\xff"}', "not UTF-8"),
+    (b"[" * 100_000, "nests too deeply"),
     (b"", "body: Field required"),
     (b"[1, 2]", "body"),
 ])

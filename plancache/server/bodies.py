@@ -2,8 +2,8 @@
 
 Strict JSON refuses what Python's ``json`` accepts but the store cannot keep or the wire models
 cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than 4300 digits,
-and NUL characters in strings (PostgreSQL text cannot hold them); a NUL in the query string is
-refused too. All routes of the app use :class:`CheckedRoute`.
+NUL characters in strings (PostgreSQL text cannot hold them), bytes that are not UTF-8 and nesting
+too deep to parse; a NUL in the query string is refused too. Each is a 422, like any invalid JSON. All routes of the app use :class:`CheckedRoute`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,12 @@ def strict_json_loads(body: bytes) -> Any:
     """``json.loads`` refusing non-finite numbers, huge integers and NUL characters (``json.JSONDecodeError``)."""
     if _ESCAPED_NUL in body and _NUL_ESCAPE.search(body):
         raise _refuse("strings may not contain NUL characters (\\u0000)")
-    return json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant)
+    try:
+        return json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant)
+    except UnicodeDecodeError:
+        raise _refuse("the body is not UTF-8 text") from None
+    except RecursionError:
+        raise _refuse("the body nests too deeply") from None
 
 
 class CheckedRequest(Request):

@@ -25,6 +25,8 @@ from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..uploads import accept_upload
 
+# Routes are matched in order: /v1/jobs/claim comes before /v1/jobs/{job_id}, so a wrong method on it
+# is answered 405 with its own Allow header.
 router = APIRouter(route_class=CheckedRoute, tags=["jobs"])
 
 JobId = Annotated[int, Path(ge=1, le=2**31 - 1)]
@@ -39,11 +41,6 @@ def list_jobs(store: StoreDep, _: Admin, status: JobStatus | None = None,
     return JobList(jobs=store.list_jobs(status=status, graph_key=graph_key, limit=limit, offset=offset))
 
 
-@router.get("/v1/jobs/{job_id}", response_model=Job, summary="One job", responses=documented_errors(401, 403, 404, 422, 503))
-def read_job(job_id: JobId, store: StoreDep, _: Worker) -> Job:
-    return store.get_job(job_id)
-
-
 @router.post("/v1/jobs/claim", response_model=ClaimResponse, summary="Lease the best job this environment can run",
              responses={204: {"description": "no job for this environment"}, **documented_errors(401, 403, 422, 503)})
 def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, _: Worker) -> ClaimResponse | Response:
@@ -55,6 +52,11 @@ def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, _: Worker) 
         raise RuntimeError(f"job {job.id} references graph key {job.graph_key}, which has no stored spec")
     assert job.lease_expires_at is not None
     return ClaimResponse(job=job, spec=spec, lease_token=job.fencing_token, lease_expires_at=job.lease_expires_at)
+
+
+@router.get("/v1/jobs/{job_id}", response_model=Job, summary="One job", responses=documented_errors(401, 403, 404, 422, 503))
+def read_job(job_id: JobId, store: StoreDep, _: Worker) -> Job:
+    return store.get_job(job_id)
 
 
 @router.post("/v1/jobs/{job_id}/heartbeat", response_model=Job, summary="Extend a held lease", responses=_LEASE_ERRORS)
