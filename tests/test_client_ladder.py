@@ -92,7 +92,7 @@ def seed(srv: LiveServer, spec: Any, signer: Any, env=H200, blob: bytes | None =
 def client(srv: LiveServer | None, tmp_path: Path, signer: Any, *, role: str = "reader", wire: Wire | None = None,
            backend: RecordingBackend | None = None, **kw: Any) -> PlanCache:
     kw.setdefault("trusted_keys", trusted(signer))
-    return PlanCache(srv.url if srv is not None else None, backend=backend or RecordingBackend(),
+    return PlanCache(srv.url if srv is not None else "", backend=backend or RecordingBackend(),
                      token=srv.token(role) if srv is not None else None, cache_dir=tmp_path / "cache",
                      transport=wire, **kw)
 

@@ -102,8 +102,8 @@ class PlanCache:
 
     ``server_url``, ``token``, ``trusted_keys``, ``cache_dir`` and the timeouts default to the
     settings (``PLANCACHE_SERVER_URL``, ``PLANCACHE_TOKEN``, ``PLANCACHE_TRUSTED_KEYS``,
-    ``PLANCACHE_CACHE_DIR``, ``PLANCACHE_CONNECT_TIMEOUT``/``READ_TIMEOUT``). No server URL: disk
-    cache and local builds only. With trusted keys every blob must carry a valid signature by one
+    ``PLANCACHE_CACHE_DIR``, ``PLANCACHE_CONNECT_TIMEOUT``/``READ_TIMEOUT``). No server URL (``""``,
+    or none configured): disk cache and local builds only. With trusted keys every blob must carry a valid signature by one
     of them; without, only digests are checked (a warning says so). ``backend`` defaults to
     :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment``
     defaults to the backend's fingerprint. After a server failure the server is not asked again

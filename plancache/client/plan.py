@@ -193,7 +193,7 @@ class Plan:
         on the caller's current stream.
 
         The tensors are checked like :meth:`execute`. The plan runs ``warmup`` times on a side stream, then
-        once under capture with the cuDNN handle's stream set to the capture stream; the handle is pointed
+        once under capture on that stream, with the cuDNN handle's stream set to it; the handle is pointed
         back at the caller's stream afterwards. The graph replays on the same pointers: to feed new data,
         copy it into the captured tensors (``tensor.copy_(new)``), never rebind; scalars stay at their
         captured values. The graph keeps the tensors and a workspace of its own alive (``graph.plancache_keepalive``).
@@ -208,14 +208,14 @@ class Plan:
             side = torch.cuda.Stream(device=device)
             side.wait_stream(caller)
             try:
+                # The handle points at the capture stream before capture begins (no cuDNN stream calls under capture).
+                self._backend.set_stream(side)
                 with torch.cuda.stream(side):
                     for _ in range(warmup):
-                        self._backend.set_stream(side)
                         self._built.execute(pack, ws, handle)
                 caller.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._backend.set_stream(torch.cuda.current_stream(device))
+                with torch.cuda.graph(graph, stream=side):
                     self._built.execute(pack, ws, handle)
             finally:
                 self._backend.set_stream(caller)
