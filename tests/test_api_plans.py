@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
+from plancache.server.routes import plans as plans_routes
 from plancache.spec import parse_spec
 
 from .server_util import api, env_query, open_api, sha, upload_json  # noqa: F401
@@ -149,8 +151,12 @@ def test_resolve_returns_records_blobs_and_records_misses(api, published, make_s
     assert out["plans"][k0]["record"]["blob_sha256"] == sha(b0)
 
     r = api.client.post("/v1/plans/resolve", json={**body, "include_blobs": True}, headers=api.reader)
+    assert r.headers["content-type"] == "application/json"
     plans = r.json()["plans"]
     assert base64.b64decode(plans[k0]["blob_b64"]) == b0 and base64.b64decode(plans[k1]["blob_b64"]) == b1
+    expected = ResolveResponse(plans={k: ResolvedPlan(record=api.store.get_plan(k, gpu_env), blob_b64=b64encode(b))
+                                      for k, b in ((k0, b0), (k1, b1))}, missing=[missing_key])
+    assert ResolveResponse.model_validate_json(r.content) == expected
 
     misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
     assert [(m["graph_key"], m["env_id"], m["count"]) for m in misses] == [(missing_key, gpu_env.env_id, 2)]
@@ -158,6 +164,17 @@ def test_resolve_returns_records_blobs_and_records_misses(api, published, make_s
     assert 'plancache_resolve_keys_total{result="hit"} 4.0' in metrics
     assert 'plancache_resolve_keys_total{result="miss"} 2.0' in metrics
     assert f'plancache_blob_bytes_served_total{{route="/v1/plans/resolve"}} {float(len(b0) + len(b1))}' in metrics
+
+
+def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypatch):
+    monkeypatch.setattr(plans_routes, "CHUNK_BYTES", 1)
+    for include_blobs in (True, False):
+        found, missing = api.store.resolve(gpu_env, [k for k, _, _ in published] + ["f" * 64], include_blobs=include_blobs)
+        chunks = list(plans_routes.resolve_json(found, missing))
+        assert len(chunks) == 3  # one per plan, then the end
+        expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b))
+                                          for k, (r, b) in found.items()}, missing=missing)
+        assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
 
 
 def test_resolve_matches_the_environment_exactly(api, published, gpu_env):

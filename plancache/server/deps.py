@@ -1,4 +1,6 @@
-"""Per-app state handed to routes as dependencies: the settings, the store (opened by the lifespan) and the metrics."""
+"""Per-app state handed to routes as dependencies: the settings, the store (opened by the lifespan) and the metrics.
+
+They are ``async`` only so that FastAPI runs them on the event loop instead of a worker thread; none awaits anything."""
 
 from __future__ import annotations
 
@@ -11,18 +13,18 @@ from ..store import Store
 from .metrics import Metrics
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store = request.app.state.store
     if store is None:
         raise RuntimeError("the app's store is not open: run the app with its lifespan (uvicorn, or `with TestClient(app)`)")
     return store
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import json
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi.responses import StreamingResponse
 
 from ...environment import Environment
 from ...errors import NotFound, PayloadTooLarge
-from ...protocol import SHA256_PATTERN, PlanRecord, PlanUpload, ResolvedPlan, ResolveRequest, ResolveResponse, b64encode
+from ...protocol import SHA256_PATTERN, PlanRecord, PlanUpload, ResolveRequest, ResolveResponse
 from ..auth import Reader, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
@@ -21,6 +25,8 @@ router = APIRouter(route_class=CheckedRoute, tags=["plans"])
 #: Blobs are content-addressed: a URL's bytes never change.
 IMMUTABLE = "public, max-age=31536000, immutable"
 BLOB_ROUTE = "/v1/blobs/{sha256}"
+#: Resolve answers with blobs are streamed in chunks of about this size.
+CHUNK_BYTES = 1 << 20
 
 
 @router.post("/v1/plans/resolve", response_model=ResolveResponse, summary="Records (and blobs) for many graph keys on one environment",
@@ -31,11 +37,28 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=req.include_blobs)
-    plans = {key: ResolvedPlan(record=record, blob_b64=None if blob is None else b64encode(blob))
-             for key, (record, blob) in found.items()}
     metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
-    # Serialized here, once: the response can hold many megabytes of base64.
-    return Response(ResolveResponse(plans=plans, missing=missing).model_dump_json(), media_type="application/json")
+    chunks = resolve_json(found, missing)
+    if req.include_blobs:
+        return StreamingResponse(chunks, media_type="application/json")
+    return Response(b"".join(chunks), media_type="application/json")
+
+
+def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str]) -> Iterator[bytes]:
+    """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`. Blobs are base64-encoded
+    as their chunk is made (base64 needs no JSON escaping), so a many-megabyte answer is never held whole."""
+    buffer, size = [b'{"plans":{'], 0
+    for i, (key, (record, blob)) in enumerate(found.items()):
+        inline = b"null" if blob is None else b'"' + base64.b64encode(blob) + b'"'
+        part = b"".join((b"," if i else b"", json.dumps(key).encode(), b':{"record":', record.model_dump_json().encode(),
+                         b',"blob_b64":', inline, b"}"))
+        buffer.append(part)
+        size += len(part)
+        if size >= CHUNK_BYTES:
+            yield b"".join(buffer)
+            buffer, size = [], 0
+    buffer.append(b'},"missing":' + json.dumps(missing).encode() + b"}")
+    yield b"".join(buffer)
 
 
 @router.get("/v1/plans/{graph_key}", response_model=PlanRecord, summary="The plan record for one graph key on one environment",
