@@ -95,6 +95,7 @@ def test_campaign_request_is_validated(api, make_spec):
         ({"target": {"cudnn_version": 92000}, "colour": "red"}, "colour"),
         ({"target": {"cudnn_version": 0}}, "cudnn_version"),
         ({"target": {"cudnn_version": 92000}, "max_attempts": 0}, "max_attempts"),
+        ({"target": {"cudnn_version": 92000}, "priority": 10**12}, "priority"),
         ({"priority": 1}, "target"),
     ):
         r = api.client.post(URL, json=body, headers=api.admin)

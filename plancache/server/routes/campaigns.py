@@ -20,7 +20,7 @@ class CampaignRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: TargetEnvironment
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, description="higher is claimed first")
     max_attempts: int | None = Field(default=None, ge=1, le=100)
 
     @model_validator(mode="after")
