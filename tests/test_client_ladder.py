@@ -5,10 +5,12 @@ rejected with its reason and never reaches ``deserialize``; a dead or slow serve
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,6 +126,7 @@ BAD_BLOBS = [
     ("unknown_signer", "unknown_signer", "heuristic"),
     ("unsigned", "unsigned", "heuristic"),
     ("other_environment", "environment", "heuristic"),
+    ("bad_base64", "malformed", "rebuild"),
 ]
 
 
@@ -148,6 +151,9 @@ def test_a_bad_blob_is_rejected_with_its_reason_and_never_deserialized(srv, tmp_
         # A correctly signed plan for another GPU, served by a confused server for this one.
         seed(srv, CONV, signer, env=OTHER_GPU)
         wire.edit_request = lambda body: body.update(environment=OTHER_GPU.model_dump())
+    elif case == "bad_base64":
+        seed(srv, CONV, signer)
+        wire.edit_answer = lambda body: body["plans"][key].update(blob_b64="not*base64!")
     pc = client(srv, tmp_path, signer, wire=wire)
     plan = pc.plan(CONV)
     assert plan.source == served_by
@@ -156,6 +162,23 @@ def test_a_bad_blob_is_rejected_with_its_reason_and_never_deserialized(srv, tmp_
     assert pc._backend.deserialized == [], "a rejected blob reached deserialize"
     assert s.hits == {served_by: 1} and s.misses == 1 and s.fallbacks["server"] == 1
     assert not (tmp_path / "cache" / H200.env_id).exists() or not list((tmp_path / "cache" / H200.env_id).iterdir())
+
+
+def test_a_blob_left_out_of_the_answer_is_fetched_by_its_digest(srv, tmp_path, signer, wire):
+    blob = seed(srv, CONV, signer)
+    wire.edit_answer = lambda body: body["plans"][CONV.graph_key].update(blob_b64=None)
+    pc = client(srv, tmp_path, signer, wire=wire)
+    assert pc.plan(CONV).source == "server" and pc._backend.deserialized == [blob]
+    assert wire.paths[f"/v1/blobs/{hashlib.sha256(blob).hexdigest()}"] == 1
+
+
+def test_concurrent_callers_of_one_spec_share_one_load(tmp_path, signer):
+    backend = RecordingBackend()
+    pc = client(None, tmp_path, signer, backend=backend)
+    with ThreadPoolExecutor(8) as pool:
+        plans = list(pool.map(lambda _: pc.plan(CONV), range(16)))
+    assert all(p is plans[0] for p in plans)
+    assert len(backend.calls) == 1 and pc.stats().hits == {"heuristic": 1, "memory": 15}
 
 
 def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(srv, tmp_path, signer):

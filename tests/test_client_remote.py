@@ -154,3 +154,15 @@ def test_bad_arguments_are_refused():
         Remote("plancache.test:8787")
     with pytest.raises(ValueError):
         Remote(URL, read_timeout=0)
+
+
+def test_the_client_imports_neither_the_server_stack_nor_the_gpu_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, plancache.client; "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'fastapi', 'uvicorn', 'alembic', "
+            "'torch', 'cudnn'}); print(heavy); sys.exit(1 if heavy else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
