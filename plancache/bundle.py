@@ -123,7 +123,7 @@ def build_bundle(environment: Environment, plans: Iterable[BundlePlan], signer: 
 def write_bundle(doc: dict[str, Any], path: Path | str) -> None:
     """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, ensure_ascii=False, separators=(",", ":"))
@@ -221,7 +221,7 @@ def collect_plans(store: "Store", environment: Environment, graph_keys: list[str
         records: dict[str, PlanRecord] = {}
         offset = 0
         while page := store.list_plans(env_id=environment.env_id, limit=_PAGE, offset=offset):
-            records.update((r.graph_key, r) for r in page if r.environment.compatible_with(environment))
+            records.update((r.graph_key, r) for r in page)
             offset += len(page)
         if not records:
             raise NotFound(f"no plans are stored for {environment.describe()} (env id {environment.env_id})")
