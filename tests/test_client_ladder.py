@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -179,6 +180,28 @@ def test_concurrent_callers_of_one_spec_share_one_load(tmp_path, signer):
         plans = list(pool.map(lambda _: pc.plan(CONV), range(16)))
     assert all(p is plans[0] for p in plans)
     assert len(backend.calls) == 1 and pc.stats().hits == {"heuristic": 1, "memory": 15}
+
+
+def test_a_loaded_plan_is_served_while_another_thread_builds(tmp_path, signer):
+    release = threading.Event()
+
+    class SlowBuilds(RecordingBackend):
+        def build_heuristic(self, spec, kernel_cache):
+            if spec.graph_key == SDPA.graph_key:
+                assert release.wait(10)
+            return super().build_heuristic(spec, kernel_cache)
+
+    pc = client(None, tmp_path, signer, backend=SlowBuilds())
+    conv = pc.plan(CONV)
+    with ThreadPoolExecutor(1) as pool:
+        building = pool.submit(pc.plan, SDPA)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        assert pc.plan(CONV) is conv
+        assert time.monotonic() - t0 < 0.5 and not building.done()
+        release.set()
+        assert building.result(timeout=10).source == "heuristic"
+    assert pc.stats().hits == {"heuristic": 2, "memory": 1}
 
 
 def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(srv, tmp_path, signer):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -157,9 +159,6 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_client_imports_neither_the_server_stack_nor_the_gpu_stack():
-    import subprocess
-    import sys
-
     code = ("import sys, plancache.client; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'fastapi', 'uvicorn', 'alembic', "
             "'torch', 'cudnn'}); print(heavy); sys.exit(1 if heavy else 0)")

@@ -107,7 +107,9 @@ class PlanCache:
     of them; without, only digests are checked (a warning says so). ``backend`` defaults to
     :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment``
     defaults to the backend's fingerprint. After a server failure the server is not asked again
-    for ``cooldown`` seconds. Thread-safe; all plans share one cuDNN handle, used by one thread at a time.
+    for ``cooldown`` seconds. Thread-safe: loads run one at a time, but :meth:`plan` of an already loaded
+    spec never waits for them (it hashes the spec, so keep the returned :class:`Plan` in hot loops);
+    all plans share one cuDNN handle, used by one thread at a time.
     """
 
     def __init__(self, server_url: str | None = None, *, environment: Environment | None = None,
@@ -143,6 +145,8 @@ class PlanCache:
         self._reported: set[str] = set()
         self._may_register = True
         self._stats = ClientStats()
+        self._memory_hits = 0
+        self._memory_hits_lock = threading.Lock()
 
     # ------------------------------------------------------------ public
 
@@ -150,6 +154,10 @@ class PlanCache:
         """A ready plan for ``spec`` (see the module docstring for the ladder and the modes)."""
         s = parse_spec(spec)
         key = graph_key(s)
+        plan = self._memory.get(key)  # no waiting on the ladder lock while another thread builds
+        if plan is not None:
+            self._memory_hit()
+            return plan
         result = self._load_many([(key, s)])[key]
         if isinstance(result, PlanMiss):
             raise result
@@ -176,10 +184,15 @@ class PlanCache:
 
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
-        with self._lock:
+        with self._lock, self._memory_hits_lock:
             s = self._stats
-            return ClientStats(dict(s.hits), s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
+            hits = dict(s.hits, memory=self._memory_hits) if self._memory_hits else dict(s.hits)
+            return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds)
+
+    def _memory_hit(self) -> None:
+        with self._memory_hits_lock:
+            self._memory_hits += 1
 
     def close(self) -> None:
         if self._remote is not None:
@@ -202,7 +215,7 @@ class PlanCache:
                 for key, spec in items:
                     plan = self._memory.get(key)
                     if plan is not None:
-                        _bump(self._stats.hits, "memory")
+                        self._memory_hit()
                         results[key] = plan
                         continue
                     trail: list[str] = []
