@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -17,6 +19,7 @@ from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.spec import parse_spec
 from plancache.worker import Backoff, JobClient, RequestRefused, ServerUnavailable, Spool, SpoolEntry
 from plancache.worker.loop import lease_duration
+from tests.gpu_util import gpu_skip_reason
 from tests.worker_fakes import FAKE_ENV, FakeTuner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,3 +180,12 @@ def test_cli_worker_requires_a_signing_key(tmp_path, monkeypatch):
     monkeypatch.delenv("PLANCACHE_SIGNING_KEY", raising=False)
     res = CliRunner().invoke(worker_cli(), ["worker", "--server", "http://127.0.0.1:9"])
     assert res.exit_code == 2 and "signing" in res.output
+
+
+@pytest.mark.skipif(gpu_skip_reason() is None, reason="a GPU is present: the worker would start")
+def test_cli_worker_without_a_gpu_exits_with_a_message(tmp_path):
+    priv, _, _ = keygen(tmp_path, "w")
+    proc = subprocess.run([sys.executable, "-m", "plancache", "worker", "--server", "http://127.0.0.1:9",
+                           "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--once"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
