@@ -99,7 +99,7 @@ class _Tuning:
 
     tuned: TunedResult | None = None
     round_trip_error: float | None = None
-    error: BaseException | None = None
+    error: Exception | None = None
 
 
 class Worker:
@@ -268,7 +268,7 @@ class Worker:
         self.spool.remove(entry)
         return True
 
-    def _report_failure(self, job: Job, lease: LeaseRequest, exc: BaseException) -> None:
+    def _report_failure(self, job: Job, lease: LeaseRequest, exc: Exception) -> None:
         if isinstance(exc, PlanCacheError):
             reason = f"{exc.code}: {exc.message}"
         else:
