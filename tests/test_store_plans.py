@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pydantic import ValidationError
 import sqlalchemy as sa
 
 from plancache import errors
@@ -243,8 +244,11 @@ def test_non_finite_candidate_figures_are_stored_as_null(store, key, gpu_env, ma
 def test_out_of_range_plan_fields_are_refused_clearly(store, key, gpu_env, make_plan):
     from plancache.store.db import InvalidValue
 
-    with pytest.raises(InvalidValue, match="engine_id"):
-        store.publish_plan(*make_plan(key, gpu_env, engine_id=2**64))
+    with pytest.raises(ValidationError):  # the wire model refuses it first ...
+        make_plan(key, gpu_env, engine_id=2**64)
+    meta, blob = make_plan(key, gpu_env)
+    with pytest.raises(InvalidValue, match="engine_id"):  # ... and the store when a caller skips validation
+        store.publish_plan(meta.model_copy(update={"engine_id": 2**64}), blob)
     with pytest.raises(InvalidValue, match="cudnn_version"):
         store.resolve(gpu_env.model_copy(update={"cudnn_version": 2**40}), [key], include_blobs=False)
     assert _rows(store, plans) == 0 and store.list_misses() == []
