@@ -177,6 +177,16 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
         assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
 
 
+def test_resolve_inlines_blobs_up_to_the_budget(api, published, gpu_env, monkeypatch):
+    (k0, _, b0), (k1, _, b1) = published
+    monkeypatch.setattr(plans_routes, "MAX_INLINE_BLOB_BYTES", len(b0) + len(b1) - 1)
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [k1, k0], "include_blobs": True}
+    plans = api.client.post("/v1/plans/resolve", json=body, headers=api.reader).json()["plans"]
+    assert base64.b64decode(plans[k1]["blob_b64"]) == b1 and plans[k0]["blob_b64"] is None
+    assert plans[k0]["record"]["blob_sha256"] == sha(b0)
+    assert api.store.list_misses() == []  # looking the blobs up again records no miss
+
+
 def test_resolve_matches_the_environment_exactly(api, published, gpu_env):
     keys = [k for k, _, _ in published]
     other = gpu_env.model_copy(update={"cudnn_version": gpu_env.cudnn_version + 1})

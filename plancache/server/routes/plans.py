@@ -27,16 +27,28 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 BLOB_ROUTE = "/v1/blobs/{sha256}"
 #: Resolve answers with blobs are streamed in chunks of about this size.
 CHUNK_BYTES = 1 << 20
+#: Blob bytes one resolve answer inlines at most (the server holds them in memory while it answers).
+MAX_INLINE_BLOB_BYTES = 128 << 20
 
 
 @router.post("/v1/plans/resolve", response_model=ResolveResponse, summary="Records (and blobs) for many graph keys on one environment",
              responses=documented_errors(401, 403, 413, 422, 503))
 def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, _: Reader) -> Response:
     """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
-    and recorded as misses. ``include_blobs`` inlines each blob as base64."""
+    and recorded as misses. ``include_blobs`` inlines the blobs as base64, in key order up to
+    128 MiB of blob bytes per answer; a plan past that has ``blob_b64`` null: GET it from /v1/blobs."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
-    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=req.include_blobs)
+    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=False)
+    if req.include_blobs:
+        inline, budget = [], MAX_INLINE_BLOB_BYTES
+        for key in dict.fromkeys(k for k in req.graph_keys if k in found):
+            record = found[key][0]
+            if record.blob_size <= budget:
+                inline.append(key)
+                budget -= record.blob_size
+        if inline:  # each (record, blob) read together; a plan removed in between keeps its record, blob null
+            found.update(store.resolve(req.environment, inline, include_blobs=True)[0])
     metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
     chunks = resolve_json(found, missing)
     if req.include_blobs:
