@@ -76,7 +76,9 @@ def child_tune(out: Path, limit: int | None) -> None:
                      "winner_ms": tuned.winner_median_ms, "heuristic_ms": tuned.heuristic_median_ms})
         print(f"tuned {spec.name}: {tuned.tuning_seconds:.2f} s, {len(tuned.candidates)} candidates", flush=True)
     total = time.perf_counter() - t_all
-    parallel = [_parallel_build(spec) for spec in _specs(limit)[:: max(1, len(_specs(limit)) // 6)][:6]]
+    specs = _specs(limit)
+    sample = list({_family(sp.name): sp for sp in specs}.values())  # one graph per family
+    parallel = [_parallel_build(spec) for spec in sample]
     (out / "tuning.json").write_text(json.dumps({"total_s": total, "graphs": rows, "parallel_build": parallel}, indent=1))
 
 
@@ -231,6 +233,7 @@ def _serve_and_seed(out: Path, limit: int | None) -> tuple[subprocess.Popen, str
     port = _free_port()
     admin = "bench-admin-token"
     db = out / "bench-server.db"
+    db.unlink(missing_ok=True)
     env = {**os.environ, "PLANCACHE_DATABASE_URL": f"sqlite:///{db}", "PLANCACHE_ADMIN_TOKEN": admin,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
@@ -310,15 +313,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "keys" / "bench.key").exists():
         keygen(out / "keys", "bench")
-    _child("tune", out, args.limit)
-    _child("heuristic", out, args.limit)
-    proc, url, token = _serve_and_seed(out, args.limit)
-    try:
-        _child("fetch", out, args.limit, "--server", url, "--token", token)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    _child("quality", out, args.limit)
+    # Each phase is skipped when its result exists, so an interrupted run resumes where it stopped.
+    if not (out / "tuning.json").exists():
+        _child("tune", out, args.limit)
+    if not (out / "heuristic.json").exists():
+        _child("heuristic", out, args.limit)
+    if not (out / "fetch.json").exists():
+        proc, url, token = _serve_and_seed(out, args.limit)
+        try:
+            _child("fetch", out, args.limit, "--server", url, "--token", token)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    if not (out / "quality.json").exists():
+        _child("quality", out, args.limit)
 
     tuning = json.loads((out / "tuning.json").read_text())
     heuristic = json.loads((out / "heuristic.json").read_text())

@@ -106,6 +106,12 @@ class TuningError(PlanCacheError):
     http_status = 422
 
 
+class DynamicShapesUnsupported(TuningError):
+    """The graph cannot be built with dynamic shapes from a shared kernel cache."""
+
+    code = "dynamic_shapes_unsupported"
+
+
 class PlanMiss(PlanCacheError):
     """Strict mode: no verified plan was available and building locally is not allowed."""
 

@@ -14,11 +14,12 @@ from .runtime import (
     create_kernel_cache,
     deserialize_plan,
     required_bytes,
+    supports_kernel_cache,
     verify_plan,
 )
 
 __all__ = [
     "BuiltPlan", "TunedPlan", "allocate_outputs", "autotune", "build_engine_config", "build_heuristic", "check_memory",
     "compare_outputs", "create_handle", "create_kernel_cache", "deserialize_plan", "make_inputs", "output_errors",
-    "reference_outputs", "required_bytes", "verify_plan",
+    "reference_outputs", "required_bytes", "supports_kernel_cache", "verify_plan",
 ]

@@ -9,10 +9,15 @@ from typing import Any
 import cudnn
 import torch
 
-from ..errors import GpuUnavailable, InsufficientGpuMemory, TuningError
+from ..errors import DynamicShapesUnsupported, GpuUnavailable, InsufficientGpuMemory, TuningError
 from ..spec import GraphSpec, parse_spec
 from . import reference
 from .lowering import HEURISTIC_MODES, lower
+
+#: Ops whose dynamic-shape builds from a shared kernel cache were verified correct on the H200 (cuDNN 9.19).
+#: SDPA is left out: a causal SDPA built from a kernel cache filled at another sequence length gave wrong
+#: output (normalised error 0.99, seq 256 after 1024); cuDNN's cuBLASLt engine declines matmul epilogues.
+KERNEL_CACHE_OPS = frozenset({"conv_fprop", "bias", "scale", "add", "mul", "relu", "gelu", "sigmoid", "tanh", "swish"})
 
 #: Headroom kept free on the device on top of what a spec needs (allocator slack, cuDNN internals).
 MEMORY_HEADROOM_BYTES = 512 * 1024 * 1024
@@ -91,12 +96,21 @@ def apply_constraints(graph: Any, spec: GraphSpec) -> None:
         graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
 
 
+def supports_kernel_cache(spec: GraphSpec) -> bool:
+    """Whether ``spec`` may be built with dynamic shapes from a shared kernel cache (see :data:`KERNEL_CACHE_OPS`)."""
+    return all(n.op in KERNEL_CACHE_OPS for n in spec.nodes)
+
+
 def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None) -> BuiltPlan:
     """The local build: heuristic modes A then FALLBACK, the first plan that builds.
 
     With ``kernel_cache`` the graph is built with dynamic shapes enabled, sharing compiled
-    kernels with the other shapes of its family."""
+    kernels with the other shapes of its family; a graph outside :data:`KERNEL_CACHE_OPS`
+    raises :class:`DynamicShapesUnsupported` instead (build it without a cache)."""
     spec = parse_spec(spec)
+    if kernel_cache is not None and not supports_kernel_cache(spec):
+        ops = sorted({n.op for n in spec.nodes} - KERNEL_CACHE_OPS)
+        raise DynamicShapesUnsupported(f"dynamic-shape builds from a kernel cache are not verified for {', '.join(ops)}")
     low = lower(spec, handle=handle, kernel_cache=kernel_cache, dynamic_shapes=kernel_cache is not None)
     g = low.graph
     g.validate()
