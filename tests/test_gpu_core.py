@@ -114,3 +114,20 @@ def test_check_memory_refuses_a_spec_larger_than_the_device():
     b.relu(x).set_output(True).set_name("Y")
     with pytest.raises(InsufficientGpuMemory):
         gpu.check_memory(b.build())
+
+
+def test_graph_replay_timing_agrees_with_eager_timing_where_launch_overhead_is_noise():
+    import torch
+
+    from plancache.gpu.timing import median_ms
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+
+    def run() -> None:
+        torch.matmul(a, b, out=out)
+
+    eager = median_ms(run, repeats=30, budget_s=None)
+    graphed = median_ms(run, repeats=30, budget_s=None, set_stream=lambda sid: None, graph_below_ms=1e9)
+    assert eager > 0.05 and abs(graphed - eager) / eager < 0.15, (eager, graphed)

@@ -139,7 +139,8 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
                                                 error=f"output {bad[0]!r} normalised error {errs[bad[0]]:.3g}"))
                 else:
                     ms = median_ms(lambda: g.execute_plan_at_index(pack, workspace, index=i, handle=handle),
-                                   warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S)
+                                   warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
+                                   set_stream=lambda sid: cudnn.set_stream(handle, sid))
                     candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
                     timed.append((ms, ws, i))
             except Exception as exc:

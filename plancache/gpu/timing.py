@@ -1,33 +1,48 @@
-"""CUDA-event timing: warm-up, then the median of repeated runs."""
+"""CUDA-event timing: warm-up, then the median of repeated runs.
+
+A cuDNN ``execute`` costs tens of microseconds of host time, so back-to-back launches of a
+kernel shorter than that measure the host, not the GPU. Runs shorter than ``graph_below_ms``
+are therefore timed by replaying a CUDA graph that holds several of them; longer runs (where
+launch overhead is noise) and runs that cannot be captured are timed eagerly.
+"""
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Callable
 
 import torch
 
+log = logging.getLogger(__name__)
 
-def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25) -> float:
-    """Median milliseconds of ``run()`` on the current stream, each run bracketed by CUDA events.
-
-    With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3)."""
-    return statistics.median(timings_ms(run, warmup=warmup, repeats=repeats, budget_s=budget_s))
+SetStream = Callable[[int], None]
 
 
-def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25) -> list[float]:
-    """Every timed run's milliseconds (see :func:`median_ms`)."""
+def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25,
+              set_stream: SetStream | None = None, graph_below_ms: float = 0.5) -> float:
+    """Median milliseconds of one ``run()`` (see :func:`timings_ms`)."""
+    return statistics.median(timings_ms(run, warmup=warmup, repeats=repeats, budget_s=budget_s,
+                                        set_stream=set_stream, graph_below_ms=graph_below_ms))
+
+
+def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25,
+               set_stream: SetStream | None = None, graph_below_ms: float = 0.5) -> list[float]:
+    """Milliseconds of each timed ``run()`` on the current stream, bracketed by CUDA events.
+
+    With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3). With ``set_stream``
+    (called with a stream id to point the caller's cuDNN handle at it; pass ``lambda s: None`` for
+    plain torch work) runs shorter than ``graph_below_ms`` are timed by CUDA-graph replay."""
     stream = torch.cuda.current_stream()
     for _ in range(warmup):
         run()
-    n = repeats
-    if budget_s is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        run()
-        end.record(stream)
-        end.synchronize()
-        n = max(3, min(repeats, int(budget_s * 1000 / max(start.elapsed_time(end), 1e-3))))
+    first = _once_ms(run, stream)
+    if set_stream is not None and first < graph_below_ms:
+        try:
+            return _graph_timings(run, stream, set_stream, first, repeats, budget_s)
+        except RuntimeError as exc:  # not capturable: time it eagerly
+            log.info("CUDA-graph timing unavailable (%s); timing eagerly", exc)
+    n = repeats if budget_s is None else max(3, min(repeats, int(budget_s * 1000 / max(first, 1e-3))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for s, e in events:
         s.record(stream)
@@ -35,3 +50,38 @@ def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, b
         e.record(stream)
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in events]
+
+
+def _once_ms(run: Callable[[], None], stream: torch.cuda.Stream) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    run()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_stream: SetStream, first_ms: float,
+                   repeats: int, budget_s: float | None) -> list[float]:
+    """Per-run milliseconds from replays of a CUDA graph holding ``per`` runs (about 1 ms of work)."""
+    per = max(2, min(50, int(1.0 / max(first_ms, 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(caller)
+    set_stream(side.cuda_stream)  # before capture: no cuDNN stream call happens while capturing
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(per):
+                run()
+    finally:
+        set_stream(caller.cuda_stream)
+    caller.wait_stream(side)
+    graph.replay()
+    n = repeats if budget_s is None else max(3, min(repeats, int(budget_s * 1000 / max(first_ms * per, 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        s.record(caller)
+        graph.replay()
+        e.record(caller)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) / per for s, e in events]
