@@ -54,7 +54,7 @@ def _family(name: str) -> str:
 
 # ---------------------------------------------------------------- children (on the GPU)
 
-def child_tune(out: Path, limit: int | None) -> None:
+def child_tune(out: Path, limit: int | None, parallel_probe: bool = True) -> None:
     import torch
 
     from plancache import gpu
@@ -79,7 +79,7 @@ def child_tune(out: Path, limit: int | None) -> None:
     total = time.perf_counter() - t_all
     specs = _specs(limit)
     sample = list({_family(sp.name): sp for sp in specs}.values())  # one graph per family
-    parallel = [_parallel_build(spec) for spec in sample]
+    parallel = [_parallel_build(spec) for spec in sample] if parallel_probe else []
     (out / "tuning.json").write_text(json.dumps({"total_s": total, "graphs": rows, "parallel_build": parallel}, indent=1))
 
 
@@ -303,12 +303,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None, help="only the first N graphs (smoke runs)")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--no-parallel-probe", action="store_true", help="skip timing threaded candidate builds")
     ap.add_argument("--server", default=None)
     ap.add_argument("--token", default=None)
     args = ap.parse_args()
     out: Path = args.out
     if args.child:
-        {"tune": lambda: child_tune(out, args.limit), "heuristic": lambda: child_heuristic(out, args.limit),
+        {"tune": lambda: child_tune(out, args.limit, not args.no_parallel_probe), "heuristic": lambda: child_heuristic(out, args.limit),
          "fetch": lambda: child_fetch(out, args.limit, args.server, args.token),
          "quality": lambda: child_quality(out, args.limit)}[args.child]()
         return
@@ -319,7 +320,7 @@ def main() -> None:
         keygen(out / "keys", "bench")
     # Each phase is skipped when its result exists, so an interrupted run resumes where it stopped.
     if not (out / "tuning.json").exists():
-        _child("tune", out, args.limit)
+        _child("tune", out, args.limit, *(["--no-parallel-probe"] if args.no_parallel_probe else []))
     if not (out / "heuristic.json").exists():
         _child("heuristic", out, args.limit)
     if not (out / "fetch.json").exists():

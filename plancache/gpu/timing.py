@@ -40,7 +40,7 @@ def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, b
     if set_stream is not None and first < graph_below_ms:
         try:
             return _graph_timings(run, stream, set_stream, first, repeats, budget_s)
-        except RuntimeError as exc:  # not capturable: time it eagerly
+        except Exception as exc:  # noqa: BLE001 - not capturable: time it eagerly
             log.info("CUDA-graph timing unavailable (%s); timing eagerly", exc)
     n = repeats if budget_s is None else max(3, min(repeats, int(budget_s * 1000 / max(first, 1e-3))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
