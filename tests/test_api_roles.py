@@ -18,7 +18,7 @@ ROUTES = [
     ("GET", "/healthz", "/healthz", None),
     ("GET", "/readyz", "/readyz", None),
     ("GET", "/metrics", "/metrics", None),
-    ("POST", "/v1/specs", "/v1/specs", "worker"),
+    ("POST", "/v1/specs", "/v1/specs", "reader"),
     ("GET", "/v1/specs/{graph_key}", f"/v1/specs/{KEY}", "reader"),
     ("POST", "/v1/plans/resolve", "/v1/plans/resolve", "reader"),
     ("GET", "/v1/plans/{graph_key}", f"/v1/plans/{KEY}", "reader"),
@@ -82,7 +82,8 @@ def test_open_reads_admit_anonymous_readers_only(store):
     with open_api(store, open_reads=True) as api:
         for method, _, path, needed in ROUTES:
             r = _call(api, method, path, {})
-            assert (r.status_code == 401) == (needed not in (None, "reader")), (method, path, r.status_code)
+            anonymous_ok = needed is None or (needed == "reader" and (method, path) != ("POST", "/v1/specs"))
+            assert (r.status_code == 401) == (not anonymous_ok), (method, path, r.status_code)
         # a token that is sent must still be valid
         assert _call(api, "POST", "/v1/plans/resolve", bearer("pct_wrong")).status_code == 401
 

@@ -68,13 +68,14 @@ def _a(role: Role) -> str:
     return f"an {role}" if role == "admin" else f"a {role}"
 
 
-def require(role: Role) -> Callable[..., Principal]:
-    """A dependency admitting callers whose token has ``role`` or a higher one."""
+def require(role: Role, *, open_reads_apply: bool = True) -> Callable[..., Principal]:
+    """A dependency admitting callers whose token has ``role`` or a higher one (reader routes admit anonymous
+    callers under ``open_reads`` unless ``open_reads_apply`` is off)."""
 
     def dependency(request: Request, store: StoreDep, settings: SettingsDep, _: Any = Depends(_bearer)) -> Principal:
         principal = identify(request, store, settings.admin_token)
         if principal is None:
-            if role == "reader" and settings.open_reads:
+            if role == "reader" and settings.open_reads and open_reads_apply:
                 return ANONYMOUS
             raise Unauthorized(f"this route needs {_a(role)} token: send 'Authorization: Bearer <token>'")
         if not principal.may(role):
@@ -85,5 +86,7 @@ def require(role: Role) -> Callable[..., Principal]:
 
 
 Reader = Annotated[Principal, Depends(require("reader"))]
+#: Any token holder (clients report the specs they miss); never anonymous, even with open reads.
+TokenReader = Annotated[Principal, Depends(require("reader", open_reads_apply=False))]
 Worker = Annotated[Principal, Depends(require("worker"))]
 Admin = Annotated[Principal, Depends(require("admin"))]

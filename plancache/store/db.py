@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import sys
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -80,10 +82,27 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA journal_mode = WAL")
+    _enable_wal(cur)
     cur.execute("PRAGMA synchronous = NORMAL")
     cur.execute("PRAGMA foreign_keys = ON")
     cur.close()
+
+
+def _enable_wal(cur: Any) -> None:
+    """Switch to WAL (persistent, so usually already on). Changing the journal mode needs an exclusive lock
+    and SQLite does not wait for it through the busy timeout, so a fresh database opened by several
+    connections at once retries here instead of failing with "database is locked"."""
+    if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _sqlite_on_begin(conn: Connection) -> None:

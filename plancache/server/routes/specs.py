@@ -1,4 +1,4 @@
-"""Graph specs: register one (worker or admin) and read one back in canonical form (reader)."""
+"""Graph specs: register one (any token: clients report the specs they miss) and read one back in canonical form."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Path, Response
 from ...errors import NotFound
 from ...protocol import GRAPH_KEY_PATTERN, SpecCreated
 from ...spec import graph_key
-from ..auth import Reader, Worker
+from ..auth import Reader, TokenReader
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
 from ..errors import documented_errors
@@ -23,7 +23,7 @@ GraphKeyPath = Annotated[str, Path(pattern=GRAPH_KEY_PATTERN, description="64 lo
              responses={200: {"model": SpecCreated, "description": "already registered"},
                         **documented_errors(401, 403, 409, 413, 422, 503)})
 def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec document")], store: StoreDep,
-                response: Response, _: Worker) -> SpecCreated:
+                response: Response, _: TokenReader) -> SpecCreated:
     key = graph_key(spec)
     created = store.put_spec(key, spec)
     if not created:
