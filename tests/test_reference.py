@@ -74,3 +74,15 @@ def test_required_memory_counts_strided_storage_and_sdpa_scores():
     assert scratch >= 3 * 1 * 2 * 32 * 32 * 4
     assert R.storage_elements([2, 3], [3, 1]) == 6
     assert R.storage_elements([2, 3], [1, 2]) == 6
+
+
+def test_native_evaluation_keeps_dtypes_and_agrees_with_the_reference():
+    spec = matmul_epilogue(batch=2, m=8, k=16, n=4)
+    x = R.make_inputs(spec, "cpu", seed=7)
+    native = R.evaluate(spec, x, exact_float32=False)
+    ref = R.reference_outputs(spec, x)
+    assert native["Y"].dtype == torch.bfloat16
+    assert max(R.output_errors(spec, native, ref).values()) < 2e-2  # bf16 rounding, amax of the rounded Y
+    sd = sdpa_causal(batch=1, heads=4, kv_heads=2, seq=16, d=8)
+    xs = R.make_inputs(sd, "cpu", seed=8)
+    assert R.compare_outputs(sd, R.evaluate(sd, xs, exact_float32=False), R.reference_outputs(sd, xs)) < 2e-2

@@ -59,6 +59,7 @@ def tune(
     if out is None and server is None:
         raise typer.BadParameter("give --out DIR, --server URL, or both")
     specs = [(p, load_spec_file(p)) for p in files]
+    signer = _signer(signing_key) if server is not None else None
     console = Console()
     results = []
     with Progress(console=console, transient=True) as bar:
@@ -80,10 +81,10 @@ def tune(
             if out is not None:
                 write_result(out, path.stem, spec, tuned)
             if server is not None:
+                from ..worker.tuner import GpuTuner
                 from ..worker.upload import upload_tuned
 
-                signer = _signer(signing_key)
-                upload_tuned(server, token, spec, tuned, signer, worker_id="plancache-tune")
+                upload_tuned(server, token, spec, tuned, signer, worker_id="plancache-tune", tuner=GpuTuner(device))
     console.print(summary_table(results))
 
 

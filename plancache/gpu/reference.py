@@ -115,56 +115,69 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
 
 def reference_outputs(spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Evaluate ``spec`` in float32 on the inputs' device; returns every graph output (float32)."""
+    return evaluate(spec, inputs, exact_float32=True)
+
+
+def evaluate(spec: GraphSpec, inputs: dict[str, torch.Tensor], *, exact_float32: bool) -> dict[str, torch.Tensor]:
+    """Run ``spec`` node by node with torch ops.
+
+    ``exact_float32``: every input upcast to float32, TF32 off, attention unfused — the reference.
+    Otherwise the inputs' own dtypes and torch's fused ``scaled_dot_product_attention``: the
+    PyTorch eager equivalent the benchmarks compare plans with."""
     device = next(t.device for n, t in inputs.items() if not spec.tensors[n].pass_by_value)
-    env: dict[str, torch.Tensor] = {n: t.to(device=device, dtype=torch.float32) for n, t in inputs.items()}
-    with _exact_float32(), torch.no_grad():
+    if exact_float32:
+        env = {n: t.to(device=device, dtype=torch.float32) for n, t in inputs.items()}
+    else:
+        env = {n: (float(t) if spec.tensors[n].pass_by_value else t) for n, t in inputs.items()}
+    with _exact_float32() if exact_float32 else contextlib.nullcontext(), torch.no_grad():
         for i, node in enumerate(spec.nodes):
-            a = spec.node_attrs(i)
-            x = {p: env[n] for p, n in node.inputs.items()}
-            if node.op == "conv_fprop":
-                conv = {4: F.conv2d, 5: F.conv3d}.get(x["image"].dim())
-                if conv is None:
-                    raise TuningError(f"node {i}: reference conv supports 2-D and 3-D only")
-                sp = x["image"].dim() - 2
-                y = conv(x["image"], x["weight"], padding=a.padding or [0] * sp, stride=a.stride or [1] * sp,
-                         dilation=a.dilation or [1] * sp)
-            elif node.op == "matmul":
-                y = torch.matmul(x["A"], x["B"])
-            elif node.op == "bias":
-                y = x["input"] + x["bias"]
-            elif node.op == "scale":
-                y = x["input"] * x["scale"]
-            elif node.op == "add":
-                y = x["a"] + x["b"]
-            elif node.op == "mul":
-                y = x["a"] * x["b"]
-            elif node.op == "relu":
-                y = F.leaky_relu(x["input"], a.negative_slope) if a.negative_slope else torch.relu(x["input"])
-            elif node.op == "gelu":
-                y = F.gelu(x["input"])
-            elif node.op == "sigmoid":
-                y = torch.sigmoid(x["input"])
-            elif node.op == "tanh":
-                y = torch.tanh(x["input"])
-            elif node.op == "swish":
-                y = x["input"] * torch.sigmoid((a.swish_beta or 1.0) * x["input"])
-            elif node.op == "reduction":
-                src = x["input"].abs() if a.mode == "AMAX" else x["input"]
-                axes = [d for d, (o, s) in enumerate(zip(a.dims, src.shape)) if o == 1 and s != 1]
-                if not axes:
-                    y = src.clone()
-                elif a.mode == "AMAX":
-                    y = src.amax(dim=axes, keepdim=True)
-                else:
-                    y = src.sum(dim=axes, keepdim=True)
-            elif node.op == "sdpa":
-                scale = a.attn_scale if a.attn_scale is not None else x["q"].shape[-1] ** -0.5
-                y = _sdpa(x["q"], x["k"], x["v"], scale, a.causal)
-            else:  # spec validation makes this unreachable
-                raise TuningError(f"node {i}: no reference for op {node.op!r}")
             (tname,) = node.outputs.values()
-            env[tname] = y
+            env[tname] = _node(spec, i, {p: env[n] for p, n in node.inputs.items()}, exact_float32)
     return {name: env[name] for name in spec.outputs}
+
+
+def _node(spec: GraphSpec, i: int, x: dict, exact: bool):
+    node, a = spec.nodes[i], spec.node_attrs(i)
+    if node.op == "conv_fprop":
+        conv = {4: F.conv2d, 5: F.conv3d}.get(x["image"].dim())
+        if conv is None:
+            raise TuningError(f"node {i}: reference conv supports 2-D and 3-D only")
+        sp = x["image"].dim() - 2
+        return conv(x["image"], x["weight"], padding=a.padding or [0] * sp, stride=a.stride or [1] * sp,
+                    dilation=a.dilation or [1] * sp)
+    if node.op == "matmul":
+        return torch.matmul(x["A"], x["B"])
+    if node.op == "bias":
+        return x["input"] + x["bias"]
+    if node.op == "scale":
+        return x["input"] * x["scale"]
+    if node.op == "add":
+        return x["a"] + x["b"]
+    if node.op == "mul":
+        return x["a"] * x["b"]
+    if node.op == "relu":
+        return F.leaky_relu(x["input"], a.negative_slope) if a.negative_slope else torch.relu(x["input"])
+    if node.op == "gelu":
+        return F.gelu(x["input"])
+    if node.op == "sigmoid":
+        return torch.sigmoid(x["input"])
+    if node.op == "tanh":
+        return torch.tanh(x["input"])
+    if node.op == "swish":
+        return x["input"] * torch.sigmoid((a.swish_beta or 1.0) * x["input"])
+    if node.op == "reduction":
+        src = x["input"].abs() if a.mode == "AMAX" else x["input"]
+        axes = [d for d, (o, s) in enumerate(zip(a.dims, src.shape)) if o == 1 and s != 1]
+        if not axes:
+            return src.clone()
+        return src.amax(dim=axes, keepdim=True) if a.mode == "AMAX" else src.sum(dim=axes, keepdim=True)
+    if node.op == "sdpa":
+        q, k, v = x["q"], x["k"], x["v"]
+        scale = a.attn_scale if a.attn_scale is not None else q.shape[-1] ** -0.5
+        if exact:
+            return _sdpa(q, k, v, scale, a.causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=a.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    raise TuningError(f"node {i}: no reference for op {node.op!r}")  # spec validation makes this unreachable
 
 
 def output_errors(spec: GraphSpec, outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
