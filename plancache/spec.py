@@ -383,12 +383,6 @@ class GraphSpec(_Strict):
         """The full document (name included), as written to files."""
         return self.model_dump(by_alias=True, exclude_none=True)
 
-    def input_names(self) -> list[str]:
-        return list(self.tensors)
-
-    def output_names(self) -> list[str]:
-        return list(self.outputs)
-
     def with_dims(self, overrides: dict[str, list[int]]) -> "GraphSpec":
         """A copy with some input tensors reshaped (contiguous layout order kept); outputs re-inferred."""
         doc = self.to_json()
