@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 
 #: Version of the GraphSpec schema; part of every graph key.
-SPEC_SCHEMA_VERSION = 1
+SPEC_SCHEMA_VERSION = 2

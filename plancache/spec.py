@@ -1,12 +1,23 @@
-"""GraphSpec: the JSON IR of a cuDNN graph, its validation, canonical form and graph key.
+"""The graph spec: a canonical, versioned JSON document of a ``cudnn.pygraph``, and its graph key.
 
-A spec mirrors the ``cudnn.pygraph`` calls: graph data types, named input tensors
-(dims, strides, dtype, pass-by-value scalars), an ordered node list (op, named
-inputs, attributes, named outputs), the graph outputs with dims/strides/dtype, and
-tuning constraints. Dims are in cuDNN's logical order (N, C, spatial... / batch, M, N
-/ B, H, S, D); strides give the physical layout. Validation infers every tensor's
-shape and refuses a spec with a :class:`~plancache.errors.SpecError` naming the node
-or tensor at fault. No GPU is needed for any of this.
+The document (schema 2, see ``docs/SPEC.md``) records what FE's pure-Python IR holds: the
+graph context (data types), graph flags, every tensor (uid, dims, strides, data type,
+virtual / pass-by-value flags, ragged offsets, ...) and every node (node type, port → tensor
+uid, params). Enums are written by name; a param value is JSON, or one of the typed forms
+``{"$enum": TYPE, "name": NAME}``, ``{"$tensor": UID}``, ``{"$tuple": [...]}``, ``{"$dict": {...}}``.
+
+Everything here is plain Python: the server validates (structure, enum spellings, size
+limits) and keys documents without nvidia-cudnn-frontend or a GPU. :func:`from_pygraph`
+reads a user's graph (it needs FE only because the graph does); full validation happens
+where FE lowers the document (:mod:`plancache.gpu.fegraph`).
+
+The graph key is the sha256 of the canonical form, in which the same computation always
+reads the same: names (graph, tensor, node) and the ``uid_assigned`` flag are dropped;
+auto-assigned uids are renumbered in graph order (user-assigned uids are kept: code executes
+with them); unset data types are filled as FE fills them; a param equal to its default is
+dropped (``stride=[1, 1]`` reads as no stride); inferred (not user-set, not pushed) dims and
+strides of node outputs are dropped. Dims, strides, dtypes, params, masks and baked-in
+scale values stay, so anything that changes the computation changes the key.
 """
 
 from __future__ import annotations
@@ -14,361 +25,392 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+import re
+from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from . import SPEC_SCHEMA_VERSION
 from .errors import SpecError
 
-DType = Literal["float16", "bfloat16", "float32", "int32", "int64"]
-HeuristicMode = Literal["A", "B", "FALLBACK"]
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-MAX_RANK = 8
-MAX_ELEMENTS = 1 << 40
+# ------------------------------------------------------------------ the vocabulary (FE 1.32)
+
+#: ``cudnn.data_type`` names.
+DATA_TYPES = ("FLOAT", "DOUBLE", "HALF", "INT8", "INT32", "INT8x4", "UINT8", "UINT8x4", "INT8x32", "BFLOAT16", "INT64",
+              "BOOLEAN", "FP8_E4M3", "FP8_E5M2", "FAST_FLOAT_FOR_FP8", "FP8_E8M0", "FP8_E5M3", "FP4_E2M1", "INT4")
+#: ``cudnn.graph_types.NodeType`` names.
+NODE_TYPES = (
+    "COMPOSITE", "CONV_FPROP", "CONV_DGRAD", "CONV_WGRAD", "GENSTATS", "RESHAPE", "SLICE", "CONCATENATE", "TRANSPOSE",
+    "ROPE", "ROPE_BWD", "MOE_GROUPED_MATMUL_BWD", "MATMUL", "MATMUL_FP8", "POINTWISE", "REDUCTION", "RMSNORM",
+    "RMSNORM_BWD", "LAYERNORM", "LAYERNORM_BWD", "ADALAYERNORM", "ADALAYERNORM_BWD", "INSTANCENORM", "INSTANCENORM_BWD",
+    "BATCHNORM", "BATCHNORM_INFERENCE", "BATCHNORM_BWD", "SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8",
+    "SDPA_MXFP8_BWD", "GDN", "GDN_BWD", "KDA", "KDA_BWD", "GDN2", "GDN2_BWD", "MOE_GROUPED_MATMUL",
+    "BLOCK_SCALE_QUANTIZE", "BLOCK_SCALE_DEQUANTIZE", "GDP", "GDP_BWD", "GDN_SUMMARY", "KDA_SUMMARY", "GDN2_SUMMARY",
+    "GDP_SUMMARY", "GDN_SUMMARY_BWD", "KDA_SUMMARY_BWD", "GDN2_SUMMARY_BWD", "GDP_SUMMARY_BWD", "MAMBA2", "MAMBA2_BWD",
+    "MAMBA2_SUMMARY", "MAMBA2_SUMMARY_BWD")
+#: Enum types (attributes of the ``cudnn`` module) a param may hold.
+ENUM_TYPES = ("attention_implementation", "data_type", "diagonal_alignment", "gnn_activation_op", "gnn_agg_op",
+              "moe_grouped_matmul_mode", "norm_forward_phase", "reduction_mode", "reshape_mode", "scalar_type",
+              "tensor_reordering")
+#: Node types whose output dims FE pushes to the backend even when the user did not set them.
+PUSHED_OUTPUT_DIMS = frozenset({"CONV_DGRAD", "CONV_WGRAD", "MOE_GROUPED_MATMUL_BWD", "REDUCTION", "RESHAPE"})
+#: Node types whose ``Stats`` output FE types FLOAT when unset.
+FLOAT_STATS = frozenset({"SDPA", "SDPA_FP8", "SDPA_MXFP8"})
+#: Graph-level constructor arguments that are graph content (handle, kernel cache, device properties are not).
+GRAPH_FLAGS = ("sm_count", "sm_version", "is_dynamic_shape_enabled", "is_override_shape_enabled",
+               "is_cuda_graph_replay_expected")
+#: Heuristic modes the autotuner may be restricted to.
+HEURISTIC_MODES = ("A", "B", "FALLBACK")
+
+_CONV = ("CONV_FPROP", "CONV_DGRAD", "CONV_WGRAD")
+_SDPA = ("SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8", "SDPA_MXFP8_BWD")
+_FALSE_FLAGS = ("use_alibi_mask", "use_padding_mask", "use_causal_mask", "use_causal_mask_bottom_right",
+                "attn_scale_prefolded", "is_inference", "use_deterministic_algorithm", "generate_stats")
+#: Params whose value equals this default are dropped from the canonical form (``"zeros"``/``"ones"``:
+#: a list of 0s / 1s of any length). Only defaults of the cuDNN bindings are listed.
+PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
+    **{t: {"padding": "zeros", "pre_padding": "zeros", "post_padding": "zeros", "stride": "ones", "dilation": "ones",
+           } for t in _CONV},
+    "MATMUL": {"padding": 0.0},
+    **{t: {**{f: False for f in _FALSE_FLAGS if t != "SDPA" or f != "generate_stats"},
+           "diagonal_alignment": {"$enum": "diagonal_alignment", "name": "TOP_LEFT"}} for t in _SDPA},
+}
+
+# ------------------------------------------------------------------ limits
+
+MAX_RANK = 12
+MAX_TENSORS = 4096
+MAX_NODES = 1024
+MAX_PARAMS = 256
+MAX_NAME = 256
+MAX_DIM = 1 << 40
+MAX_LIST = 1024
+MAX_DEPTH = 6
+MAX_UID = (1 << 63) - 1
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_ENUM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TensorSpec(_Strict):
-    """A non-virtual tensor: a graph input, or a graph output in :attr:`GraphSpec.outputs`."""
-
-    dims: list[int] = Field(min_length=1, max_length=MAX_RANK)
-    strides: list[int] = Field(min_length=1, max_length=MAX_RANK)
-    dtype: DType
-    pass_by_value: bool = False
-
-
-class NodeSpec(_Strict):
-    op: str = Field(min_length=1, max_length=64)
-    name: str | None = Field(default=None, max_length=128, description="cosmetic; not part of the key")
-    inputs: dict[str, str]
-    attrs: dict[str, Any] = Field(default_factory=dict)
-    outputs: dict[str, str]
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TuningSpec(_Strict):
-    """Constraints on which execution plans the autotuner may pick."""
+    """Constraints on which execution plans the autotuner may pick (part of the key)."""
 
-    heuristic_modes: list[HeuristicMode] = Field(default_factory=lambda: ["A", "B", "FALLBACK"], min_length=1)
-    max_workspace_bytes: int | None = Field(default=None, ge=0)
+    heuristic_modes: list[str] = Field(default_factory=lambda: list(HEURISTIC_MODES), min_length=1, max_length=3)
+    max_workspace_bytes: int | None = Field(default=None, ge=0, le=1 << 48)
     deterministic_only: bool = False
 
-
-# ---------------------------------------------------------------- op attributes
-
-
-class NoAttrs(_Strict):
-    pass
-
-
-class ConvAttrs(_Strict):
-    padding: list[int] | None = None
-    stride: list[int] | None = None
-    dilation: list[int] | None = None
+    @model_validator(mode="after")
+    def _modes(self) -> "TuningSpec":
+        bad = [m for m in self.heuristic_modes if m not in HEURISTIC_MODES]
+        if bad:
+            raise ValueError(f"unknown heuristic mode {bad[0]!r}; known: {', '.join(HEURISTIC_MODES)}")
+        return self
 
 
-class ReluAttrs(_Strict):
-    negative_slope: float | None = None
+class Context(_Strict):
+    io_data_type: str | None = None
+    intermediate_data_type: str | None = None
+    compute_data_type: str | None = None
 
 
-class SwishAttrs(_Strict):
-    swish_beta: float | None = None
+class GraphFlags(_Strict):
+    sm_count: int | None = Field(default=None, ge=1, le=1 << 20)
+    sm_version: int | None = Field(default=None, ge=1, le=10_000)
+    is_dynamic_shape_enabled: bool = False
+    is_override_shape_enabled: bool = False
+    is_cuda_graph_replay_expected: bool = False
 
 
-class ReductionAttrs(_Strict):
-    mode: Literal["AMAX", "SUM"]
-    dims: list[int] = Field(min_length=1, max_length=MAX_RANK, description="output dims: 1 where reduced")
+class TensorDoc(_Strict):
+    """One tensor of the IR (``cudnn.graph_types.Tensor``)."""
+
+    uid: int = Field(ge=0, le=MAX_UID)
+    name: str = Field(default="", max_length=MAX_NAME)
+    data_type: str | None = None
+    dim: list[int] = Field(default_factory=list, max_length=MAX_RANK)
+    stride: list[int] = Field(default_factory=list, max_length=MAX_RANK)
+    is_virtual: bool = False
+    is_pass_by_value: bool = False
+    pass_by_value: int | float | None = None
+    uid_assigned: bool = False
+    dim_assigned: bool = False
+    stride_assigned: bool = False
+    reordering_type: str | None = None
+    ragged_offset: int | None = Field(default=None, ge=0, le=MAX_UID)
+    ragged_offset_multiplier: int = Field(default=1, ge=1, le=1 << 32)
+    alignment_value: int = Field(default=1, ge=1, le=1 << 32)
+    scalar_type: str | None = None
 
 
-class SdpaAttrs(_Strict):
-    attn_scale: float | None = Field(default=None, description="baked into the plan; default 1/sqrt(d)")
-    causal: bool = False
+class NodeDoc(_Strict):
+    """One node of the IR (``cudnn.nodes.Node``)."""
+
+    name: str = Field(default="", max_length=MAX_NAME)
+    type: str
+    compute_data_type: str | None = None
+    inputs: dict[str, int] = Field(default_factory=dict, max_length=64)
+    outputs: dict[str, int] = Field(min_length=1, max_length=64)
+    params: dict[str, Any] = Field(default_factory=dict, max_length=MAX_PARAMS)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor's resolved properties after validation."""
-
-    name: str
-    dims: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    virtual: bool
-    pass_by_value: bool = False
+def _check_enum_name(kind: str, value: str | None, allowed: Iterable[str], where: str) -> None:
+    if value is not None and value not in allowed:
+        raise SpecError(f"{where}: unknown {kind} {value!r}")
 
 
-@dataclass(frozen=True)
-class OpDef:
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    attrs: type[_Strict]
-    infer: Callable[["NodeSpec", _Strict, dict[str, TensorInfo]], dict[str, tuple[int, ...]]]
-    output_dtype: Callable[[GraphSpec, _Strict], str] | None = None
-
-
-def _fail(node: NodeSpec, index: int, msg: str) -> SpecError:
-    return SpecError(f"node {index} ({node.name or node.op}): {msg}")
-
-
-def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    if len(a) != len(b):
-        return None
-    out = []
-    for x, y in zip(a, b):
-        if x != y and 1 not in (x, y):
-            return None
-        out.append(max(x, y))
-    return tuple(out)
-
-
-def _infer_conv(node: NodeSpec, attrs: ConvAttrs, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-    x, w = t[node.inputs["image"]].dims, t[node.inputs["weight"]].dims
-    if len(x) < 4 or len(x) != len(w):
-        raise ValueError(f"image {x} and weight {w} must both have rank >= 4 and equal rank")
-    spatial = len(x) - 2
-    pad = attrs.padding if attrs.padding is not None else [0] * spatial
-    stride = attrs.stride if attrs.stride is not None else [1] * spatial
-    dil = attrs.dilation if attrs.dilation is not None else [1] * spatial
-    for label, v, lo in (("padding", pad, 0), ("stride", stride, 1), ("dilation", dil, 1)):
-        if len(v) != spatial or any(e < lo for e in v):
-            raise ValueError(f"{label} {v} needs {spatial} values >= {lo}")
-    if w[1] != x[1]:
-        raise ValueError(f"weight input channels {w[1]} != image channels {x[1]} (grouped conv is not supported)")
-    out = [x[0], w[0]]
-    for i in range(spatial):
-        size = (x[2 + i] + 2 * pad[i] - dil[i] * (w[2 + i] - 1) - 1) // stride[i] + 1
-        if size < 1:
-            raise ValueError(f"spatial dim {i}: filter {w[2 + i]} does not fit image {x[2 + i]} with padding {pad[i]}")
-        out.append(size)
-    return {"Y": tuple(out)}
-
-
-def _infer_matmul(node: NodeSpec, attrs: NoAttrs, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-    a, b = t[node.inputs["A"]].dims, t[node.inputs["B"]].dims
-    if len(a) < 3 or len(a) != len(b):
-        raise ValueError(f"A {a} and B {b} must have equal rank >= 3 (batch, M, K) @ (batch, K, N)")
-    if a[-1] != b[-2]:
-        raise ValueError(f"A {a} and B {b}: inner dims {a[-1]} != {b[-2]}")
-    batch = _broadcast(a[:-2], b[:-2])
-    if batch is None:
-        raise ValueError(f"batch dims of A {a[:-2]} and B {b[:-2]} do not broadcast")
-    return {"C": batch + (a[-2], b[-1])}
-
-
-def _infer_elementwise(first: str, second: str | None, same_as_first: bool):
-    def infer(node: NodeSpec, attrs: _Strict, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-        a = t[node.inputs[first]].dims
-        if second is None:
-            return {"output": a}
-        b = t[node.inputs[second]].dims
-        out = _broadcast(a, b)
-        if out is None or (same_as_first and out != a):
-            raise ValueError(f"{second} {b} does not broadcast to {first} {a}")
-        return {"output": out}
-
-    return infer
-
-
-def _infer_reduction(node: NodeSpec, attrs: ReductionAttrs, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-    x = t[node.inputs["input"]].dims
-    if len(attrs.dims) != len(x) or any(o not in (1, i) for o, i in zip(attrs.dims, x)):
-        raise ValueError(f"reduction dims {attrs.dims} must match input {x} with 1 on reduced axes")
-    return {"output": tuple(attrs.dims)}
-
-
-def _infer_sdpa(node: NodeSpec, attrs: SdpaAttrs, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-    q, k, v = (t[node.inputs[p]].dims for p in ("q", "k", "v"))
-    if not (len(q) == len(k) == len(v) == 4):
-        raise ValueError(f"q {q}, k {k}, v {v} must all be 4-D (batch, heads, seq, head_dim)")
-    if not (q[0] == k[0] == v[0]):
-        raise ValueError(f"batch sizes differ: q {q[0]}, k {k[0]}, v {v[0]}")
-    if k[1] != v[1] or q[1] % k[1]:
-        raise ValueError(f"heads: q {q[1]} must be a multiple of k/v heads {k[1]}/{v[1]} (GQA), k and v equal")
-    if k[2] != v[2]:
-        raise ValueError(f"k seq {k[2]} != v seq {v[2]}")
-    if q[3] != k[3]:
-        raise ValueError(f"q head_dim {q[3]} != k head_dim {k[3]}")
-    return {"O": (q[0], q[1], q[2], v[3])}
-
-
-def _float32(spec: GraphSpec, attrs: _Strict) -> str:
-    return "float32"
-
-
-_UNARY = _infer_elementwise("input", None, False)
-OPS: dict[str, OpDef] = {
-    "conv_fprop": OpDef(("image", "weight"), ("Y",), ConvAttrs, _infer_conv),
-    "matmul": OpDef(("A", "B"), ("C",), NoAttrs, _infer_matmul),
-    "bias": OpDef(("input", "bias"), ("output",), NoAttrs, _infer_elementwise("input", "bias", True)),
-    "scale": OpDef(("input", "scale"), ("output",), NoAttrs, _infer_elementwise("input", "scale", True)),
-    "add": OpDef(("a", "b"), ("output",), NoAttrs, _infer_elementwise("a", "b", False)),
-    "mul": OpDef(("a", "b"), ("output",), NoAttrs, _infer_elementwise("a", "b", False)),
-    "relu": OpDef(("input",), ("output",), ReluAttrs, _UNARY),
-    "gelu": OpDef(("input",), ("output",), NoAttrs, _UNARY),
-    "sigmoid": OpDef(("input",), ("output",), NoAttrs, _UNARY),
-    "tanh": OpDef(("input",), ("output",), NoAttrs, _UNARY),
-    "swish": OpDef(("input",), ("output",), SwishAttrs, _UNARY),
-    "reduction": OpDef(("input",), ("output",), ReductionAttrs, _infer_reduction, _float32),
-    "sdpa": OpDef(("q", "k", "v"), ("O",), SdpaAttrs, _infer_sdpa),
-}
-
-
-def contiguous_strides(dims: list[int] | tuple[int, ...]) -> list[int]:
-    """Row-major strides for ``dims``."""
-    strides, acc = [], 1
-    for d in reversed(dims):
-        strides.append(acc)
-        acc *= d
-    return strides[::-1]
-
-
-def channels_last_strides(dims: list[int] | tuple[int, ...]) -> list[int]:
-    """NHWC-style strides for logical N, C, spatial... dims."""
-    n, c, *spatial = dims
-    strides = [0] * len(dims)
-    strides[1] = 1
-    acc = c
-    for i in range(len(spatial) - 1, -1, -1):
-        strides[2 + i] = acc
-        acc *= spatial[i]
-    strides[0] = acc
-    return strides
-
-
-def _check_layout(name: str, t: TensorSpec) -> None:
-    if len(t.dims) != len(t.strides):
-        raise SpecError(f"tensor {name!r}: {len(t.dims)} dims but {len(t.strides)} strides")
-    if any(d < 1 for d in t.dims):
-        raise SpecError(f"tensor {name!r}: dims {t.dims} must all be >= 1")
-    if any(s < 0 for s in t.strides):
-        raise SpecError(f"tensor {name!r}: strides {t.strides} must be >= 0")
-    if math.prod(t.dims) > MAX_ELEMENTS:
-        raise SpecError(f"tensor {name!r}: {math.prod(t.dims)} elements is more than {MAX_ELEMENTS}")
-    # A dense layout: no two elements may alias (strides of non-unit dims, sorted, must nest).
-    spans = sorted((s, d) for s, d in zip(t.strides, t.dims) if d > 1)
-    reach = 1
-    for s, d in spans:
-        if s < reach:
-            raise SpecError(f"tensor {name!r}: strides {t.strides} make elements of dims {t.dims} overlap")
-        reach = s * d
-    if t.pass_by_value and (any(d != 1 for d in t.dims) or t.dtype != "float32"):
-        raise SpecError(f"tensor {name!r}: a pass-by-value scalar must be float32 with all dims 1")
+def _check_value(value: Any, where: str, uids: set[int], depth: int = 0) -> None:
+    """A param value: JSON scalars and lists, or one of the typed forms; bounded in size and depth."""
+    if depth > MAX_DEPTH:
+        raise SpecError(f"{where}: nested deeper than {MAX_DEPTH}")
+    if value is None or isinstance(value, (bool, str)):
+        if isinstance(value, str) and len(value) > MAX_NAME:
+            raise SpecError(f"{where}: string longer than {MAX_NAME}")
+        return
+    if isinstance(value, int):
+        if abs(value) > MAX_UID:
+            raise SpecError(f"{where}: integer {value} out of range")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise SpecError(f"{where}: {value} is not a finite number")
+        return
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            raise SpecError(f"{where}: list longer than {MAX_LIST}")
+        for i, v in enumerate(value):
+            _check_value(v, f"{where}[{i}]", uids, depth + 1)
+        return
+    if isinstance(value, dict):
+        keys = set(value)
+        if keys == {"$enum", "name"}:
+            if value["$enum"] not in ENUM_TYPES:
+                raise SpecError(f"{where}: {value['$enum']!r} is not a cudnn enum type this schema knows "
+                                f"({', '.join(ENUM_TYPES)})")
+            if not isinstance(value["name"], str) or not _ENUM_NAME.match(value["name"]):
+                raise SpecError(f"{where}: enum name {value['name']!r} is not a valid name")
+            return
+        if keys == {"$tensor"}:
+            if not isinstance(value["$tensor"], int) or value["$tensor"] not in uids:
+                raise SpecError(f"{where}: names tensor uid {value['$tensor']!r}, which the graph does not have")
+            return
+        if keys == {"$tuple"} and isinstance(value["$tuple"], list):
+            _check_value(value["$tuple"], where, uids, depth)
+            return
+        if keys == {"$dict"} and isinstance(value["$dict"], dict):
+            if len(value["$dict"]) > MAX_PARAMS:
+                raise SpecError(f"{where}: more than {MAX_PARAMS} entries")
+            for k, v in value["$dict"].items():
+                if not _IDENT.match(k):
+                    raise SpecError(f"{where}: key {k!r} is not an identifier")
+                _check_value(v, f"{where}.{k}", uids, depth + 1)
+            return
+        raise SpecError(f"{where}: unknown value form with keys {sorted(keys)}; expected $enum, $tensor, $tuple or $dict")
+    raise SpecError(f"{where}: a {type(value).__name__} cannot be stored")
 
 
 class GraphSpec(_Strict):
-    """A cuDNN graph, as JSON. Build one with :class:`SpecBuilder` or load it with :func:`parse_spec`."""
+    """A cuDNN FE graph as a JSON document. Make one with :func:`from_pygraph`, :class:`SpecBuilder` or
+    :func:`parse_spec`."""
 
     schema_version: int = Field(default=SPEC_SCHEMA_VERSION, alias="schema")
-    name: str = Field(default="", max_length=256, description="cosmetic; not part of the key")
-    io_data_type: DType
-    intermediate_data_type: DType = "float32"
-    compute_data_type: DType = "float32"
-    tensors: dict[str, TensorSpec] = Field(min_length=1)
-    nodes: list[NodeSpec] = Field(min_length=1, max_length=256)
-    outputs: dict[str, TensorSpec] = Field(min_length=1)
+    name: str = Field(default="", max_length=MAX_NAME, description="cosmetic; not part of the key")
+    context: Context = Field(default_factory=Context)
+    graph: GraphFlags = Field(default_factory=GraphFlags)
+    tensors: list[TensorDoc] = Field(min_length=1, max_length=MAX_TENSORS)
+    nodes: list[NodeDoc] = Field(min_length=1, max_length=MAX_NODES)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    _infos: dict[str, TensorInfo] = PrivateAttr(default_factory=dict)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
+    _producer: dict[int, int] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _validate_graph(self) -> "GraphSpec":
         if self.schema_version != SPEC_SCHEMA_VERSION:
             raise SpecError(f"schema version {self.schema_version} is not supported (this is {SPEC_SCHEMA_VERSION})")
-        self._infos = self._infer()
+        for field in ("io_data_type", "intermediate_data_type", "compute_data_type"):
+            _check_enum_name("data type", getattr(self.context, field), DATA_TYPES, f"context.{field}")
+        by_uid: dict[int, TensorDoc] = {}
+        for t in self.tensors:
+            where = f"tensor {t.name or t.uid!r}"
+            if t.uid in by_uid:
+                raise SpecError(f"{where}: uid {t.uid} is used twice")
+            by_uid[t.uid] = t
+            _check_enum_name("data type", t.data_type, DATA_TYPES, where)
+            _check_enum_name("data type", t.scalar_type, DATA_TYPES, where)
+            if t.reordering_type is not None and not _ENUM_NAME.match(t.reordering_type):
+                raise SpecError(f"{where}: reordering type {t.reordering_type!r} is not a valid name")
+            if t.stride and len(t.stride) != len(t.dim):
+                raise SpecError(f"{where}: {len(t.dim)} dims but {len(t.stride)} strides")
+            if any(not 0 <= d <= MAX_DIM for d in t.dim) or any(not 0 <= s <= MAX_DIM for s in t.stride):
+                raise SpecError(f"{where}: dims {t.dim} / strides {t.stride} out of range [0, 2^40]")
+            if t.pass_by_value is not None and isinstance(t.pass_by_value, float) and not math.isfinite(t.pass_by_value):
+                raise SpecError(f"{where}: embedded value {t.pass_by_value} is not finite")
+            if t.is_virtual and t.is_pass_by_value:
+                raise SpecError(f"{where}: a tensor cannot be both virtual and pass-by-value")
+        for t in self.tensors:
+            if t.ragged_offset is not None and t.ragged_offset not in by_uid:
+                raise SpecError(f"tensor {t.name or t.uid!r}: ragged offset uid {t.ragged_offset} is not a tensor of the graph")
+        producer: dict[int, int] = {}
+        uids = set(by_uid)
+        for i, node in enumerate(self.nodes):
+            where = f"node {i} ({node.name or node.type})"
+            if node.type not in NODE_TYPES:
+                raise SpecError(f"{where}: unknown node type {node.type!r}")
+            _check_enum_name("data type", node.compute_data_type, DATA_TYPES, where)
+            for kind, ports in (("input", node.inputs), ("output", node.outputs)):
+                for port, uid in ports.items():
+                    if not _IDENT.match(port):
+                        raise SpecError(f"{where}: {kind} port {port!r} is not an identifier")
+                    if uid not in by_uid:
+                        raise SpecError(f"{where}: {kind} {port!r} names tensor uid {uid}, which the graph does not have")
+            for port, uid in node.inputs.items():
+                t = by_uid[uid]
+                if uid in producer:
+                    continue
+                if t.is_virtual:
+                    raise SpecError(f"{where}: input {port!r} is virtual tensor {t.name or uid!r}, not produced by an earlier node")
+                if uid in (u for n in self.nodes[i:] for u in n.outputs.values()):
+                    raise SpecError(f"{where}: input {port!r} reads tensor {t.name or uid!r} before the node that produces it")
+            for port, uid in node.outputs.items():
+                if uid in producer:
+                    raise SpecError(f"{where}: output {port!r} tensor {by_uid[uid].name or uid!r} is already produced by node {producer[uid]}")
+                if by_uid[uid].is_pass_by_value:
+                    raise SpecError(f"{where}: output {port!r} cannot be a pass-by-value tensor")
+                producer[uid] = i
+            for key, value in node.params.items():
+                if not _IDENT.match(key):
+                    raise SpecError(f"{where}: param name {key!r} is not an identifier")
+                _check_value(value, f"{where} param {key!r}", uids)
+        for t in self.tensors:
+            if t.uid in producer:
+                continue
+            if t.is_virtual:
+                raise SpecError(f"tensor {t.name or t.uid!r} is virtual but no node produces it")
+            if not t.dim:
+                raise SpecError(f"tensor {t.name or t.uid!r} is a graph input without dims")
+        if not any(not by_uid[u].is_virtual for u in producer):
+            raise SpecError("the graph has no output: mark a node output with set_output(True)")
+        self._by_uid, self._producer = by_uid, producer
         return self
 
-    def _infer(self) -> dict[str, TensorInfo]:
-        infos: dict[str, TensorInfo] = {}
-        for name, t in self.tensors.items():
-            _check_layout(name, t)
-            infos[name] = TensorInfo(name, tuple(t.dims), tuple(t.strides), t.dtype, False, t.pass_by_value)
-        produced: set[str] = set()
-        for i, node in enumerate(self.nodes):
-            op = OPS.get(node.op)
-            if op is None:
-                raise _fail(node, i, f"unknown op {node.op!r}; known ops: {', '.join(sorted(OPS))}")
-            if set(node.inputs) != set(op.inputs):
-                raise _fail(node, i, f"{node.op} takes inputs {list(op.inputs)}, got {sorted(node.inputs)}")
-            if set(node.outputs) != set(op.outputs):
-                raise _fail(node, i, f"{node.op} has outputs {list(op.outputs)}, got {sorted(node.outputs)}")
-            for port, tname in node.inputs.items():
-                if tname not in infos:
-                    raise _fail(node, i, f"input {port!r} names tensor {tname!r}, which is not defined before this node")
-                if infos[tname].pass_by_value and node.op not in ("scale", "mul", "add", "bias"):
-                    raise _fail(node, i, f"pass-by-value tensor {tname!r} can only feed a pointwise op")
-            try:
-                attrs = op.attrs.model_validate(node.attrs)
-                shapes = op.infer(node, attrs, infos)
-            except ValidationError as exc:
-                raise _fail(node, i, f"bad attributes: {_pydantic_message(exc)}") from None
-            except ValueError as exc:
-                raise _fail(node, i, str(exc)) from None
-            for port, tname in node.outputs.items():
-                if tname in infos:
-                    raise _fail(node, i, f"output {port!r} names tensor {tname!r}, which already exists")
-                dims = shapes[port]
-                declared = self.outputs.get(tname)
-                if declared is not None:
-                    _check_layout(tname, declared)
-                    if tuple(declared.dims) != dims:
-                        raise _fail(node, i, f"output tensor {tname!r} declared with dims {declared.dims}, but {node.op} gives {list(dims)}")
-                    if declared.pass_by_value:
-                        raise _fail(node, i, f"output tensor {tname!r} cannot be pass-by-value")
-                    infos[tname] = TensorInfo(tname, dims, tuple(declared.strides), declared.dtype, False)
-                else:
-                    dtype = op.output_dtype(self, attrs) if op.output_dtype else self.intermediate_data_type
-                    infos[tname] = TensorInfo(tname, dims, tuple(contiguous_strides(dims)), dtype, True)
-                produced.add(tname)
-        for tname in self.outputs:
-            if tname not in produced:
-                raise SpecError(f"output tensor {tname!r} is not produced by any node")
-        consumed = {t for n in self.nodes for t in n.inputs.values()}
-        for name, info in infos.items():
-            if info.virtual and name not in consumed:
-                raise SpecError(f"tensor {name!r} is produced but neither used nor declared in outputs")
-            if name in self.tensors and name not in consumed:
-                raise SpecError(f"input tensor {name!r} is not used by any node")
-        return infos
+    # ----------------------------------------------------------- views
 
-    # ----------------------------------------------------------- derived views
+    def tensor(self, uid: int) -> TensorDoc:
+        return self._by_uid[uid]
 
-    def tensor_infos(self) -> dict[str, TensorInfo]:
-        """Every tensor (inputs, virtual intermediates, outputs) with its resolved properties."""
-        return dict(self._infos)
+    def producer(self, uid: int) -> NodeDoc | None:
+        """The node that writes tensor ``uid`` (None for a graph input)."""
+        i = self._producer.get(uid)
+        return None if i is None else self.nodes[i]
 
-    def uids(self) -> dict[str, int]:
-        """Deterministic uids of the non-virtual tensors: 1-based rank of the sorted names."""
-        names = sorted(set(self.tensors) | set(self.outputs))
-        return {n: i + 1 for i, n in enumerate(names)}
+    def input_tensors(self) -> list[TensorDoc]:
+        """Non-virtual tensors no node produces: what execute reads (pass-by-value scalars included)."""
+        return [t for t in self.tensors if t.uid not in self._producer]
 
-    def node_attrs(self, index: int) -> Any:
-        """The validated attribute model of node ``index`` (defaults filled)."""
-        node = self.nodes[index]
-        return OPS[node.op].attrs.model_validate(node.attrs)
+    def output_tensors(self) -> list[TensorDoc]:
+        """Non-virtual tensors a node produces: what execute writes."""
+        return [t for t in self.tensors if t.uid in self._producer and not t.is_virtual]
+
+    def io_names(self) -> dict[str, int]:
+        """Names of the graph's non-virtual tensors → uids (a tensor without a name, or whose name is
+        shared, is reachable by uid only)."""
+        names: dict[str, int] = {}
+        shared: set[str] = set()
+        for t in self.input_tensors() + self.output_tensors():
+            if not t.name:
+                continue
+            if t.name in names:
+                shared.add(t.name)
+            names[t.name] = t.uid
+        return {n: u for n, u in names.items() if n not in shared}
+
+    def data_type_of(self, t: TensorDoc) -> str:
+        """The tensor's data type, filled as FE fills an unset one."""
+        if t.data_type is not None:
+            return t.data_type
+        node = self.producer(t.uid)
+        if node is not None and node.type in FLOAT_STATS and node.outputs.get("Stats") == t.uid:
+            return "FLOAT"
+        ctx = self.context
+        dt = (ctx.intermediate_data_type or ctx.io_data_type) if t.is_virtual else ctx.io_data_type
+        return dt or "FLOAT"
+
+    # ----------------------------------------------------------- canonical form and key
+
+    def canonical_uids(self) -> dict[int, int]:
+        """uid → canonical uid: user-assigned uids stay; the rest are numbered in graph order (node by node,
+        input ports then output ports, each by port name; a tensor's ragged offset before the tensor), skipping
+        the user-assigned ones."""
+        fixed = {t.uid for t in self.tensors if t.uid_assigned}
+        order: list[int] = []
+        seen: set[int] = set()
+
+        def visit(uid: int) -> None:
+            if uid in seen:
+                return
+            seen.add(uid)
+            ragged = self._by_uid[uid].ragged_offset
+            if ragged is not None:
+                visit(ragged)
+            order.append(uid)
+
+        for node in self.nodes:
+            for ports in (node.inputs, node.outputs):
+                for port in sorted(ports):
+                    visit(ports[port])
+            for uid in _param_tensors(node.params):
+                visit(uid)
+        for t in self.tensors:
+            visit(t.uid)
+        mapping, nxt = {}, 1
+        for uid in order:
+            if uid in fixed:
+                mapping[uid] = uid
+                continue
+            while nxt in fixed:
+                nxt += 1
+            mapping[uid] = nxt
+            nxt += 1
+        return mapping
 
     def canonical(self) -> dict[str, Any]:
-        """The key-relevant content: cosmetic names dropped, defaults filled, attrs normalised."""
-        nodes = []
-        for i, n in enumerate(self.nodes):
-            nodes.append({
-                "op": n.op,
-                "inputs": dict(n.inputs),
-                "attrs": self.node_attrs(i).model_dump(exclude_none=True),
-                "outputs": dict(n.outputs),
+        """The key-relevant content (see the module docstring)."""
+        remap = self.canonical_uids()
+        ctx = self.context
+        io = ctx.io_data_type
+        tensors = []
+        for t in sorted(self.tensors, key=lambda t: remap[t.uid]):
+            node = self.producer(t.uid)
+            produced = node is not None
+            keep_dim = not produced or t.dim_assigned or node.type in PUSHED_OUTPUT_DIMS
+            keep_stride = not produced or t.stride_assigned
+            tensors.append({
+                "uid": remap[t.uid], "data_type": self.data_type_of(t),
+                "dim": t.dim if keep_dim else None, "stride": t.stride if keep_stride else None,
+                "is_virtual": t.is_virtual, "is_pass_by_value": t.is_pass_by_value, "pass_by_value": t.pass_by_value,
+                "reordering_type": t.reordering_type,
+                "ragged_offset": None if t.ragged_offset is None else remap[t.ragged_offset],
+                "ragged_offset_multiplier": t.ragged_offset_multiplier, "alignment_value": t.alignment_value,
+                "scalar_type": t.scalar_type,
             })
+        nodes = [{
+            "type": n.type,
+            "compute_data_type": n.compute_data_type or ctx.compute_data_type or io,
+            "inputs": {p: remap[u] for p, u in n.inputs.items()},
+            "outputs": {p: remap[u] for p, u in n.outputs.items()},
+            "params": _canonical_params(n.type, n.params, remap),
+        } for n in self.nodes]
         return {
             "schema": self.schema_version,
-            "io_data_type": self.io_data_type,
-            "intermediate_data_type": self.intermediate_data_type,
-            "compute_data_type": self.compute_data_type,
-            "tensors": {k: v.model_dump() for k, v in self.tensors.items()},
+            "context": {"io_data_type": io, "intermediate_data_type": ctx.intermediate_data_type or io,
+                        "compute_data_type": ctx.compute_data_type or io},
+            "graph": self.graph.model_dump(),
+            "tensors": tensors,
             "nodes": nodes,
-            "outputs": {k: v.model_dump() for k, v in self.outputs.items()},
             "tuning": self.tuning.model_dump(),
         }
 
@@ -379,72 +421,84 @@ class GraphSpec(_Strict):
     def graph_key(self) -> str:
         return graph_key(self)
 
-    def to_json(self) -> dict[str, Any]:
-        """The full document (name included), as written to files."""
-        return self.model_dump(by_alias=True, exclude_none=True)
-
-    def with_dims(self, overrides: dict[str, list[int]]) -> "GraphSpec":
-        """A copy with some input tensors reshaped (contiguous layout order kept); outputs re-inferred."""
+    def canonical_document(self) -> "GraphSpec":
+        """This document with canonical uids (what workers build), names and flags kept."""
+        remap = self.canonical_uids()
+        if all(k == v for k, v in remap.items()):
+            return self
         doc = self.to_json()
-        for name, dims in overrides.items():
-            if name not in doc["tensors"]:
-                raise SpecError(f"with_dims: no input tensor {name!r}")
-            old = self.tensors[name]
-            doc["tensors"][name]["dims"] = list(dims)
-            doc["tensors"][name]["strides"] = _restride(old.dims, old.strides, dims)
-        draft = {**doc, "outputs": {}}
-        infos = _infer_virtual(draft, list(self.outputs))
-        for name, old in self.outputs.items():
-            dims = infos[name]
-            doc["outputs"][name] = {**old.model_dump(), "dims": list(dims), "strides": _restride(old.dims, old.strides, dims)}
+        for t in doc["tensors"]:
+            t["uid"] = remap[t["uid"]]
+            if t.get("ragged_offset") is not None:
+                t["ragged_offset"] = remap[t["ragged_offset"]]
+        for n in doc["nodes"]:
+            for section in ("inputs", "outputs"):
+                n[section] = {p: remap[u] for p, u in n[section].items()}
+            n["params"] = _map_tensors(n["params"], remap)
+        doc["tensors"].sort(key=lambda t: t["uid"])
         return parse_spec(doc)
 
-
-def _restride(old_dims: list[int], old_strides: list[int], dims: list[int] | tuple[int, ...]) -> list[int]:
-    """Strides for ``dims`` with the same dimension order (by stride) as the old layout, densely packed."""
-    if len(dims) != len(old_dims):
-        raise SpecError(f"with_dims: rank {len(dims)} differs from {len(old_dims)}")
-    order = sorted(range(len(dims)), key=lambda i: (old_strides[i], -i))
-    strides, acc = [0] * len(dims), 1
-    for i in order:
-        strides[i] = acc
-        acc *= dims[i]
-    return strides
+    def to_json(self) -> dict[str, Any]:
+        """The full document (names included), as written to files and sent to the server."""
+        return self.model_dump(by_alias=True, mode="json")
 
 
-def _infer_virtual(doc: dict[str, Any], wanted: list[str]) -> dict[str, tuple[int, ...]]:
-    """Infer node output dims of a draft document whose outputs section is still empty."""
-    infos: dict[str, TensorInfo] = {
-        n: TensorInfo(n, tuple(t["dims"]), tuple(t["strides"]), t["dtype"], False, t.get("pass_by_value", False))
-        for n, t in doc["tensors"].items()
-    }
-    for i, raw in enumerate(doc["nodes"]):
-        node = NodeSpec.model_validate(raw)
-        op = OPS.get(node.op)
-        if op is None:
-            raise _fail(node, i, f"unknown op {node.op!r}")
-        try:
-            shapes = op.infer(node, op.attrs.model_validate(node.attrs), infos)
-        except (ValueError, KeyError) as exc:
-            raise _fail(node, i, str(exc)) from None
-        for port, tname in node.outputs.items():
-            infos[tname] = TensorInfo(tname, shapes[port], tuple(contiguous_strides(shapes[port])), "float32", True)
-    missing = [w for w in wanted if w not in infos]
-    if missing:
-        raise SpecError(f"output tensor {missing[0]!r} is not produced by any node")
-    return {w: infos[w].dims for w in wanted}
+def _param_tensors(value: Any) -> list[int]:
+    if isinstance(value, dict):
+        if "$tensor" in value:
+            return [value["$tensor"]]
+        return [u for v in value.values() for u in _param_tensors(v)]
+    if isinstance(value, list):
+        return [u for v in value for u in _param_tensors(v)]
+    return []
+
+
+def _map_tensors(value: Any, remap: dict[int, int]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$tensor"}:
+            return {"$tensor": remap[value["$tensor"]]}
+        return {k: _map_tensors(v, remap) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(v, remap) for v in value]
+    return value
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default == "zeros":
+        return isinstance(value, list) and all(v == 0 for v in value)
+    if default == "ones":
+        return isinstance(value, list) and all(v == 1 for v in value)
+    return value == default and type(value) is type(default)
+
+
+def _canonical_params(node_type: str, params: dict[str, Any], remap: dict[int, int]) -> dict[str, Any]:
+    out = {k: _map_tensors(v, remap) for k, v in params.items() if v is not None}
+    if node_type in _CONV and "padding" not in out and out.get("pre_padding") == out.get("post_padding") is not None:
+        out["padding"] = out.pop("pre_padding")
+        out.pop("post_padding")
+    if node_type in _SDPA and out.get("use_causal_mask") is True and "diagonal_band_right_bound" not in out:
+        # FE spells top-left causal two ways: the flag, or alignment TOP_LEFT with right bound 0.
+        out.pop("use_causal_mask")
+        out["diagonal_band_right_bound"] = 0
+    defaults = PARAM_DEFAULTS.get(node_type, {})
+    return {k: v for k, v in out.items() if not (k in defaults and _is_default(v, defaults[k]))}
+
+
+# ------------------------------------------------------------------ parsing and keys
 
 
 def _pydantic_message(exc: ValidationError) -> str:
     parts = []
-    for err in exc.errors():
+    for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts)
 
 
 def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
-    """Validate a spec given as a model, a dict or JSON text; raise :class:`SpecError` naming the problem."""
+    """Validate a spec given as a model, a dict or JSON text; raise :class:`SpecError` naming the problem.
+
+    Schema-1 documents (plancache's earlier op-list format) are converted through :mod:`plancache.legacy_spec`."""
     if isinstance(obj, GraphSpec):
         return obj
     try:
@@ -452,9 +506,15 @@ def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
             obj = json.loads(obj)
         if not isinstance(obj, dict):
             raise SpecError(f"a spec must be a JSON object, not {type(obj).__name__}")
+        if obj.get("schema") == 1:
+            from .legacy_spec import legacy_document
+
+            obj = legacy_document(obj)
         return GraphSpec.model_validate(obj)
     except json.JSONDecodeError as exc:
         raise SpecError(f"spec is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SpecError("spec is nested too deeply") from None
     except ValidationError as exc:
         raise SpecError(f"invalid spec: {_pydantic_message(exc)}") from None
 
@@ -471,180 +531,113 @@ def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-# ---------------------------------------------------------------- the builder
+# ------------------------------------------------------------------ from a user's pygraph
 
 
-class TensorRef:
-    """A tensor handle returned by the builder; mirrors the cudnn tensor setters for outputs."""
+class UnsupportedGraph(SpecError):
+    """A pygraph holds something the document cannot represent (a callback, a framework object)."""
 
-    def __init__(self, builder: "SpecBuilder", name: str) -> None:
-        self._b, self.name = builder, name
-
-    def set_output(self, is_output: bool = True) -> "TensorRef":
-        self._b._set_output(self.name, is_output)
-        return self
-
-    def set_name(self, name: str) -> "TensorRef":
-        self._b._rename(self.name, name)
-        self.name = name
-        return self
-
-    def set_dim(self, dims: list[int]) -> "TensorRef":
-        self._b._out_attr(self.name, "dims", list(dims))
-        return self
-
-    def set_stride(self, strides: list[int]) -> "TensorRef":
-        self._b._out_attr(self.name, "strides", list(strides))
-        return self
-
-    def set_data_type(self, dtype: DType) -> "TensorRef":
-        self._b._out_attr(self.name, "dtype", dtype)
-        return self
-
-    def __repr__(self) -> str:
-        return f"TensorRef({self.name!r})"
+    code = "unsupported_graph"
 
 
-_TORCH_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
-                 "torch.int32": "int32", "torch.int64": "int64"}
+def _enum_name(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    name = getattr(value, "name", None)
+    if not isinstance(name, str) or not type(value).__module__.startswith("cudnn"):
+        if type(value).__module__ == "torch":  # FE accepts torch dtypes where it takes data types
+            from cudnn.datatypes import _torch_to_cudnn_data_type
+
+            return _enum_name(_torch_to_cudnn_data_type(value), where)
+        raise UnsupportedGraph(f"{where}: {value!r} is not a cudnn enum")
+    return name
 
 
-class SpecBuilder:
-    """Write a spec with the cudnn.pygraph method names you know::
+def _encode_value(value: Any, where: str) -> Any:
+    from cudnn.graph_types import Tensor
 
-        b = SpecBuilder(io_data_type="bfloat16")
-        X = b.tensor("X", dim=[32, 128, 56, 56], stride=channels_last_strides([32, 128, 56, 56]), data_type="bfloat16")
-        ...
-        Y = b.relu(b.bias(b.conv_fprop(X, W, padding=[1, 1]), B))
-        Y.set_output(True).set_name("Y")
-        spec = b.build()
-    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Tensor):
+        return {"$tensor": value.uid}
+    t = type(value)
+    if hasattr(t, "__members__") and isinstance(getattr(value, "name", None), str):
+        if not t.__module__.startswith("cudnn"):
+            raise UnsupportedGraph(f"{where} holds {t.__module__}.{t.__qualname__}, an enum outside cudnn")
+        return {"$enum": t.__qualname__, "name": value.name}
+    if isinstance(value, (list, tuple)):
+        items = [_encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"$tuple": items}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"$dict": {k: _encode_value(v, f"{where}.{k}") for k, v in value.items()}}
+    raise UnsupportedGraph(f"{where} holds a {t.__module__}.{t.__qualname__}, which a graph spec cannot represent "
+                           "(callbacks such as score_mod cannot be cached)")
 
-    def __init__(self, io_data_type: DType, intermediate_data_type: DType = "float32",
-                 compute_data_type: DType = "float32", name: str = "", tuning: TuningSpec | None = None) -> None:
-        self._doc: dict[str, Any] = {
-            "name": name, "io_data_type": io_data_type, "intermediate_data_type": intermediate_data_type,
-            "compute_data_type": compute_data_type, "tensors": {}, "nodes": [], "outputs": {},
-            "tuning": (tuning or TuningSpec()).model_dump(),
-        }
-        self._out: dict[str, dict[str, Any]] = {}
-        self._counter = 0
 
-    # inputs
-    def tensor(self, name: str, dim: list[int], stride: list[int] | None = None, data_type: DType | None = None,
-               is_pass_by_value: bool = False) -> TensorRef:
-        if name in self._doc["tensors"] or self._produced(name):
-            raise SpecError(f"tensor {name!r} is already defined")
-        self._doc["tensors"][name] = {
-            "dims": list(dim), "strides": list(stride) if stride is not None else contiguous_strides(dim),
-            "dtype": data_type or ("float32" if is_pass_by_value else self._doc["io_data_type"]),
-            "pass_by_value": is_pass_by_value,
-        }
-        return TensorRef(self, name)
+def from_pygraph(graph: Any, *, tuning: TuningSpec | None = None, name: str | None = None) -> GraphSpec:
+    """The spec of a user's ``cudnn.pygraph`` (constructed, not yet built), with ``.graph_key`` and ``.to_json()``.
 
-    def tensor_like(self, tensor: Any, name: str, is_pass_by_value: bool | None = None) -> TensorRef:
-        """An input shaped like a torch tensor (dims, strides, dtype). As in cudnn, a CPU tensor becomes
-        pass-by-value unless ``is_pass_by_value`` says otherwise."""
-        dtype = _TORCH_DTYPES.get(str(tensor.dtype))
-        if dtype is None:
-            raise SpecError(f"tensor_like({name!r}): unsupported dtype {tensor.dtype}")
-        by_value = str(tensor.device) == "cpu" if is_pass_by_value is None else is_pass_by_value
-        return self.tensor(name, list(tensor.shape), list(tensor.stride()), dtype, is_pass_by_value=by_value)
-
-    # ops
-    def conv_fprop(self, image: TensorRef, weight: TensorRef, padding: list[int] | None = None,
-                   stride: list[int] | None = None, dilation: list[int] | None = None, name: str | None = None) -> TensorRef:
-        return self._op("conv_fprop", {"image": image, "weight": weight},
-                        {"padding": padding, "stride": stride, "dilation": dilation}, name)
-
-    def matmul(self, A: TensorRef, B: TensorRef, name: str | None = None) -> TensorRef:  # noqa: N803
-        return self._op("matmul", {"A": A, "B": B}, {}, name)
-
-    def bias(self, input: TensorRef, bias: TensorRef, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("bias", {"input": input, "bias": bias}, {}, name)
-
-    def scale(self, input: TensorRef, scale: TensorRef, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("scale", {"input": input, "scale": scale}, {}, name)
-
-    def add(self, a: TensorRef, b: TensorRef, name: str | None = None) -> TensorRef:
-        return self._op("add", {"a": a, "b": b}, {}, name)
-
-    def mul(self, a: TensorRef, b: TensorRef, name: str | None = None) -> TensorRef:
-        return self._op("mul", {"a": a, "b": b}, {}, name)
-
-    def relu(self, input: TensorRef, negative_slope: float | None = None, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("relu", {"input": input}, {"negative_slope": negative_slope}, name)
-
-    def gelu(self, input: TensorRef, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("gelu", {"input": input}, {}, name)
-
-    def sigmoid(self, input: TensorRef, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("sigmoid", {"input": input}, {}, name)
-
-    def tanh(self, input: TensorRef, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("tanh", {"input": input}, {}, name)
-
-    def swish(self, input: TensorRef, swish_beta: float | None = None, name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("swish", {"input": input}, {"swish_beta": swish_beta}, name)
-
-    def reduction(self, input: TensorRef, mode: Literal["AMAX", "SUM"], dims: list[int], name: str | None = None) -> TensorRef:  # noqa: A002
-        return self._op("reduction", {"input": input}, {"mode": mode, "dims": list(dims)}, name)
-
-    def sdpa(self, q: TensorRef, k: TensorRef, v: TensorRef, attn_scale: float | None = None,
-             causal: bool = False, name: str | None = None) -> TensorRef:
-        return self._op("sdpa", {"q": q, "k": k, "v": v}, {"attn_scale": attn_scale, "causal": causal}, name)
-
-    def build(self) -> GraphSpec:
-        doc = json.loads(json.dumps(self._doc))
-        marked = [n for n, o in self._out.items() if o.get("output")]
-        if not marked:
-            raise SpecError("no tensor is marked as an output (call .set_output(True))")
-        dims = _infer_virtual({**doc, "outputs": {}}, marked)
-        for name in marked:
-            o = self._out[name]
-            d = o.get("dims", list(dims[name]))
-            doc["outputs"][name] = {"dims": d, "strides": o.get("strides", contiguous_strides(d)),
-                                    "dtype": o.get("dtype", self._default_out_dtype(name)), "pass_by_value": False}
-        return parse_spec(doc)
-
-    # internals
-    def _default_out_dtype(self, name: str) -> str:
-        node = next(n for n in self._doc["nodes"] if name in n["outputs"].values())
-        op = OPS[node["op"]]
-        return "float32" if op.output_dtype else self._doc["io_data_type"]
-
-    def _produced(self, name: str) -> bool:
-        return any(name in n["outputs"].values() for n in self._doc["nodes"])
-
-    def _op(self, op: str, inputs: dict[str, TensorRef], attrs: dict[str, Any], name: str | None) -> TensorRef:
-        node_name = name or f"{op}_{len(self._doc['nodes'])}"
-        out_port = OPS[op].outputs[0]
-        out = f"{node_name}.{out_port}"
-        self._doc["nodes"].append({
-            "op": op, "name": node_name, "inputs": {p: t.name for p, t in inputs.items()},
-            "attrs": {k: v for k, v in attrs.items() if v is not None}, "outputs": {out_port: out},
+    Reads FE 1.32's pure-Python IR; raises :class:`UnsupportedGraph` naming what cannot be represented."""
+    for attr in ("_nodes", "_tensor_by_uid", "_context", "_cpp_graph_kwargs"):
+        if not hasattr(graph, attr):
+            raise UnsupportedGraph(f"{type(graph).__name__} is not a cudnn.pygraph of FE 1.32 (no {attr}); "
+                                   "plancache reads FE's Python IR")
+    if getattr(graph, "_lowered_graph", None) is not None or getattr(graph, "_planning_done", False):
+        raise UnsupportedGraph("the graph is already lowered or built; hand it to plancache before build()")
+    kwargs = graph._cpp_graph_kwargs
+    unknown = sorted(set(kwargs) - set(GRAPH_FLAGS) - {"name", "handle", "kernel_cache", "device_property",
+                                                        "cuda_graph_retention"})
+    if unknown:
+        raise UnsupportedGraph(f"graph argument(s) {', '.join(unknown)} are not part of the spec schema")
+    ctx = graph._context
+    tensors = []
+    for t in graph._tensor_by_uid.values():
+        where = f"tensor {t.name!r}"
+        tensors.append({
+            "uid": int(t.uid), "name": str(t.name or ""), "data_type": _enum_name(t.data_type, where),
+            "dim": [int(d) for d in (t.dim or [])], "stride": [int(s) for s in (t.stride or [])],
+            "is_virtual": bool(t.is_virtual), "is_pass_by_value": bool(t.is_pass_by_value),
+            "pass_by_value": t.pass_by_value, "uid_assigned": bool(t.uid_assigned),
+            "dim_assigned": bool(t.dim_assigned), "stride_assigned": bool(t.stride_assigned),
+            "reordering_type": _enum_name(t.reordering_type, where),
+            "ragged_offset": None if t.ragged_offset is None else int(t.ragged_offset.uid),
+            "ragged_offset_multiplier": int(t.ragged_offset_multiplier or 1),
+            "alignment_value": int(t.alignment_value or 1), "scalar_type": _enum_name(t.scalar_type, where),
         })
-        self._out[out] = {}
-        return TensorRef(self, out)
+    nodes = []
+    for n in graph._nodes:
+        where = f"node {n.name!r}"
+        nodes.append({
+            "name": str(n.name), "type": n.node_type.name,
+            "compute_data_type": _enum_name(n.compute_data_type, where),
+            "inputs": {p: int(t.uid) for p, t in n.inputs.items() if t is not None},
+            "outputs": {p: int(t.uid) for p, t in n.outputs.items() if t is not None},
+            "params": {k: _encode_value(v, f"{where} param {k!r}") for k, v in n.params.items()},
+        })
+    doc = {
+        "schema": SPEC_SCHEMA_VERSION,
+        "name": str(name if name is not None else kwargs.get("name", "")),
+        "context": {f: _enum_name(getattr(ctx, f), f"context.{f}")
+                    for f in ("io_data_type", "intermediate_data_type", "compute_data_type")},
+        "graph": {**{k: kwargs[k] for k in ("sm_count", "sm_version", "is_dynamic_shape_enabled",
+                                            "is_override_shape_enabled") if k in kwargs},
+                  "is_cuda_graph_replay_expected": bool(getattr(graph, "is_cuda_graph_replay_expected", False))},
+        "tensors": tensors,
+        "nodes": nodes,
+        "tuning": (tuning or TuningSpec()).model_dump(),
+    }
+    return parse_spec(doc)
 
-    def _set_output(self, name: str, flag: bool) -> None:
-        if name not in self._out:
-            raise SpecError(f"tensor {name!r} is not an op output")
-        self._out[name]["output"] = flag
 
-    def _out_attr(self, name: str, key: str, value: Any) -> None:
-        if name not in self._out:
-            raise SpecError(f"tensor {name!r} is not an op output")
-        self._out[name][key] = value
+def __getattr__(name: str) -> Any:
+    """The schema-1 front end, re-exported lazily (it imports this module)."""
+    if name in ("SpecBuilder", "channels_last_strides", "contiguous_strides"):
+        from . import legacy_spec
 
-    def _rename(self, old: str, new: str) -> None:
-        if new in self._doc["tensors"] or new in self._out:
-            raise SpecError(f"tensor {new!r} is already defined")
-        if old not in self._out:
-            raise SpecError(f"only op outputs can be renamed; {old!r} is an input")
-        self._out[new] = self._out.pop(old)
-        for n in self._doc["nodes"]:
-            for ports in (n["inputs"], n["outputs"]):
-                for p, t in ports.items():
-                    if t == old:
-                        ports[p] = new
+        return getattr(legacy_spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = [
+    "DATA_TYPES", "ENUM_TYPES", "NODE_TYPES", "GraphSpec", "NodeDoc", "TensorDoc", "TuningSpec", "UnsupportedGraph",
+    "canonical_json", "from_pygraph", "graph_key", "parse_spec",
+]
