@@ -88,6 +88,10 @@ class PlanMeta(_Model):
     candidates: list[Candidate] = Field(default_factory=list, max_length=10_000)
     tuning_seconds: float = Field(ge=0)
     worker_id: str = Field(min_length=1, max_length=256)
+    numerics_check: str = Field(
+        default="reference", pattern=r"^(reference|cross-check:fallback|cross-check:heuristic)$",
+        description="how the winner's numerics were checked: the float32 torch reference of every node, or, for a "
+                    "graph no reference covers, against cuDNN's FALLBACK plan or its heuristic choice")
 
 
 class PlanUpload(PlanMeta):

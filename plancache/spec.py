@@ -38,6 +38,10 @@ from .errors import SpecError
 #: ``cudnn.data_type`` names.
 DATA_TYPES = ("FLOAT", "DOUBLE", "HALF", "INT8", "INT32", "INT8x4", "UINT8", "UINT8x4", "INT8x32", "BFLOAT16", "INT64",
               "BOOLEAN", "FP8_E4M3", "FP8_E5M2", "FAST_FLOAT_FOR_FP8", "FP8_E8M0", "FP8_E5M3", "FP4_E2M1", "INT4")
+#: The torch dtype (attribute name of ``torch``) of each data type that has one.
+TORCH_DTYPES = {"HALF": "float16", "BFLOAT16": "bfloat16", "FLOAT": "float32", "DOUBLE": "float64", "INT8": "int8",
+                "UINT8": "uint8", "INT32": "int32", "INT64": "int64", "BOOLEAN": "bool", "FP8_E4M3": "float8_e4m3fn",
+                "FP8_E5M2": "float8_e5m2", "FP8_E8M0": "float8_e8m0fnu"}
 #: ``cudnn.graph_types.NodeType`` names.
 NODE_TYPES = (
     "COMPOSITE", "CONV_FPROP", "CONV_DGRAD", "CONV_WGRAD", "GENSTATS", "RESHAPE", "SLICE", "CONCATENATE", "TRANSPOSE",
@@ -243,7 +247,7 @@ class GraphSpec(_Strict):
             _check_enum_name("data type", t.scalar_type, DATA_TYPES, where)
             if t.reordering_type is not None and not _ENUM_NAME.match(t.reordering_type):
                 raise SpecError(f"{where}: reordering type {t.reordering_type!r} is not a valid name")
-            if t.stride and len(t.stride) != len(t.dim):
+            if t.stride and t.dim and len(t.stride) != len(t.dim):
                 raise SpecError(f"{where}: {len(t.dim)} dims but {len(t.stride)} strides")
             if any(not 0 <= d <= MAX_DIM for d in t.dim) or any(not 0 <= s <= MAX_DIM for s in t.stride):
                 raise SpecError(f"{where}: dims {t.dim} / strides {t.stride} out of range [0, 2^40]")
@@ -476,10 +480,6 @@ def _canonical_params(node_type: str, params: dict[str, Any], remap: dict[int, i
     if node_type in _CONV and "padding" not in out and out.get("pre_padding") == out.get("post_padding") is not None:
         out["padding"] = out.pop("pre_padding")
         out.pop("post_padding")
-    if node_type in _SDPA and out.get("use_causal_mask") is True and "diagonal_band_right_bound" not in out:
-        # FE spells top-left causal two ways: the flag, or alignment TOP_LEFT with right bound 0.
-        out.pop("use_causal_mask")
-        out["diagonal_band_right_bound"] = 0
     defaults = PARAM_DEFAULTS.get(node_type, {})
     return {k: v for k, v in out.items() if not (k in defaults and _is_default(v, defaults[k]))}
 
@@ -572,6 +572,11 @@ def _encode_value(value: Any, where: str) -> Any:
         return {"$dict": {k: _encode_value(v, f"{where}.{k}") for k, v in value.items()}}
     raise UnsupportedGraph(f"{where} holds a {t.__module__}.{t.__qualname__}, which a graph spec cannot represent "
                            "(callbacks such as score_mod cannot be cached)")
+
+
+def is_pygraph(obj: Any) -> bool:
+    """Whether ``obj`` looks like a ``cudnn.pygraph`` (checked without importing cudnn)."""
+    return hasattr(obj, "_nodes") and hasattr(obj, "_tensor_by_uid") and hasattr(obj, "_context")
 
 
 def from_pygraph(graph: Any, *, tuning: TuningSpec | None = None, name: str | None = None) -> GraphSpec:

@@ -1,26 +1,65 @@
-"""GraphSpec validation, canonical form and graph-key stability (no GPU)."""
+"""The graph document (schema 2): validation, canonical form and graph-key stability (no GPU).
+
+Graphs are written with FE's own ``cudnn.pygraph`` (its IR is pure Python: no GPU needed) and read
+with :func:`plancache.spec.from_pygraph`; schema-1 documents and the SpecBuilder convert into the same format.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from examples.generate import EXAMPLES, conv_bias_relu, matmul_epilogue, sdpa_causal
+from examples.generate import EXAMPLES, conv_bias_relu
 from plancache.errors import SpecError
-from plancache.spec import SpecBuilder, channels_last_strides, contiguous_strides, graph_key, parse_spec
+from plancache.spec import UnsupportedGraph, from_pygraph, graph_key, parse_spec
+
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (pip install -e '.[gpu]')")
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+NHWC = [200704, 1, 3584, 64]
 
 
-def conv_doc() -> dict:
-    return conv_bias_relu(n=2, c=8, hw=8, k=16).to_json()
+def fe_conv(*, explicit_defaults: bool = False, weights_first: bool = False, names: tuple[str, str] = ("X", "W"),
+            padding: tuple[int, int] = (1, 1), x_stride: list[int] | None = None, out_stride: bool = False,
+            dtype: str = "HALF") -> object:
+    """conv(8x64x56x56, 32 3x3) + bias + relu, written the ordinary FE way."""
+    dt = cudnn.data_type.__members__[dtype]
+    g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    make_x = lambda: g.tensor(name=names[0], dim=[8, 64, 56, 56], stride=x_stride or NHWC)  # noqa: E731
+    make_w = lambda: g.tensor(name=names[1], dim=[32, 64, 3, 3], stride=[576, 1, 192, 64])  # noqa: E731
+    if weights_first:
+        W, X = make_w(), make_x()
+    else:
+        X, W = make_x(), make_w()
+    B = g.tensor(name="B", dim=[1, 32, 1, 1], stride=[32, 1, 32, 32])
+    kw = {"padding": list(padding)}
+    if explicit_defaults:
+        kw.update(stride=[1, 1], dilation=[1, 1])
+    Y = g.relu(g.bias(g.conv_fprop(X, W, **kw), B))
+    Y.set_output(True)
+    if out_stride:
+        Y.set_stride([100352, 3136, 56, 1])
+    return g
+
+
+def fe_sdpa(**kw: object) -> object:
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    dims, strides = [2, 8, 256, 64], [131072, 64, 512, 1]
+    q, k, v = (g.tensor(name=n, dim=dims, stride=strides) for n in "qkv")
+    o, _ = g.sdpa(q, k, v, generate_stats=False, **kw)
+    o.set_output(True).set_dim(dims).set_stride(strides)
+    return g
 
 
 def _reorder(obj):
-    """The same JSON with every object's keys in reverse order."""
     if isinstance(obj, dict):
         return {k: _reorder(obj[k]) for k in reversed(list(obj))}
     if isinstance(obj, list):
@@ -32,42 +71,94 @@ def test_example_files_match_the_generator():
     for name, spec in EXAMPLES.items():
         on_disk = json.loads((ROOT / "examples" / f"{name}.json").read_text())
         assert on_disk == spec.to_json(), f"examples/{name}.json is stale: run python examples/generate.py"
+        assert on_disk["schema"] == 2
         assert graph_key(on_disk) == spec.graph_key
 
 
-def test_key_is_independent_of_key_order_and_cosmetic_names():
-    doc = conv_doc()
-    reordered = _reorder(doc)
-    assert list(reordered) != list(doc)
-    assert graph_key(reordered) == graph_key(doc)
-    renamed = copy.deepcopy(doc)
-    renamed["name"] = "another name"
-    for n in renamed["nodes"]:
-        n["name"] = "x" + (n.get("name") or "")
-    assert graph_key(renamed) == graph_key(doc)
-    # explicit defaults are the same as omitted ones
-    explicit = copy.deepcopy(doc)
-    explicit["tuning"] = {"heuristic_modes": ["A", "B", "FALLBACK"], "max_workspace_bytes": None, "deterministic_only": False}
-    assert graph_key(explicit) == graph_key(doc)
-    assert len(graph_key(doc)) == 64
+def test_schema_1_documents_still_parse_into_the_same_graph_as_the_builder():
+    legacy = json.loads((DATA / "legacy_conv_bias_relu.json").read_text())
+    assert legacy["schema"] == 1
+    spec = parse_spec(legacy)
+    assert spec.schema_version == 2 and [n.type for n in spec.nodes] == ["CONV_FPROP", "POINTWISE", "POINTWISE"]
+    assert spec.graph_key == EXAMPLES["conv_bias_relu"].graph_key
+    sdpa = parse_spec((DATA / "legacy_sdpa_causal.json").read_text())
+    assert sdpa.nodes[0].params["diagonal_alignment"] == {"$enum": "diagonal_alignment", "name": "TOP_LEFT"}
+    bad = copy.deepcopy(legacy)
+    bad["nodes"][0]["op"] = "conv_wibble"
+    with pytest.raises(SpecError, match="unknown op 'conv_wibble'"):
+        parse_spec(bad)
+
+
+def test_builder_defaults_and_explicit_defaults_get_one_key():
+    spelled = parse_spec(_with(conv_bias_relu(n=2, c=8, hw=8, k=16).to_json(), lambda d: None))
+    implicit = conv_bias_relu(n=2, c=8, hw=8, k=16)
+    assert spelled.graph_key == implicit.graph_key
+    doc = implicit.to_json()
+    conv = doc["nodes"][0]
+    assert conv["params"]["stride"] == [1, 1] and conv["params"]["dilation"] == [1, 1]
+    del conv["params"]["stride"], conv["params"]["dilation"]
+    assert graph_key(doc) == implicit.graph_key
+
+
+def test_same_computation_same_key_however_it_was_written():
+    base = from_pygraph(fe_conv()).graph_key
+    assert from_pygraph(fe_conv(explicit_defaults=True)).graph_key == base       # stride=[1,1], dilation=[1,1]
+    assert from_pygraph(fe_conv(weights_first=True)).graph_key == base           # other creation order: other auto uids
+    assert from_pygraph(fe_conv(names=("image", "filter"))).graph_key == base    # other tensor names
+    doc = from_pygraph(fe_conv()).canonical_document().to_json()
+    assert graph_key(_reorder(doc)) == base                                      # JSON key order
+    for t in doc["tensors"]:
+        t["name"], t["uid_assigned"] = "", True                                  # no names; the same uids set by hand
+    doc["name"] = "renamed"
+    assert graph_key(doc) == base
+    user_uids = from_pygraph(fe_conv()).to_json()
+    for t in user_uids["tensors"]:
+        t["uid"] += 100 * t["uid_assigned"] or 100                               # uids the user's code binds: kept
+        t["uid_assigned"] = True
+    for n in user_uids["nodes"]:
+        n["inputs"] = {p: u + 100 for p, u in n["inputs"].items()}
+        n["outputs"] = {p: u + 100 for p, u in n["outputs"].items()}
+    assert graph_key(user_uids) != base
+
+
+def test_key_is_the_same_in_another_process():
+    code = ("import sys; sys.path.insert(0, %r); from tests.test_spec import fe_conv; "
+            "from plancache.spec import from_pygraph; print(from_pygraph(fe_conv(weights_first=True)).graph_key)") % str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == from_pygraph(fe_conv()).graph_key
 
 
 @pytest.mark.parametrize("other", [
-    lambda: conv_bias_relu(n=3, c=8, hw=8, k=16),
-    lambda: conv_bias_relu(n=2, c=8, hw=8, k=32),
-    lambda: conv_bias_relu(n=2, c=8, hw=8, k=16, rs=1),
-    lambda: parse_spec({**conv_doc(), "io_data_type": "float16"}),
-    lambda: parse_spec({**conv_doc(), "tuning": {"deterministic_only": True}}),
-    lambda: parse_spec({**conv_doc(), "tuning": {"max_workspace_bytes": 1024}}),
-    lambda: parse_spec({**conv_doc(), "tuning": {"heuristic_modes": ["A"]}}),
-    lambda: parse_spec(_with(conv_doc(), lambda d: d["tensors"]["X"].__setitem__("dtype", "float16"))),
-    lambda: parse_spec(_with(conv_doc(), lambda d: d["nodes"][2].__setitem__("op", "gelu"))),
-    lambda: parse_spec(_with(conv_doc(), lambda d: d["nodes"][0]["attrs"].__setitem__("dilation", [1, 1]) or
-                             d["nodes"][0]["attrs"].__setitem__("padding", [1, 1]) or
-                             d["tensors"]["X"].__setitem__("strides", contiguous_strides(d["tensors"]["X"]["dims"])))),
-], ids=["batch", "filters", "kernel_size", "io_type", "deterministic", "workspace_cap", "modes", "dtype", "op", "layout"])
-def test_any_relevant_change_changes_the_key(other):
-    assert other().graph_key != parse_spec(conv_doc()).graph_key
+    lambda: fe_conv(padding=(0, 0)),
+    lambda: fe_conv(x_stride=[200704, 3136, 56, 1]),
+    lambda: fe_conv(dtype="BFLOAT16"),
+    lambda: fe_conv(out_stride=True),
+    lambda: fe_sdpa(attn_scale=0.1),
+    lambda: fe_sdpa(attn_scale=0.125, use_causal_mask=True),
+    lambda: fe_sdpa(attn_scale=0.125, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+                    diagonal_band_right_bound=0),
+], ids=["padding", "input_layout", "dtype", "output_layout", "scale", "causal", "bottom_right"])
+def test_anything_that_changes_the_computation_changes_the_key(other):
+    base = {from_pygraph(fe_conv()).graph_key, from_pygraph(fe_sdpa(attn_scale=0.125)).graph_key}
+    assert from_pygraph(other()).graph_key not in base
+
+
+def test_tuning_constraints_are_part_of_the_key():
+    doc = from_pygraph(fe_conv()).to_json()
+    keys = {graph_key(doc)}
+    for tuning in ({"deterministic_only": True}, {"max_workspace_bytes": 0}, {"heuristic_modes": ["A"]}):
+        keys.add(graph_key({**doc, "tuning": tuning}))
+    assert len(keys) == 4
+
+
+def test_canonical_document_has_canonical_uids_and_the_same_key():
+    spec = from_pygraph(fe_conv(weights_first=True))
+    canon = spec.canonical_document()
+    assert canon.graph_key == spec.graph_key
+    assert [t.uid for t in canon.tensors] == sorted(t.uid for t in canon.tensors)
+    x = next(t for t in canon.tensors if t.name == "X")
+    assert x.uid == 1  # the conv's image port is visited first
 
 
 def _with(doc: dict, mutate) -> dict:
@@ -75,118 +166,57 @@ def _with(doc: dict, mutate) -> dict:
     return doc
 
 
-def test_shape_change_through_with_dims_changes_key_and_reinfers_outputs():
-    spec = conv_bias_relu(n=2, c=8, hw=8, k=16)
-    bigger = spec.with_dims({"X": [4, 8, 8, 8]})
-    assert bigger.graph_key != spec.graph_key
-    assert bigger.outputs["Y"].dims == [4, 16, 8, 8]
-    assert bigger.outputs["Y"].strides == channels_last_strides([4, 16, 8, 8])
-
-
-def test_attn_scale_is_part_of_the_key_but_runtime_scalars_are_not():
-    a, b = sdpa_causal(seq=128).to_json(), sdpa_causal(seq=128).to_json()
-    b["nodes"][0]["attrs"]["attn_scale"] = 0.1
-    assert graph_key(a) != graph_key(b)
-    # the pass-by-value alpha has no value in the spec at all: only its shape/dtype are keyed
-    mm = matmul_epilogue(batch=2, m=64, k=64, n=64).to_json()
-    assert set(mm["tensors"]["alpha"]) == {"dims", "strides", "dtype", "pass_by_value"}
-
-
 @pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d["nodes"][0].__setitem__("op", "conv_wibble"), "unknown op 'conv_wibble'"),
-    (lambda d: d["nodes"][1]["inputs"].__setitem__("input", "nope"), "tensor 'nope'"),
-    (lambda d: d["tensors"]["W"]["dims"].__setitem__(1, 7), "input channels"),
-    (lambda d: d["tensors"]["X"].__setitem__("dtype", "float64"), "dtype"),
-    (lambda d: d["tensors"]["X"]["strides"].pop(), "4 dims but 3 strides"),
-    (lambda d: d["outputs"]["Y"]["dims"].__setitem__(0, 1), "declared with dims"),
-    (lambda d: d["nodes"][0]["attrs"].__setitem__("padding", [1]), "padding"),
-    (lambda d: d["nodes"][0]["attrs"].__setitem__("groups", 2), "bad attributes"),
-    (lambda d: d["nodes"][0]["inputs"].pop("weight"), "takes inputs"),
-    (lambda d: d["tensors"]["B"]["dims"].__setitem__(1, 3), "does not broadcast"),
-    (lambda d: d["tensors"]["X"]["strides"].__setitem__(0, 1), "overlap"),
+    (lambda d: d["nodes"][0].__setitem__("type", "CONV_WIBBLE"), "unknown node type 'CONV_WIBBLE'"),
+    (lambda d: d["tensors"][0].__setitem__("data_type", "FLOAT128"), "unknown data type 'FLOAT128'"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("mode", {"$enum": "os_system", "name": "X"}), "'os_system' is not a cudnn enum"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("cb", {"$call": "x"}), "unknown value form"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("alpha", float("nan")), "not a finite number"),
+    (lambda d: d["nodes"][0]["inputs"].__setitem__("image", 999), "uid 999"),
+    (lambda d: d["tensors"][1].__setitem__("uid", d["tensors"][0]["uid"]), "used twice"),
     (lambda d: d.__setitem__("schema", 99), "schema version 99"),
     (lambda d: d.__setitem__("extra_field", 1), "extra_field"),
-], ids=["unknown_op", "dangling", "channels", "dtype", "rank", "out_shape", "padding", "attr", "port", "bias", "alias", "schema", "extra"])
-def test_bad_specs_are_refused_naming_the_problem(mutate, needle):
-    doc = conv_doc()
+    (lambda d: d["tensors"][0].__setitem__("secret", 1), "secret"),
+    (lambda d: d["tensors"][0].__setitem__("dim", [10 ** 50] * 4), "out of range"),
+    (lambda d: d["tensors"][0].__setitem__("stride", [1]), "4 dims but 1 strides"),
+    (lambda d: d["nodes"].reverse(), "not produced by an earlier node"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("deep", [[[[[[[[1]]]]]]]]), "nested deeper"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("bad key", 1), "not an identifier"),
+], ids=["node_type", "dtype", "enum_type", "value_form", "nan", "dangling", "dup_uid", "schema", "extra", "tensor_field",
+        "huge_dim", "rank", "order", "depth", "param_name"])
+def test_bad_documents_are_refused_naming_the_problem(mutate, needle):
+    doc = from_pygraph(fe_conv()).to_json()
     mutate(doc)
     with pytest.raises(SpecError) as exc:
-        parse_spec(doc)
+        parse_spec(json.dumps(doc, allow_nan=True))
     assert needle in str(exc.value)
 
 
-def test_node_errors_name_the_node():
-    doc = conv_doc()
-    doc["nodes"][1]["inputs"]["input"] = "ghost"
-    with pytest.raises(SpecError, match=r"node 1 \(bias_1\)"):
-        parse_spec(doc)
-
-
-def test_unused_and_unproduced_tensors_are_refused():
-    doc = conv_doc()
-    doc["tensors"]["spare"] = {"dims": [1], "strides": [1], "dtype": "bfloat16"}
-    with pytest.raises(SpecError, match="'spare' is not used"):
-        parse_spec(doc)
-    doc = conv_doc()
-    doc["outputs"]["Z"] = doc["outputs"]["Y"]
-    with pytest.raises(SpecError, match="'Z' is not produced"):
-        parse_spec(doc)
-
-
 def test_parse_spec_refuses_non_objects_and_bad_json():
-    with pytest.raises(SpecError, match="not valid JSON"):
-        parse_spec("{nope")
-    with pytest.raises(SpecError, match="JSON object"):
-        parse_spec("[1, 2]")
+    for bad, needle in (("[1, 2]", "JSON object"), ("{", "not valid JSON"), ("[" * 100_000, "nested too deeply|not valid JSON")):
+        with pytest.raises(SpecError, match=needle):
+            parse_spec(bad)
 
 
-def test_shape_inference_for_every_seed_graph():
-    conv = conv_bias_relu(n=2, c=8, hw=9, k=16, rs=3)
-    assert conv.outputs["Y"].dims == [2, 16, 9, 9]
-    mm = matmul_epilogue(batch=2, m=32, k=64, n=48)
-    infos = mm.tensor_infos()
-    assert mm.outputs["Y"].dims == [2, 32, 48] and mm.outputs["amax"].dims == [1, 1, 1]
-    assert mm.outputs["amax"].dtype == "float32" and infos["alpha"].pass_by_value
-    assert any(i.virtual for i in infos.values())
-    gqa = sdpa_causal(batch=1, heads=8, kv_heads=2, seq=64, d=32)
-    assert gqa.outputs["O"].dims == [1, 8, 64, 32]
+def test_graphs_that_cannot_be_represented_are_refused():
+    g = fe_sdpa(attn_scale=0.125)
+    g._nodes[0].params["score_mod"] = lambda graph, score: score
+    with pytest.raises(UnsupportedGraph, match="score_mod"):
+        from_pygraph(g)
+    built = fe_conv()
+    built._planning_done = True
+    with pytest.raises(UnsupportedGraph, match="before build"):
+        from_pygraph(built)
+    with pytest.raises(UnsupportedGraph, match="not a cudnn.pygraph"):
+        from_pygraph(object())
 
 
-def test_sdpa_gqa_head_counts_are_checked():
-    b = SpecBuilder(io_data_type="bfloat16")
-    q = b.tensor("q", dim=[1, 6, 16, 32])
-    k = b.tensor("k", dim=[1, 4, 16, 32])
-    v = b.tensor("v", dim=[1, 4, 16, 32])
-    b.sdpa(q, k, v, causal=True).set_output(True)
-    with pytest.raises(SpecError, match="multiple of k/v heads"):
-        b.build()
-
-
-def test_uids_are_deterministic_and_cover_non_virtual_tensors():
-    mm = matmul_epilogue(batch=2, m=32, k=64, n=48)
-    uids = mm.uids()
-    assert set(uids) == set(mm.tensors) | set(mm.outputs)
-    assert sorted(uids.values()) == list(range(1, len(uids) + 1))
-    assert parse_spec(_reorder(mm.to_json())).uids() == uids
-
-
-def test_builder_tensor_like_reads_torch_layout():
-    torch = pytest.importorskip("torch")
-    x = torch.empty(2, 8, 4, 4).to(memory_format=torch.channels_last).to(torch.bfloat16)
-    b = SpecBuilder(io_data_type="bfloat16")
-    X = b.tensor_like(x, "X", is_pass_by_value=False)
-    s = b.tensor_like(torch.tensor([[[[0.5]]]]), "s")
-    b.scale(b.relu(X), s).set_output(True).set_name("Y")
-    spec = b.build()
-    assert spec.tensors["X"].strides == list(x.stride())
-    assert spec.tensors["s"].pass_by_value and spec.tensors["s"].dtype == "float32"
-
-
-def test_builder_refuses_a_graph_without_outputs_and_duplicate_names():
-    b = SpecBuilder(io_data_type="float16")
-    x = b.tensor("X", dim=[2, 2, 2])
-    b.relu(x)
-    with pytest.raises(SpecError, match="no tensor is marked"):
-        b.build()
-    with pytest.raises(SpecError, match="already defined"):
-        b.tensor("X", dim=[1, 1, 1])
+def test_documents_are_keyed_without_cudnn():
+    """The server's path: parse and key a document in a process where cudnn cannot be imported."""
+    doc = from_pygraph(fe_conv()).to_json()
+    code = ("import sys, json; sys.modules['cudnn'] = None; sys.modules['torch'] = None; "
+            "from plancache.spec import graph_key; print(graph_key(sys.stdin.read()))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(doc), capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == graph_key(doc)

@@ -38,13 +38,18 @@ class Backend(Protocol):
     def environment(self) -> Environment: ...
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
-                    plan_name: str) -> BuiltPlanLike:
-        """Load a serialized plan. Called only with a verified blob."""
+                    plan_name: str, graph: Any = None) -> BuiltPlanLike:
+        """Load a serialized plan (into the caller's own ``graph`` when given). Called only with a verified blob."""
         ...
 
-    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> BuiltPlanLike: ...
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int], *,
+                            graph: Any = None) -> BuiltPlanLike: ...
 
-    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> BuiltPlanLike: ...
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any, *, graph: Any = None) -> BuiltPlanLike: ...
+
+    def prepare_graph(self, graph: Any, spec: GraphSpec) -> None:
+        """Make a caller's unbuilt pygraph bind to plans built from ``spec``'s canonical document."""
+        ...
 
     def create_kernel_cache(self) -> Any: ...
 
@@ -82,19 +87,26 @@ class GpuBackend:
     def environment(self) -> Environment:
         return self._env
 
+    def _handle_for(self, graph: Any) -> Any:
+        """A caller's graph made with ``handle=`` keeps it; otherwise the backend's handle."""
+        return getattr(graph, "_handle", None) or self.handle
+
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
-                    plan_name: str) -> Any:
+                    plan_name: str, graph: Any = None) -> Any:
         with self._torch.cuda.device(self.device):
-            return self._gpu.deserialize_plan(spec, blob, self.handle, engine_id=engine_id, knobs=knobs,
-                                              plan_name=plan_name, device_property=self._device_property)
+            return self._gpu.deserialize_plan(spec, blob, self._handle_for(graph), engine_id=engine_id, knobs=knobs,
+                                              plan_name=plan_name, device_property=self._device_property, graph=graph)
 
-    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> Any:
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int], *, graph: Any = None) -> Any:
         with self._torch.cuda.device(self.device):
-            return self._gpu.build_engine_config(spec, self.handle, engine_id, knobs)
+            return self._gpu.build_engine_config(spec, self._handle_for(graph), engine_id, knobs, graph=graph)
 
-    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> Any:
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any, *, graph: Any = None) -> Any:
         with self._torch.cuda.device(self.device):
-            return self._gpu.build_heuristic(spec, self.handle, kernel_cache=kernel_cache)
+            return self._gpu.build_heuristic(spec, self._handle_for(graph), kernel_cache=kernel_cache, graph=graph)
+
+    def prepare_graph(self, graph: Any, spec: GraphSpec) -> None:
+        self._gpu.canonicalize_uids(graph, spec)
 
     def create_kernel_cache(self) -> Any:
         return self._gpu.create_kernel_cache()

@@ -13,6 +13,10 @@ deserialized; a rejected blob is counted by reason and the ladder goes on. Modes
 
 A shape family (the same graph with other dims) shares one cuDNN kernel cache, so the heuristic
 build of a further shape of a family reuses the kernels compiled for the first.
+
+The caller's own ``cudnn.pygraph`` goes through the same ladder (:meth:`PlanCache.build`): its spec is
+read from FE's IR, its auto-assigned uids are renumbered to the canonical ones, and the tuned plan is
+deserialized into it (or built in it), so it then runs with the caller's own ``graph.execute`` call.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ..errors import PlanMiss, VerificationError
 from ..protocol import PlanRecord, ResolvedPlan, b64decode
 from ..settings import Settings, get_settings
 from ..signing import TrustedKeys
-from ..spec import GraphSpec, canonical_json, graph_key, parse_spec
+from ..spec import GraphSpec, canonical_json, from_pygraph, graph_key, is_pygraph, parse_spec
 from .backend import Backend, BuiltPlanLike
 from .cache import DiskCache
 from .plan import Plan
@@ -45,18 +49,20 @@ log = logging.getLogger("plancache.client")
 
 Mode = Literal["normal", "strict", "replay_only"]
 MODES: tuple[str, ...] = ("normal", "strict", "replay_only")
-SpecLike = GraphSpec | dict[str, Any] | str | bytes
+#: A spec (model, dict or JSON text) or a caller's ``cudnn.pygraph``.
+SpecLike = Any
+# A load request: (graph key, spec, the caller's pygraph or None).
+_Item = tuple[str, GraphSpec, Any]
 
 
-def family_key(spec: SpecLike) -> str:
+def family_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
     """The shape family of ``spec``: sha256 of its canonical form with every tensor's dims and strides
     replaced by its rank and its layout order (dimension indices, outermost first)."""
     doc = parse_spec(spec).canonical()
-    for section in ("tensors", "outputs"):
-        for t in doc[section].values():
-            dims, strides = t["dims"], t["strides"]
-            t["strides"] = sorted(range(len(dims)), key=lambda i: (-strides[i], i))
-            t["dims"] = len(dims)
+    for t in doc["tensors"]:
+        dims, strides = t["dim"] or [], t["stride"] or []
+        t["stride"] = sorted(range(len(strides)), key=lambda i: (-strides[i], i))
+        t["dim"] = len(dims)
     payload = f"plancache-family/v{SPEC_SCHEMA_VERSION}\n{canonical_json(doc)}"
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -140,6 +146,7 @@ class PlanCache:
         self._lock = threading.RLock()      # the ladder's state
         self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
         self._memory: dict[str, Plan] = {}
+        self._verified: dict[str, tuple[PlanRecord, bytes]] = {}  # admitted blobs, for the callers' own graphs
         self._kernel_caches: dict[str, Any] = {}
         self._static_families: set[str] = set()
         self._reported: set[str] = set()
@@ -150,37 +157,59 @@ class PlanCache:
 
     # ------------------------------------------------------------ public
 
+    def build(self, graph: Any) -> Plan:
+        """``PlanCache.build(graph)`` in place of ``graph.build()``: the caller's own ``cudnn.pygraph``
+        (constructed, not built) gets the tuned plan through the ladder and then runs with the caller's
+        own ``graph.execute(...)`` (Tensor handles, names or uids). Auto-assigned uids are renumbered to the
+        canonical ones (read uids after this call, or assign them). Returns the :class:`Plan`."""
+        if not is_pygraph(graph):
+            raise TypeError(f"build() takes a cudnn.pygraph, not {type(graph).__name__}; use plan() for a spec")
+        return self.plan(graph)
+
     def plan(self, spec: SpecLike) -> Plan:
-        """A ready plan for ``spec`` (see the module docstring for the ladder and the modes)."""
-        s = parse_spec(spec)
-        key = graph_key(s)
-        plan = self._memory.get(key)  # no waiting on the ladder lock while another thread builds
-        if plan is not None:
-            self._memory_hit()
-            return plan
-        result = self._load_many([(key, s)])[key]
+        """A ready plan for a spec or a caller's pygraph (see the module docstring for the ladder and the modes)."""
+        item = self._item(spec)
+        key, _, graph = item
+        if graph is None:
+            plan = self._memory.get(key)  # no waiting on the ladder lock while another thread builds
+            if plan is not None:
+                self._memory_hit()
+                return plan
+        result = self._load_many([item])[0]
         if isinstance(result, PlanMiss):
             raise result
         return result
 
     def prefetch(self, specs: Iterable[SpecLike]) -> dict[str, Plan]:
-        """Load plans for all ``specs`` at start-up: the disk cache first, then one resolve round trip for
-        the rest, then local builds as the mode allows. Returns plans by graph key; later :meth:`plan`
-        calls are memory hits. In strict/replay-only mode raises :class:`PlanMiss` naming every key
-        without a plan, after loading all the others."""
-        items: dict[str, GraphSpec] = {}
-        for spec in specs:
-            s = parse_spec(spec)
-            items.setdefault(graph_key(s), s)
+        """Load plans for all specs and pygraphs at start-up: the disk cache first, then one resolve round trip
+        for the rest, then local builds as the mode allows. Returns plans by graph key; later :meth:`plan`
+        calls of those specs are memory hits (a pygraph is built here, in place). In strict/replay-only mode
+        raises :class:`PlanMiss` naming every key without a plan, after loading all the others."""
+        items: list[_Item] = []
+        seen: set[str] = set()
+        for obj in specs:
+            item = self._item(obj)
+            if item[2] is None and item[0] in seen:
+                continue
+            seen.add(item[0])
+            items.append(item)
         if not items:
             return {}
-        results = self._load_many(list(items.items()))
-        failed = {k: r for k, r in results.items() if isinstance(r, PlanMiss)}
+        results = self._load_many(items)
+        failed = [(item, r) for item, r in zip(items, results) if isinstance(r, PlanMiss)]
         if failed:
-            names = ", ".join(f"{items[k].name or 'unnamed'} ({k[:12]})" for k in failed)
+            names = ", ".join(f"{item[1].name or 'unnamed'} ({item[0][:12]})" for item, _ in failed)
             raise PlanMiss(f"{len(failed)} of {len(items)} graphs have no verified tuned plan on "
                            f"{self.environment.describe()} ({self.mode} mode): {names}")
-        return {k: r for k, r in results.items() if isinstance(r, Plan)}
+        return {item[0]: r for item, r in zip(items, results) if isinstance(r, Plan)}
+
+    def _item(self, obj: SpecLike) -> _Item:
+        if is_pygraph(obj):
+            spec = from_pygraph(obj)
+            self._backend.prepare_graph(obj, spec)
+            return graph_key(spec), spec, obj
+        s = parse_spec(obj)
+        return graph_key(s), s, None
 
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
@@ -206,42 +235,62 @@ class PlanCache:
 
     # ------------------------------------------------------------ the ladder
 
-    def _load_many(self, items: list[tuple[str, GraphSpec]]) -> dict[str, Plan | PlanMiss]:
+    def _load_many(self, items: list[_Item]) -> list[Plan | PlanMiss]:
+        """Results in the order of ``items``."""
         t0 = time.perf_counter()
         with self._lock:
             try:
-                results: dict[str, Plan | PlanMiss] = {}
-                pending: list[tuple[str, GraphSpec, PlanRecord | None, list[str]]] = []
-                for key, spec in items:
-                    plan = self._memory.get(key)
+                results: dict[int, Plan | PlanMiss] = {}
+                pending: list[tuple[int, PlanRecord | None, list[str]]] = []
+                for i, (key, spec, graph) in enumerate(items):
+                    plan = self._from_memory(spec, key, graph)
                     if plan is not None:
-                        self._memory_hit()
-                        results[key] = plan
+                        results[i] = plan
                         continue
                     trail: list[str] = []
-                    plan, authentic = self._from_disk(spec, key, trail)
+                    plan, authentic = self._from_disk(spec, key, trail, graph)
                     if plan is not None:
-                        results[key] = self._keep(key, plan)
+                        results[i] = self._keep(key, plan, graph)
                         continue
                     _bump(self._stats.fallbacks, "disk")
-                    pending.append((key, spec, authentic, trail))
-                answers = self._ask([(k, s) for k, s, _, _ in pending]) if pending else None
-                for key, spec, authentic, trail in pending:
+                    pending.append((i, authentic, trail))
+                asked = list({items[i][0]: items[i][1] for i, _, _ in pending}.items())
+                answers = self._ask(asked) if pending else None
+                for i, authentic, trail in pending:
+                    key, spec, graph = items[i]
                     try:
-                        results[key] = self._keep(key, self._finish(spec, key, authentic, answers, trail))
+                        results[i] = self._keep(key, self._finish(spec, key, authentic, answers, trail, graph), graph)
                     except PlanMiss as exc:
-                        results[key] = exc
-                return results
+                        results[i] = exc
+                return [results[i] for i in range(len(items))]
             finally:
                 self._stats.load_seconds += time.perf_counter() - t0
 
-    def _keep(self, key: str, plan: Plan) -> Plan:
-        self._memory[key] = plan
+    def _from_memory(self, spec: GraphSpec, key: str, graph: Any) -> Plan | None:
+        """A loaded plan, or for a caller's graph the blob admitted earlier in this process, loaded into it."""
+        if graph is None:
+            plan = self._memory.get(key)
+            if plan is not None:
+                self._memory_hit()
+            return plan
+        held = self._verified.get(key)
+        if held is None:
+            return None
+        record, blob = held
+        with self._handle_lock:
+            built = self._backend.deserialize(spec, blob, engine_id=record.engine_id, knobs=record.knobs,
+                                              plan_name=record.plan_name, graph=graph)
+        self._memory_hit()
+        return self._wrap(spec, key, built, "memory")
+
+    def _keep(self, key: str, plan: Plan, graph: Any) -> Plan:
+        if graph is None:  # a plan in a caller's own graph is that caller's; later callers load their own
+            self._memory[key] = plan
         _bump(self._stats.hits, plan.source)
         return plan
 
     def _finish(self, spec: GraphSpec, key: str, authentic: PlanRecord | None,
-                answers: dict[str, ResolvedPlan] | None, trail: list[str]) -> Plan:
+                answers: dict[str, ResolvedPlan] | None, trail: list[str], graph: Any) -> Plan:
         """The server rung (from the batch answer) and the build rungs."""
         if self._remote is not None:
             if answers is None:
@@ -249,7 +298,7 @@ class PlanCache:
             elif key not in answers:
                 trail.append("server: no plan for this environment")
             else:
-                plan, record = self._from_server(spec, key, answers[key], trail)
+                plan, record = self._from_server(spec, key, answers[key], trail, graph)
                 if plan is not None:
                     return plan
                 authentic = record or authentic
@@ -260,7 +309,7 @@ class PlanCache:
         if self.mode == "replay_only":
             raise self._miss(spec, key, trail)
         if authentic is not None:
-            plan = self._rebuild(spec, key, authentic, trail)
+            plan = self._rebuild(spec, key, authentic, trail, graph)
             if plan is not None:
                 return plan
         else:
@@ -268,7 +317,7 @@ class PlanCache:
         _bump(self._stats.fallbacks, "rebuild")
         if self.mode == "strict":
             raise self._miss(spec, key, trail)
-        return self._heuristic(spec, key)
+        return self._heuristic(spec, key, graph)
 
     def _miss(self, spec: GraphSpec, key: str, trail: list[str]) -> PlanMiss:
         return PlanMiss(f"no verified tuned plan for {spec.name or 'graph'} ({key}) on {self.environment.describe()} "
@@ -280,7 +329,7 @@ class PlanCache:
         log.warning("plancache: rejected the %s plan %s (%s): %s", where, key[:12], reason, message)
 
     def _admit(self, spec: GraphSpec, key: str, record: PlanRecord, blob: bytes, where: str,
-               trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+               trail: list[str], graph: Any) -> tuple[Plan | None, PlanRecord | None]:
         """Verify, then deserialize. Returns the plan (or None) and the record when it is authentic."""
         try:
             verify_blob(record, blob, graph_key=key, environment=self.environment, trusted=self.trusted_keys)
@@ -291,12 +340,13 @@ class PlanCache:
         try:
             with self._handle_lock:
                 built = self._backend.deserialize(spec, blob, engine_id=record.engine_id, knobs=record.knobs,
-                                                  plan_name=record.plan_name)
+                                                  plan_name=record.plan_name, graph=graph)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
             self._reject("deserialize", where, key, f"{type(exc).__name__}: {exc}", trail)
             return None, record
         finally:
             self._stats.deserialize_seconds += time.perf_counter() - t0
+        self._verified[key] = (record, blob)
         return self._wrap(spec, key, built, where), record
 
     def _authentic(self, record: PlanRecord, key: str) -> bool:
@@ -309,7 +359,8 @@ class PlanCache:
     def _wrap(self, spec: GraphSpec, key: str, built: BuiltPlanLike, source: str) -> Plan:
         return Plan(spec, key, built, self._backend, source=source, lock=self._handle_lock)
 
-    def _from_disk(self, spec: GraphSpec, key: str, trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+    def _from_disk(self, spec: GraphSpec, key: str, trail: list[str],
+                   graph: Any) -> tuple[Plan | None, PlanRecord | None]:
         try:
             entry = self.disk.load(key)
         except VerificationError as exc:
@@ -320,13 +371,13 @@ class PlanCache:
             trail.append("disk: no entry")
             return None, None
         record, blob = entry
-        plan, authentic = self._admit(spec, key, record, blob, "disk", trail)
+        plan, authentic = self._admit(spec, key, record, blob, "disk", trail, graph)
         if plan is None:
             self.disk.discard(key, record.blob_sha256)
         return plan, authentic
 
-    def _from_server(self, spec: GraphSpec, key: str, answer: ResolvedPlan,
-                     trail: list[str]) -> tuple[Plan | None, PlanRecord | None]:
+    def _from_server(self, spec: GraphSpec, key: str, answer: ResolvedPlan, trail: list[str],
+                     graph: Any) -> tuple[Plan | None, PlanRecord | None]:
         record = answer.record
         try:
             blob = b64decode(answer.blob_b64) if answer.blob_b64 is not None else self._fetch_blob(record.blob_sha256)
@@ -336,7 +387,7 @@ class PlanCache:
         if blob is None:
             trail.append("server: blob unavailable")
             return None, record if self._authentic(record, key) else None
-        plan, authentic = self._admit(spec, key, record, blob, "server", trail)
+        plan, authentic = self._admit(spec, key, record, blob, "server", trail, graph)
         if plan is not None:
             self.disk.save(record, blob)
         return plan, authentic
@@ -388,11 +439,11 @@ class PlanCache:
         except RemoteUnavailable as exc:
             self._count_remote_failure(exc)
 
-    def _rebuild(self, spec: GraphSpec, key: str, record: PlanRecord, trail: list[str]) -> Plan | None:
+    def _rebuild(self, spec: GraphSpec, key: str, record: PlanRecord, trail: list[str], graph: Any) -> Plan | None:
         t0 = time.perf_counter()
         try:
             with self._handle_lock:
-                built = self._backend.build_engine_config(spec, record.engine_id, record.knobs)
+                built = self._backend.build_engine_config(spec, record.engine_id, record.knobs, graph=graph)
         except Exception as exc:  # noqa: BLE001 - the recorded config may not build here; the next rung decides
             trail.append(f"rebuild: engine {record.engine_id} failed ({type(exc).__name__})")
             log.warning("plancache: rebuilding engine %s of %s failed: %s", record.engine_id, key[:12], exc)
@@ -401,12 +452,15 @@ class PlanCache:
             self._stats.build_seconds += time.perf_counter() - t0
         return self._wrap(spec, key, built, "rebuild")
 
-    def _heuristic(self, spec: GraphSpec, key: str) -> Plan:
-        """A local heuristic build, sharing the kernel cache of the spec's shape family."""
+    def _heuristic(self, spec: GraphSpec, key: str, graph: Any) -> Plan:
+        """A local heuristic build, sharing the kernel cache of the spec's shape family (a caller's own graph
+        is built as it was made)."""
         family = family_key(spec)
         t0 = time.perf_counter()
         try:
             with self._handle_lock:
+                if graph is not None:
+                    return self._wrap(spec, key, self._backend.build_heuristic(spec, None, graph=graph), "heuristic")
                 if family not in self._static_families:
                     try:
                         cache = self._kernel_caches.get(family)

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import GraphSpec
+from ..spec import TORCH_DTYPES, GraphSpec
 from .backend import Backend, BuiltPlanLike
 
 #: Device pointers handed to cuDNN must be aligned to this many bytes (the alignment plans are built for).
@@ -31,32 +31,34 @@ class _Expect:
     """What the plan needs of one named tensor."""
 
     name: str
+    uid: int
     role: str
-    dims: tuple[int, ...]
-    strides: tuple[int, ...]
+    dims: tuple[int, ...] | None
+    strides: tuple[int, ...] | None
     dtype: Any
     pass_by_value: bool
 
     def check(self, value: Any, device: Any, torch: Any) -> Any:
         """The value to hand to cuDNN, or a ``ValueError``/``TypeError`` naming the tensor and the mismatch."""
-        where = f"{self.role} tensor {self.name!r}"
+        where = f"{self.role} tensor {self.name or self.uid!r}"
         if self.pass_by_value:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return torch.full(self.dims, float(value), dtype=torch.float32)
+                return torch.full(self.dims or (1,), float(value), dtype=self.dtype or torch.float32)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{where} is a pass-by-value scalar: give a float or a CPU tensor, not {type(value).__name__}")
-            if value.device.type != "cpu" or value.numel() != 1 or value.dtype != torch.float32:
-                raise ValueError(f"{where} is a pass-by-value scalar: it must be a one-element float32 CPU tensor, "
+            if value.device.type != "cpu" or value.numel() != 1 or (self.dtype is not None and value.dtype != self.dtype):
+                raise ValueError(f"{where} is a pass-by-value scalar: it must be a one-element {self.dtype} CPU tensor, "
                                  f"got {tuple(value.shape)} {value.dtype} on {value.device}")
             return value
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where} must be a torch.Tensor, not {type(value).__name__}")
-        if value.dtype != self.dtype:
+        if self.dtype is not None and value.dtype != self.dtype:
             raise ValueError(f"{where}: dtype {value.dtype}, the plan needs {self.dtype}")
-        if tuple(value.shape) != self.dims:
+        if self.dims is not None and tuple(value.shape) != self.dims:
             raise ValueError(f"{where}: shape {tuple(value.shape)}, the plan needs {self.dims}")
         strides = value.stride()
-        if any(d != 1 and s != want for d, s, want in zip(self.dims, strides, self.strides)):
+        if self.dims is not None and self.strides is not None and any(
+                d != 1 and s != want for d, s, want in zip(self.dims, strides, self.strides)):
             raise ValueError(f"{where}: strides {tuple(strides)}, the plan was built for {self.strides} "
                              f"(another memory layout; build it with torch.empty_strided or the matching memory_format)")
         if value.device != device:
@@ -103,9 +105,14 @@ class Plan:
     def plan_name(self) -> str:
         return self._built.plan_name
 
+    @property
+    def graph(self) -> Any:
+        """The built ``cudnn.pygraph`` (for :meth:`PlanCache.build`, the caller's own graph)."""
+        return getattr(self._built, "graph", None)
+
     def tensor_names(self) -> list[str]:
-        """The names :meth:`execute` takes: the spec's inputs, then its outputs."""
-        return list(self.spec.tensors) + list(self.spec.outputs)
+        """The names :meth:`execute` takes: the graph's inputs, then its outputs (unnamed tensors go by uid)."""
+        return [e.name for e in self._expectations(_torch()).values() if e.name]
 
     def __repr__(self) -> str:
         return (f"Plan({self.spec.name or self.graph_key[:12]!r}, source={self.source!r}, "
@@ -113,31 +120,42 @@ class Plan:
 
     # ------------------------------------------------------------ checks
 
-    def _expectations(self, torch: Any) -> dict[str, _Expect]:
+    def _expectations(self, torch: Any) -> dict[int, _Expect]:
+        """What the plan needs of each non-virtual tensor, by canonical uid (dims/strides None where the
+        backend infers them)."""
         if self._expect is None:
-            infos = self.spec.tensor_infos()
-            roles = [(n, "input") for n in self.spec.tensors] + [(n, "output") for n in self.spec.outputs]
-            self._expect = {
-                n: _Expect(n, role, infos[n].dims, infos[n].strides, getattr(torch, infos[n].dtype), infos[n].pass_by_value)
-                for n, role in roles
-            }
+            doc = self.spec.canonical_document()
+            names = {u: n for n, u in doc.io_names().items()}
+            expect = {}
+            for role, tensors in (("input", doc.input_tensors()), ("output", doc.output_tensors())):
+                for t in tensors:
+                    known = role == "input" or t.dim_assigned
+                    dtype = TORCH_DTYPES.get(doc.data_type_of(t))
+                    expect[t.uid] = _Expect(
+                        names.get(t.uid, ""), t.uid, role, tuple(t.dim) if known and t.dim else None,
+                        tuple(t.stride) if (role == "input" or t.stride_assigned) and t.stride else None,
+                        getattr(torch, dtype) if dtype else None, t.is_pass_by_value)
+            self._expect = expect
         return self._expect
 
-    def _bind(self, tensors: dict[str, Any] | None, named: dict[str, Any], torch: Any) -> dict[str, Any]:
-        given = dict(tensors or {})
-        twice = sorted(given.keys() & named.keys())
-        if twice:
-            raise ValueError(f"tensor {twice[0]!r} is given twice (in the mapping and as a keyword)")
-        given.update(named)
+    def _bind(self, tensors: dict[str | int, Any] | None, named: dict[str, Any], torch: Any) -> dict[int, Any]:
         expect = self._expectations(torch)
-        extra = sorted(given.keys() - expect.keys())
-        if extra:
-            raise ValueError(f"unknown tensor {extra[0]!r}: this plan takes {', '.join(expect)}")
-        missing = [n for n in expect if n not in given]
+        by_name = {e.name: u for u, e in expect.items() if e.name}
+        listing = ", ".join(e.name or f"uid {u}" for u, e in expect.items())
+        given: dict[int, Any] = {}
+        for key, value in [*(tensors or {}).items(), *named.items()]:
+            uid = key if isinstance(key, int) and not isinstance(key, bool) and key in expect else by_name.get(key)
+            if uid is None:
+                raise ValueError(f"unknown tensor {key!r}: this plan takes {listing}")
+            if uid in given:
+                raise ValueError(f"tensor {key!r} is given twice")
+            given[uid] = value
+        missing = [u for u in expect if u not in given]
         if missing:
-            raise ValueError(f"missing {expect[missing[0]].role} tensor {missing[0]!r}: this plan takes {', '.join(expect)}")
+            e = expect[missing[0]]
+            raise ValueError(f"missing {e.role} tensor {e.name or e.uid!r}: this plan takes {listing}")
         device = self._backend.device
-        return {n: e.check(given[n], device, torch) for n, e in expect.items()}
+        return {u: e.check(given[u], device, torch) for u, e in expect.items()}
 
     def _check_workspace(self, workspace: Any, torch: Any) -> Any:
         if not isinstance(workspace, torch.Tensor):
@@ -166,8 +184,8 @@ class Plan:
                 **named: Any) -> None:
         """Launch the plan on ``stream`` (default: the caller's current torch stream) — asynchronous, like torch ops.
 
-        Tensors are given by spec name, as keywords (``X=x, W=w, Y=y``) or in a mapping (for names
-        that are not identifiers). Every input and output is required; each is checked against the
+        Tensors are given by name, as keywords (``X=x, W=w, Y=y``), or in a mapping by name or by uid
+        (for names that are not identifiers, or unnamed tensors). Every input and output is required; each is checked against the
         spec (dtype, shape, strides of non-unit dims, device, 16-byte alignment) before the launch,
         with a ``ValueError``/``TypeError`` naming the tensor. Pass-by-value scalars may be python
         floats or one-element float32 CPU tensors. ``workspace``: your own (at least

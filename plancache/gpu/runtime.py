@@ -1,4 +1,4 @@
-"""Build, rebuild, deserialize and run cuDNN plans for a spec (needs a GPU)."""
+"""Build, rebuild, deserialize and run cuDNN plans of a graph spec or of a user's own pygraph (needs a GPU)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ import torch
 
 from ..errors import DynamicShapesUnsupported, GpuUnavailable, InsufficientGpuMemory, TuningError
 from ..spec import GraphSpec, parse_spec
-from . import reference
-from .lowering import HEURISTIC_MODES, lower
+from . import families, reference
+from .fegraph import decode, graph_layouts
 
-#: Ops whose dynamic-shape builds from a shared kernel cache were verified correct on the H200 (cuDNN 9.19).
-#: SDPA is left out: a causal SDPA built from a kernel cache filled at another sequence length gave wrong
-#: output (normalised error 0.99, seq 256 after 1024); cuDNN's cuBLASLt engine declines matmul epilogues.
-KERNEL_CACHE_OPS = frozenset({"conv_fprop", "bias", "scale", "add", "mul", "relu", "gelu", "sigmoid", "tanh", "swish"})
+#: cuDNN heuristic modes by the names specs use.
+HEURISTIC_MODES = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.heur_mode.FALLBACK}
 
 #: Headroom kept free on the device on top of what a spec needs (allocator slack, cuDNN internals).
 MEMORY_HEADROOM_BYTES = 512 * 1024 * 1024
@@ -60,16 +58,14 @@ class BuiltPlan:
 
     spec: GraphSpec
     graph: Any
-    uids: dict[str, int]
     workspace_size: int
     engine_id: int | None = None
     knobs: dict[str, int] = field(default_factory=dict)
     plan_name: str = ""
 
-    def execute(self, tensors: dict[str, Any], workspace: torch.Tensor | None, handle: Any) -> None:
-        """Run the plan; ``tensors`` by spec name (no checking here — :class:`plancache.client.Plan` checks)."""
-        pack = {self.uids[name]: value for name, value in tensors.items()}
-        self.graph.execute(pack, workspace, handle=handle)
+    def execute(self, tensors: dict[int, Any], workspace: torch.Tensor | None, handle: Any) -> None:
+        """Run the plan; ``tensors`` by canonical uid (no checking here — :class:`plancache.client.Plan` checks)."""
+        self.graph.execute(tensors, workspace, handle=handle)
 
     def serialize(self) -> bytes:
         return bytes(self.graph.serialize(as_bytes=True))
@@ -96,70 +92,73 @@ def apply_constraints(graph: Any, spec: GraphSpec) -> None:
         graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
 
 
-def supports_kernel_cache(spec: GraphSpec) -> bool:
-    """Whether ``spec`` may be built with dynamic shapes from a shared kernel cache (see :data:`KERNEL_CACHE_OPS`)."""
-    return all(n.op in KERNEL_CACHE_OPS for n in spec.nodes)
-
-
-def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None) -> BuiltPlan:
-    """The local build: heuristic modes A then FALLBACK, the first plan that builds.
-
-    With ``kernel_cache`` the graph is built with dynamic shapes enabled, sharing compiled
-    kernels with the other shapes of its family; a graph outside :data:`KERNEL_CACHE_OPS`
-    raises :class:`DynamicShapesUnsupported` instead (build it without a cache)."""
-    spec = parse_spec(spec)
-    if kernel_cache is not None and not supports_kernel_cache(spec):
-        ops = sorted({n.op for n in spec.nodes} - KERNEL_CACHE_OPS)
-        raise DynamicShapesUnsupported(f"dynamic-shape builds from a kernel cache are not verified for {', '.join(ops)}")
-    low = lower(spec, handle=handle, kernel_cache=kernel_cache, dynamic_shapes=kernel_cache is not None)
-    g = low.graph
+def _prepare(g: Any, spec: GraphSpec, modes: list[str]) -> None:
     g.validate()
     g.build_operation_graph()
-    g.create_execution_plans([HEURISTIC_MODES["A"], HEURISTIC_MODES["FALLBACK"]])
+    g.create_execution_plans([HEURISTIC_MODES[m] for m in modes])
     apply_constraints(g, spec)
     g.check_support()
+
+
+def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None, graph: Any = None) -> BuiltPlan:
+    """The local build: heuristic modes A then FALLBACK, the first plan that builds.
+
+    ``graph``: the user's own (unbuilt) pygraph of ``spec`` to build in place; otherwise the spec's
+    document is decoded. With ``kernel_cache`` the graph is built with dynamic shapes enabled, sharing
+    compiled kernels with the other shapes of its family; a graph outside the kernel-cache-safe families
+    (:mod:`plancache.gpu.families`) raises :class:`DynamicShapesUnsupported` instead."""
+    spec = parse_spec(spec)
+    if kernel_cache is not None:
+        if graph is not None:
+            raise DynamicShapesUnsupported("a user's own graph is built with the dynamic-shape setting it was made with")
+        if not families.kernel_cache_safe(spec):
+            raise DynamicShapesUnsupported("dynamic-shape builds from a kernel cache are verified only for "
+                                           "convolution and pointwise graphs")
+    g = graph if graph is not None else decode(spec, handle=handle, kernel_cache=kernel_cache,
+                                               dynamic_shapes=kernel_cache is not None)
+    _prepare(g, spec, ["A", "FALLBACK"])
     g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
     # The walk selects the first plan that builds; pygraph keeps that index privately.
     engine_id, knobs, name = _plan_identity(g, getattr(g, "_plan_index", 0))
-    return BuiltPlan(spec, g, low.uids, int(g.get_workspace_size()), engine_id, knobs, name)
+    return BuiltPlan(spec, g, int(g.get_workspace_size()), engine_id, knobs, name)
 
 
-def build_engine_config(spec: GraphSpec, handle: Any, engine_id: int, knobs: dict[str, int]) -> BuiltPlan:
+def build_engine_config(spec: GraphSpec, handle: Any, engine_id: int, knobs: dict[str, int], *,
+                        graph: Any = None) -> BuiltPlan:
     """Rebuild exactly one recorded ``(engine_id, knobs)`` (milliseconds instead of a heuristic walk)."""
     spec = parse_spec(spec)
-    low = lower(spec, handle=handle)
-    g = low.graph
+    g = graph if graph is not None else decode(spec, handle=handle)
     g.validate()
     g.build_operation_graph()
     g.create_execution_plan(int(engine_id), knobs_from_public(knobs))
     index = g.get_execution_plan_count() - 1
     g.build_plan_at_index(index)
     _, _, name = _plan_identity(g, index)
-    return BuiltPlan(spec, g, low.uids, int(g.get_workspace_size()), int(engine_id), dict(knobs), name)
+    return BuiltPlan(spec, g, int(g.get_workspace_size()), int(engine_id), dict(knobs), name)
 
 
 def deserialize_plan(spec: GraphSpec, blob: bytes, handle: Any, *, engine_id: int | None = None,
-                     knobs: dict[str, int] | None = None, plan_name: str = "", device_property: Any = None) -> BuiltPlan:
+                     knobs: dict[str, int] | None = None, plan_name: str = "", device_property: Any = None,
+                     graph: Any = None) -> BuiltPlan:
     """Load a serialized plan. Only call this on a blob whose digest (and signature) verified:
-    deserializing loads native GPU code. With ``device_property`` (``cudnn.create_device_properties``)
-    the load skips the device warm-up."""
+    deserializing loads native GPU code. ``graph``: the user's own pygraph (canonical uids, see
+    :func:`plancache.gpu.fegraph.canonicalize_uids`) to load it into, which then runs with the user's
+    own tensors; otherwise an empty graph holds it. With ``device_property``
+    (``cudnn.create_device_properties``) a load into an empty graph skips the device warm-up."""
     spec = parse_spec(spec)
-    g = cudnn.pygraph(device_property=device_property) if device_property is not None else cudnn.pygraph()
+    if graph is not None:
+        g = graph
+    else:
+        g = cudnn.pygraph(device_property=device_property) if device_property is not None else cudnn.pygraph()
     g.deserialize(handle, bytes(blob))
-    return BuiltPlan(spec, g, spec.uids(), int(g.get_workspace_size()), engine_id, dict(knobs or {}), plan_name)
-
-
-def required_bytes(spec: GraphSpec) -> int:
-    """Device bytes the spec's tensors plus the float32 reference need (workspace excluded)."""
-    plan_tensors = sum(reference.tensor_bytes(i) for i in spec.tensor_infos().values() if not i.virtual and not i.pass_by_value)
-    return plan_tensors + reference.reference_scratch_bytes(spec)
+    return BuiltPlan(spec, g, int(g.get_workspace_size()), engine_id, dict(knobs or {}), plan_name)
 
 
 def check_memory(spec: GraphSpec, *, device: int = 0) -> int:
     """Refuse, before allocating anything, a spec that needs more memory than the device has free."""
     spec = parse_spec(spec)
     dev = require_gpu(device)
-    need = required_bytes(spec)
+    need = reference.required_bytes(spec)
     free, total = torch.cuda.mem_get_info(dev)
     if need + MEMORY_HEADROOM_BYTES > free:
         raise InsufficientGpuMemory(
@@ -168,27 +167,66 @@ def check_memory(spec: GraphSpec, *, device: int = 0) -> int:
     return need
 
 
-def run_and_check(plan: BuiltPlan, handle: Any, device: torch.device, *, seed: int) -> float:
-    """Execute ``plan`` once on fresh random inputs and compare with the reference; return the error."""
+def _execute(plan: BuiltPlan, handle: Any, device: torch.device, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     spec = plan.spec
-    inputs = reference.make_inputs(spec, device, seed=seed)
-    outputs = reference.allocate_outputs(spec, device)
+    layouts = {t.uid: (list(t.dim), list(t.stride)) for t in spec.canonical_document().output_tensors()}
+    layouts.update(plan_layouts(plan))
+    outputs = reference.allocate_outputs(spec, device, layouts)
     ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device=device)
     cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
     plan.execute({**inputs, **outputs}, ws, handle)
     torch.cuda.synchronize(device)
-    ref = reference.reference_outputs(spec, inputs)
-    return reference.compare_outputs(spec, outputs, ref)
+    return outputs
+
+
+def expected_outputs(spec: GraphSpec, inputs: dict[int, torch.Tensor], handle: Any,
+                     device: torch.device) -> tuple[dict[int, torch.Tensor], str]:
+    """What the graph's outputs must be, and how that was decided: ``reference`` (the float32 torch
+    reference of every node) or, for a graph some node of which no reference covers, ``cross-check:fallback``
+    / ``cross-check:heuristic`` (the outputs of cuDNN's FALLBACK plan, else its heuristic choice)."""
+    if not families.uncovered(spec):
+        return reference.reference_outputs(spec, inputs), "reference"
+    for mode, label in (("FALLBACK", "cross-check:fallback"), ("A", "cross-check:heuristic")):
+        g = decode(spec, handle=handle)
+        try:
+            _prepare(g, spec, [mode])
+            g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+        except Exception:  # noqa: BLE001 - no plan of this mode builds: try the next
+            continue
+        plan = BuiltPlan(spec, g, int(g.get_workspace_size()))
+        out = _execute(plan, handle, device, inputs)
+        return {u: t.to(torch.float32) for u, t in out.items()}, label
+    raise TuningError(f"no reference covers {', '.join(families.uncovered(spec))} and no FALLBACK or heuristic "
+                      "plan builds to cross-check against")
+
+
+def run_and_check(plan: BuiltPlan, handle: Any, device: torch.device, *, seed: int) -> tuple[float, str]:
+    """Execute ``plan`` once on fresh random inputs and compare it with :func:`expected_outputs`;
+    return the worst normalised error and the check applied."""
+    spec = plan.spec
+    inputs = reference.make_inputs(spec, device, seed=seed)
+    outputs = _execute(plan, handle, device, inputs)
+    expected, check = expected_outputs(spec, inputs, handle, device)
+    return reference.compare_outputs(spec, outputs, expected, inputs=inputs), check
+
+
+def plan_layouts(plan: BuiltPlan) -> dict[int, tuple[list[int], list[int]]]:
+    """Real layouts of the plan's tensors where its graph knows them (a decoded or user graph; not a bare blob)."""
+    try:
+        return graph_layouts(plan.graph)
+    except AttributeError:
+        return {}
 
 
 def verify_plan(spec: GraphSpec, blob: bytes, *, device: int = 0, seed: int = 12345) -> float:
-    """Deserialize ``blob`` in this process, run it on fresh inputs and check it against the reference."""
+    """Deserialize ``blob`` in this process into the decoded graph, run it on fresh inputs and check it
+    (:func:`run_and_check`); return the error."""
     spec = parse_spec(spec)
     dev = require_gpu(device)
     with torch.cuda.device(dev):
         handle = cudnn.create_handle()
-        plan = deserialize_plan(spec, blob, handle)
-        err = run_and_check(plan, handle, dev, seed=seed)
+        plan = deserialize_plan(spec, blob, handle, graph=decode(spec, handle=handle))
+        err, _ = run_and_check(plan, handle, dev, seed=seed)
     if not math.isfinite(err):
         raise TuningError("deserialized plan produced non-finite output")
     return err

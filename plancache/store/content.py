@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 
 from .. import errors
 from ..spec import graph_key as compute_graph_key
-from ..spec import parse_spec
+from ..spec import canonical_json, parse_spec
 from .db import Database, upsert_insert
 from .models import blobs, specs
 
@@ -36,30 +36,30 @@ class SpecsAndBlobs:
         """Store a spec under its graph key; True if newly stored.
 
         The spec is validated and its key recomputed (:class:`errors.IntegrityError` if it differs);
-        what is stored is the canonical form. A different canonical spec under a stored key is
-        :class:`errors.Conflict`.
+        what is stored is its canonical document (canonical uids: what workers build). A spec whose
+        canonical form differs from the one stored under the key is :class:`errors.Conflict`.
         """
         parsed = parse_spec(spec)
         actual = compute_graph_key(parsed)
         if actual != graph_key:
             raise errors.IntegrityError(f"graph key {graph_key!r} does not match the spec, whose key is {actual}")
-        canonical = parsed.canonical_json()
+        document = canonical_json(parsed.canonical_document().to_json())
         with self.db.write() as conn:
             inserted = conn.execute(
                 upsert_insert(conn, specs)
-                .values(graph_key=graph_key, canonical_json=canonical, created_at=self.db.now())
+                .values(graph_key=graph_key, canonical_json=document, created_at=self.db.now())
                 .on_conflict_do_nothing(index_elements=["graph_key"])
                 .returning(specs.c.graph_key)
             ).first()
             if inserted is not None:
                 return True
             stored = conn.execute(sa.select(specs.c.canonical_json).where(specs.c.graph_key == graph_key)).scalar_one()
-        if stored != canonical:
+        if parse_spec(stored).canonical_json() != parsed.canonical_json():
             raise errors.Conflict(f"graph key {graph_key} is already stored with a different canonical spec")
         return False
 
     def get_spec(self, graph_key: str) -> dict[str, Any] | None:
-        """The canonical spec stored under ``graph_key`` (parseable by :func:`plancache.spec.parse_spec`)."""
+        """The canonical document stored under ``graph_key`` (parseable by :func:`plancache.spec.parse_spec`)."""
         with self.db.read() as conn:
             text = conn.execute(sa.select(specs.c.canonical_json).where(specs.c.graph_key == graph_key)).scalar()
         return None if text is None else json.loads(text)

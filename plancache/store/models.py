@@ -132,6 +132,7 @@ plans = sa.Table(
     sa.Column("candidates", sa.JSON, nullable=False),
     sa.Column("tuning_seconds", sa.Float, nullable=False),
     sa.Column("worker_id", sa.String(256), nullable=False),
+    sa.Column("numerics_check", sa.String(32), nullable=False, server_default="reference"),
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("graph_key", "env_id"),
