@@ -29,9 +29,10 @@ class FakeBuiltPlan:
     knobs: dict[str, int] = field(default_factory=dict)
     plan_name: str = ""
     kernel_cache: Any = None
-    executions: list[tuple[dict[str, Any], Any, Any]] = field(default_factory=list)
+    graph: Any = None
+    executions: list[tuple[dict[int, Any], Any, Any]] = field(default_factory=list)
 
-    def execute(self, tensors: dict[str, Any], workspace: Any, handle: Any) -> None:
+    def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
         self.executions.append((tensors, workspace, handle))
 
 
@@ -70,27 +71,34 @@ class RecordingBackend:
         return self._env
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
-                    plan_name: str) -> FakeBuiltPlan:
+                    plan_name: str, graph: Any = None) -> FakeBuiltPlan:
         self.deserialized.append(bytes(blob))
         self.calls.append(("deserialize", spec.graph_key))
         if "deserialize" in self.fail:
             raise RuntimeError("cudnn refused the blob")
         return FakeBuiltPlan(spec, f"deserialized:{hashlib.sha256(blob).hexdigest()[:8]}", engine_id=engine_id,
-                             knobs=dict(knobs), plan_name=plan_name)
+                             knobs=dict(knobs), plan_name=plan_name, graph=graph)
 
-    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int]) -> FakeBuiltPlan:
+    def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int], *,
+                            graph: Any = None) -> FakeBuiltPlan:
         self.calls.append(("engine_config", spec.graph_key))
         if "engine_config" in self.fail:
             raise RuntimeError(f"engine {engine_id} is not supported")
-        return FakeBuiltPlan(spec, "engine_config", engine_id=engine_id, knobs=dict(knobs))
+        return FakeBuiltPlan(spec, "engine_config", engine_id=engine_id, knobs=dict(knobs), graph=graph)
 
-    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any) -> FakeBuiltPlan:
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any, *, graph: Any = None) -> FakeBuiltPlan:
         self.calls.append(("heuristic" if kernel_cache is None else "heuristic_dynamic", spec.graph_key))
         if kernel_cache is not None and "dynamic" in self.fail:
             raise RuntimeError("dynamic shapes are not supported for this graph")
         if "heuristic" in self.fail:
             raise RuntimeError("no engine supports this graph")
-        return FakeBuiltPlan(spec, "heuristic", engine_id=0, kernel_cache=kernel_cache)
+        return FakeBuiltPlan(spec, "heuristic", engine_id=0, kernel_cache=kernel_cache, graph=graph)
+
+    def prepare_graph(self, graph: Any, spec: GraphSpec) -> None:
+        from plancache.gpu.fegraph import canonicalize_uids
+
+        self.calls.append(("prepare_graph", spec.graph_key))
+        canonicalize_uids(graph, spec)
 
     def create_kernel_cache(self) -> FakeKernelCache:
         cache = FakeKernelCache(len(self.kernel_caches))

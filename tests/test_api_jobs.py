@@ -45,10 +45,10 @@ def test_tune_refusals_create_nothing(api, make_spec, monkeypatch):
     unknown, _ = make_spec(1)
     r = _tune(api, specs=[s0], graph_keys=[unknown], targets=[{}])
     assert r.status_code == 404 and unknown in r.json()["error"]["message"]
-    bad = {**s0, "nodes": [{**s0["nodes"][0], "op": "frobnicate"}]}
+    bad = {**s0, "nodes": [{**s0["nodes"][0], "type": "FROBNICATE"}]}
     r = _tune(api, specs=[s0, bad], targets=[{}])
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_spec"
-    assert r.json()["error"]["message"].startswith("specs[1]:") and "frobnicate" in r.json()["error"]["message"]
+    assert r.json()["error"]["message"].startswith("specs[1]:") and "FROBNICATE" in r.json()["error"]["message"]
     r = _tune(api, targets=[{}])
     assert r.status_code == 422 and "graph_keys or specs" in r.json()["error"]["message"]
     r = _tune(api, specs=[s0], targets=[])

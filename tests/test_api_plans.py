@@ -23,15 +23,15 @@ def test_spec_register_is_idempotent_and_reads_back_canonical(api, make_spec):
     r = api.client.post("/v1/specs", json=spec, headers=api.admin)
     assert r.status_code == 200 and r.json() == {"graph_key": key, "created": False}
     r = api.client.get(f"/v1/specs/{key}", headers=api.reader)
-    assert r.status_code == 200 and r.json() == json.loads(parse_spec(spec).canonical_json())
+    assert r.status_code == 200 and r.json() == parse_spec(spec).canonical_document().to_json()
 
 
 def test_malformed_spec_is_422_naming_the_problem(api, make_spec):
     _, spec = make_spec(0)
-    spec["nodes"][0]["op"] = "frobnicate"
+    spec["nodes"][0]["type"] = "FROBNICATE"
     r = api.client.post("/v1/specs", json=spec, headers=api.worker)
     assert r.status_code == 422
-    assert r.json()["error"]["code"] == "invalid_spec" and "frobnicate" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "invalid_spec" and "FROBNICATE" in r.json()["error"]["message"]
     r = api.client.post("/v1/specs", json=[1, 2], headers=api.worker)
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
 

@@ -137,7 +137,7 @@ def _set_blob(doc: dict[str, Any], i: int, blob: bytes) -> None:
     (lambda d: _set_blob(d, 1, b"evil" * 10), False, "size", "bundle entry 1"),
     (lambda d: _set_blob(d, 2, bytes(reversed(base64.b64decode(d["entries"][2]["blob_b64"])))), False, "sha256",
      "bundle entry 2"),
-    (lambda d: d["entries"][0]["spec"]["tensors"]["A"]["dims"].__setitem__(1, 999), False, "malformed", "bundle entry 0"),
+    (lambda d: d["entries"][0]["spec"]["nodes"][0].__setitem__("type", "FROBNICATE"), False, "malformed", "bundle entry 0"),
     (lambda d: d["entries"][0]["spec"]["tuning"].update(deterministic_only=True), False, "graph_key", "bundle entry 0"),
     (lambda d: d["entries"][0]["record"]["environment"].update(sm=80), False, "environment", "bundle entry 0"),
     (lambda d: d["entries"].append(d["entries"][0]) or d["header"].update(entries=4), False, "malformed",

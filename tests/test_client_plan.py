@@ -48,7 +48,10 @@ def test_execute_passes_checked_tensors_workspace_and_handle():
     t = matmul_tensors()
     plan.execute(**t)
     (pack, ws, handle), = built.executions
-    assert set(pack) == {"A", "B", "alpha", "bias", "Y"}
+    uid = plan.spec.canonical_document().io_names()
+    assert set(uid) == {"A", "B", "alpha", "bias", "Y"}
+    assert set(pack) == set(uid.values())  # the graph executes by canonical uid
+    pack = {name: pack[u] for name, u in uid.items()}
     assert pack["A"] is t["A"] and pack["Y"] is t["Y"]
     assert pack["alpha"].dtype == torch.float32 and pack["alpha"].device.type == "cpu" and pack["alpha"].item() == 0.5
     assert ws.dtype == torch.uint8 and ws.numel() >= 4096 and handle is backend.handle
@@ -86,9 +89,13 @@ def test_tensors_may_come_in_a_mapping_for_names_that_are_not_identifiers():
     t = matmul_tensors()
     y = t.pop("Y")
     plan.execute(t, Y=y)
-    assert built.executions[-1][0]["Y"] is y
+    uid = plan.spec.canonical_document().io_names()
+    assert built.executions[-1][0][uid["Y"]] is y
     with pytest.raises(ValueError, match="'Y' is given twice"):
         plan.execute({**t, "Y": y}, Y=y)
+    by_uid = {uid[name]: value for name, value in {**t, "Y": y}.items()}  # unnamed tensors go by uid
+    plan.execute(by_uid)
+    assert built.executions[-1][0][uid["Y"]] is y
 
 
 @pytest.mark.parametrize("change, message", [
@@ -102,8 +109,8 @@ def test_tensors_may_come_in_a_mapping_for_names_that_are_not_identifiers():
     (lambda t: t.update(A=torch.empty(2 * 8 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 16)), "'A': data pointer is not 16-byte aligned"),
     (lambda t: t.update(B=[[1.0]]), "input tensor 'B' must be a torch.Tensor, not list"),
     (lambda t: t.update(alpha=True), "'alpha' is a pass-by-value scalar: give a float"),
-    (lambda t: t.update(alpha=torch.tensor([0.5], dtype=torch.float64)), "'alpha' is a pass-by-value scalar: it must be a one-element float32 CPU tensor"),
-    (lambda t: t.update(alpha=torch.ones(2)), "one-element float32 CPU tensor"),
+    (lambda t: t.update(alpha=torch.tensor([0.5], dtype=torch.float64)), "'alpha' is a pass-by-value scalar: it must be a one-element torch.float32 CPU tensor"),
+    (lambda t: t.update(alpha=torch.ones(2)), "one-element torch.float32 CPU tensor"),
 ])
 def test_a_bad_tensor_is_refused_by_name_before_launch(change, message):
     plan, built, _ = make_plan(matmul_spec())
@@ -119,7 +126,7 @@ def test_a_scalar_may_be_a_one_element_cpu_tensor():
     t = matmul_tensors()
     alpha = torch.full((1, 1, 1), 2.0)
     plan.execute(**{**t, "alpha": alpha})
-    assert built.executions[-1][0]["alpha"] is alpha
+    assert built.executions[-1][0][plan.spec.canonical_document().io_names()["alpha"]] is alpha
 
 
 def test_layouts_are_checked_but_strides_of_unit_dims_do_not_matter():

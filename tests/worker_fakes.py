@@ -28,7 +28,7 @@ from plancache.spec import GraphSpec
 
 FAKE_ENV = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
                        device_name="FakeTuner test double (no GPU)")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}
+DTYPE_BYTES = {"HALF": 2, "BFLOAT16": 2, "FLOAT": 4, "INT32": 4, "INT64": 8, "FP8_E4M3": 1, "FP8_E5M2": 1}
 
 
 @dataclass
@@ -74,7 +74,7 @@ class FakeTuner:
         return self.env
 
     def check_memory(self, spec: GraphSpec) -> int:
-        need = sum(math.prod(t.dims) * DTYPE_BYTES[t.dtype] for t in [*spec.tensors.values(), *spec.outputs.values()])
+        need = sum(math.prod(t.dim) * DTYPE_BYTES[spec.data_type_of(t)] for t in spec.tensors if t.dim)
         if need > self.memory_bytes:
             raise InsufficientGpuMemory(f"FakeTuner: spec needs {need} bytes, the fake device has {self.memory_bytes}")
         return need

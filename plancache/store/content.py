@@ -54,7 +54,11 @@ class SpecsAndBlobs:
             if inserted is not None:
                 return True
             stored = conn.execute(sa.select(specs.c.canonical_json).where(specs.c.graph_key == graph_key)).scalar_one()
-        if parse_spec(stored).canonical_json() != parsed.canonical_json():
+        try:
+            same = parse_spec(stored).canonical_json() == parsed.canonical_json()
+        except errors.SpecError:
+            same = False  # stored by a version that wrote another format
+        if not same:
             raise errors.Conflict(f"graph key {graph_key} is already stored with a different canonical spec")
         return False
 
