@@ -12,12 +12,11 @@ cudnn = pytest.importorskip("cudnn")
 
 import torch.nn.functional as F  # noqa: E402
 
+from examples.fe import graphs as G  # noqa: E402
 from plancache.errors import TuningError  # noqa: E402
 from plancache.gpu import families as FAM  # noqa: E402
 from plancache.gpu import reference as R  # noqa: E402
 from plancache.spec import from_pygraph  # noqa: E402
-
-from examples.fe import graphs as G  # noqa: E402
 
 BF16, FP16, FP32, INT32 = cudnn.data_type.BFLOAT16, cudnn.data_type.HALF, cudnn.data_type.FLOAT, cudnn.data_type.INT32
 
@@ -92,8 +91,9 @@ def test_conv_3d_strided_dilated_and_asymmetric_padding():
 def test_matmul_bias_gelu_and_fp8_matmul_with_descales_and_amax():
     _, n, x, ref = build(G.mlp_matmul_bias_gelu, batch=2, m=8, k=32, n=16)
     close(ref["y"], F.gelu(f32(x, n, "a") @ f32(x, n, "w") + f32(x, n, "bias")))
-    spec, n, x, ref = build(G.fp8_matmul, batch=2, m=8, k=32, n=16)
+    _, n, x, ref = build(G.fp8_matmul, batch=2, m=8, k=32, n=16)
     assert x[n["a"]].dtype == torch.float8_e4m3fn and x[n["b"]].stride() == (32 * 16, 1, 32)
+    assert all(0.75 <= float(x[n[p]]) <= 1.25 for p in ("descale_a", "descale_b"))  # scale factors around 1
     y = (f32(x, n, "a") @ f32(x, n, "b")) * f32(x, n, "descale_a") * f32(x, n, "descale_b")
     close(ref["y"], y)
     assert float(ref["amax"].reshape(())) == pytest.approx(float(y.abs().max()), rel=1e-6)
@@ -283,7 +283,7 @@ def test_sdpa_forward_causal_and_stats():
     close(ref["stats"], torch.logsumexp(s, -1, keepdim=True))
 
 
-def sdpa_graph(*, b=2, h_q=4, h_kv=2, s_q=6, s_kv=10, d=8, padding=False, **params):
+def sdpa_graph(*, b=2, h_q=4, h_kv=2, s_q=6, s_kv=10, d=8, padding=False, stats=True, **params):
     g = graph()
     q = g.tensor(name="q", dim=[b, h_q, s_q, d], data_type=BF16)
     k = g.tensor(name="k", dim=[b, h_kv, s_kv, d], data_type=BF16)
@@ -292,9 +292,10 @@ def sdpa_graph(*, b=2, h_q=4, h_kv=2, s_q=6, s_kv=10, d=8, padding=False, **para
         params.update(use_padding_mask=True,
                       seq_len_q=g.tensor(name="seq_len_q", dim=[b, 1, 1, 1], data_type=INT32),
                       seq_len_kv=g.tensor(name="seq_len_kv", dim=[b, 1, 1, 1], data_type=INT32))
-    o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=True, attn_scale=0.3, **params)
+    o, st = g.sdpa(q=q, k=k, v=v, generate_stats=stats, attn_scale=0.3, **params)
     o.set_name("o").set_output(True).set_data_type(BF16)
-    stats.set_name("stats").set_output(True).set_data_type(FP32)
+    if stats:
+        st.set_name("stats").set_output(True).set_data_type(FP32)
     spec = from_pygraph(g)
     return spec, spec.io_names()
 
@@ -652,3 +653,14 @@ def test_ragged_offsets_with_a_multiplier_and_int64():
     out = R.allocate_outputs(spec, "cpu")
     FAM.ragged_scatter(out[n["o"]], spec.tensor(n["o"]), x[n["o_off"]], lq, ref[n["o"]])
     assert R.output_errors(spec, out, ref, inputs=x)[n["o"]] < R.TOLERANCE["BFLOAT16"]
+
+
+@pytest.mark.parametrize("params", [{}, {"use_causal_mask": True}, {"use_causal_mask_bottom_right": True},
+                                    {"diagonal_band_left_bound": 3, "diagonal_band_right_bound": 0}])
+def test_eager_attention_agrees_with_the_reference(params):
+    spec, n = sdpa_graph(stats=False, **params)  # O only: torch's fused attention
+    x = R.make_inputs(spec, "cpu", seed=4)
+    eager = R.evaluate(spec, x, exact_float32=False)[n["o"]]
+    ref = R.reference_outputs(spec, x)[n["o"]]
+    assert eager.dtype == torch.bfloat16
+    close(eager, ref, R.TOLERANCE["BFLOAT16"])

@@ -16,9 +16,11 @@ Needs torch only (no cuDNN): it also runs on a CPU.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,8 @@ from ..spec import GraphSpec, NodeDoc, TensorDoc
 Tensor = torch.Tensor
 
 __all__ = [
-    "FAMILIES", "Family", "NodeCall", "POINTWISE_MODES", "REDUCTION_MODES", "attention_geometry", "decode_param",
-    "family_of", "kernel_cache_safe", "node_label", "uncovered",
+    "FAMILIES", "POINTWISE_MODES", "REDUCTION_MODES", "AttentionGeometry", "Family", "NodeCall", "attention_geometry",
+    "decode_param", "family_of", "kernel_cache_safe", "node_label", "norm_axes", "uncovered",
 ]
 
 
@@ -135,6 +137,10 @@ Check = Callable[[GraphSpec, NodeDoc], "str | None"]
 
 @dataclass(frozen=True)
 class Family:
+    """A node family: ``reference(call) -> {output port: tensor}`` computes the node's outputs (float32 from
+    float32 inputs in exact mode); ``kernel_cache_safe``: plans of graphs made only of such nodes may be built
+    from a shared kernel cache; ``examples``: graphs of ``examples/fe/graphs.py`` that exercise it."""
+
     name: str
     node_types: tuple[str, ...]
     reference: Reference | None
@@ -649,7 +655,7 @@ def _lens(x: dict[str, Tensor], port: str, cu_port: str) -> list[int] | None:
         return [int(v) for v in x[port].reshape(-1).tolist()]
     if cu_port in x:
         cu = [int(v) for v in x[cu_port].reshape(-1).tolist()]
-        return [b - a for a, b in zip(cu, cu[1:])]
+        return [b - a for a, b in itertools.pairwise(cu)]
     return None
 
 
@@ -898,10 +904,13 @@ def _fused_attention(call: NodeCall) -> dict[str, Tensor] | None:
     scale = _attn_scale(call)
     if isinstance(scale, Tensor):
         scale = float(scale)
-    keep = geo.keep(q.device)
-    mask = None if bool(keep.all()) else keep
-    return {"O": F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                enable_gqa=q.shape[1] != k.shape[1])}
+    gqa = q.shape[1] != k.shape[1]
+    plain = not geo.padding and geo.left is None
+    if plain and geo.right is None:
+        return {"O": F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)}
+    if plain and geo.right == 0 and (not geo.bottom_right or geo.s_q == geo.s_kv):
+        return {"O": F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)}
+    return {"O": F.scaled_dot_product_attention(q, k, v, attn_mask=geo.keep(q.device), scale=scale, enable_gqa=gqa)}
 
 
 def _sdpa(call: NodeCall) -> dict[str, Tensor]:
@@ -976,7 +985,9 @@ def _sdpa_unsupported(spec: GraphSpec, node: NodeDoc) -> str | None:
         return "attn_scale_prefolded has no reference"
     if p.get("softmax_precision") not in (None, "FLOAT"):
         return "a reduced softmax_precision has no float32 reference"
-    for port in ("q", "k", "v"):
+    required = ("q", "k", "v") + (("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+                                  if node.type == "SDPA_FP8" else ("o", "dO") if node.type == "SDPA_BWD" else ())
+    for port in required:
         if port not in node.inputs:
             return f"input {port!r} is missing"
     q = spec.tensor(node.inputs["q"])
@@ -1006,7 +1017,7 @@ FAMILIES: tuple[Family, ...] = (
            "elementwise ops with numpy broadcasting", modes=POINTWISE_MODES, unsupported=_pointwise_unsupported),
     Family("reduction", ("REDUCTION",), _reduction, False, ("fp8_matmul",),
            "reductions to the output dims", modes=REDUCTION_MODES, unsupported=_reduction_unsupported),
-    Family("layernorm", ("LAYERNORM", "RMSNORM", "INSTANCENORM", "BATCHNORM"), _norm_forward, False,
+    Family("norm_forward", ("LAYERNORM", "RMSNORM", "INSTANCENORM", "BATCHNORM"), _norm_forward, False,
            ("layernorm_fwd_train", "rmsnorm_infer"), "normalization forward (training / inference)",
            unsupported=_norm_unsupported),
     Family("batchnorm_inference", ("BATCHNORM_INFERENCE",), _batchnorm_inference, False, (),

@@ -23,14 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import TuningError
 from ..spec import GraphSpec, NodeDoc, TensorDoc
 from . import families as fam
-from .families import FAMILIES, NodeCall, attention_geometry, family_of, kernel_cache_safe, uncovered  # noqa: F401
+from .families import (  # noqa: F401  (re-exported: the family registry beside the reference)
+    FAMILIES,
+    NodeCall,
+    attention_geometry,
+    family_of,
+    kernel_cache_safe,
+    uncovered,
+)
 
 Tensor = torch.Tensor
 
@@ -192,8 +199,8 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
     """A tensor for every graph input (``spec.input_tensors()``), by uid. Deterministic for a seed.
 
     Random non-zero values in the document's dtype, dims and strides (fp8 as torch's float8 types);
-    weight-like inputs scaled by 1/sqrt(fan-in); pass-by-value scalars as one-element CPU tensors
-    (float32 for FLOAT). Inputs whose values must be valid get valid ones: sequence lengths in
+    weight-like inputs scaled by 1/sqrt(fan-in); one-element float tensors (descale factors, alpha)
+    in [0.75, 1.25]; pass-by-value scalars as one-element CPU tensors (float32 for FLOAT). Inputs whose values must be valid get valid ones: sequence lengths in
     [1, s] (every other sequence shorter), page tables a permutation of the pool's blocks, ragged
     offsets the cumulative token counts (elements / ragged_offset_multiplier, the offset doc's int
     type), epsilon 1e-5, momentum 0.1, fp8 descale/scale factors around 1 with scale_s the fp8 max
@@ -215,7 +222,9 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
                 scale = 1.0 / math.sqrt(fan)
                 break
         v = _random(gen, doc, name, scale)
-        if doc.is_pass_by_value and v.is_floating_point():
+        if v.is_floating_point() and v.numel() == 1:
+            v = 0.75 + 0.5 * torch.rand(v.shape, generator=gen)  # scalars (descale factors, alpha): around 1
+        elif doc.is_pass_by_value and v.is_floating_point():
             v = 0.5 + v.abs()  # a positive host scalar unless its port says otherwise
         values[doc.uid] = v
 
@@ -413,8 +422,9 @@ def _device_of(spec: GraphSpec, inputs: dict[int, Tensor]) -> torch.device:
 
 
 def _fit(t: Tensor, doc: TensorDoc, where: str) -> Tensor:
-    """A node result shaped as its output document says (broadcast or reshaped where they differ)."""
-    if not doc.dim or list(t.shape) == list(doc.dim):
+    """A node result shaped as its output document says (broadcast or reshaped where they differ); a virtual
+    tensor keeps the computed shape."""
+    if doc.is_virtual or not doc.dim or list(t.shape) == list(doc.dim):
         return t
     try:
         return t.expand(doc.dim)
