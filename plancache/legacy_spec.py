@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .errors import SpecError
-from .spec import GraphSpec, TuningSpec
+from .spec import GraphSpec, TuningSpec, pydantic_message
 
 #: The schema-1 version number.
 LEGACY_SCHEMA_VERSION = 1
@@ -303,7 +303,7 @@ class LegacySpec(_Strict):
                 attrs = op.attrs.model_validate(node.attrs)
                 shapes = op.infer(node, attrs, infos)
             except ValidationError as exc:
-                raise _fail(node, i, f"bad attributes: {_pydantic_message(exc)}") from None
+                raise _fail(node, i, f"bad attributes: {pydantic_message(exc, None)}") from None
             except ValueError as exc:
                 raise _fail(node, i, str(exc)) from None
             for port, tname in node.outputs.items():
@@ -372,20 +372,12 @@ def _infer_virtual(doc: dict[str, Any], wanted: list[str]) -> dict[str, tuple[in
     return {w: infos[w].dims for w in wanted}
 
 
-def _pydantic_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts)
-
-
 def parse_legacy(obj: dict[str, Any]) -> LegacySpec:
     """Validate a schema-1 document; raise :class:`SpecError` naming the problem."""
     try:
         return LegacySpec.model_validate(obj)
     except ValidationError as exc:
-        raise SpecError(f"invalid spec: {_pydantic_message(exc)}") from None
+        raise SpecError(f"invalid spec: {pydantic_message(exc, None)}") from None
 
 
 _FE_TYPES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "int32": "INT32", "int64": "INT64"}

@@ -487,9 +487,10 @@ def _canonical_params(node_type: str, params: dict[str, Any], remap: dict[int, i
 # ------------------------------------------------------------------ parsing and keys
 
 
-def _pydantic_message(exc: ValidationError) -> str:
+def pydantic_message(exc: ValidationError, limit: int | None = 5) -> str:
+    """A validation error as one line: ``loc: msg`` for the first ``limit`` problems (all when None)."""
     parts = []
-    for err in exc.errors()[:5]:
+    for err in exc.errors()[:limit]:
         loc = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts)
@@ -516,7 +517,7 @@ def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
     except RecursionError:
         raise SpecError("spec is nested too deeply") from None
     except ValidationError as exc:
-        raise SpecError(f"invalid spec: {_pydantic_message(exc)}") from None
+        raise SpecError(f"invalid spec: {pydantic_message(exc)}") from None
 
 
 def canonical_json(obj: Any) -> str:
