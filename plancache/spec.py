@@ -230,6 +230,7 @@ class GraphSpec(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
     _producer: dict[int, int] = PrivateAttr(default_factory=dict)
+    _canonical: "GraphSpec | None" = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_graph(self) -> "GraphSpec":
@@ -427,8 +428,11 @@ class GraphSpec(_Strict):
 
     def canonical_document(self) -> "GraphSpec":
         """This document with canonical uids (what workers build), names and flags kept."""
+        if self._canonical is not None:
+            return self._canonical
         remap = self.canonical_uids()
         if all(k == v for k, v in remap.items()):
+            self._canonical = self
             return self
         doc = self.to_json()
         for t in doc["tensors"]:
@@ -440,7 +444,8 @@ class GraphSpec(_Strict):
                 n[section] = {p: remap[u] for p, u in n[section].items()}
             n["params"] = _map_tensors(n["params"], remap)
         doc["tensors"].sort(key=lambda t: t["uid"])
-        return parse_spec(doc)
+        self._canonical = parse_spec(doc)
+        return self._canonical
 
     def to_json(self) -> dict[str, Any]:
         """The full document (names included), as written to files and sent to the server."""

@@ -13,10 +13,11 @@ import torch
 from ..environment import Environment, detect
 from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
-from ..spec import GraphSpec, parse_spec
+from ..spec import GraphSpec
 from . import reference
 from .fegraph import decode, graph_layouts
-from .runtime import HEURISTIC_MODES, _plan_identity, apply_constraints, check_memory, expected_outputs, require_gpu
+from .runtime import (HEURISTIC_MODES, _plan_identity, apply_constraints, canonical, check_memory, check_pack, expected_outputs,
+                      require_gpu)
 from .timing import median_ms
 
 #: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
@@ -85,7 +86,7 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
     """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
     the float32 torch reference, or for a graph no reference covers, cuDNN's FALLBACK / heuristic plan
     (ties → smaller workspace; :func:`plancache.gpu.runtime.expected_outputs`)."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     dev = require_gpu(device)
     t0 = time.perf_counter()
     check_memory(spec, device=device)
@@ -106,7 +107,8 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
         outputs = reference.allocate_outputs(spec, dev, graph_layouts(g))
         ref, check = expected_outputs(spec, inputs, handle, dev)
         pack = {**inputs, **outputs}
-        tolerance = {t.uid: reference.TOLERANCE[spec.data_type_of(t)] for t in spec.canonical_document().output_tensors()}
+        check_pack(spec, pack)
+        tolerance = {t.uid: reference.TOLERANCE[spec.data_type_of(t)] for t in spec.output_tensors()}
 
         candidates: list[Candidate] = []
         timed: list[tuple[float, int, int]] = []  # (median ms, workspace, index)

@@ -117,11 +117,11 @@ def decode(spec: GraphSpec, *, handle: Any = None, kernel_cache: Any = None, dev
 def canonicalize_uids(graph: Any, spec: GraphSpec | None = None) -> GraphSpec:
     """Renumber the auto-assigned uids of a user's (unbuilt) graph to the canonical ones, in place, so a plan
     built from the canonical document binds to the user's own tensors. User-assigned uids never change.
-    Returns the graph's spec."""
+    Returns the graph's spec with canonical uids (the ones its tensors now carry)."""
     spec = spec if spec is not None else from_pygraph(graph)
     remap = spec.canonical_uids()
     if all(old == new for old, new in remap.items()):
-        return spec
+        return spec.canonical_document()
     by_uid = dict(graph._tensor_by_uid)
     for old, t in by_uid.items():
         t.uid = remap[old]
@@ -130,7 +130,7 @@ def canonicalize_uids(graph: Any, spec: GraphSpec | None = None) -> GraphSpec:
     if bindings:
         graph._data_bindings = {remap.get(u, u): v for u, v in bindings.items()}
     graph._next_uid = max(graph._tensor_by_uid) + 1
-    return spec
+    return spec.canonical_document()
 
 
 def graph_layouts(graph: Any) -> dict[int, tuple[list[int], list[int]]]:

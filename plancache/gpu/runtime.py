@@ -84,6 +84,12 @@ def _plan_identity(graph: Any, index: int) -> tuple[int | None, dict[str, int], 
     return engine_id, public, name
 
 
+def canonical(spec: GraphSpec | dict) -> GraphSpec:
+    """The document with canonical uids: the form every GPU path builds, feeds and checks (a graph decoded
+    from it, and a user's graph after :func:`~plancache.gpu.fegraph.canonicalize_uids`, carry these uids)."""
+    return parse_spec(spec).canonical_document()
+
+
 def apply_constraints(graph: Any, spec: GraphSpec) -> None:
     """Bar plans the spec's tuning constraints exclude (workspace cap, deterministic-only)."""
     if spec.tuning.max_workspace_bytes is not None:
@@ -107,7 +113,7 @@ def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None, g
     document is decoded. With ``kernel_cache`` the graph is built with dynamic shapes enabled, sharing
     compiled kernels with the other shapes of its family; a graph outside the kernel-cache-safe families
     (:mod:`plancache.gpu.families`) raises :class:`DynamicShapesUnsupported` instead."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     if kernel_cache is not None:
         if graph is not None:
             raise DynamicShapesUnsupported("a user's own graph is built with the dynamic-shape setting it was made with")
@@ -126,7 +132,7 @@ def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None, g
 def build_engine_config(spec: GraphSpec, handle: Any, engine_id: int, knobs: dict[str, int], *,
                         graph: Any = None) -> BuiltPlan:
     """Rebuild exactly one recorded ``(engine_id, knobs)`` (milliseconds instead of a heuristic walk)."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     g = graph if graph is not None else decode(spec, handle=handle)
     g.validate()
     g.build_operation_graph()
@@ -145,7 +151,7 @@ def deserialize_plan(spec: GraphSpec, blob: bytes, handle: Any, *, engine_id: in
     :func:`plancache.gpu.fegraph.canonicalize_uids`) to load it into, which then runs with the user's
     own tensors; otherwise an empty graph holds it. With ``device_property``
     (``cudnn.create_device_properties``) a load into an empty graph skips the device warm-up."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     if graph is not None:
         g = graph
     else:
@@ -156,7 +162,7 @@ def deserialize_plan(spec: GraphSpec, blob: bytes, handle: Any, *, engine_id: in
 
 def check_memory(spec: GraphSpec, *, device: int = 0) -> int:
     """Refuse, before allocating anything, a spec that needs more memory than the device has free."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     dev = require_gpu(device)
     need = reference.required_bytes(spec)
     free, total = torch.cuda.mem_get_info(dev)
@@ -167,6 +173,19 @@ def check_memory(spec: GraphSpec, *, device: int = 0) -> int:
     return need
 
 
+def check_pack(spec: GraphSpec, pack: dict[int, torch.Tensor]) -> None:
+    """Refuse a variant pack that would make the native execute read a wrong pointer: every non-virtual
+    tensor of the (canonical) spec needs a buffer, pass-by-value scalars on the host, the rest on a GPU."""
+    for t in spec.input_tensors() + spec.output_tensors():
+        buf = pack.get(t.uid)
+        label = f"tensor uid {t.uid} ({t.name!r})" if t.name else f"tensor uid {t.uid}"
+        if buf is None:
+            raise TuningError(f"the variant pack has no buffer for {label}")
+        if (buf.device.type == "cpu") != t.is_pass_by_value:
+            where = "host" if t.is_pass_by_value else "GPU"
+            raise TuningError(f"{label} must be a {where} tensor, got one on {buf.device}")
+
+
 def _execute(plan: BuiltPlan, handle: Any, device: torch.device, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     spec = plan.spec
     layouts = {t.uid: (list(t.dim), list(t.stride)) for t in spec.canonical_document().output_tensors()}
@@ -174,7 +193,9 @@ def _execute(plan: BuiltPlan, handle: Any, device: torch.device, inputs: dict[in
     outputs = reference.allocate_outputs(spec, device, layouts)
     ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device=device)
     cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
-    plan.execute({**inputs, **outputs}, ws, handle)
+    pack = {**inputs, **outputs}
+    check_pack(spec, pack)
+    plan.execute(pack, ws, handle)
     torch.cuda.synchronize(device)
     return outputs
 
@@ -184,6 +205,7 @@ def expected_outputs(spec: GraphSpec, inputs: dict[int, torch.Tensor], handle: A
     """What the graph's outputs must be, and how that was decided: ``reference`` (the float32 torch
     reference of every node) or, for a graph some node of which no reference covers, ``cross-check:fallback``
     / ``cross-check:heuristic`` (the outputs of cuDNN's FALLBACK plan, else its heuristic choice)."""
+    spec = canonical(spec)
     if not families.uncovered(spec):
         return reference.reference_outputs(spec, inputs), "reference"
     for mode, label in (("FALLBACK", "cross-check:fallback"), ("A", "cross-check:heuristic")):
@@ -221,7 +243,7 @@ def plan_layouts(plan: BuiltPlan) -> dict[int, tuple[list[int], list[int]]]:
 def verify_plan(spec: GraphSpec, blob: bytes, *, device: int = 0, seed: int = 12345) -> float:
     """Deserialize ``blob`` in this process into the decoded graph, run it on fresh inputs and check it
     (:func:`run_and_check`); return the error."""
-    spec = parse_spec(spec)
+    spec = canonical(spec)
     dev = require_gpu(device)
     with torch.cuda.device(dev):
         handle = cudnn.create_handle()
