@@ -427,11 +427,12 @@ class GraphSpec(_Strict):
         return graph_key(self)
 
     def canonical_document(self) -> "GraphSpec":
-        """This document with canonical uids (what workers build), names and flags kept."""
+        """This document with canonical uids and tensors in uid order (what workers build), names and flags kept."""
         if self._canonical is not None:
             return self._canonical
         remap = self.canonical_uids()
-        if all(k == v for k, v in remap.items()):
+        uids = [t.uid for t in self.tensors]
+        if all(k == v for k, v in remap.items()) and uids == sorted(uids):
             self._canonical = self
             return self
         doc = self.to_json()
