@@ -36,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import workload  # noqa: E402
+from plancache.spec import GraphSpec  # noqa: E402
 
 
-def _specs(limit: int | None):
-    specs = workload()
+def _specs(limit: int | None) -> list[GraphSpec]:
+    """The workload's canonical documents: the uids every GPU helper and ``Plan.execute`` key tensors by."""
+    specs = [spec.canonical_document() for spec in workload()]
     return specs[:limit] if limit else specs
 
 
@@ -83,18 +85,19 @@ def child_tune(out: Path, limit: int | None, parallel_probe: bool = True) -> Non
     (out / "tuning.json").write_text(json.dumps({"total_s": total, "graphs": rows, "parallel_build": parallel}, indent=1))
 
 
-def _parallel_build(spec) -> dict:
+def _parallel_build(spec: GraphSpec) -> dict:
     """Build every candidate plan of ``spec`` serially, then on a thread pool (one graph per thread)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import cudnn
 
-    from plancache.gpu.lowering import HEURISTIC_MODES, lower
+    from plancache.gpu.fegraph import decode
+    from plancache.gpu.runtime import HEURISTIC_MODES
 
     handle = cudnn.create_handle()
 
     def planned():
-        g = lower(spec, handle=handle).graph
+        g = decode(spec, handle=handle)
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([HEURISTIC_MODES[m] for m in spec.tuning.heuristic_modes])
@@ -172,9 +175,9 @@ def child_fetch(out: Path, limit: int | None, server: str, token: str) -> None:
     for spec, plan in zip(specs, plans):
         inputs = gpu.make_inputs(spec, dev, seed=99)
         outputs = gpu.allocate_outputs(spec, dev)
-        plan.execute(**inputs, **outputs)
+        plan.execute({**inputs, **outputs})
         torch.cuda.synchronize()
-        errors[spec.name] = gpu.compare_outputs(spec, outputs, gpu.reference_outputs(spec, inputs))
+        errors[spec.name] = gpu.compare_outputs(spec, outputs, gpu.reference_outputs(spec, inputs), inputs=inputs)
     (out / "fetch.json").write_text(json.dumps({
         "init_s": init_s, "construct_s": construct_s, "total_s": total, "prefetch_s": t_prefetch, "errors": errors,
         "stats": stats.as_dict()}, default=str))

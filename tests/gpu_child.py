@@ -1,6 +1,6 @@
-"""Run in a fresh process by the GPU tests: deserialize a plan, execute it by uid, check and time it.
+"""Run in a fresh process by the GPU tests: deserialize a plan, execute it by canonical uid, check and time it.
 
-usage: python tests/gpu_child.py SPEC.json PLAN.blob  → prints one JSON line
+usage: python tests/gpu_child.py SPEC.json PLAN.blob  → prints one JSON line (errors by output uid)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def main(spec_path: str, blob_path: str) -> None:
     from plancache.gpu.timing import median_ms
     from plancache.spec import parse_spec
 
-    spec = parse_spec(Path(spec_path).read_text())
+    spec = parse_spec(Path(spec_path).read_text()).canonical_document()
     blob = Path(blob_path).read_bytes()
     dev = torch.device("cuda", 0)
     handle = gpu.create_handle(0)
@@ -33,7 +33,7 @@ def main(spec_path: str, blob_path: str) -> None:
     tensors = {**inputs, **outputs}
     plan.execute(tensors, ws, handle)
     torch.cuda.synchronize()
-    errs = gpu.output_errors(spec, outputs, gpu.reference_outputs(spec, inputs))
+    errs = gpu.output_errors(spec, outputs, gpu.reference_outputs(spec, inputs), inputs=inputs)
     ms = median_ms(lambda: plan.execute(tensors, ws, handle), warmup=5, repeats=50, budget_s=None,
                    set_stream=lambda sid: cudnn.set_stream(handle, sid))
     print(json.dumps({"errors": errs, "deserialize_ms": deserialize_ms, "median_ms": ms}))
