@@ -15,11 +15,12 @@ beyond the standard library on a client, ``jq`` can inspect it, and there are no
 paths or orderings to validate. The cost is base64's third more bytes for the blobs.
 
 Loading verifies everything before anything is used (:func:`verify_bundle`): the bundle signature
-against the trusted keys when any are configured (then it is required, and so is each record's own
-plan signature, as a client with trusted keys requires it of every plan), each blob's size and sha256
-against its record, that each record is for the bundle's environment, and that each graph key is the
-key of the enclosed spec. Reasons are those of :data:`plancache.client.verify.REASONS`. Any failure refuses the
-whole bundle with a :class:`~plancache.errors.VerificationError` naming the entry.
+against the trusted keys when any are configured (then it is required), then each entry through
+:func:`plancache.verify.verify_blob` in its fixed order: size and sha256 of the blob against its record,
+the record's own plan signature (with trusted keys, as a client with trusted keys requires it of every
+plan), that its graph key is the key of the enclosed spec, and that it is for the bundle's environment.
+Reasons are those of :data:`plancache.verify.REASONS`. Any failure refuses the whole bundle with a
+:class:`~plancache.errors.VerificationError` naming the entry.
 
 This module needs no SQLAlchemy: :func:`export_bundle` and :func:`import_bundle` take a store object
 (:class:`plancache.store.Store`) from the caller.
@@ -27,7 +28,6 @@ This module needs no SQLAlchemy: :func:`export_bundle` and :func:`import_bundle`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -44,6 +44,7 @@ from .environment import Environment
 from .protocol import PlanMeta, PlanRecord, b64decode, b64encode
 from .signing import Signer, TrustedKeys
 from .spec import canonical_json, graph_key
+from .verify import verify_blob
 
 if TYPE_CHECKING:
     from .store import Store
@@ -154,32 +155,18 @@ def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
 
 
 def _verify_entry(index: int, entry: BundleEntry, header: BundleHeader, trusted: TrustedKeys | None) -> BundlePlan:
+    """Decode the entry's blob and spec (``malformed``), then the shared verification against the header."""
     name = _entry_name(index, entry)
-    record = entry.record
-    if record.environment.validity() != header.environment.validity() or record.env_id != header.env_id:
-        raise VerificationError("environment", f"{name}: its record is for {record.environment.describe()}, "
-                                               f"the bundle for {header.environment.describe()}")
     try:
         blob = b64decode(entry.blob_b64, what=f"{name}: blob")
     except ValueError as exc:
         raise VerificationError("malformed", str(exc)) from None
-    if len(blob) != record.blob_size:
-        raise VerificationError("size", f"{name}: blob is {len(blob)} bytes, its record says {record.blob_size}")
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != record.blob_sha256:
-        raise VerificationError("sha256", f"{name}: blob sha256 is {digest}, its record says {record.blob_sha256}")
     try:
         key = graph_key(entry.spec)
     except PlanCacheError as exc:
         raise VerificationError("malformed", f"{name}: {exc.message}") from None
-    if key != record.graph_key:
-        raise VerificationError("graph_key", f"{name}: the enclosed spec has graph key {key}")
-    if trusted:
-        try:
-            trusted.verify(record)
-        except VerificationError as exc:
-            raise VerificationError(exc.reason, f"{name}: {exc.message}") from None
-    return BundlePlan(record, blob, entry.spec)
+    verify_blob(entry.record, blob, what=name, trusted=trusted, graph_key=key, environment=header.environment)
+    return BundlePlan(entry.record, blob, entry.spec)
 
 
 def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys | None) -> list[BundlePlan]:

@@ -1,6 +1,14 @@
-"""Domain errors. Every layer raises these; the server maps them to HTTP statuses in one place."""
+"""The one error tree. Every layer raises these; the server maps them to HTTP statuses in one place
+(:mod:`plancache.server.errors`) and :mod:`plancache.http` maps the server's answers back (:data:`BY_CODE`).
+
+Every error takes its message first (default: the first paragraph of its class docstring); any further
+field is a keyword argument.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 
 class PlanCacheError(Exception):
@@ -9,7 +17,9 @@ class PlanCacheError(Exception):
     code = "plancache_error"
     http_status = 400
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str | None = None) -> None:
+        if message is None:
+            message = " ".join((type(self).__doc__ or self.code).split("\n\n")[0].split())
         super().__init__(message)
         self.message = message
 
@@ -22,6 +32,8 @@ class SpecError(PlanCacheError):
 
 
 class NotFound(PlanCacheError):
+    """Not found."""
+
     code = "not_found"
     http_status = 404
 
@@ -48,16 +60,30 @@ class LeaseLost(PlanCacheError):
 
 
 class Unauthorized(PlanCacheError):
+    """Missing, malformed, unknown or revoked token."""
+
     code = "unauthorized"
     http_status = 401
 
 
 class Forbidden(PlanCacheError):
+    """The token's role may not do this."""
+
     code = "forbidden"
     http_status = 403
 
 
+class NotLeaseHolder(Forbidden):
+    """The job's lease was claimed with another API token: only the token that claimed a job may heartbeat,
+    complete or fail it."""
+
+    code = "not_lease_holder"
+    http_status = 403
+
+
 class PayloadTooLarge(PlanCacheError):
+    """The request or blob is too large."""
+
     code = "payload_too_large"
     http_status = 413
 
@@ -81,8 +107,7 @@ class VerificationError(PlanCacheError):
 
 
 class SignatureError(VerificationError):
-    def __init__(self, message: str, reason: str = "signature") -> None:
-        super().__init__(reason, message)
+    """A signature or key failed: ``reason`` is ``unsigned``, ``unknown_signer``, ``bad_signature`` or ``bad_key``."""
 
 
 class GpuUnavailable(PlanCacheError):
@@ -117,3 +142,69 @@ class PlanMiss(PlanCacheError):
 
     code = "plan_miss"
     http_status = 404
+
+
+class UnsupportedGraph(SpecError):
+    """A pygraph holds something the document cannot represent (a callback, a framework object)."""
+
+    code = "unsupported_graph"
+
+
+class InvalidValue(PlanCacheError, ValueError):
+    """An argument the store cannot take (out of a column's range, negative page, unknown status…)."""
+
+    code = "invalid_value"
+    http_status = 422
+
+
+class SchemaNotReady(PlanCacheError):
+    """The database has no schema, or not the one this version of plancache needs."""
+
+    code = "schema_not_ready"
+    http_status = 503
+
+
+class BlobStoreMismatch(PlanCacheError):
+    """The configured blob store (``PLANCACHE_BLOB_STORE``) is not where the database's blobs are."""
+
+    code = "blob_store_mismatch"
+    http_status = 503
+
+
+class ServerUnavailable(PlanCacheError):
+    """The plancache server could not be used (unreachable, timed out, 429 or 5xx, or a malformed answer).
+
+    ``skipped``: no request was sent (a circuit breaker held it back after an earlier failure).
+    """
+
+    code = "server_unavailable"
+    http_status = 503
+
+    def __init__(self, message: str | None = None, *, skipped: bool = False) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+
+
+class RequestRefused(PlanCacheError):
+    """The server refused the request with an error code this package has no class for.
+
+    ``code`` and ``http_status`` are the answer's.
+    """
+
+    def __init__(self, message: str | None = None, *, code: str, http_status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.http_status = http_status
+
+
+def _tree(cls: type[PlanCacheError]) -> Iterator[type[PlanCacheError]]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _tree(sub)
+
+
+#: The class of each error code, for raising a server's refusal as what it is. Derived from the tree: every
+#: class made from its message alone. One with more fields (a verification ``reason``, the transport errors
+#: above) is not rebuilt from an answer, which carries only code and message: it arrives as RequestRefused.
+BY_CODE: Mapping[str, type[PlanCacheError]] = MappingProxyType(
+    {cls.code: cls for cls in _tree(PlanCacheError) if cls.__init__ is PlanCacheError.__init__})

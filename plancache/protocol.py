@@ -20,6 +20,7 @@ GRAPH_KEY_PATTERN = r"^[0-9a-f]{64}$"
 GraphKey = str
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+LEASE_TOKEN_MAX_LENGTH = 128
 
 
 class _Model(BaseModel):
@@ -105,6 +106,15 @@ class PlanUpload(PlanMeta):
         return b64decode(self.blob_b64)
 
 
+class PlanPut(PlanUpload):
+    """``PUT /v1/plans`` body. A worker token publishes only the plan of a job it holds: ``job_id`` and the
+    ``lease_token`` of its claim (``worker_id`` is the lease's), and the upload completes that job. An admin
+    token may leave both out and upload for any key and environment."""
+
+    job_id: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
+
+
 class PlanRecord(PlanMeta):
     """A stored plan record."""
 
@@ -168,9 +178,11 @@ class Job(_Model):
     priority: int
     attempts: int
     max_attempts: int
-    lease_owner: str | None = None
+    lease_owner: str | None = Field(default=None, description="the worker id of the lease; shown to admins and to the "
+                                                              "lease's holder only")
+    lease_holder: str | None = Field(default=None, description="the API token that claimed the lease (``token:<id>``); "
+                                                               "shown to admins only")
     lease_expires_at: datetime | None = None
-    fencing_token: int
     error: str | None = None
     created_at: datetime
     updated_at: datetime
@@ -189,13 +201,14 @@ class ClaimRequest(_Model):
 class ClaimResponse(_Model):
     job: Job
     spec: dict[str, Any]
-    lease_token: int = Field(description="fencing token; send it back with heartbeat/complete/fail")
+    lease_token: str = Field(description="the lease's secret fencing token, given only here: send it back with "
+                                         "heartbeat/complete/fail, from the API token that claimed the job")
     lease_expires_at: datetime
 
 
 class LeaseRequest(_Model):
     worker_id: str = Field(min_length=1, max_length=256)
-    lease_token: int
+    lease_token: str = Field(min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
 
 
 class CompleteRequest(LeaseRequest):

@@ -21,6 +21,7 @@ class Settings(BaseSettings):
 
     # store / server
     database_url: str = "sqlite:///./plancache.db"
+    blob_store: str = "database"  # or file:///path (plancache.store.blobs)
     admin_token: str | None = Field(default=None, repr=False)
     open_reads: bool = False
     max_blob_bytes: int = 64 * 1024 * 1024
@@ -37,6 +38,13 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     connect_timeout: float = 1.0
     read_timeout: float = 5.0
+
+    # client only
+    insecure_allow_unsigned: bool = False  # without trusted keys, admit plans checked by digest alone (normal mode)
+    request_deadline: float = 5.0  # seconds: the whole server exchange of one plan()/prefetch()
+    resolve_max_bytes: int = 256 * 1024 * 1024  # the largest resolve answer read (see README, Configuration)
+    cache_max_bytes: int = 2 * 1024 * 1024 * 1024  # disk cache size cap, LRU eviction; 0: no cap
+    cache_max_age_days: float = 30.0  # other environments' cache folders unused this long are dropped; 0: never
 
 
 def get_settings() -> Settings:

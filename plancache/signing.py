@@ -66,9 +66,9 @@ class Signer:
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except ValueError as exc:
-            raise SignatureError(f"{path}: not a PEM private key: {exc}", reason="bad_key") from exc
+            raise SignatureError("bad_key", f"{path}: not a PEM private key: {exc}") from exc
         if not isinstance(key, Ed25519PrivateKey):
-            raise SignatureError(f"{path}: not an ed25519 private key", reason="bad_key")
+            raise SignatureError("bad_key", f"{path}: not an ed25519 private key")
         return cls(key)
 
 
@@ -93,9 +93,9 @@ class TrustedKeys:
             try:
                 key = serialization.load_pem_public_key(data)
             except ValueError as exc:
-                raise SignatureError(f"{path}: not a PEM public key: {exc}", reason="bad_key") from exc
+                raise SignatureError("bad_key", f"{path}: not a PEM public key: {exc}") from exc
             if not isinstance(key, Ed25519PublicKey):
-                raise SignatureError(f"{path}: not an ed25519 public key", reason="bad_key")
+                raise SignatureError("bad_key", f"{path}: not an ed25519 public key")
             keys.append(key)
         return cls(keys)
 
@@ -113,21 +113,22 @@ class TrustedKeys:
             paths.extend(sorted(p.glob("*.pub")) if p.is_dir() else [p])
         return cls.from_files(paths)
 
-    def verify(self, meta: PlanMeta) -> None:
-        """Raise :class:`SignatureError` unless ``meta`` carries a valid signature by a trusted key."""
-        self.verify_bytes(statement(meta), meta.signature, meta.signer_key_id, what=f"plan {meta.graph_key[:12]}")
+    def verify(self, meta: PlanMeta, *, what: str | None = None) -> None:
+        """Raise :class:`SignatureError` (naming ``what``, default the plan) unless ``meta`` carries a valid
+        signature by a trusted key."""
+        self.verify_bytes(statement(meta), meta.signature, meta.signer_key_id, what=what or f"plan {meta.graph_key[:12]}")
 
     def verify_bytes(self, message: bytes, signature: str | None, signer_key_id: str | None, *, what: str) -> None:
         """Raise :class:`SignatureError` (naming ``what``) unless ``signature`` is a trusted key's signature of ``message``."""
         if not signature or not signer_key_id:
-            raise SignatureError(f"{what} is unsigned", reason="unsigned")
+            raise SignatureError("unsigned", f"{what} is unsigned")
         key = self._keys.get(signer_key_id)
         if key is None:
-            raise SignatureError(f"{what} signed by unknown key {signer_key_id}", reason="unknown_signer")
+            raise SignatureError("unknown_signer", f"{what} signed by unknown key {signer_key_id}")
         try:
             key.verify(base64.b64decode(signature, validate=True), message)
         except (InvalidSignature, ValueError) as exc:
-            raise SignatureError(f"{what}: signature does not verify", reason="bad_signature") from exc
+            raise SignatureError("bad_signature", f"{what}: signature does not verify") from exc
 
 
 def keygen(directory: Path | str, name: str = "plancache") -> tuple[Path, Path, str]:

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from . import SPEC_SCHEMA_VERSION
-from .errors import SpecError
+from .errors import SpecError, UnsupportedGraph
 
 # ------------------------------------------------------------------ the vocabulary (FE 1.32)
 
@@ -541,12 +541,6 @@ def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
 # ------------------------------------------------------------------ from a user's pygraph
 
 
-class UnsupportedGraph(SpecError):
-    """A pygraph holds something the document cannot represent (a callback, a framework object)."""
-
-    code = "unsupported_graph"
-
-
 def _enum_name(value: Any, where: str) -> str | None:
     if value is None:
         return None
@@ -650,6 +644,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "DATA_TYPES", "ENUM_TYPES", "NODE_TYPES", "GraphSpec", "NodeDoc", "TensorDoc", "TuningSpec", "UnsupportedGraph",
+    "DATA_TYPES", "ENUM_TYPES", "NODE_TYPES", "GraphSpec", "NodeDoc", "TensorDoc", "TuningSpec",
     "canonical_json", "from_pygraph", "graph_key", "parse_spec",
 ]

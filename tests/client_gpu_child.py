@@ -28,6 +28,7 @@ import torch
 from examples.fe import graphs
 from plancache import gpu
 from plancache.client import Plan, PlanCache, family_key
+from plancache.client.core import HeuristicStep
 from plancache.spec import GraphSpec, parse_spec
 
 DEV = torch.device("cuda", 0)
@@ -96,8 +97,9 @@ def family(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     gpu.build_heuristic(control, handle)
     control_ms = (time.perf_counter() - t0) * 1000
+    heuristic = next(s for s in pc.steps if isinstance(s, HeuristicStep))
     return {"builds": builds, "control_static_ms": control_ms,
-            "dynamic": family_key(shapes[0]) not in pc._static_families, "stats": pc.stats().as_dict()}
+            "dynamic": family_key(shapes[0]) not in heuristic.static_families, "stats": pc.stats().as_dict()}
 
 
 def main() -> None:

@@ -5,7 +5,9 @@
   ``PLANCACHE_TEST_POSTGRES_URL`` and dropped afterwards). Without a reachable Postgres the
   postgres case is skipped, or fails when the environment variable ``CI`` is set.
 - ``clock``: a :class:`FakeClock` (starts at the real current time, moves only when told).
-- ``store``: ``open_store(db_url, create=True, clock=clock)``, closed afterwards.
+- ``blob_store_url``: ``database``; in modules marked ``both_blob_stores`` also a ``file://`` folder
+  under ``tmp_path`` (each test that uses it runs once per blob store).
+- ``store``: ``open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)``, closed afterwards.
 - ``gpu_env``: an H200-like :class:`~plancache.environment.Environment`.
 - ``make_spec(i)``: a small valid spec dict, distinct for each ``i``, and its graph key.
 - ``make_plan(graph_key, env, blob=…, worker_id=…)``: a :class:`~plancache.protocol.PlanMeta`
@@ -89,17 +91,28 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     return request.getfixturevalue("postgres_url")
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "blob_store_url" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_blob_stores"):
+        metafunc.parametrize("blob_store_url", ["database", "file"], indirect=True)
+
+
+@pytest.fixture
+def blob_store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    """A ``PLANCACHE_BLOB_STORE`` value: ``database``, or (parametrized ``file``) a folder under ``tmp_path``."""
+    return (tmp_path / "blobs").as_uri() if getattr(request, "param", "database") == "file" else "database"
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
 
 
 @pytest.fixture
-def store(db_url: str, clock: FakeClock) -> Iterator[Any]:
-    """A migrated :class:`plancache.store.Store` on ``db_url`` whose time is ``clock``."""
+def store(db_url: str, clock: FakeClock, blob_store_url: str) -> Iterator[Any]:
+    """A migrated :class:`plancache.store.Store` on ``db_url`` and ``blob_store_url`` whose time is ``clock``."""
     from plancache.store import open_store
 
-    s = open_store(db_url, create=True, clock=clock)
+    s = open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)
     try:
         yield s
     finally:

@@ -13,6 +13,8 @@ from plancache.spec import parse_spec
 
 from .server_util import api, env_query, open_api, sha, upload_json  # noqa: F401
 
+pytestmark = pytest.mark.both_blob_stores
+
 # ------------------------------------------------------------------ specs
 
 
@@ -95,7 +97,7 @@ def test_put_plan_refusals(api, make_spec, make_plan, gpu_env):
     _, other_spec = make_spec(1)
     status, code, message = put(upload_json(meta, blob, other_spec))
     assert (status, code) == (422, "integrity_error") and key in message
-    assert put(upload_json(meta, blob + b"x", spec))[:2] == (422, "integrity_error")  # digest
+    assert put(upload_json(meta, blob[:-1] + bytes([blob[-1] ^ 1]), spec))[:2] == (422, "integrity_error")  # digest
     assert put(upload_json(meta.model_copy(update={"blob_size": len(blob) + 1}), blob, spec))[:2] == (422, "integrity_error")
     status, code, message = put(upload_json(meta, blob, spec, blob_b64="not base64!"))
     assert (status, code) == (422, "validation_error") and "blob_b64" in message

@@ -17,6 +17,7 @@ from plancache.errors import Conflict, NotFound, VerificationError
 from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.store import open_store
 
+pytestmark = pytest.mark.both_blob_stores
 
 @pytest.fixture
 def keys(tmp_path: Path) -> dict[str, Any]:
@@ -44,8 +45,10 @@ def _seed(store: Any, make_spec: Any, make_plan: Any, env: Environment, signer: 
 
 
 @pytest.fixture
-def dest(tmp_path: Path) -> Any:
-    s = open_store(f"sqlite:///{tmp_path / 'dest.db'}", create=True)
+def dest(tmp_path: Path, blob_store_url: str) -> Any:
+    """A second store, on the same kind of blob store as ``store``."""
+    blob_store = "database" if blob_store_url == "database" else (tmp_path / "dest-blobs").as_uri()
+    s = open_store(f"sqlite:///{tmp_path / 'dest.db'}", create=True, blob_store=blob_store)
     yield s
     s.close()
 

@@ -12,17 +12,18 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import pytest
 
-from plancache.client import PlanCache, family_key
+from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step, family_key
 from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec
-from tests.client_fakes import H200, OTHER_GPU, RecordingBackend, make_meta, new_signer, trusted
+from tests.client_fakes import H200, OTHER_GPU, RecordingBackend, make_meta, make_record, new_signer, trusted
 from tests.live_server import LiveServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -410,3 +411,70 @@ def test_a_failing_local_build_raises(tmp_path, signer):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         PlanCache(None, backend=RecordingBackend(), mode="lenient", cache_dir=tmp_path)
+
+
+class Bundled(Step):
+    """A custom step (plans shipped with the application, say): its blobs are verified and loaded like any other."""
+
+    name = "bundle"
+    builds = Builds.NOTHING
+
+    def __init__(self, cache: PlanCache, entries: dict[str, tuple[Any, bytes]]) -> None:
+        super().__init__(cache)
+        self.entries = entries
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        found = {}
+        for p in batch:
+            if p.key not in self.entries:
+                p.note(self.name, "no entry")
+            elif (plan := self.admit(p, *self.entries[p.key])) is not None:
+                found[p] = plan
+        return found
+
+
+class Guess(Step):
+    """A custom step that builds without a tuned record, so only the normal mode keeps it."""
+
+    name = "guess"
+    builds = Builds.HEURISTIC
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        return {}
+
+
+def test_a_mode_keeps_the_steps_it_allows(tmp_path):
+    config = ClientConfig(server_url="", backend=RecordingBackend(), cache_dir=tmp_path, steps=(*LADDER, Guess))
+    assert PlanCache(config).config is config
+    ladders = {mode: [s.name for s in PlanCache(config, mode=mode).steps] for mode in MODES}
+    assert ladders == {"normal": ["memory", "disk", "server", "rebuild", "heuristic", "guess"],
+                       "strict": ["memory", "disk", "server", "rebuild"],
+                       "replay_only": ["memory", "disk", "server"]}
+
+
+def test_a_custom_step_joins_the_ladder(srv, tmp_path, signer, wire):
+    seed(srv, SDPA, signer)
+    n8 = SPECS["conv_bias_relu_n8"]
+    conv, matmul = blob_of(CONV), blob_of(MATMUL)
+    entries = {CONV.graph_key: (make_record(CONV.graph_key, H200, conv, signer), conv),
+               MATMUL.graph_key: (make_record(MATMUL.graph_key, H200, matmul, signer), matmul[:-1])}  # truncated
+    asked: list[str] = []
+    wire.edit_request = lambda body: asked.extend(body["graph_keys"])
+    steps = (*LADDER[:2], partial(Bundled, entries=entries), *LADDER[2:])
+    pc = client(srv, tmp_path, signer, wire=wire, steps=steps)
+    assert [s.name for s in pc.steps] == ["memory", "disk", "bundle", "server", "rebuild", "heuristic"]
+    plans = pc.prefetch([CONV, SDPA, MATMUL, n8])
+    assert {k: p.source for k, p in plans.items()} == {
+        CONV.graph_key: "bundle", SDPA.graph_key: "server", MATMUL.graph_key: "rebuild", n8.graph_key: "heuristic"}
+    assert sorted(asked) == sorted([SDPA.graph_key, MATMUL.graph_key, n8.graph_key])  # one resolve, for the rest
+    assert pc._backend.deserialized == [conv, blob_of(SDPA)]
+    s = pc.stats()
+    assert s.hits == {"bundle": 1, "server": 1, "rebuild": 1, "heuristic": 1}  # the bundle's authentic record rebuilt
+    assert s.rejects == {"size": 1} and s.misses == 2
+    assert s.fallbacks == {"disk": 4, "bundle": 3, "server": 2, "rebuild": 1}
+    assert pc.plan(CONV) is plans[CONV.graph_key] and pc.stats().hits["memory"] == 1
+    # The step serves verified blobs, so replay-only mode keeps it; its notes explain a miss.
+    replay = client(None, tmp_path / "replay", signer, steps=steps, mode="replay_only")
+    assert replay.plan(CONV).source == "bundle"
+    with pytest.raises(PlanMiss, match=r"disk: no entry; bundle: rejected \(size\); server: none configured$"):
+        replay.plan(MATMUL)

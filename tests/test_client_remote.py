@@ -1,4 +1,4 @@
-"""The client's HTTP side against ``httpx.MockTransport``: resolve, spec registration and the circuit breaker."""
+"""The client's calls against ``httpx.MockTransport``: resolve, spec registration, blobs, behind a circuit breaker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from plancache.client.remote import Remote, RemoteRefused, RemoteUnavailable
+from plancache.client.remote import Remote
+from plancache.errors import Forbidden, NotFound, ServerUnavailable
+from plancache.http import CircuitBreaker, HttpClient
 from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
 from plancache.spec import parse_spec
 from tests.client_fakes import H200, make_record
@@ -73,7 +75,8 @@ def clock() -> Clock:
 
 
 def remote(server: Server, clock: Clock, token: str | None = "reader-token", **kw) -> Remote:
-    return Remote(URL, token=token, cooldown=30.0, transport=httpx.MockTransport(server), clock=clock, **kw)
+    http = HttpClient(URL, token, policies=[CircuitBreaker(30.0, clock=clock)], transport=httpx.MockTransport(server))
+    return Remote(http, **kw)
 
 
 def test_resolve_sends_the_environment_and_keys_and_parses_the_answer(server, clock):
@@ -99,13 +102,13 @@ def test_resolve_splits_large_key_lists(server, clock):
 def test_one_failure_turns_the_remote_off_for_the_cooldown(server, clock, mode):
     r = remote(server, clock)
     server.mode = mode
-    with pytest.raises(RemoteUnavailable) as first:
+    with pytest.raises(ServerUnavailable) as first:
         r.resolve(H200, [KEY])
     assert not first.value.skipped and r.is_off
     # While off: no request at all, an immediate failure that says so.
     server.mode = "ok"
     for _ in range(3):
-        with pytest.raises(RemoteUnavailable) as again:
+        with pytest.raises(ServerUnavailable) as again:
             r.resolve(H200, [KEY])
         assert again.value.skipped
     assert len(server.requests) == 1
@@ -119,25 +122,25 @@ def test_one_failure_turns_the_remote_off_for_the_cooldown(server, clock, mode):
 def test_a_failure_after_the_cooldown_re_arms_the_breaker(server, clock):
     r = remote(server, clock)
     server.mode = "down"
-    with pytest.raises(RemoteUnavailable):
+    with pytest.raises(ServerUnavailable):
         r.resolve(H200, [KEY])
     clock.t += 31
-    with pytest.raises(RemoteUnavailable) as exc:
+    with pytest.raises(ServerUnavailable) as exc:
         r.resolve(H200, [KEY])
     assert not exc.value.skipped and r.is_off and len(server.requests) == 2
 
 
 def test_a_request_specific_4xx_does_not_turn_the_remote_off(server, clock):
     r = remote(server, clock)
-    with pytest.raises(RemoteRefused) as exc:
-        r._request("GET", "/nowhere")
+    with pytest.raises(NotFound) as exc:
+        r.http.request("GET", "/nowhere")
     assert exc.value.http_status == 404 and exc.value.code == "not_found"
     assert not r.is_off
 
 
 def test_register_spec_needs_a_worker_token_and_a_refusal_keeps_the_remote_on(server, clock):
     spec = parse_spec((Path(__file__).parents[1] / "examples" / "sdpa_causal.json").read_text())
-    with pytest.raises(RemoteRefused) as exc:
+    with pytest.raises(Forbidden) as exc:
         remote(server, clock).register_spec(spec)
     assert exc.value.http_status == 403
     r = remote(server, clock, token="worker-token")
@@ -152,10 +155,8 @@ def test_fetch_blob_returns_the_bytes(server, clock):
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="http"):
-        Remote("plancache.test:8787")
-    with pytest.raises(ValueError):
-        Remote(URL, read_timeout=0)
+    with pytest.raises(ValueError, match="max_keys_per_request"):
+        Remote(HttpClient(URL), max_keys_per_request=0)
 
 
 def test_the_client_imports_neither_the_server_stack_nor_the_gpu_stack():

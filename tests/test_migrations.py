@@ -13,7 +13,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from plancache.store import SchemaNotReady, Store, open_store
+from plancache.errors import SchemaNotReady
+from plancache.store import Store, open_store
 from plancache.store.db import make_engine
 from plancache.store.models import metadata
 

@@ -15,10 +15,12 @@ from typer.testing import CliRunner
 from plancache.cli import _load, app
 from plancache.environment import Environment
 from plancache.store import open_store
+from plancache.store.blobs import FileBlobs
 from plancache.store.models import blobs
 from plancache.store.retention import gc
 
 DAY = timedelta(hours=24)
+pytestmark = pytest.mark.both_blob_stores
 
 
 @pytest.fixture
@@ -35,8 +37,12 @@ def _publish(store: Any, make_spec: Any, make_plan: Any, i: int, env: Environmen
 
 
 def _blob_digests(store: Any) -> set[str]:
+    """The catalog's digests; on a file blob store, also exactly the files there (none missing, none left over)."""
     with store.db.read() as conn:
-        return set(conn.execute(sa.select(blobs.c.sha256)).scalars())
+        digests = set(conn.execute(sa.select(blobs.c.sha256)).scalars())
+    if isinstance(store.blob_store, FileBlobs):
+        assert {p.name for p in store.blob_store.root.rglob("*") if p.is_file()} == digests
+    return digests
 
 
 def test_unreferenced_blobs_go_after_the_grace_period(store, clock, make_spec, make_plan, gpu_env):
@@ -87,10 +93,11 @@ def test_refuses_keep_sets_that_would_delete_everything(store, make_spec, make_p
     assert len(store.list_plans()) == 1
 
 
-def test_gc_interleaved_with_publishes_never_loses_a_referenced_blob(db_url, make_spec, make_plan, gpu_env, old_env):
+def test_gc_interleaved_with_publishes_never_loses_a_referenced_blob(db_url, blob_store_url, make_spec, make_plan,
+                                                                     gpu_env, old_env):
     """Publishers keep storing plans, some re-using bytes that gc is about to collect, while gc runs with no grace
     and drops the old environment's records. Every publish succeeds and every record keeps its blob."""
-    store = open_store(db_url, create=True)  # the real clock: grace=0 makes every unreferenced blob collectable
+    store = open_store(db_url, create=True, blob_store=blob_store_url)  # the real clock: grace=0 makes every unreferenced blob collectable
     try:
         keys = []
         for i in range(8):
@@ -143,8 +150,9 @@ def test_gc_interleaved_with_publishes_never_loses_a_referenced_blob(db_url, mak
         store.close()
 
 
-def test_cli_plans_gc(tmp_path, make_spec, make_plan, gpu_env, old_env):
+def test_cli_plans_gc(tmp_path, blob_store_url, monkeypatch, make_spec, make_plan, gpu_env, old_env):
     url = f"sqlite:///{tmp_path / 'gc.db'}"
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", blob_store_url)  # the CLI's blob store
     with open_store(url, create=True) as s:
         _publish(s, make_spec, make_plan, 0, gpu_env, b"keep me")
         _publish(s, make_spec, make_plan, 1, old_env, b"old")
@@ -166,6 +174,7 @@ def test_cli_plans_gc(tmp_path, make_spec, make_plan, gpu_env, old_env):
     assert "deleted 1 plan records" in r.output and "deleted 2 unreferenced blobs" in r.output
     with open_store(url) as s:
         assert [p.env_id for p in s.list_plans()] == [gpu_env.env_id]
+        assert len(_blob_digests(s)) == 1 and s.get_blob(s.list_plans()[0].blob_sha256) == b"keep me"
 
     r = runner.invoke(app, ["plans", "gc", "--keep-environment", "0" * 32, "--database-url", url])
     assert r.exit_code == 1 and "no plan records have environment id" in r.output

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from examples.generate import EXAMPLES, conv_bias_relu
-from plancache.errors import SpecError
-from plancache.spec import UnsupportedGraph, from_pygraph, graph_key, parse_spec
+from plancache.errors import SpecError, UnsupportedGraph
+from plancache.spec import from_pygraph, graph_key, parse_spec
 
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (pip install -e '.[gpu]')")
 

@@ -60,3 +60,35 @@ def test_plans_list(cli, store, db_url, make_spec, make_plan, gpu_env):
     lines = cli("plans", "list", "--json", "--env-id", gpu_env.env_id, "--database-url", db_url).stdout.splitlines()
     assert [json.loads(line)["graph_key"] for line in lines] == [record.graph_key]
     assert cli("plans", "list", "--json", "--graph-key", "0" * 64, "--database-url", db_url).stdout == ""
+
+
+def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path):
+    import sqlalchemy as sa
+
+    from plancache.errors import BlobStoreMismatch
+    from plancache.store.models import blobs
+
+    expected = {}
+    for i in range(3):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, gpu_env, blob=f"plan {i}".encode() * 300)
+        store.publish_plan(meta, blob)
+        expected[key] = blob
+    orphan = store.put_blob(b"stored, not referenced yet")
+    folder = (tmp_path / "blob volume").as_uri()
+
+    out = cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout
+    assert "moved 4 blobs" in out and f"PLANCACHE_BLOB_STORE={folder}" in out
+    with store.db.read() as conn:
+        assert conn.execute(sa.select(sa.func.count()).where(sa.func.length(blobs.c.data) > 0)).scalar_one() == 0
+    with pytest.raises(BlobStoreMismatch, match="not in the database"):
+        open_store(db_url)
+    with open_store(db_url, blob_store=folder) as moved:
+        found, missing = moved.resolve(gpu_env, list(expected), include_blobs=True)
+        assert {k: blob for k, (_, blob) in found.items()} == expected and missing == []
+        assert moved.get_blob(orphan) == b"stored, not referenced yet"
+    assert "moved 0 blobs" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout  # idempotent
+
+    assert "file:// store" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=1).stderr
+    assert "file:///absolute/path" in cli("db", "migrate-blobs", "s3://bucket", "--database-url", db_url, code=2).stderr

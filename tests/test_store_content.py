@@ -13,6 +13,7 @@ from plancache import errors
 from plancache.spec import graph_key, parse_spec
 from plancache.store.models import blobs
 
+pytestmark = pytest.mark.both_blob_stores
 
 def test_put_spec_stores_the_canonical_form_once(store, make_spec):
     key, spec = make_spec(0)
@@ -68,3 +69,87 @@ def test_concurrent_identical_uploads_store_one_blob_row(store):
     assert digests == {hashlib.sha256(data).hexdigest()}
     with store.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(blobs)).scalar_one() == 1
+
+
+# ------------------------------------------------------------------ the blob store seam (plancache.store.blobs)
+
+
+def test_blob_store_contract(store):
+    """put/get/has/size/delete/get_many of the configured backend, under a catalog row as the store writes it."""
+    from plancache.store.content import insert_blob_row
+
+    data, bs = b"\x01blob bytes" * 500, store.blob_store
+    digest = hashlib.sha256(data).hexdigest()
+    with store.db.write() as conn:
+        insert_blob_row(conn, digest, len(data), store.db.now())
+        assert not bs.has(conn, digest) and bs.size(conn, digest) is None and bs.get(conn, digest) is None
+        with pytest.raises(errors.IntegrityError, match="hash"):
+            bs.put(conn, digest, data + b"!")
+        assert not bs.has(conn, digest)
+        bs.put(conn, digest, data)
+        bs.put(conn, digest, data)  # idempotent
+        assert bs.has(conn, digest) and bs.size(conn, digest) == len(data) and bs.get(conn, digest) == data
+        assert bs.get_many(conn, [digest, "0" * 64]) == {digest: data} and bs.get_many(conn, []) == {}
+        bs.delete(conn, digest)
+        bs.delete(conn, digest)
+        assert not bs.has(conn, digest) and bs.get(conn, digest) is None
+
+
+def test_file_blob_store_layout_and_atomic_writes(tmp_path):
+    from plancache.store.blobs import FileBlobs, open_blob_store
+
+    root = tmp_path / "shared volume"
+    bs = open_blob_store(root.as_uri())
+    assert isinstance(bs, FileBlobs) and bs.root == root and bs.url == root.as_uri()
+    data = b"plan" * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    bs.put(None, digest, data)  # the file backend needs no connection
+    path = root / digest[:2] / digest[2:4] / digest
+    assert path.read_bytes() == data and bs.local_file(digest) == path
+    assert [p for p in root.rglob("*") if p.is_file()] == [path], "no temporary file is left behind"
+    assert path.stat().st_mode & 0o777 == 0o644
+    path.write_bytes(data[:10])  # a damaged copy is rewritten whole
+    bs.put(None, digest, data)
+    assert bs.get(None, digest) == data
+    with pytest.raises(ValueError, match="sha256"):
+        bs.get(None, "../" + digest[3:])
+    for bad in ("file://relative/path", "s3://bucket/x", "file:///x?y=1", "databases"):
+        with pytest.raises(ValueError, match="file:///absolute/path"):
+            open_blob_store(bad)
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    from plancache.store import blobs as blobs_module
+
+    bs = blobs_module.FileBlobs(tmp_path)
+    data = b"never lands"
+    digest = hashlib.sha256(data).hexdigest()
+
+    def crash(*args: object) -> None:
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(blobs_module.os, "replace", crash)  # after the temporary file is written and synced
+    with pytest.raises(OSError, match="rename failed"):
+        bs.put(None, digest, data)
+    assert not bs.has(None, digest) and [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_store_refuses_the_wrong_blob_store(db_url, tmp_path, make_spec, make_plan, gpu_env):
+    from plancache.store import open_store
+
+    folder, elsewhere = (tmp_path / "blobs").as_uri(), (tmp_path / "unmounted").as_uri()
+    with open_store(db_url, create=True) as s:
+        s.put_blob(b"held in the database")
+    with pytest.raises(errors.BlobStoreMismatch, match="migrate-blobs"):
+        open_store(db_url, blob_store=folder)
+    with open_store(db_url, blob_store=folder, check_blobs=False) as s:
+        with s.db.write() as conn:
+            conn.execute(sa.update(blobs).values(data=b""))  # as if moved to a folder
+        key, spec = make_spec(0)
+        s.put_spec(key, spec)
+        s.publish_plan(*make_plan(key, gpu_env))
+    with pytest.raises(errors.BlobStoreMismatch, match="PLANCACHE_BLOB_STORE"):
+        open_store(db_url)
+    with pytest.raises(errors.BlobStoreMismatch, match="mounted"):
+        open_store(db_url, blob_store=elsewhere)
+    open_store(db_url, blob_store=folder).close()

@@ -241,7 +241,7 @@ def test_concurrent_claimers_claim_every_job_exactly_once(store, make_spec, gpu_
 
 
 def test_out_of_range_values_are_refused_clearly(store, key, gpu_env):
-    from plancache.store.db import InvalidValue
+    from plancache.errors import InvalidValue
 
     with pytest.raises(InvalidValue, match="priority"):
         store.enqueue(key, ANY, priority=2**40)

@@ -18,6 +18,7 @@ from plancache.protocol import TargetEnvironment
 from plancache.store import open_store
 from plancache.store.models import blobs, plans
 
+pytestmark = pytest.mark.both_blob_stores
 
 @pytest.fixture
 def key(store, make_spec):
@@ -67,7 +68,7 @@ def test_publish_is_idempotent_and_never_silently_overwrites(store, key, gpu_env
 def test_publish_checks_digest_size_and_spec(store, key, gpu_env, make_plan, make_spec):
     meta, blob = make_plan(key, gpu_env)
     with pytest.raises(errors.IntegrityError, match="sha256"):
-        store.publish_plan(meta, blob + b"!")
+        store.publish_plan(meta, blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(errors.IntegrityError, match="bytes"):
         store.publish_plan(meta.model_copy(update={"blob_size": len(blob) + 1}), blob)
     unknown, _ = make_spec(1)
@@ -106,7 +107,7 @@ def test_a_failure_inside_publish_leaves_nothing_half_written(store, key, gpu_en
     meta, blob = make_plan(key, gpu_env)
     with pytest.raises(RuntimeError):
         store.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
-    assert _rows(store, blobs) == 0 and _rows(store, plans) == 0
+    assert _rows(store, blobs) == 0 and _rows(store, plans) == 0 and store.get_blob(meta.blob_sha256) is None
     assert store.get_job(job.id) == lease
 
 
@@ -127,18 +128,19 @@ CRASHING_PUBLISHER = textwrap.dedent("""
 """)
 
 
-def test_a_process_killed_inside_publish_leaves_nothing_half_written(db_url, key, store, gpu_env, make_plan):
+def test_a_process_killed_inside_publish_leaves_nothing_half_written(db_url, blob_store_url, key, store, gpu_env,
+                                                                      make_plan):
     job, _ = store.enqueue(key, TargetEnvironment())
     lease = store.claim(gpu_env, "w1", lease_seconds=3600)
     meta, blob = make_plan(key, gpu_env, blob=b"plan-from-a-dying-worker")
     proc = subprocess.run(
         [sys.executable, "-c", CRASHING_PUBLISHER, db_url, meta.model_dump_json(), blob.decode(), str(job.id),
          str(lease.fencing_token)],
-        capture_output=True, text=True, timeout=120, env={**os.environ},
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PLANCACHE_BLOB_STORE": blob_store_url},
     )
     assert proc.returncode == 17, proc.stderr
-    with open_store(db_url) as fresh:
-        assert _rows(fresh, blobs) == 0 and _rows(fresh, plans) == 0
+    with open_store(db_url, blob_store=blob_store_url) as fresh:
+        assert _rows(fresh, blobs) == 0 and _rows(fresh, plans) == 0 and fresh.get_blob(meta.blob_sha256) is None
         assert fresh.get_job(job.id).status == "running"
         record = fresh.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
         assert record.job_id == job.id
@@ -242,7 +244,7 @@ def test_non_finite_candidate_figures_are_stored_as_null(store, key, gpu_env, ma
 
 
 def test_out_of_range_plan_fields_are_refused_clearly(store, key, gpu_env, make_plan):
-    from plancache.store.db import InvalidValue
+    from plancache.errors import InvalidValue
 
     with pytest.raises(ValidationError):  # the wire model refuses it first ...
         make_plan(key, gpu_env, engine_id=2**64)

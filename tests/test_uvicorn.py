@@ -3,8 +3,8 @@
 - ``plancache serve`` in a subprocess on a fresh SQLite file: the README's round trip (register a spec,
   enqueue, a worker claims and completes, a client resolves and fetches the blob), with the tokens
   kept out of its logs;
-- an in-process uvicorn on the ``store`` fixture (SQLite and Postgres): large blobs, concurrent
-  clients, and a streamed (chunked) body over the limit refused with 413.
+- an in-process uvicorn on the ``store`` fixture (SQLite and Postgres, database and file blob stores):
+  large blobs, concurrent clients, and a streamed (chunked) body over the limit refused with 413.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .server_util import ADMIN_TOKEN, bearer, upload_json
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "conv_bias_relu.json"
+pytestmark = pytest.mark.both_blob_stores
 START_TIMEOUT = 60.0
 
 

@@ -11,10 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from plancache.client.remote import Remote
+from plancache.http import Retry
 from plancache.protocol import PlanRecord, TargetEnvironment, TuneRequest
 from plancache.signing import TrustedKeys, keygen
 from plancache.spec import parse_spec
-from plancache.worker import JobClient
+from plancache.worker import JobsApi
 from tests.gpu_util import requires_gpu
 from tests.live_server import LiveServer
 
@@ -34,11 +36,11 @@ def test_real_worker_tunes_publishes_and_signs_the_seed_examples(tmp_path):
     env = detect(0)
     specs = {n: parse_spec((ROOT / "examples" / f"{n}.json").read_text()) for n in SEEDS}
     with LiveServer(tmp_path, lease_seconds=30) as srv:
-        with JobClient(srv.url, srv.admin_token) as admin:
+        with JobsApi.open(srv.url, srv.admin_token, retry=Retry(within=5)) as admin:
             for s in specs.values():
-                admin.register_spec(s.to_json(), retry_for=5)
+                Remote(admin.http).register_spec(s)
             jobs = admin.enqueue(TuneRequest(graph_keys=[s.graph_key for s in specs.values()],
-                                             targets=[TargetEnvironment.exactly(env)]), retry_for=5)
+                                             targets=[TargetEnvironment.exactly(env)]))
         assert len(jobs) == 3
         cmd = [sys.executable, "-m", "plancache", "worker", "--server", srv.url, "--token", srv.token("worker"),
                "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--worker-id", "gpu-test-worker",
@@ -51,7 +53,7 @@ def test_real_worker_tunes_publishes_and_signs_the_seed_examples(tmp_path):
 
         headers = {"Authorization": f"Bearer {srv.token('reader')}"}
         rows = []
-        with JobClient(srv.url, srv.admin_token) as admin:
+        with JobsApi.open(srv.url, srv.admin_token, retry=Retry(within=5)) as admin:
             for job in jobs:
                 done = admin.job(job.id)
                 assert (done.status, done.attempts) == ("succeeded", 1), (done, proc.stderr[-4000:])

@@ -19,12 +19,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from plancache.client.remote import Remote
 from plancache.environment import Environment
 from plancache.errors import TuningError
+from plancache.http import Backoff, Retry
 from plancache.protocol import Job, PlanRecord, TargetEnvironment, TuneRequest
 from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.spec import GraphSpec, parse_spec
-from plancache.worker import Backoff, JobClient, Spool, Worker, upload_tuned
+from plancache.worker import JobsApi, Spool, Worker, upload_tuned
 from tests.live_server import LiveServer
 from tests.worker_fakes import FAKE_ENV, FakeTuner, fake_blob
 
@@ -60,21 +62,21 @@ def srv(tmp_path: Path):
         yield server
 
 
-def admin(srv: LiveServer) -> JobClient:
-    return JobClient(srv.url, srv.admin_token, backoff=FAST)
+def admin(srv: LiveServer) -> JobsApi:
+    return JobsApi.open(srv.url, srv.admin_token, retry=Retry(FAST, within=5))
 
 
 def enqueue(srv: LiveServer, names: list[str], target: TargetEnvironment | None = None, **kw) -> list[Job]:
     with admin(srv) as c:
         for n in names:
-            c.register_spec(spec(n).to_json(), retry_for=5)
+            Remote(c.http).register_spec(spec(n))
         return c.enqueue(TuneRequest(graph_keys=[spec(n).graph_key for n in names],
-                                     targets=[target or TargetEnvironment()], **kw), retry_for=5)
+                                     targets=[target or TargetEnvironment()], **kw))
 
 
 def job(srv: LiveServer, job_id: int) -> Job:
     with admin(srv) as c:
-        return c.job(job_id, retry_for=5)
+        return c.job(job_id)
 
 
 def plan(srv: LiveServer, graph_key: str, env: Environment = FAKE_ENV) -> PlanRecord | None:
@@ -89,7 +91,7 @@ def plan(srv: LiveServer, graph_key: str, env: Environment = FAKE_ENV) -> PlanRe
 def make_worker(srv: LiveServer, tmp_path: Path, key: Path, tuner: FakeTuner, worker_id: str = "w-a",
                 **kw) -> Worker:
     kw.setdefault("poll_interval", 0.05)
-    return Worker(JobClient(srv.url, srv.token("worker"), backoff=FAST), tuner, Signer.from_file(key),
+    return Worker(JobsApi.open(srv.url, srv.token("worker"), retry=Retry(FAST)), tuner, Signer.from_file(key),
                   Spool(tmp_path / f"spool-{worker_id}"), worker_id=worker_id, **kw)
 
 
@@ -331,7 +333,7 @@ def test_enqueue_cli_registers_specs_and_queues_jobs_for_the_target(srv):
                                             "--sm", "90", "--cudnn-version", "91900", "--priority", "5"])
     assert res.exit_code == 0, res.output
     with admin(srv) as c:
-        jobs = c.request("GET", "/v1/jobs", retry_for=5).json()["jobs"]
+        jobs = c.http.request("GET", "/v1/jobs").json()["jobs"]
     assert sorted(j["graph_key"] for j in jobs) == sorted(spec(n).graph_key for n in SEEDS[:2])
     for j in map(Job.model_validate, jobs):
         assert j.priority == 5 and j.target == TargetEnvironment(sm=90, cudnn_version=91900)

@@ -1,10 +1,10 @@
-"""Worker pieces that need no server: backoff, error mapping and retries, the spool, lease arithmetic, CLI keygen."""
+"""Worker pieces that need no server: the job calls, the spool, lease arithmetic, CLI keygen (the HTTP layer under
+the job calls: tests/test_http.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -13,11 +13,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from plancache.errors import Conflict, LeaseLost, SpecError, Unauthorized
-from plancache.protocol import ClaimResponse, Job, TargetEnvironment
+from plancache.errors import LeaseLost, ServerUnavailable
+from plancache.http import Backoff, HttpClient, Retry
+from plancache.protocol import ClaimResponse, FailRequest, Job, LeaseRequest, TargetEnvironment
 from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.spec import parse_spec
-from plancache.worker import Backoff, JobClient, RequestRefused, ServerUnavailable, Spool, SpoolEntry
+from plancache.worker import JobsApi, Spool, SpoolEntry
 from plancache.worker.loop import lease_duration
 from tests.gpu_util import gpu_skip_reason
 from tests.worker_fakes import FAKE_ENV, FakeTuner
@@ -38,82 +39,31 @@ def example_spec(name: str = "conv_bias_relu"):
     return parse_spec((ROOT / "examples" / f"{name}.json").read_text())
 
 
-def test_backoff_grows_exponentially_with_jitter_and_is_capped():
-    b = Backoff(initial=0.1, factor=2.0, cap=1.0)
-    for attempt, ceiling in [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (50, 1.0), (10_000, 1.0)]:
-        delays = [b.delay(attempt) for _ in range(200)]
-        assert all(ceiling / 2 <= d <= ceiling for d in delays), (attempt, min(delays), max(delays))
-        assert len(set(delays)) > 1, "no jitter"
-
-
-def _client(handler, **kw) -> JobClient:
-    return JobClient("http://plancache.test", "tok", transport=httpx.MockTransport(handler),
-                     backoff=Backoff(initial=0.01, cap=0.02), **kw)
-
-
-def _error(status: int, code: str, message: str = "nope") -> httpx.Response:
-    return httpx.Response(status, json={"error": {"code": code, "message": message}})
-
-
-@pytest.mark.parametrize("status,code,cls", [(409, "lease_lost", LeaseLost), (409, "conflict", Conflict),
-                                             (401, "unauthorized", Unauthorized), (422, "invalid_spec", SpecError)])
-def test_error_bodies_map_to_domain_errors_without_retrying(status, code, cls):
-    calls = []
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        calls.append(req)
-        return _error(status, code, "detail here")
-
-    with pytest.raises(cls, match="detail here"):
-        _client(handler).request("POST", "/v1/x", body={}, retry_for=5)
-    assert len(calls) == 1
-    assert calls[0].headers["authorization"] == "Bearer tok"
-
-
-def test_unknown_error_code_and_non_json_body_are_kept():
-    with pytest.raises(RequestRefused) as exc:
-        _client(lambda r: _error(418, "teapot")).request("GET", "/x")
-    assert exc.value.code == "teapot" and exc.value.http_status == 418
-    with pytest.raises(RequestRefused, match="http_400"):
-        _client(lambda r: httpx.Response(400, text="plain")).request("GET", "/x")
-
-
-def test_transient_failures_are_retried_until_success():
-    answers = iter([httpx.ConnectError("refused"), httpx.Response(503), httpx.ReadTimeout("slow"),
-                    httpx.Response(200, json={"ok": True})])
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        a = next(answers)
-        if isinstance(a, Exception):
-            raise a
-        return a
-
-    assert _client(handler).request("GET", "/x", retry_for=10).json() == {"ok": True}
-
-
-def test_retrying_stops_at_the_deadline_and_on_stop():
-    def down(req: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
-
-    t0 = time.monotonic()
-    with pytest.raises(ServerUnavailable, match="connection refused"):
-        _client(down).request("GET", "/x", retry_for=0.3)
-    assert 0.25 <= time.monotonic() - t0 < 2
-    client = _client(down)
-    client.stop.set()
-    t0 = time.monotonic()
-    with pytest.raises(ServerUnavailable):
-        client.request("GET", "/x")  # retry_for=None would retry forever, but stop is set
-    assert time.monotonic() - t0 < 0.5
+def _jobs(handler) -> JobsApi:
+    retry = Retry(Backoff(initial=0.01, cap=0.02), within=5)
+    return JobsApi(HttpClient("http://plancache.test", "tok", policies=[retry], transport=httpx.MockTransport(handler)))
 
 
 def test_claim_204_is_none():
-    assert _client(lambda r: httpx.Response(204)).claim(FAKE_ENV, "w1") is None
+    assert _jobs(lambda r: httpx.Response(204)).claim(FAKE_ENV, "w1") is None
 
 
-def test_bad_server_url_is_refused():
-    with pytest.raises(ValueError, match="http"):
-        JobClient("localhost:8000", None)
+def test_a_lease_lost_answer_is_raised_as_lease_lost():
+    answer = httpx.Response(409, json={"error": {"code": "lease_lost", "message": "fenced by token 2"}})
+    with pytest.raises(LeaseLost, match="fenced by token 2"):
+        _jobs(lambda r: answer).fail(1, FailRequest(worker_id="w1", lease_token=1, error="x", retryable=True))
+
+
+def test_a_heartbeat_is_one_attempt():
+    calls = []
+
+    def down(req: httpx.Request) -> httpx.Response:
+        calls.append(req)
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(ServerUnavailable, match="connection refused"):
+        _jobs(down).heartbeat(3, LeaseRequest(worker_id="w1", lease_token=1), timeout=0.5)
+    assert len(calls) == 1 and calls[0].url.path == "/v1/jobs/3/heartbeat"
 
 
 def _entry(tmp_path: Path, job_id: int = 3) -> SpoolEntry:

@@ -99,7 +99,7 @@ def fake_blob(graph_key: str, size: int = 4096) -> bytes:
 
 def main() -> None:
     from plancache.signing import Signer
-    from plancache.worker import JobClient, Spool, Worker, stop_on_signals
+    from plancache.worker import JobsApi, Spool, Worker, stop_on_signals
 
     p = argparse.ArgumentParser(description="run a real Worker whose GPU step is the FakeTuner test double")
     p.add_argument("--server", required=True)
@@ -115,7 +115,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     stop_on_signals(stop)
-    with JobClient(args.server, args.token) as client:
+    with JobsApi.open(args.server, args.token) as client:
         worker = Worker(client, FakeTuner(tune_seconds=args.tune_seconds), Signer.from_file(args.signing_key),
                         Spool(args.spool_dir), worker_id=args.worker_id, poll_interval=args.poll_interval,
                         once=args.once, shutdown_grace=args.shutdown_grace)

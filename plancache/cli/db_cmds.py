@@ -1,4 +1,5 @@
-"""``plancache db upgrade``, ``plancache token create|revoke|list`` and ``plancache plans list``: the store's CLI."""
+"""``plancache db upgrade|migrate-blobs``, ``plancache token create|revoke|list`` and ``plancache plans list``:
+the store's CLI. The blob store is ``PLANCACHE_BLOB_STORE``'s."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _url_option() -> Any:
 
 
 @contextlib.contextmanager
-def _open(url: str | None, *, create: bool = False) -> Iterator["Store"]:
+def _open(url: str | None, *, create: bool = False, check_blobs: bool = True) -> Iterator["Store"]:
     """The store at ``url`` (or the configured one); store and database errors end the command with exit code 1."""
     import sqlalchemy as sa
 
@@ -38,7 +39,7 @@ def _open(url: str | None, *, create: bool = False) -> Iterator["Store"]:
     from ..store import open_store
 
     try:
-        with open_store(url or get_settings().database_url, create=create) as store:
+        with open_store(url or get_settings().database_url, create=create, check_blobs=check_blobs) as store:
             yield store
     except (PlanCacheError, ValueError, sa.exc.SQLAlchemyError) as exc:
         detail = getattr(exc, "orig", None) or getattr(exc, "message", None) or exc  # the driver's words, not SQLAlchemy's wrapper
@@ -52,6 +53,26 @@ def db_upgrade(database_url: Optional[str] = _url_option()) -> None:
     with _open(database_url, create=True) as store:
         where = store.db.url.render_as_string(hide_password=True)
         typer.echo(f"{where}: schema at revision {store.db.current_revision()} (head)")
+
+
+@db_app.command("migrate-blobs")
+def db_migrate_blobs(target: str = typer.Argument(..., help="the folder to move them to, as file:///absolute/path"),
+                     database_url: Optional[str] = _url_option()) -> None:
+    """Move the blob bytes held in the database to a file blob store (stop the servers first), all in one
+    transaction; then set PLANCACHE_BLOB_STORE to TARGET everywhere. Safe to run again."""
+    from ..store.blobs import migrate_blobs, open_blob_store
+
+    try:
+        blob_store = open_blob_store(target)
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="TARGET") from None
+    with _open(database_url, check_blobs=False) as store:
+        try:
+            moved, size = migrate_blobs(store.db, blob_store)
+        except OSError as exc:
+            typer.echo(f"error: {exc} (nothing was moved)", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(f"moved {moved} blobs ({size} bytes) to {blob_store.url}; set PLANCACHE_BLOB_STORE={blob_store.url}")
 
 
 @token_app.command("create")

@@ -30,7 +30,7 @@ def worker(
     import threading
 
     from ..signing import Signer
-    from ..worker import GpuTuner, JobClient, Spool, Worker, default_worker_id, stop_on_signals
+    from ..worker import GpuTuner, JobsApi, Spool, Worker, default_worker_id, stop_on_signals
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if signing_key is None:
@@ -39,7 +39,7 @@ def worker(
     settings = get_settings()
     try:
         signer = Signer.from_file(signing_key)
-        client = JobClient(server, token, connect_timeout=settings.connect_timeout)
+        client = JobsApi.open(server, token)
     except (OSError, PlanCacheError, ValueError) as exc:
         typer.echo(f"error: {getattr(exc, 'message', exc)}", err=True)
         raise typer.Exit(2) from None
@@ -73,8 +73,10 @@ def enqueue(
     (a field left out matches any environment)."""
     from pydantic import ValidationError
 
+    from ..client.remote import Remote
+    from ..http import Retry
     from ..protocol import TargetEnvironment, TuneRequest
-    from ..worker import JobClient
+    from ..worker import JobsApi
     from .spec_cmds import load_spec_file
 
     specs = [(p, load_spec_file(p)) for p in files]
@@ -84,14 +86,14 @@ def enqueue(
     except ValidationError as exc:
         raise typer.BadParameter(str(exc.errors()[0]["msg"])) from None
     try:
-        with JobClient(server, token) as client:
+        with JobsApi.open(server, token, retry=Retry(within=10)) as api:
             for path, spec in specs:
-                created = client.register_spec(spec.to_json(), retry_for=10)
-                if created.graph_key != spec.graph_key:
-                    raise typer.BadParameter(f"{path}: server computed key {created.graph_key}, "
+                key = Remote(api.http).register_spec(spec)
+                if key != spec.graph_key:
+                    raise typer.BadParameter(f"{path}: server computed key {key}, "
                                              f"this client {spec.graph_key}; versions differ?")
-            jobs = client.enqueue(TuneRequest(graph_keys=[s.graph_key for _, s in specs], targets=[target],
-                                              priority=priority), retry_for=10)
+            jobs = api.enqueue(TuneRequest(graph_keys=[s.graph_key for _, s in specs], targets=[target],
+                                           priority=priority))
     except (PlanCacheError, ValueError) as exc:
         typer.echo(f"error: {getattr(exc, 'message', exc)}", err=True)
         raise typer.Exit(1) from None

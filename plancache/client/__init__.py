@@ -13,14 +13,15 @@ Importing this package needs neither torch, cudnn nor the server stack; the defa
 imports torch and nvidia-cudnn-frontend when a :class:`PlanCache` is created without a backend.
 """
 
+from ..verify import REASONS, verify_blob
 from .backend import Backend, GpuBackend
 from .cache import DiskCache
-from .core import MODES, ClientStats, PlanCache, family_key
+from .core import LADDER, MODES, Builds, ClientConfig, ClientStats, Pending, PlanCache, Step, StepName, family_key
 from .plan import Plan
-from .remote import Remote, RemoteRefused, RemoteUnavailable
-from .verify import REASONS, check_record, verify_blob
+from .remote import Remote
 
 __all__ = [
-    "MODES", "REASONS", "Backend", "ClientStats", "DiskCache", "GpuBackend", "Plan", "PlanCache", "Remote",
-    "RemoteRefused", "RemoteUnavailable", "check_record", "family_key", "verify_blob",
+    "LADDER", "MODES", "REASONS", "Backend", "Builds", "ClientConfig", "ClientStats", "DiskCache", "GpuBackend",
+    "Pending", "Plan", "PlanCache", "Remote", "Step", "StepName",
+    "family_key", "verify_blob",
 ]

@@ -4,7 +4,22 @@ Layout: ``<cache_dir>/<env_id>/<graph_key>.json`` (the plan record) and
 ``<cache_dir>/<env_id>/<sha256>.blob`` (the blob). Every file is written to a temporary file in
 the same folder and moved into place with ``os.replace``, so readers see a whole file or none;
 no fsync: a file damaged by a crash fails verification on its next read and is dropped.
-Nothing read from here is trusted: the client verifies every entry exactly like a network blob.
+Nothing read from here is trusted: the client verifies every entry exactly like a network blob,
+and writes only plans whose signature it verified.
+
+Housekeeping, safe with other processes sharing the folder (each of them may evict or drop; a reader
+that loses a file to another process just misses, and the plan comes from the next rung):
+
+- **Size cap, least recently used first** (``max_bytes``, ``PLANCACHE_CACHE_MAX_BYTES``, 0: none): a hit
+  sets the modification time of its record and blob to now, so file times order entries by last use.
+  Each process counts what it writes; when its count passes the cap it scans the environment folders and
+  deletes the least recently used files until the whole cache is at 90 % of the cap (the cap is exceeded
+  between scans by at most what other processes wrote since their last scan).
+- **Environments this host no longer has** (``max_age_days``, ``PLANCACHE_CACHE_MAX_AGE_DAYS``, 0: never):
+  :meth:`DiskCache.sweep` (run when a :class:`~plancache.client.PlanCache` opens the cache) marks the
+  current environment's folder used (the time of its ``.used`` file, also set by every write) and deletes
+  every other environment folder (a name of 32 hex characters; nothing else under the root is touched)
+  unused for that many days — e.g. the folder of the cuDNN or driver version before an upgrade.
 """
 
 from __future__ import annotations
@@ -12,7 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,6 +42,13 @@ from ..protocol import PlanRecord
 log = logging.getLogger("plancache.client")
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_ENV_DIR = re.compile(r"^[0-9a-f]{32}$")
+#: In an environment folder: its modification time is when a process last opened or wrote the folder.
+USED_MARKER = ".used"
+#: A scan over the cap deletes down to this share of it, so the next scan is some writes away.
+LOW_WATER = 0.9
+#: A temporary file older than this is a crashed writer's, and is deleted by a scan.
+STALE_TEMP_SECONDS = 3600.0
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -40,11 +65,31 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-class DiskCache:
-    """Plan records and blobs for one environment under ``root``."""
+def _unlink(path: Path) -> int:
+    """Delete ``path``; its size when this call deleted it, else 0 (another process was first)."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("plan cache: cannot remove %s: %s", path, exc)
+        return 0
+    return size
 
-    def __init__(self, root: Path | str, environment: Environment) -> None:
-        self.dir = Path(root) / environment.env_id
+
+class DiskCache:
+    """Plan records and blobs for one environment under ``root``; see the module docstring for the size cap
+    (``max_bytes``, 0 or None: none) and the folders of other environments (``max_age_days``)."""
+
+    def __init__(self, root: Path | str, environment: Environment, *, max_bytes: int | None = None,
+                 max_age_days: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.root = Path(root)
+        self.dir = self.root / environment.env_id
+        self.max_bytes = max_bytes or None
+        self.max_age_days = max_age_days or None
+        self._clock = clock
+        self._estimate: int | None = None  # bytes under root as of this process's last scan, plus its writes
 
     def _record_path(self, graph_key: str) -> Path:
         if not _HEX64.match(graph_key):
@@ -55,11 +100,13 @@ class DiskCache:
         return self.dir / f"{sha256}.blob"  # PlanRecord validated the pattern: no path tricks
 
     def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
-        """The stored record and blob for ``graph_key``, unverified; ``None`` when there is no whole entry.
+        """The stored record and blob for ``graph_key``, unverified; ``None`` when there is no whole entry
+        (one deleted under us by another process is a miss). Marks the entry used (see the size cap).
 
         Raises :class:`VerificationError` (reason ``malformed``) for a record file that does not parse."""
+        path = self._record_path(graph_key)
         try:
-            text = self._record_path(graph_key).read_bytes()
+            text = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -70,32 +117,140 @@ class DiskCache:
         except ValidationError as exc:
             raise VerificationError("malformed", f"cached record {graph_key[:12]} does not parse: "
                                                  f"{exc.errors()[0].get('msg', exc)}") from None
+        blob_path = self._blob_path(record.blob_sha256)
         try:
-            blob = self._blob_path(record.blob_sha256).read_bytes()
+            blob = blob_path.read_bytes()
+        except FileNotFoundError:
+            log.debug("plan cache: the blob of %s is gone (evicted); a miss", graph_key[:12])
+            return None
         except OSError as exc:
             log.warning("plan cache: cannot read the blob of %s (%s); ignoring the entry", graph_key[:12], exc)
             return None
+        self._touch(blob_path, path)
         return record, blob
 
+    def _touch(self, *paths: Path) -> None:
+        """Mark files used now (least recently used eviction); a read-only cache stays as it is."""
+        for path in paths:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
     def save(self, record: PlanRecord, blob: bytes) -> bool:
-        """Store a verified plan (blob first, then the record that points at it). Returns ``False``,
-        after logging why, when the folder cannot be written: the cache is an optimisation."""
+        """Store a plan (blob first, then the record that points at it), then keep the cache under its cap.
+        Returns ``False``, after logging why, when the folder cannot be written: the cache is an optimisation.
+        The caller stores only plans whose signature it verified."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            record_json = record.model_dump_json().encode()
             _write_atomic(self._blob_path(record.blob_sha256), blob)
-            _write_atomic(self._record_path(record.graph_key), record.model_dump_json().encode())
+            _write_atomic(self._record_path(record.graph_key), record_json)
+            self._mark_used()
         except OSError as exc:
             log.warning("plan cache: cannot write %s: %s", self.dir, exc)
             return False
+        if self.max_bytes is not None:
+            if self._estimate is None:
+                self._estimate = self.size()
+            else:
+                self._estimate += len(blob) + len(record_json)
+            if self._estimate > self.max_bytes:
+                self.evict()
         return True
 
     def discard(self, graph_key: str, sha256: str | None = None) -> None:
         """Remove the record of ``graph_key`` and, when given, the blob ``sha256``."""
-        paths = [self._record_path(graph_key)] + ([self._blob_path(sha256)] if sha256 else [])
-        for path in paths:
+        _unlink(self._record_path(graph_key))
+        if sha256:
+            _unlink(self._blob_path(sha256))
+
+    # ------------------------------------------------------------ housekeeping
+
+    def _mark_used(self) -> None:
+        marker = self.dir / USED_MARKER
+        try:
+            os.utime(marker)
+        except FileNotFoundError:
+            marker.touch()
+
+    @staticmethod
+    def _last_used(folder: Path) -> float:
+        try:
+            return (folder / USED_MARKER).stat().st_mtime
+        except FileNotFoundError:
+            return folder.stat().st_mtime
+
+    def _env_dirs(self) -> list[Path]:
+        try:
+            return [p for p in self.root.iterdir() if _ENV_DIR.match(p.name) and p.is_dir() and not p.is_symlink()]
+        except OSError:
+            return []
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """``(last use, size, path)`` of every entry file under root; crashed writers' temporary files are deleted."""
+        now, files = self._clock(), []
+        for folder in self._env_dirs():
             try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("plan cache: cannot remove %s: %s", path, exc)
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # deleted meanwhile
+                path = Path(entry.path)
+                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                        _unlink(path)
+                elif entry.name.endswith((".json", ".blob")) and entry.is_file(follow_symlinks=False):
+                    files.append((st.st_mtime, st.st_size, path))
+        return files
+
+    def size(self) -> int:
+        """Bytes of plan files under root (every environment)."""
+        return sum(size for _, size, _ in self._files())
+
+    def evict(self) -> int:
+        """Delete the least recently used files until the cache is at :data:`LOW_WATER` of ``max_bytes``;
+        returns the bytes this call deleted."""
+        if self.max_bytes is None:
+            return 0
+        files = sorted(self._files(), key=lambda f: (f[0], f[2].suffix != ".json"))  # a record before its blob
+        total = sum(size for _, size, _ in files)
+        target, freed = int(self.max_bytes * LOW_WATER), 0
+        for _, size, path in files:
+            if total - freed <= target:
+                break
+            freed += _unlink(path) or size  # deleted by another process meanwhile: gone all the same
+        self._estimate = total - freed
+        if freed:
+            log.info("plan cache: evicted %d bytes of least recently used plans (cap %d bytes)", freed, self.max_bytes)
+        return freed
+
+    def sweep(self) -> list[Path]:
+        """On opening the cache: mark this environment's folder used, and delete the folders of other
+        environments unused for ``max_age_days``. Returns the folders deleted."""
+        if self.dir.is_dir():
+            try:
+                self._mark_used()
+            except OSError:
+                pass  # a read-only cache
+        if self.max_age_days is None:
+            return []
+        oldest = self._clock() - self.max_age_days * 86400.0
+        dropped = []
+        for folder in self._env_dirs():
+            if folder.name == self.dir.name:
+                continue
+            try:
+                if self._last_used(folder) >= oldest:
+                    continue
+            except OSError:
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                dropped.append(folder)
+                log.info("plan cache: dropped %s, an environment unused for over %g days", folder, self.max_age_days)
+        return dropped

@@ -1,15 +1,18 @@
 """``PlanCache``: ready plans for this GPU, through a counted fallback ladder.
 
-For every graph the ladder tries, in order: memory → the local disk cache → the server
-(``POST /v1/plans/resolve``) → a rebuild of the tuned record's ``(engine_id, knobs)`` →
-a local heuristic build. A blob from disk or server is verified first (size → sha256 →
-signature → graph key → environment, see :mod:`plancache.client.verify`) and only then
-deserialized; a rejected blob is counted by reason and the ladder goes on. Modes:
+The ladder is a list of :class:`Step` objects (:data:`LADDER`), tried in order for a whole batch of loads:
+memory → the local disk cache → the server (one ``POST /v1/plans/resolve`` for the batch) → a rebuild of the
+tuned record's ``(engine_id, knobs)`` → a local heuristic build. A blob from disk or server is verified first
+(size → sha256 → signature → graph key → environment, see :mod:`plancache.verify`) and only then
+deserialized; a rejected blob is counted by reason and the ladder goes on. A mode is the kinds of step it
+allows (:data:`MODE_STEPS`, by :class:`Builds`):
 
 - ``normal``: the whole ladder; a plan is always returned (unless the local build itself fails).
 - ``strict``: tuned plans only — a verified blob, or the rebuild of an authentic tuned record whose
   blob bytes were damaged; never a heuristic build. Otherwise :class:`~plancache.errors.PlanMiss`.
 - ``replay_only``: never builds anything: verified blobs only, :class:`~plancache.errors.PlanMiss` otherwise.
+
+A new step is one :class:`Step` subclass and one entry in :data:`LADDER` (or in ``ClientConfig.steps``).
 
 A shape family (the same graph with other dims) shares one cuDNN kernel cache, so the heuristic
 build of a further shape of a family reuses the kernels compiled for the first.
@@ -25,8 +28,10 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,25 +39,23 @@ import httpx
 
 from .. import SPEC_SCHEMA_VERSION
 from ..environment import Environment
-from ..errors import PlanMiss, VerificationError
+from ..errors import PlanCacheError, PlanMiss, ServerUnavailable, VerificationError
+from ..http import CircuitBreaker, HttpClient
 from ..protocol import PlanRecord, ResolvedPlan, b64decode
 from ..settings import Settings, get_settings
 from ..signing import TrustedKeys
 from ..spec import GraphSpec, canonical_json, from_pygraph, graph_key, is_pygraph, parse_spec
+from ..verify import verify_blob
 from .backend import Backend, BuiltPlanLike
 from .cache import DiskCache
 from .plan import Plan
-from .remote import Remote, RemoteRefused, RemoteUnavailable
-from .verify import check_record, verify_blob
+from .remote import Remote
 
 log = logging.getLogger("plancache.client")
 
 Mode = Literal["normal", "strict", "replay_only"]
-MODES: tuple[str, ...] = ("normal", "strict", "replay_only")
 #: A spec (model, dict or JSON text) or a caller's ``cudnn.pygraph``.
 SpecLike = Any
-# A load request: (graph key, spec, the caller's pygraph or None).
-_Item = tuple[str, GraphSpec, Any]
 
 
 def family_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
@@ -67,12 +70,361 @@ def family_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _bump(counter: dict[str, int], key: str, n: int = 1) -> None:
+    counter[key] = counter.get(key, 0) + n
+
+
+# ------------------------------------------------------------ the ladder's steps
+
+
+class StepName(StrEnum):
+    """The built-in steps: keys of ``stats().hits`` / ``fallbacks`` and values of ``Plan.source``."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+    SERVER = "server"
+    REBUILD = "rebuild"
+    HEURISTIC = "heuristic"
+
+
+class Builds(Enum):
+    """What a step builds; a mode allows some of these (:data:`MODE_STEPS`)."""
+
+    NOTHING = "nothing"            # serves a loaded plan or a verified tuned blob; any other plan is a miss
+    TUNED_CONFIG = "tuned_config"  # builds the (engine_id, knobs) of an authentic tuned record
+    HEURISTIC = "heuristic"        # builds from cuDNN's heuristics
+
+
+#: The kinds of steps each mode allows.
+MODE_STEPS: dict[Mode, frozenset[Builds]] = {
+    "normal": frozenset(Builds),
+    "strict": frozenset({Builds.NOTHING, Builds.TUNED_CONFIG}),
+    "replay_only": frozenset({Builds.NOTHING}),
+}
+MODES: tuple[str, ...] = tuple(MODE_STEPS)
+
+
+@dataclass(eq=False)
+class Pending:
+    """One load on its way down the ladder (hashed by identity)."""
+
+    key: str
+    spec: GraphSpec
+    graph: Any  # the caller's pygraph, or None
+    trail: list[str] = field(default_factory=list)  # why each step passed it on, for PlanMiss
+    record: PlanRecord | None = None  # an authentic tuned record whose blob could not be used
+
+    def note(self, step: str, what: str) -> None:
+        self.trail.append(f"{step}: {what}")
+
+
+class Step(ABC):
+    """One rung of the ladder, made per cache as ``step(cache)``. :meth:`resolve` gets the loads still pending,
+    in order, and returns the plans it found; for a load it passes on it notes why (:meth:`Pending.note`) and may
+    leave an authentic record for a later step (:meth:`learn`)."""
+
+    name: str  # key of stats().hits and fallbacks, Plan.source, prefix of its PlanMiss notes
+    builds: Builds
+    counts_fallbacks = True  # a load it passes on counts in stats().fallbacks[name]
+
+    def __init__(self, cache: PlanCache) -> None:
+        self.cache = cache
+
+    @abstractmethod
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        """The plans found for loads of ``batch``."""
+
+    def wrap(self, p: Pending, built: BuiltPlanLike) -> Plan:
+        """``built`` as a :class:`Plan` from this step."""
+        c = self.cache
+        return Plan(p.spec, p.key, built, c._backend, source=str(self.name), lock=c._handle_lock)
+
+    def reject(self, p: Pending, reason: str, message: str) -> None:
+        """Count, note and log a refused blob."""
+        _bump(self.cache._stats.rejects, reason)
+        p.note(self.name, f"rejected ({reason})")
+        log.warning("plancache: rejected the %s plan %s (%s): %s", self.name, p.key[:12], reason, message)
+
+    def learn(self, p: Pending, record: PlanRecord) -> None:
+        """Keep ``record`` for the rebuild step when it is authentic, whatever its blob."""
+        if self.cache._authentic(record, p.key):
+            p.record = record
+
+    def admit(self, p: Pending, record: PlanRecord, blob: bytes) -> Plan | None:
+        """Verify, then deserialize; None when refused (counted, and an authentic record is learned)."""
+        c = self.cache
+        try:
+            c._verify(record, blob, p.key)
+        except VerificationError as exc:
+            self.reject(p, exc.reason, exc.message)
+            if exc.reason in ("size", "sha256"):
+                self.learn(p, record)
+            return None
+        t0 = time.perf_counter()
+        try:
+            built = c._deserialize(p, record, blob)
+        except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
+            self.reject(p, "deserialize", f"{type(exc).__name__}: {exc}")
+            p.record = record
+            return None
+        finally:
+            c._stats.deserialize_seconds += time.perf_counter() - t0
+        c._verified[p.key] = (record, blob)
+        return self.wrap(p, built)
+
+
+class MemoryStep(Step):
+    """Plans this cache already loaded; for a caller's graph, the blob admitted earlier, loaded into it."""
+
+    name = StepName.MEMORY
+    builds = Builds.NOTHING
+    counts_fallbacks = False
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        c = self.cache
+        found: dict[Pending, Plan] = {}
+        for p in batch:
+            if p.graph is None:
+                if (plan := c._memory.get(p.key)) is not None:
+                    found[p] = plan
+            elif (held := c._verified.get(p.key)) is not None:
+                found[p] = self.wrap(p, c._deserialize(p, *held))
+        return found
+
+
+class DiskStep(Step):
+    """The local disk cache; an entry is verified like a server blob, and a bad one is dropped."""
+
+    name = StepName.DISK
+    builds = Builds.NOTHING
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        disk = self.cache.disk
+        found: dict[Pending, Plan] = {}
+        for p in batch:
+            try:
+                entry = disk.load(p.key)
+            except VerificationError as exc:
+                self.reject(p, exc.reason, exc.message)
+                disk.discard(p.key)
+                continue
+            if entry is None:
+                p.note(self.name, "no entry")
+                continue
+            record, blob = entry
+            if (plan := self.admit(p, record, blob)) is not None:
+                found[p] = plan
+            else:
+                disk.discard(p.key, record.blob_sha256)
+        return found
+
+
+class ServerStep(Step):
+    """One resolve round trip for the batch, blobs inline (or fetched by digest); a verified blob is saved to
+    disk. The specs of the keys the server misses are registered once per process, so an admin can tune them."""
+
+    name = StepName.SERVER
+    builds = Builds.NOTHING
+
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__(cache)
+        self.counts_fallbacks = cache._remote is not None
+        self._reported: set[str] = set()
+        self._may_register = True
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        if self.cache._remote is None:
+            for p in batch:
+                p.note(self.name, "none configured")
+            return {}
+        answers = self._ask({p.key: p.spec for p in batch})
+        found: dict[Pending, Plan] = {}
+        for p in batch:
+            if answers is None:
+                p.note(self.name, "unavailable")
+            elif p.key not in answers:
+                p.note(self.name, "no plan for this environment")
+            elif (plan := self._take(p, answers[p.key])) is not None:
+                found[p] = plan
+        return found
+
+    def _take(self, p: Pending, answer: ResolvedPlan) -> Plan | None:
+        record = answer.record
+        try:
+            blob = b64decode(answer.blob_b64) if answer.blob_b64 is not None else self._fetch_blob(record.blob_sha256)
+        except ValueError as exc:
+            self.reject(p, "malformed", str(exc))
+            self.learn(p, record)
+            return None
+        if blob is None:
+            p.note(self.name, "blob unavailable")
+            self.learn(p, record)
+            return None
+        plan = self.admit(p, record, blob)
+        if plan is not None:
+            self.cache.disk.save(record, blob)
+        return plan
+
+    def _remote(self) -> Remote:
+        assert self.cache._remote is not None
+        return self.cache._remote
+
+    def _fetch_blob(self, sha256: str) -> bytes | None:
+        try:
+            return self._remote().fetch_blob(sha256)
+        except PlanCacheError as exc:
+            self._count_failure(exc)
+            return None
+
+    def _count_failure(self, exc: PlanCacheError) -> None:
+        stats = self.cache._stats
+        if isinstance(exc, ServerUnavailable) and exc.skipped:
+            stats.remote_skipped += 1
+        else:
+            stats.remote_errors += 1
+            log.warning("plancache: %s", exc.message)
+
+    def _ask(self, specs: dict[str, GraphSpec]) -> dict[str, ResolvedPlan] | None:
+        """One resolve for all keys of ``specs``; registers the specs of missing keys. None: no answer."""
+        try:
+            resp = self._remote().resolve(self.cache.environment, list(specs), include_blobs=True)
+        except PlanCacheError as exc:
+            self._count_failure(exc)
+            return None
+        for key in resp.missing:
+            if key in specs:
+                self._report_miss(key, specs[key])
+        return resp.plans
+
+    def _report_miss(self, key: str, spec: GraphSpec) -> None:
+        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it."""
+        if key in self._reported or not self._may_register:
+            return
+        self._reported.add(key)
+        try:
+            self._remote().register_spec(spec)
+        except ServerUnavailable as exc:
+            self._count_failure(exc)
+        except PlanCacheError as exc:
+            if exc.http_status in (401, 403):
+                self._may_register = False
+                log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
+                         exc.message)
+            else:
+                log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
+
+
+class RebuildStep(Step):
+    """The ``(engine_id, knobs)`` of an authentic tuned record whose blob could not be used, built here."""
+
+    name = StepName.REBUILD
+    builds = Builds.TUNED_CONFIG
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        found: dict[Pending, Plan] = {}
+        for p in batch:
+            if p.record is None:
+                p.note(self.name, "no authentic tuned record")
+            elif (plan := self._rebuild(p, p.record)) is not None:
+                found[p] = plan
+        return found
+
+    def _rebuild(self, p: Pending, record: PlanRecord) -> Plan | None:
+        c, t0 = self.cache, time.perf_counter()
+        try:
+            with c._handle_lock:
+                built = c._backend.build_engine_config(p.spec, record.engine_id, record.knobs, graph=p.graph)
+        except Exception as exc:  # noqa: BLE001 - the recorded config may not build here; the next rung decides
+            p.note(self.name, f"engine {record.engine_id} failed ({type(exc).__name__})")
+            log.warning("plancache: rebuilding engine %s of %s failed: %s", record.engine_id, p.key[:12], exc)
+            return None
+        finally:
+            c._stats.build_seconds += time.perf_counter() - t0
+        return self.wrap(p, built)
+
+
+class HeuristicStep(Step):
+    """A local heuristic build, sharing the kernel cache of the spec's shape family (a caller's own graph is
+    built as it was made). Never passes a load on: a failing build raises."""
+
+    name = StepName.HEURISTIC
+    builds = Builds.HEURISTIC
+
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__(cache)
+        self.kernel_caches: dict[str, Any] = {}
+        self.static_families: set[str] = set()  # families whose dynamic-shape build failed
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        return {p: self._build(p) for p in batch}
+
+    def _build(self, p: Pending) -> Plan:
+        c, family = self.cache, family_key(p.spec)
+        t0 = time.perf_counter()
+        try:
+            with c._handle_lock:
+                if p.graph is not None:
+                    return self.wrap(p, c._backend.build_heuristic(p.spec, None, graph=p.graph))
+                if family not in self.static_families:
+                    try:
+                        kc = self.kernel_caches.get(family)
+                        if kc is None:
+                            kc = self.kernel_caches[family] = c._backend.create_kernel_cache()
+                        return self.wrap(p, c._backend.build_heuristic(p.spec, kc))
+                    except Exception as exc:  # noqa: BLE001 - dynamic shapes unsupported for this graph
+                        log.info("plancache: dynamic-shape build of %s failed (%s: %s); building its family statically",
+                                 p.key[:12], type(exc).__name__, exc)
+                        self.static_families.add(family)
+                        self.kernel_caches.pop(family, None)
+                return self.wrap(p, c._backend.build_heuristic(p.spec, None))
+        finally:
+            c._stats.build_seconds += time.perf_counter() - t0
+
+
+StepFactory = Callable[["PlanCache"], Step]
+#: The ladder, in order; a mode keeps the steps it allows.
+LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, ServerStep, RebuildStep, HeuristicStep)
+
+
+# ------------------------------------------------------------ the client
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Options of a :class:`PlanCache`. ``None`` takes the setting (read when the cache is made, from
+    ``settings`` or the environment): ``server_url`` ``PLANCACHE_SERVER_URL`` (``""``: no server, disk cache
+    and local builds only), ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS``,
+    ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout`` ``PLANCACHE_CONNECT_TIMEOUT``/
+    ``READ_TIMEOUT``. After a server failure the server is not asked again for ``cooldown`` seconds.
+    ``backend`` defaults to :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``;
+    ``environment`` to the backend's fingerprint. ``steps``: the ladder, before the mode filters it."""
+
+    server_url: str | None = None
+    token: str | None = field(default=None, repr=False)
+    trusted_keys: TrustedKeys | str | Iterable[str | Path] | None = None
+    cache_dir: Path | str | None = None
+    mode: Mode = "normal"
+    cooldown: float = 30.0
+    connect_timeout: float | None = None
+    read_timeout: float | None = None
+    environment: Environment | None = None
+    backend: Backend | None = None
+    device: int = 0
+    settings: Settings | None = None
+    transport: httpx.BaseTransport | None = None
+    steps: tuple[StepFactory, ...] = LADDER
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+
+
 @dataclass
 class ClientStats:
-    """What the ladder did. ``hits[source]``: plans returned by source (``memory``, ``disk``, ``server``,
+    """What the ladder did. ``hits[step]``: plans returned by step (``memory``, ``disk``, ``server``,
     ``rebuild``, ``heuristic``). ``misses``: loads that found no verified tuned blob. ``rejects[reason]``:
     blobs refused (never deserialized; ``deserialize`` counts verified blobs cuDNN refused to load).
-    ``fallbacks[rung]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
+    ``fallbacks[step]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
     ``remote_errors``: failed server requests; ``remote_skipped``: requests not sent because the
     remote was off after a failure. Seconds: ``load`` (inside ``plan``/``prefetch``), ``deserialize``,
     ``build`` (rebuilds and heuristic builds)."""
@@ -91,10 +443,6 @@ class ClientStats:
         return asdict(self)
 
 
-def _bump(counter: dict[str, int], key: str) -> None:
-    counter[key] = counter.get(key, 0) + 1
-
-
 def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> TrustedKeys:
     if isinstance(value, TrustedKeys):
         return value
@@ -106,54 +454,51 @@ def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> Tru
 class PlanCache:
     """Ready cuDNN plans for the GPU of this process, tuned plans first.
 
-    ``server_url``, ``token``, ``trusted_keys``, ``cache_dir`` and the timeouts default to the
-    settings (``PLANCACHE_SERVER_URL``, ``PLANCACHE_TOKEN``, ``PLANCACHE_TRUSTED_KEYS``,
-    ``PLANCACHE_CACHE_DIR``, ``PLANCACHE_CONNECT_TIMEOUT``/``READ_TIMEOUT``). No server URL (``""``,
-    or none configured): disk cache and local builds only. With trusted keys every blob must carry a valid signature by one
-    of them; without, only digests are checked (a warning says so). ``backend`` defaults to
-    :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment``
-    defaults to the backend's fingerprint. After a server failure the server is not asked again
-    for ``cooldown`` seconds. Thread-safe: loads run one at a time, but :meth:`plan` of an already loaded
-    spec never waits for them (it hashes the spec, so keep the returned :class:`Plan` in hot loops);
-    all plans share one cuDNN handle, used by one thread at a time.
+    ``PlanCache(config)``, or ``PlanCache(server_url, token=..., ...)`` with the fields of :class:`ClientConfig`
+    as keywords (given with a config, they replace its fields). With trusted keys every blob must carry a valid
+    signature by one of them; without, only digests are checked (a warning says so). Thread-safe: loads run one
+    at a time, but :meth:`plan` of an already loaded spec never waits for them (it hashes the spec, so keep the
+    returned :class:`Plan` in hot loops); all plans share one cuDNN handle, used by one thread at a time.
     """
 
-    def __init__(self, server_url: str | None = None, *, environment: Environment | None = None,
-                 backend: Backend | None = None, trusted_keys: TrustedKeys | str | Iterable[str | Path] | None = None,
-                 cache_dir: Path | str | None = None, token: str | None = None, mode: Mode = "normal",
-                 cooldown: float = 30.0, connect_timeout: float | None = None, read_timeout: float | None = None,
-                 device: int = 0, settings: Settings | None = None, transport: httpx.BaseTransport | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        settings = settings or get_settings()
-        self.mode: Mode = mode
+    def __init__(self, config: ClientConfig | str | None = None, /, **options: Any) -> None:
+        if not isinstance(config, ClientConfig):
+            config = ClientConfig(**{"server_url": config, **options})
+        elif options:
+            config = replace(config, **options)
+        self.config = config
+        settings = config.settings or get_settings()
+        self.mode: Mode = config.mode
+        backend = config.backend
         if backend is None:
             from .backend import GpuBackend
 
-            backend = GpuBackend(device)
+            backend = GpuBackend(config.device)
         self._backend = backend
-        self.environment = environment or backend.environment()
-        self.trusted_keys = _trusted_keys(trusted_keys if trusted_keys is not None else settings.trusted_keys)
+        self.environment = config.environment or backend.environment()
+        keys = config.trusted_keys
+        self.trusted_keys = _trusted_keys(keys if keys is not None else settings.trusted_keys)
         if not len(self.trusted_keys):
             log.warning("plancache: no trusted keys configured (PLANCACHE_TRUSTED_KEYS): plan signatures are not "
                         "checked, only sizes and digests")
-        url = server_url if server_url is not None else settings.server_url
-        self._remote = Remote(url, token=token if token is not None else settings.token,
-                              connect_timeout=connect_timeout or settings.connect_timeout,
-                              read_timeout=read_timeout or settings.read_timeout,
-                              cooldown=cooldown, transport=transport) if url else None
-        self.disk = DiskCache(cache_dir if cache_dir is not None else settings.cache_dir, self.environment)
+        url = config.server_url if config.server_url is not None else settings.server_url
+        self._remote = Remote(HttpClient(url, config.token if config.token is not None else settings.token,
+                                         connect_timeout=config.connect_timeout or settings.connect_timeout,
+                                         read_timeout=config.read_timeout or settings.read_timeout,
+                                         policies=[CircuitBreaker(config.cooldown)],
+                                         transport=config.transport)) if url else None
+        cache_dir = config.cache_dir if config.cache_dir is not None else settings.cache_dir
+        self.disk = DiskCache(cache_dir, self.environment)
         self._lock = threading.RLock()      # the ladder's state
         self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
         self._memory: dict[str, Plan] = {}
         self._verified: dict[str, tuple[PlanRecord, bytes]] = {}  # admitted blobs, for the callers' own graphs
-        self._kernel_caches: dict[str, Any] = {}
-        self._static_families: set[str] = set()
-        self._reported: set[str] = set()
-        self._may_register = True
         self._stats = ClientStats()
-        self._memory_hits = 0
+        self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
         self._memory_hits_lock = threading.Lock()
+        allowed = MODE_STEPS[self.mode]
+        #: The ladder of this cache: ``config.steps`` the mode allows, in order.
+        self.steps: list[Step] = [step for step in (make(self) for make in config.steps) if step.builds in allowed]
 
     # ------------------------------------------------------------ public
 
@@ -168,14 +513,14 @@ class PlanCache:
 
     def plan(self, spec: SpecLike) -> Plan:
         """A ready plan for a spec or a caller's pygraph (see the module docstring for the ladder and the modes)."""
-        item = self._item(spec)
-        key, _, graph = item
-        if graph is None:
-            plan = self._memory.get(key)  # no waiting on the ladder lock while another thread builds
+        p = self._pending(spec)
+        if p.graph is None:
+            plan = self._memory.get(p.key)  # no waiting on the ladder lock while another thread builds
             if plan is not None:
-                self._memory_hit()
+                with self._memory_hits_lock:
+                    self._memory_hits += 1
                 return plan
-        result = self._load_many([item])[0]
+        result = self._load_many([p])[0]
         if isinstance(result, PlanMiss):
             raise result
         return result
@@ -185,43 +530,41 @@ class PlanCache:
         for the rest, then local builds as the mode allows. Returns plans by graph key; later :meth:`plan`
         calls of those specs are memory hits (a pygraph is built here, in place). In strict/replay-only mode
         raises :class:`PlanMiss` naming every key without a plan, after loading all the others."""
-        items: list[_Item] = []
+        batch: list[Pending] = []
         seen: set[str] = set()
         for obj in specs:
-            item = self._item(obj)
-            if item[2] is None and item[0] in seen:
+            p = self._pending(obj)
+            if p.graph is None and p.key in seen:
                 continue
-            seen.add(item[0])
-            items.append(item)
-        if not items:
+            seen.add(p.key)
+            batch.append(p)
+        if not batch:
             return {}
-        results = self._load_many(items)
-        failed = [(item, r) for item, r in zip(items, results) if isinstance(r, PlanMiss)]
+        results = self._load_many(batch)
+        failed = [p for p, r in zip(batch, results) if isinstance(r, PlanMiss)]
         if failed:
-            names = ", ".join(f"{item[1].name or 'unnamed'} ({item[0][:12]})" for item, _ in failed)
-            raise PlanMiss(f"{len(failed)} of {len(items)} graphs have no verified tuned plan on "
+            names = ", ".join(f"{p.spec.name or 'unnamed'} ({p.key[:12]})" for p in failed)
+            raise PlanMiss(f"{len(failed)} of {len(batch)} graphs have no verified tuned plan on "
                            f"{self.environment.describe()} ({self.mode} mode): {names}")
-        return {item[0]: r for item, r in zip(items, results) if isinstance(r, Plan)}
+        return {p.key: r for p, r in zip(batch, results) if isinstance(r, Plan)}
 
-    def _item(self, obj: SpecLike) -> _Item:
+    def _pending(self, obj: SpecLike) -> Pending:
         if is_pygraph(obj):
             spec = from_pygraph(obj)
             self._backend.prepare_graph(obj, spec)
-            return graph_key(spec), spec, obj
+            return Pending(graph_key(spec), spec, obj)
         s = parse_spec(obj)
-        return graph_key(s), s, None
+        return Pending(graph_key(s), s, None)
 
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
         with self._lock, self._memory_hits_lock:
             s = self._stats
-            hits = dict(s.hits, memory=self._memory_hits) if self._memory_hits else dict(s.hits)
+            hits = dict(s.hits)
+            if self._memory_hits:
+                _bump(hits, StepName.MEMORY.value, self._memory_hits)
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds)
-
-    def _memory_hit(self) -> None:
-        with self._memory_hits_lock:
-            self._memory_hits += 1
 
     def close(self) -> None:
         if self._remote is not None:
@@ -235,243 +578,50 @@ class PlanCache:
 
     # ------------------------------------------------------------ the ladder
 
-    def _load_many(self, items: list[_Item]) -> list[Plan | PlanMiss]:
-        """Results in the order of ``items``."""
+    def _load_many(self, batch: list[Pending]) -> list[Plan | PlanMiss]:
+        """Each step in turn for the loads still pending; results in the order of ``batch``."""
         t0 = time.perf_counter()
         with self._lock:
             try:
-                results: dict[int, Plan | PlanMiss] = {}
-                pending: list[tuple[int, PlanRecord | None, list[str]]] = []
-                for i, (key, spec, graph) in enumerate(items):
-                    plan = self._from_memory(spec, key, graph)
-                    if plan is not None:
-                        results[i] = plan
-                        continue
-                    trail: list[str] = []
-                    plan, authentic = self._from_disk(spec, key, trail, graph)
-                    if plan is not None:
-                        results[i] = self._keep(key, plan, graph)
-                        continue
-                    _bump(self._stats.fallbacks, "disk")
-                    pending.append((i, authentic, trail))
-                asked = list({items[i][0]: items[i][1] for i, _, _ in pending}.items())
-                answers = self._ask(asked) if pending else None
-                for i, authentic, trail in pending:
-                    key, spec, graph = items[i]
-                    try:
-                        results[i] = self._keep(key, self._finish(spec, key, authentic, answers, trail, graph), graph)
-                    except PlanMiss as exc:
-                        results[i] = exc
-                return [results[i] for i in range(len(items))]
+                plans: dict[Pending, Plan] = {}
+                left = batch
+                for step in self.steps:
+                    if not left:
+                        break
+                    name, found = str(step.name), step.resolve(left)
+                    for p, plan in found.items():
+                        if p.graph is None:  # a plan in a caller's own graph is that caller's alone
+                            self._memory[p.key] = plan
+                        _bump(self._stats.hits, name)
+                    plans.update(found)
+                    left = [p for p in left if p not in found]
+                    if step.builds is not Builds.NOTHING:  # a miss: built, not served
+                        self._stats.misses += len(found)
+                    if left and step.counts_fallbacks:
+                        _bump(self._stats.fallbacks, name, len(left))
+                self._stats.misses += len(left)
+                return [plans[p] if p in plans else self._miss(p) for p in batch]
             finally:
                 self._stats.load_seconds += time.perf_counter() - t0
 
-    def _from_memory(self, spec: GraphSpec, key: str, graph: Any) -> Plan | None:
-        """A loaded plan, or for a caller's graph the blob admitted earlier in this process, loaded into it."""
-        if graph is None:
-            plan = self._memory.get(key)
-            if plan is not None:
-                self._memory_hit()
-            return plan
-        held = self._verified.get(key)
-        if held is None:
-            return None
-        record, blob = held
+    def _miss(self, p: Pending) -> PlanMiss:
+        return PlanMiss(f"no verified tuned plan for {p.spec.name or 'graph'} ({p.key}) on "
+                        f"{self.environment.describe()} ({self.mode} mode): {'; '.join(p.trail)}")
+
+    def _deserialize(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike:
         with self._handle_lock:
-            built = self._backend.deserialize(spec, blob, engine_id=record.engine_id, knobs=record.knobs,
-                                              plan_name=record.plan_name, graph=graph)
-        self._memory_hit()
-        return self._wrap(spec, key, built, "memory")
+            return self._backend.deserialize(p.spec, blob, engine_id=record.engine_id, knobs=record.knobs,
+                                             plan_name=record.plan_name, graph=p.graph)
 
-    def _keep(self, key: str, plan: Plan, graph: Any) -> Plan:
-        if graph is None:  # a plan in a caller's own graph is that caller's; later callers load their own
-            self._memory[key] = plan
-        _bump(self._stats.hits, plan.source)
-        return plan
-
-    def _finish(self, spec: GraphSpec, key: str, authentic: PlanRecord | None,
-                answers: dict[str, ResolvedPlan] | None, trail: list[str], graph: Any) -> Plan:
-        """The server rung (from the batch answer) and the build rungs."""
-        if self._remote is not None:
-            if answers is None:
-                trail.append("server: unavailable")
-            elif key not in answers:
-                trail.append("server: no plan for this environment")
-            else:
-                plan, record = self._from_server(spec, key, answers[key], trail, graph)
-                if plan is not None:
-                    return plan
-                authentic = record or authentic
-            _bump(self._stats.fallbacks, "server")
-        else:
-            trail.append("server: none configured")
-        self._stats.misses += 1
-        if self.mode == "replay_only":
-            raise self._miss(spec, key, trail)
-        if authentic is not None:
-            plan = self._rebuild(spec, key, authentic, trail, graph)
-            if plan is not None:
-                return plan
-        else:
-            trail.append("rebuild: no authentic tuned record")
-        _bump(self._stats.fallbacks, "rebuild")
-        if self.mode == "strict":
-            raise self._miss(spec, key, trail)
-        return self._heuristic(spec, key, graph)
-
-    def _miss(self, spec: GraphSpec, key: str, trail: list[str]) -> PlanMiss:
-        return PlanMiss(f"no verified tuned plan for {spec.name or 'graph'} ({key}) on {self.environment.describe()} "
-                        f"({self.mode} mode): {'; '.join(trail)}")
-
-    def _reject(self, reason: str, where: str, key: str, message: str, trail: list[str]) -> None:
-        _bump(self._stats.rejects, reason)
-        trail.append(f"{where}: rejected ({reason})")
-        log.warning("plancache: rejected the %s plan %s (%s): %s", where, key[:12], reason, message)
-
-    def _admit(self, spec: GraphSpec, key: str, record: PlanRecord, blob: bytes, where: str,
-               trail: list[str], graph: Any) -> tuple[Plan | None, PlanRecord | None]:
-        """Verify, then deserialize. Returns the plan (or None) and the record when it is authentic."""
-        try:
-            verify_blob(record, blob, graph_key=key, environment=self.environment, trusted=self.trusted_keys)
-        except VerificationError as exc:
-            self._reject(exc.reason, where, key, exc.message, trail)
-            return None, record if exc.reason in ("size", "sha256") and self._authentic(record, key) else None
-        t0 = time.perf_counter()
-        try:
-            with self._handle_lock:
-                built = self._backend.deserialize(spec, blob, engine_id=record.engine_id, knobs=record.knobs,
-                                                  plan_name=record.plan_name, graph=graph)
-        except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
-            self._reject("deserialize", where, key, f"{type(exc).__name__}: {exc}", trail)
-            return None, record
-        finally:
-            self._stats.deserialize_seconds += time.perf_counter() - t0
-        self._verified[key] = (record, blob)
-        return self._wrap(spec, key, built, where), record
+    def _verify(self, record: PlanRecord, blob: bytes | None, key: str) -> None:
+        """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone."""
+        verify_blob(record, blob, what=f"plan {key[:12]}", trusted=self.trusted_keys, graph_key=key,
+                    environment=self.environment)
 
     def _authentic(self, record: PlanRecord, key: str) -> bool:
+        """The record is signed (when keys are trusted) and meant for this graph and GPU, whatever its blob."""
         try:
-            check_record(record, graph_key=key, environment=self.environment, trusted=self.trusted_keys)
+            self._verify(record, None, key)
         except VerificationError:
             return False
         return True
-
-    def _wrap(self, spec: GraphSpec, key: str, built: BuiltPlanLike, source: str) -> Plan:
-        return Plan(spec, key, built, self._backend, source=source, lock=self._handle_lock)
-
-    def _from_disk(self, spec: GraphSpec, key: str, trail: list[str],
-                   graph: Any) -> tuple[Plan | None, PlanRecord | None]:
-        try:
-            entry = self.disk.load(key)
-        except VerificationError as exc:
-            self._reject(exc.reason, "disk", key, exc.message, trail)
-            self.disk.discard(key)
-            return None, None
-        if entry is None:
-            trail.append("disk: no entry")
-            return None, None
-        record, blob = entry
-        plan, authentic = self._admit(spec, key, record, blob, "disk", trail, graph)
-        if plan is None:
-            self.disk.discard(key, record.blob_sha256)
-        return plan, authentic
-
-    def _from_server(self, spec: GraphSpec, key: str, answer: ResolvedPlan, trail: list[str],
-                     graph: Any) -> tuple[Plan | None, PlanRecord | None]:
-        record = answer.record
-        try:
-            blob = b64decode(answer.blob_b64) if answer.blob_b64 is not None else self._fetch_blob(record.blob_sha256)
-        except ValueError as exc:
-            self._reject("malformed", "server", key, str(exc), trail)
-            return None, record if self._authentic(record, key) else None
-        if blob is None:
-            trail.append("server: blob unavailable")
-            return None, record if self._authentic(record, key) else None
-        plan, authentic = self._admit(spec, key, record, blob, "server", trail, graph)
-        if plan is not None:
-            self.disk.save(record, blob)
-        return plan, authentic
-
-    def _fetch_blob(self, sha256: str) -> bytes | None:
-        assert self._remote is not None
-        try:
-            return self._remote.fetch_blob(sha256)
-        except (RemoteUnavailable, RemoteRefused) as exc:
-            self._count_remote_failure(exc)
-            return None
-
-    def _count_remote_failure(self, exc: RemoteUnavailable | RemoteRefused) -> None:
-        if isinstance(exc, RemoteUnavailable) and exc.skipped:
-            self._stats.remote_skipped += 1
-        else:
-            self._stats.remote_errors += 1
-            log.warning("plancache: %s", exc.message)
-
-    def _ask(self, items: list[tuple[str, GraphSpec]]) -> dict[str, ResolvedPlan] | None:
-        """One resolve for all ``items``; registers the specs of missing keys. None when the server cannot answer."""
-        if self._remote is None:
-            return None
-        try:
-            resp = self._remote.resolve(self.environment, [k for k, _ in items], include_blobs=True)
-        except (RemoteUnavailable, RemoteRefused) as exc:
-            self._count_remote_failure(exc)
-            return None
-        specs = dict(items)
-        for key in resp.missing:
-            if key in specs:
-                self._report_miss(key, specs[key])
-        return resp.plans
-
-    def _report_miss(self, key: str, spec: GraphSpec) -> None:
-        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it."""
-        if key in self._reported or not self._may_register or self._remote is None:
-            return
-        self._reported.add(key)
-        try:
-            self._remote.register_spec(spec)
-        except RemoteRefused as exc:
-            if exc.http_status in (401, 403):
-                self._may_register = False
-                log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
-                         exc.message)
-            else:
-                log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
-        except RemoteUnavailable as exc:
-            self._count_remote_failure(exc)
-
-    def _rebuild(self, spec: GraphSpec, key: str, record: PlanRecord, trail: list[str], graph: Any) -> Plan | None:
-        t0 = time.perf_counter()
-        try:
-            with self._handle_lock:
-                built = self._backend.build_engine_config(spec, record.engine_id, record.knobs, graph=graph)
-        except Exception as exc:  # noqa: BLE001 - the recorded config may not build here; the next rung decides
-            trail.append(f"rebuild: engine {record.engine_id} failed ({type(exc).__name__})")
-            log.warning("plancache: rebuilding engine %s of %s failed: %s", record.engine_id, key[:12], exc)
-            return None
-        finally:
-            self._stats.build_seconds += time.perf_counter() - t0
-        return self._wrap(spec, key, built, "rebuild")
-
-    def _heuristic(self, spec: GraphSpec, key: str, graph: Any) -> Plan:
-        """A local heuristic build, sharing the kernel cache of the spec's shape family (a caller's own graph
-        is built as it was made)."""
-        family = family_key(spec)
-        t0 = time.perf_counter()
-        try:
-            with self._handle_lock:
-                if graph is not None:
-                    return self._wrap(spec, key, self._backend.build_heuristic(spec, None, graph=graph), "heuristic")
-                if family not in self._static_families:
-                    try:
-                        cache = self._kernel_caches.get(family)
-                        if cache is None:
-                            cache = self._kernel_caches[family] = self._backend.create_kernel_cache()
-                        return self._wrap(spec, key, self._backend.build_heuristic(spec, cache), "heuristic")
-                    except Exception as exc:  # noqa: BLE001 - dynamic shapes unsupported for this graph
-                        log.info("plancache: dynamic-shape build of %s failed (%s: %s); building its family statically",
-                                 key[:12], type(exc).__name__, exc)
-                        self._static_families.add(family)
-                        self._kernel_caches.pop(family, None)
-                return self._wrap(spec, key, self._backend.build_heuristic(spec, None), "heuristic")
-        finally:
-            self._stats.build_seconds += time.perf_counter() - t0

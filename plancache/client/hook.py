@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..spec import UnsupportedGraph
+from ..errors import UnsupportedGraph
 from .core import PlanCache
 
 log = logging.getLogger("plancache.client")

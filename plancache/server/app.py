@@ -38,7 +38,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         with redacting((settings.admin_token,) if settings.admin_token else ()):
-            app.state.store = store if store is not None else open_store(settings.database_url, create=True)
+            app.state.store = store if store is not None else open_store(
+                settings.database_url, create=True, blob_store=settings.blob_store)
             try:
                 yield
             finally:

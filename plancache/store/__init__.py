@@ -1,5 +1,6 @@
 """The persistence layer: specs, content-addressed blobs, plan records, misses, the job queue and API tokens,
-on SQLite (embedded default) or Postgres (psycopg 3). :class:`Store` is the one facade the server uses::
+on SQLite (embedded default) or Postgres (psycopg 3), blob bytes in the database or a folder (:mod:`.blobs`).
+:class:`Store` is the one facade the server uses::
 
     store = open_store("sqlite:///./plancache.db", create=True)
     store.put_spec(key, spec); job, created = store.enqueue(key, TargetEnvironment(sm=90))
@@ -13,23 +14,26 @@ from typing import Callable
 from sqlalchemy.engine import Engine
 
 from ..settings import get_settings
+from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
-from .db import Database, InvalidValue, SchemaNotReady
+from .db import Database
 from .jobs import Jobs
 from .plans import Plans
 from .tokens import TokenInfo, Tokens
 
-__all__ = ["InvalidValue", "SchemaNotReady", "Store", "TokenInfo", "open_store"]
+__all__ = ["Store", "TokenInfo", "open_store"]
 
 
 class Store(SpecsAndBlobs, Plans, Jobs, Tokens):
     """All store operations over one database. Thread-safe: each call runs in its own transaction.
 
     ``clock`` returns the current time (timezone-aware) for every timestamp and lease; tests inject one.
-    ``job_max_attempts`` defaults to ``Settings.job_max_attempts``.
+    ``job_max_attempts`` and ``blob_store`` (a ``PLANCACHE_BLOB_STORE`` value) default to their settings.
     """
 
-    def __init__(self, url: str, *, clock: Callable[[], datetime] | None = None, job_max_attempts: int | None = None) -> None:
+    def __init__(self, url: str, *, clock: Callable[[], datetime] | None = None, job_max_attempts: int | None = None,
+                 blob_store: str | None = None) -> None:
+        self.blob_store = open_blob_store(get_settings().blob_store if blob_store is None else blob_store)
         self.db = Database(url, clock=clock)
         self.job_max_attempts = get_settings().job_max_attempts if job_max_attempts is None else job_max_attempts
 
@@ -56,15 +60,19 @@ class Store(SpecsAndBlobs, Plans, Jobs, Tokens):
 
 
 def open_store(url: str, *, create: bool = False, clock: Callable[[], datetime] | None = None,
-               job_max_attempts: int | None = None) -> Store:
+               job_max_attempts: int | None = None, blob_store: str | None = None, check_blobs: bool = True) -> Store:
     """Open the store at ``url``. ``create`` migrates the schema to head; otherwise the schema must
-    already be at head (:class:`SchemaNotReady` says to run ``plancache db upgrade``)."""
-    store = Store(url, clock=clock, job_max_attempts=job_max_attempts)
+    already be at head (:class:`~plancache.errors.SchemaNotReady` says to run ``plancache db upgrade``).
+    ``check_blobs`` refuses a blob store that does not hold the database's blobs
+    (:class:`~plancache.errors.BlobStoreMismatch`)."""
+    store = Store(url, clock=clock, job_max_attempts=job_max_attempts, blob_store=blob_store)
     try:
         if create:
             store.upgrade()
         else:
             store.db.require_schema()
+        if check_blobs:
+            check_blob_store(store.db, store.blob_store)
     except BaseException:
         store.close()
         raise

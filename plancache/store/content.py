@@ -1,4 +1,4 @@
-"""Content-addressed rows: specs (graph key → canonical spec) and blobs (sha256 → bytes)."""
+"""Content-addressed rows: specs (graph key → canonical spec) and blobs (sha256 → bytes, via :mod:`.blobs`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from sqlalchemy.engine import Connection
 from .. import errors
 from ..spec import graph_key as compute_graph_key
 from ..spec import canonical_json, parse_spec
+from .blobs import BlobStore
 from .db import Database, upsert_insert
 from .models import blobs, specs
 
 
-def insert_blob(conn: Connection, data: bytes, sha256: str, now: Any) -> None:
-    """Insert a blob unless a row with this digest exists (safe against concurrent inserts)."""
+def insert_blob_row(conn: Connection, sha256: str, size: int, now: Any) -> None:
+    """Insert a blob's catalog row, without its bytes (:mod:`.blobs`), unless one exists (safe against
+    concurrent inserts). It locks the catalog against gc: write the bytes after it, in the same transaction."""
     conn.execute(
         upsert_insert(conn, blobs)
-        .values(sha256=sha256, size=len(data), data=data, created_at=now)
+        .values(sha256=sha256, size=size, data=b"", created_at=now)
         .on_conflict_do_nothing(index_elements=["sha256"])
     )
 
@@ -31,6 +33,7 @@ def spec_exists(conn: Connection, graph_key: str) -> bool:
 
 class SpecsAndBlobs:
     db: Database
+    blob_store: BlobStore
 
     def put_spec(self, graph_key: str, spec: dict[str, Any]) -> bool:
         """Store a spec under its graph key; True if newly stored.
@@ -74,14 +77,14 @@ class SpecsAndBlobs:
             raise errors.IntegrityError("a blob cannot be empty")
         digest = hashlib.sha256(data).hexdigest()
         with self.db.write() as conn:
-            insert_blob(conn, data, digest, self.db.now())
+            insert_blob_row(conn, digest, len(data), self.db.now())
+            self.blob_store.put(conn, digest, data)
         return digest
 
     def get_blob(self, sha256: str) -> bytes | None:
         with self.db.read() as conn:
-            data = conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256)).scalar()
-        return None if data is None else bytes(data)
+            return self.blob_store.get(conn, sha256)
 
     def blob_size(self, sha256: str) -> int | None:
         with self.db.read() as conn:
-            return conn.execute(sa.select(blobs.c.size).where(blobs.c.sha256 == sha256)).scalar()
+            return self.blob_store.size(conn, sha256)

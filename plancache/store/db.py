@@ -15,20 +15,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
-from ..errors import PlanCacheError
+from ..errors import InvalidValue, SchemaNotReady
 
 Clock = Callable[[], datetime]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Any constant: serialises concurrent ``upgrade()`` calls against one Postgres database.
 _PG_MIGRATION_LOCK = 0x706C616E
-
-
-class InvalidValue(PlanCacheError, ValueError):
-    """An argument the store cannot take (out of a column's range, negative page, unknown status…)."""
-
-    code = "invalid_value"
-    http_status = 422
 
 
 INT32_MAX = 2**31 - 1
@@ -43,13 +36,6 @@ def check_int(name: str, value: int, maximum: int = INT32_MAX, minimum: int | No
     return value
 
 
-class SchemaNotReady(PlanCacheError):
-    """The database has no schema, or not the one this version of plancache needs."""
-
-    code = "schema_not_ready"
-    http_status = 503
-
-
 def migrations_dir() -> Path:
     """The Alembic environment: ``migrations/`` of a checkout (editable install), else the copy a wheel
     installs under ``<prefix>/share/plancache/migrations``."""
@@ -62,6 +48,16 @@ def migrations_dir() -> Path:
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def database_now(conn: Connection) -> datetime:
+    """The database server's current time (UTC, timezone-aware), read on ``conn``."""
+    if conn.dialect.name == "postgresql":
+        value = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+        return value.astimezone(timezone.utc)
+    # SQLite computes 'now' itself (millisecond resolution), from the clock of the host that has the file open.
+    text = conn.exec_driver_sql("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')").scalar_one()
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=timezone.utc)
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -124,25 +120,43 @@ def make_engine(url: str | URL) -> Engine:
     return sa.create_engine(u, pool_size=16, max_overflow=16, pool_pre_ping=True, pool_recycle=1800)
 
 
+def lock_against_writers(conn: Connection, table: sa.Table) -> None:
+    """Postgres: wait for transactions writing ``table`` and hold off new ones until commit (reads go on).
+    SQLite needs nothing: a write transaction already excludes every other writer."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text(f"LOCK TABLE {table.name} IN SHARE ROW EXCLUSIVE MODE"))
+
+
 def upsert_insert(conn: Connection, table: sa.Table) -> Any:
     """The dialect's INSERT with ``on_conflict_do_nothing`` / ``on_conflict_do_update`` (SQLite or Postgres)."""
     return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
 
 
 class Database:
-    """An engine plus the clock every timestamp comes from; hands out read and write transactions."""
+    """An engine plus the clock timestamps come from; hands out read and write transactions.
+
+    Without an injected ``clock`` (tests inject a fake one, used for every timestamp), time inside a
+    transaction is the database's own (:meth:`now` with its connection): leases granted by one replica
+    and judged by another then agree however far apart the replicas' clocks are.
+    """
 
     def __init__(self, url: str | URL, *, clock: Clock | None = None) -> None:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
-        self.clock: Clock = clock or utcnow
+        self.clock: Clock | None = clock
 
     @property
     def is_sqlite(self) -> bool:
         return self.engine.dialect.name == "sqlite"
 
-    def now(self) -> datetime:
-        now = self.clock()
+    def now(self, conn: Connection | None = None) -> datetime:
+        """The injected clock's time; else, on ``conn``, the database server's clock (Postgres
+        ``clock_timestamp()``; SQLite ``'now'``, the clock of the host holding the file), else this process's.
+
+        Pass the transaction's connection for every time that is compared with rows other replicas
+        write (leases); the process clock is only for informative timestamps outside a transaction.
+        """
+        now = self.clock() if self.clock is not None else utcnow() if conn is None else database_now(conn)
         if now.tzinfo is None:
             raise ValueError("the store's clock must return timezone-aware datetimes")
         return now

@@ -22,7 +22,7 @@ from .. import errors
 from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import Job, JobStatus, TargetEnvironment
 from .content import spec_exists
-from .db import INT64_MAX, Database, InvalidValue, check_int, check_page, upsert_insert
+from .db import INT64_MAX, Database, check_int, check_page, upsert_insert
 from .environments import check_validity
 from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
 
@@ -57,7 +57,7 @@ def row_to_job(row: Row[Any]) -> Job:
 
 def _lease(lease_seconds: float, now: datetime) -> datetime:
     if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds > 0):
-        raise InvalidValue(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
+        raise errors.InvalidValue(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
     return now + timedelta(seconds=lease_seconds)
 
 
@@ -218,7 +218,7 @@ class Jobs:
         """Jobs, newest first."""
         check_page(limit, offset)
         if status is not None and status not in JOB_STATUSES:
-            raise InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
+            raise errors.InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
         q = sa.select(jobs).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
         if status is not None:
             q = q.where(jobs.c.status == status)

@@ -74,6 +74,7 @@ blobs = sa.Table(
     metadata,
     sa.Column("sha256", sa.String(64), primary_key=True),
     sa.Column("size", sa.BigInteger, nullable=False),
+    # The bytes with the database blob store; empty when another blob store holds them (store/blobs.py).
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
 )
@@ -92,7 +93,10 @@ jobs = sa.Table(
     sa.Column("max_attempts", sa.Integer, nullable=False),
     sa.Column("lease_owner", sa.String(256)),
     sa.Column("lease_expires_at", UTCDateTime),
-    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),  # leases granted so far (never a credential)
+    # The current lease's secret token (store/jobs.py) as its sha256 hex digest, and the API token that claimed it.
+    sa.Column("lease_token_hash", sa.String(64)),
+    sa.Column("lease_holder", sa.String(64)),
     sa.Column("error", sa.Text),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),

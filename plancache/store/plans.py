@@ -1,8 +1,8 @@
-"""Plan records: publishing (blob + record + job completion in one transaction), lookup and resolve."""
+"""Plan records: publishing (blob + record + job completion in one transaction), lookup and resolve.
+Blob bytes go through the store's :class:`~.blobs.BlobStore`, in the order :mod:`.blobs` explains."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from datetime import datetime
 from typing import Any
@@ -13,12 +13,14 @@ from sqlalchemy.engine import Row
 from .. import errors
 from ..environment import Environment
 from ..protocol import Candidate, PlanMeta, PlanRecord
-from .content import insert_blob, spec_exists
+from ..verify import verify_blob
+from .blobs import BlobStore
+from .content import insert_blob_row, spec_exists
 from .db import INT64_MAX, Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
-from .models import blobs, plans
+from .models import plans
 
 # PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
 _META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates"))
@@ -53,21 +55,22 @@ class Plans(Misses):
     """Plan records; resolving records misses, hence the base class."""
 
     db: Database
+    blob_store: BlobStore
 
     def publish_plan(self, meta: PlanMeta, blob: bytes, *, job_id: int | None = None, worker_id: str | None = None,
                      lease_token: int | None = None, replace: bool = False) -> PlanRecord:
         """Store a plan in one transaction: the blob if absent, the record, and (with ``job_id``) the job's success.
 
-        Raises :class:`errors.IntegrityError` (digest/size), :class:`errors.NotFound` (no spec),
+        Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
+        :class:`errors.NotFound` (no spec),
         :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
         :class:`errors.LeaseLost` (``worker_id``/``lease_token`` no longer hold job ``job_id``).
         Publishing the same blob again returns the stored record unchanged.
         """
-        digest = hashlib.sha256(blob).hexdigest()
-        if digest != meta.blob_sha256:
-            raise errors.IntegrityError(f"blob sha256 is {digest}, the record declares {meta.blob_sha256}")
-        if len(blob) != meta.blob_size:
-            raise errors.IntegrityError(f"blob is {len(blob)} bytes, the record declares {meta.blob_size}")
+        try:
+            verify_blob(meta, blob, what=f"plan {meta.graph_key} on {meta.environment.describe()}")
+        except errors.VerificationError as exc:
+            raise errors.IntegrityError(exc.message) from None
         env = meta.environment
         now = self.db.now()
         values = _record_values(meta, job_id, now)
@@ -76,7 +79,7 @@ class Plans(Misses):
                 complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now)
             if not spec_exists(conn, meta.graph_key):
                 raise errors.NotFound(f"no spec stored for graph key {meta.graph_key}; upload it with the plan")
-            insert_blob(conn, blob, digest, now)
+            insert_blob_row(conn, meta.blob_sha256, len(blob), now)
             row = conn.execute(
                 upsert_insert(conn, plans).values(**values)
                 .on_conflict_do_nothing(index_elements=["graph_key", "env_id"])
@@ -86,7 +89,7 @@ class Plans(Misses):
                 row = conn.execute(
                     sa.select(plans).where(plans.c.graph_key == meta.graph_key, *same_env(plans, env)).with_for_update()
                 ).one()
-                if row.blob_sha256 != digest:
+                if row.blob_sha256 != meta.blob_sha256:
                     if not replace:
                         raise errors.Conflict(
                             f"a different plan (blob {row.blob_sha256}) is stored for graph key {meta.graph_key} "
@@ -95,6 +98,7 @@ class Plans(Misses):
                     row = conn.execute(
                         sa.update(plans).where(plans.c.id == row.id).values(**values).returning(*plans.c)
                     ).one()
+            self.blob_store.put(conn, meta.blob_sha256, blob)  # durable before the record commits
         return row_to_record(row)
 
     def get_plan(self, graph_key: str, env: Environment) -> PlanRecord | None:
@@ -106,17 +110,17 @@ class Plans(Misses):
     def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool
                 ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:
         """Records (and blobs) for the keys that have a plan on ``env``, and the missing keys (in input
-        order, once each), for which a miss is recorded. One query, plus one write when keys are missing."""
+        order, once each), for which a miss is recorded. One query (and one blob store read), plus one write
+        when keys are missing. A blob gone since its record was read (gc after a replace) comes back None."""
         keys = list(dict.fromkeys(graph_keys))
         found: dict[str, tuple[PlanRecord, bytes | None]] = {}
         if keys:
-            cols: list[Any] = [plans, blobs.c.data] if include_blobs else [plans]
-            q = sa.select(*cols).where(plans.c.graph_key.in_(keys), *same_env(plans, env))
-            if include_blobs:
-                q = q.join(blobs, blobs.c.sha256 == plans.c.blob_sha256)
+            q = sa.select(plans).where(plans.c.graph_key.in_(keys), *same_env(plans, env))
             with self.db.read() as conn:
-                for row in conn.execute(q):
-                    found[row.graph_key] = (row_to_record(row), bytes(row.data) if include_blobs else None)
+                rows = conn.execute(q).all()
+                data = self.blob_store.get_many(conn, {r.blob_sha256 for r in rows}) if include_blobs else {}
+            for row in rows:
+                found[row.graph_key] = (row_to_record(row), data.get(row.blob_sha256))
         missing = [k for k in keys if k not in found]
         if missing:
             self.record_misses(env, missing)

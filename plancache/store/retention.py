@@ -3,7 +3,8 @@
 :func:`gc` runs two steps, one transaction each:
 
 1. with ``keep_env_ids``, delete the plan records whose environment is not among them;
-2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago.
+2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago:
+   their catalog rows, then their bytes in the blob store (:mod:`.blobs`), before the commit.
 
 A blob still referenced is never deleted, and a publish running at the same time neither fails nor
 loses its blob. The DELETE re-checks that no record points at a blob, and the foreign key from
@@ -12,9 +13,9 @@ Postgres each step also locks its table against writers (``SHARE ROW EXCLUSIVE``
 publish finds an existing blob or record with ``ON CONFLICT DO NOTHING``, which takes no row lock, so
 without the table lock gc could delete that blob or record between the publish's check and its insert
 of the record. With it, a step waits for publishes already writing that table to commit, and later
-publishes wait for the step (blob uploads pause for as long as the step's DELETE runs). SQLite
-serialises all writers anyway. The grace period keeps a blob stored moments ago by an upload whose
-record is still on its way.
+publishes wait for the step (blob uploads pause for as long as the step runs, file deletions
+included). SQLite serialises all writers anyway. :mod:`.blobs` explains why a file store's bytes are
+safe too. The grace period keeps a blob stored moments ago by an upload whose record is still on its way.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
+from .db import lock_against_writers
 from .models import blobs, plans
 
 if TYPE_CHECKING:
@@ -40,12 +41,6 @@ class GcReport:
     records_by_env: dict[str, int] = field(default_factory=dict)
     blobs_deleted: int = 0
     blob_bytes_freed: int = 0
-
-
-def _lock_against_writers(conn: Connection, table: sa.Table) -> None:
-    """Postgres: wait for transactions writing ``table`` and hold off new ones until commit (reads go on)."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(sa.text(f"LOCK TABLE {table.name} IN SHARE ROW EXCLUSIVE MODE"))
 
 
 def _check_keep(store: "Store", keep_env_ids: set[str]) -> None:
@@ -84,7 +79,7 @@ def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None
                 by_env = {env_id: n for env_id, n in conn.execute(count_by_env)}
         else:
             with store.db.write() as conn:
-                _lock_against_writers(conn, plans)
+                lock_against_writers(conn, plans)
                 for env_id in conn.execute(sa.delete(plans).where(doomed_records).returning(plans.c.env_id)).scalars():
                     by_env[env_id] = by_env.get(env_id, 0) + 1
     cutoff = store.db.now() - grace
@@ -102,8 +97,11 @@ def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None
 
 
 def _delete_blobs(store: "Store", cutoff: Any) -> tuple[int, int]:
-    """Delete unreferenced blobs older than ``cutoff`` in one transaction; the count and bytes freed."""
+    """Delete unreferenced blobs older than ``cutoff`` in one transaction, catalog rows first, then bytes
+    (under the lock, so no publish can meanwhile find them present); the count and bytes freed."""
     with store.db.write() as conn:
-        _lock_against_writers(conn, blobs)
-        sizes = list(conn.execute(sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.size)).scalars())
-    return len(sizes), sum(sizes)
+        lock_against_writers(conn, blobs)
+        doomed = conn.execute(sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.sha256, blobs.c.size)).all()
+        for sha256, _ in doomed:  # (the database blob store's bytes went with their rows)
+            store.blob_store.delete(conn, sha256)
+    return len(doomed), sum(size for _, size in doomed)

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Row
 
 from .. import errors
 from ..protocol import Role
-from .db import Database, InvalidValue
+from .db import Database
 from .models import api_tokens
 
 TOKEN_PREFIX = "pct_"
@@ -45,9 +45,9 @@ class Tokens:
     def create_token(self, name: str, role: Role) -> tuple[str, TokenInfo]:
         """A new token; the plaintext is returned here only. Names are unique among live tokens."""
         if role not in get_args(Role):
-            raise InvalidValue(f"unknown role {role!r}; one of {', '.join(get_args(Role))}")
+            raise errors.InvalidValue(f"unknown role {role!r}; one of {', '.join(get_args(Role))}")
         if not name or len(name) > MAX_NAME_LENGTH or name != name.strip():
-            raise InvalidValue(f"a token name is 1-{MAX_NAME_LENGTH} characters without surrounding spaces, not {name!r}")
+            raise errors.InvalidValue(f"a token name is 1-{MAX_NAME_LENGTH} characters without surrounding spaces, not {name!r}")
         plaintext = TOKEN_PREFIX + secrets.token_urlsafe(32)
         conflict = errors.Conflict(f"a live token named {name!r} exists; revoke it first")
         try:

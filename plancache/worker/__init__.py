@@ -3,13 +3,13 @@
 Importing this package needs neither torch nor cudnn; :class:`GpuTuner` imports them on first use.
 """
 
-from .client import Backoff, JobClient, RequestRefused, ServerUnavailable
+from .jobs_api import JobsApi
 from .loop import Worker, WorkerStats, default_worker_id, stop_on_signals
 from .spool import Spool, SpoolEntry
 from .tuner import GpuTuner, TunedResult, Tuner
 from .upload import upload_tuned
 
 __all__ = [
-    "Backoff", "GpuTuner", "JobClient", "RequestRefused", "ServerUnavailable", "Spool", "SpoolEntry", "TunedResult",
-    "Tuner", "Worker", "WorkerStats", "default_worker_id", "stop_on_signals", "upload_tuned",
+    "GpuTuner", "JobsApi", "Spool", "SpoolEntry", "TunedResult", "Tuner", "Worker", "WorkerStats", "default_worker_id",
+    "stop_on_signals", "upload_tuned",
 ]

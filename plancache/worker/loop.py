@@ -10,7 +10,6 @@ published; otherwise the job is released for another worker.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -26,19 +25,20 @@ from ..errors import (
     EnvironmentMismatch,
     Forbidden,
     InsufficientGpuMemory,
-    IntegrityError,
     LeaseLost,
     NotFound,
     PlanCacheError,
+    ServerUnavailable,
     SpecError,
     Unauthorized,
 )
-from ..protocol import ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest
+from ..protocol import ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest, PlanMeta
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
-from .client import JobClient, ServerUnavailable
+from .jobs_api import JobsApi
 from .spool import Spool, SpoolEntry
 from .tuner import TunedResult, Tuner
+from .upload import tuned_meta
 
 log = logging.getLogger("plancache.worker")
 
@@ -71,7 +71,7 @@ def lease_duration(claim: ClaimResponse) -> float:
 class _Heartbeat(threading.Thread):
     """Extends a job's lease every ``interval`` seconds until halted; sets :attr:`lost` when fenced."""
 
-    def __init__(self, client: JobClient, job_id: int, lease: LeaseRequest, interval: float) -> None:
+    def __init__(self, client: JobsApi, job_id: int, lease: LeaseRequest, interval: float) -> None:
         super().__init__(daemon=True, name=f"heartbeat-job-{job_id}")
         self.client, self.job_id, self.lease, self.interval = client, job_id, lease, interval
         self.lost = threading.Event()
@@ -80,7 +80,7 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self._halt.wait(self.interval):
             try:
-                self.client.heartbeat(self.job_id, self.lease, retry_for=0, timeout=max(self.interval, 0.5))
+                self.client.heartbeat(self.job_id, self.lease, timeout=max(self.interval, 0.5))
             except (LeaseLost, Conflict, NotFound) as exc:
                 log.warning("job %d: lease lost (%s)", self.job_id, exc.message)
                 self.lost.set()
@@ -98,6 +98,7 @@ class _Tuning:
     """The outcome of the tuning thread."""
 
     tuned: TunedResult | None = None
+    meta: PlanMeta | None = None
     round_trip_error: float | None = None
     error: Exception | None = None
 
@@ -105,7 +106,7 @@ class _Tuning:
 class Worker:
     """Tunes the jobs a plancache server hands out for this machine's GPU environment."""
 
-    def __init__(self, client: JobClient, tuner: Tuner, signer: Signer, spool: Spool, *, worker_id: str,
+    def __init__(self, client: JobsApi, tuner: Tuner, signer: Signer, spool: Spool, *, worker_id: str,
                  poll_interval: float = 5.0, once: bool = False, shutdown_grace: float = 25.0) -> None:
         self.client = client
         self.tuner = tuner
@@ -124,7 +125,7 @@ class Worker:
         Spooled results from earlier runs are delivered first. Unreachable servers are
         retried with backoff; only a revoked or wrong token (401/403) ends the loop early.
         """
-        self.client.stop = stop
+        self.client.http.stop = stop
         env = self.environment = self.tuner.environment()
         log.info("worker %s: environment %s (env_id %s), signing key %s, spool %s",
                  self.worker_id, env.describe(), env.env_id, self.signer.key_id, self.spool.directory)
@@ -204,8 +205,8 @@ class Worker:
             self._report_failure(job, lease, outcome.error)
             return None
         tuned = outcome.tuned
-        assert tuned is not None
-        meta = self.signer.sign(tuned.to_meta(job.graph_key, self.worker_id))
+        assert tuned is not None and outcome.meta is not None
+        meta = self.signer.sign(outcome.meta)
         log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
                  job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
                  outcome.round_trip_error, tuned.tuning_seconds)
@@ -222,17 +223,13 @@ class Worker:
         return spec
 
     def _tune_and_verify(self, spec: GraphSpec, outcome: _Tuning, done: threading.Event) -> None:
-        """Thread body: autotune, then check the blob's digest, environment and numerics after a round trip."""
+        """Thread body: autotune, then check the blob (:func:`tuned_meta`) and its numerics after a round trip."""
         try:
             tuned = self.tuner.tune(spec)
-            if len(tuned.blob) == 0 or hashlib.sha256(tuned.blob).hexdigest() != tuned.sha256:
-                raise IntegrityError("the tuned blob does not match its sha256")
             assert self.environment is not None
-            if not tuned.environment.compatible_with(self.environment):
-                raise EnvironmentMismatch(f"tuned on {tuned.environment.describe()}, "
-                                          f"but this worker registered {self.environment.describe()}")
+            meta = tuned_meta(tuned, spec.graph_key, self.worker_id, self.environment)
             outcome.round_trip_error = self.tuner.verify(spec, tuned.blob)
-            outcome.tuned = tuned
+            outcome.tuned, outcome.meta = tuned, meta
         except Exception as exc:  # reported to the server as the attempt's failure reason
             outcome.error = exc
         finally:

@@ -8,7 +8,6 @@ complete blob. An entry is removed once the server accepted (or definitively ref
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,7 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import VerificationError
 from ..protocol import PlanMeta, PlanUpload, b64encode
+from ..verify import verify_blob
 
 log = logging.getLogger("plancache.worker")
 
@@ -82,7 +83,7 @@ class Spool:
         for path in sorted(self.directory.glob("job-*.json"), key=lambda p: p.stat().st_mtime):
             try:
                 entries.append(self._load(path))
-            except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, ValidationError, VerificationError) as exc:
                 log.error("spool entry %s is unreadable (%s); renamed to %s.corrupt", path, exc, path.name)
                 for p in (path, path.with_suffix(".blob")):
                     if p.exists():
@@ -95,8 +96,7 @@ class Spool:
             raise ValueError(f"unknown spool version {doc.get('version')!r}")
         meta = PlanMeta.model_validate(doc["meta"])
         blob = path.with_suffix(".blob").read_bytes()
-        if len(blob) != meta.blob_size or hashlib.sha256(blob).hexdigest() != meta.blob_sha256:
-            raise ValueError("blob does not match the recorded size and sha256")
+        verify_blob(meta, blob, what=path.with_suffix(".blob").name)
         entry = SpoolEntry(int(doc["job_id"]), int(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob)
         if entry.name != path.stem:
             raise ValueError(f"file name does not match job {entry.job_id} lease {entry.lease_token}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from ...environment import Environment
 from ...errors import NotFound, PayloadTooLarge
@@ -102,6 +103,14 @@ def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], store: Store
         if store.blob_size(sha256) is None:
             raise NotFound(f"no blob {sha256}")
         return Response(status_code=304, headers=headers)
+    path = store.blob_store.local_file(sha256)
+    if path is not None:  # a file blob store: stream the file
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            raise NotFound(f"no blob {sha256}") from None
+        metrics.bytes_served.labels(BLOB_ROUTE).inc(stat.st_size)
+        return FileResponse(path, stat_result=stat, media_type="application/octet-stream", headers=headers)
     data = store.get_blob(sha256)
     if data is None:
         raise NotFound(f"no blob {sha256}")

@@ -1,0 +1,342 @@
+"""The one HTTP layer to a plancache server: URL check, httpx set-up, error answers, retry and breaker policies.
+
+A call is one *attempt* (send, read the answer) wrapped in the client's policies, outermost first. An attempt:
+
+- returns the caller's reading of an answer below 400 (a body it cannot read is a malformed answer);
+- raises :class:`~plancache.errors.ServerUnavailable` for a transport failure (refused, reset, timed out),
+  a 429 or 5xx answer, or a malformed answer;
+- raises, for any other 4xx, the error class of the code in its ``{"error": {"code", "message"}}`` body
+  (:data:`~plancache.errors.BY_CODE`, e.g. ``409 lease_lost`` → LeaseLost), else
+  :class:`~plancache.errors.RequestRefused` with the answer's code and status.
+
+Policies: :class:`Retry` sends a call again after ServerUnavailable, with backoff; :class:`CircuitBreaker`
+fails every call at once for a cool-down after one failure. Needs only the base install (httpx, pydantic).
+
+Answers are streamed, so a call may bound them while they arrive: ``max_bytes`` (an answer declaring or
+delivering more is cut off after at most ``max_bytes + 1`` bytes of body plus one network chunk) and
+``deadline`` (a :func:`time.monotonic` instant by which the whole answer must be in, connect and headers
+included; the caller gets ServerUnavailable at that instant at the latest). Either failure is ServerUnavailable,
+so a :class:`CircuitBreaker` opens as for any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
+from .settings import get_settings
+
+log = logging.getLogger("plancache.http")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+MAX_MESSAGE_CHARS = 500
+#: Refusals that say the server cannot help this client now (its token), not that one request was wrong.
+AUTH_STATUSES = frozenset({401, 403})
+
+
+def check_url(server_url: str) -> str:
+    """``server_url`` without its trailing slash; ValueError unless it is an http(s) URL."""
+    if not server_url.startswith(("http://", "https://")):
+        raise ValueError(f"server URL {server_url!r} must start with http:// or https://")
+    return server_url.rstrip("/")
+
+
+def error_body(resp: httpx.Response) -> tuple[str, str]:
+    """``(code, message)`` of an error answer: its ``{"error": {"code", "message"}}`` body (see
+    :mod:`plancache.server.errors`), else ``http_<status>`` and the start of its text."""
+    try:
+        body = resp.json()["error"]
+        code, message = str(body["code"]), str(body["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = f"http_{resp.status_code}", resp.text or resp.reason_phrase
+    return code, message[:MAX_MESSAGE_CHARS]
+
+
+def error_from_response(resp: httpx.Response) -> PlanCacheError:
+    """The error an answer of status 400 or more stands for (see the module docstring)."""
+    code, message = error_body(resp)
+    text = f"{resp.request.method} {resp.request.url}: {resp.status_code} {code}: {message}"
+    if resp.status_code == 429 or resp.status_code >= 500:
+        return ServerUnavailable(text)
+    cls = BY_CODE.get(code)
+    if cls is None:
+        return RequestRefused(text, code=code, http_status=resp.status_code)
+    error = cls(text)
+    error.http_status = resp.status_code
+    return error
+
+
+def json_as(model: type[M]) -> Callable[[httpx.Response], M]:
+    """A reader for :meth:`HttpClient.read`: the answer's JSON body as ``model``."""
+    return lambda resp: model.model_validate_json(resp.content)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter: attempt ``n`` waits between half and all of ``min(cap, initial * factor**n)``."""
+
+    initial: float = 0.2
+    factor: float = 2.0
+    cap: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        ceiling = min(self.cap, self.initial * self.factor ** min(attempt, 64))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the policies see it: what is sent, its options, and the client's ``stop``."""
+
+    method: str
+    url: str
+    retry: bool  # Retry may send it again
+    trips_on_auth: bool  # a 401/403 answer trips a CircuitBreaker (else it concerns this call only)
+    stop: threading.Event  # set: waiting policies give up (shutting down)
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.url}"
+
+
+class Policy(Protocol):
+    """Wraps every attempt of a call: may run it again, or not at all."""
+
+    def apply(self, call: Call, attempt: Callable[[], T]) -> T: ...
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Runs an attempt again after ServerUnavailable (unless the call says ``retry=False``), waiting ``backoff``,
+    for up to ``within`` seconds (None: until the client's ``stop`` is set). A wait ends early when ``stop``
+    is set; the call then fails with ServerUnavailable."""
+
+    backoff: Backoff = Backoff()
+    within: float | None = None
+
+    def apply(self, call: Call, attempt: Callable[[], T]) -> T:
+        deadline = None if self.within is None else time.monotonic() + self.within
+        tries = 0
+        while True:
+            try:
+                return attempt()
+            except ServerUnavailable as exc:
+                if exc.skipped or not call.retry:
+                    raise
+                failure = exc
+            wait = self.backoff.delay(tries)
+            tries += 1
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            if wait <= 0 or call.stop.is_set():
+                raise ServerUnavailable(f"{failure.message} (after {tries} attempt(s))")
+            log.warning("%s; retrying in %.2f s", failure.message, wait)
+            if call.stop.wait(wait):
+                raise ServerUnavailable(f"{failure.message} (stopping)")
+
+
+class CircuitBreaker:
+    """After one failure (ServerUnavailable, or a 401/403 answer to a call that ``trips_on_auth``) every call fails
+    at once with ServerUnavailable(skipped=True), sending nothing, for ``cooldown`` seconds. The first call after
+    the cool-down is sent: a success closes the breaker, a failure re-arms it."""
+
+    def __init__(self, cooldown: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if cooldown < 0:
+            raise ValueError("cooldown must be >= 0")
+        self.cooldown = cooldown
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._off_until: float | None = None
+        self._last_failure = ""
+
+    @property
+    def is_off(self) -> bool:
+        """True while the breaker is open (the cool-down after a failure has not passed)."""
+        with self._lock:
+            return self._off_until is not None and self._clock() < self._off_until
+
+    def apply(self, call: Call, attempt: Callable[[], T]) -> T:
+        with self._lock:
+            left = 0.0 if self._off_until is None else self._off_until - self._clock()
+            if left > 0:
+                raise ServerUnavailable(f"{call}: not sent, the server is off for another {left:.1f} s after: "
+                                        f"{self._last_failure}", skipped=True)
+        try:
+            result = attempt()
+        except ServerUnavailable as exc:
+            raise self._trip(exc.message) from None
+        except PlanCacheError as exc:
+            if call.trips_on_auth and exc.http_status in AUTH_STATUSES:
+                raise self._trip(exc.message) from None
+            raise
+        with self._lock:
+            self._off_until = None
+        return result
+
+    def _trip(self, problem: str) -> ServerUnavailable:
+        with self._lock:
+            self._off_until = self._clock() + self.cooldown
+            self._last_failure = problem
+        log.warning("plancache server unusable (%s); not asking it again for %.0f s", problem, self.cooldown)
+        return ServerUnavailable(problem)
+
+
+def _response(resp: httpx.Response) -> httpx.Response:
+    return resp
+
+
+#: Headers that describe the body as it came over the wire, not the whole, decoded body handed to a reader.
+_WIRE_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+def _first_problem(exc: ValueError) -> str:
+    problems = exc.errors() if isinstance(exc, ValidationError) else []
+    return str(problems[0].get("msg", exc)) if problems else str(exc)
+
+
+class HttpClient:
+    """One plancache server over HTTP: bearer ``token``, connect/read timeouts (default: the settings'
+    ``PLANCACHE_CONNECT_TIMEOUT`` / ``PLANCACHE_READ_TIMEOUT``), the error mapping of the module docstring,
+    and ``policies`` (outermost first) around every attempt. Set ``stop`` to make waiting policies give up.
+    Thread-safe."""
+
+    def __init__(self, server_url: str, token: str | None = None, *, policies: Sequence[Policy] = (),
+                 connect_timeout: float | None = None, read_timeout: float | None = None,
+                 stop: threading.Event | None = None, transport: httpx.BaseTransport | None = None) -> None:
+        self.server_url = check_url(server_url)
+        if connect_timeout is None or read_timeout is None:
+            settings = get_settings()
+            connect_timeout = settings.connect_timeout if connect_timeout is None else connect_timeout
+            read_timeout = settings.read_timeout if read_timeout is None else read_timeout
+        if connect_timeout <= 0 or read_timeout <= 0:
+            raise ValueError("connect and read timeouts must be > 0")
+        self.policies = tuple(policies)
+        self.stop = stop or threading.Event()
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, transport=transport,
+                                  timeout=httpx.Timeout(read_timeout, connect=connect_timeout))
+
+    def request(self, method: str, path: str, *, body: Any = None, timeout: float | None = None, retry: bool = True,
+                trips_on_auth: bool = True, max_bytes: int | None = None,
+                deadline: float | None = None) -> httpx.Response:
+        """The answer (status below 400) to ``method path`` with JSON ``body``, its body read whole; see :meth:`read`."""
+        return self.read(method, path, _response, body=body, timeout=timeout, retry=retry,
+                         trips_on_auth=trips_on_auth, max_bytes=max_bytes, deadline=deadline)
+
+    def read(self, method: str, path: str, reader: Callable[[httpx.Response], T], *, body: Any = None,
+             timeout: float | None = None, retry: bool = True, trips_on_auth: bool = True,
+             max_bytes: int | None = None, deadline: float | None = None) -> T:
+        """``reader`` of the answer to ``method path`` with JSON ``body``, through the policies. ``timeout``
+        replaces the client's timeouts for this call; ``retry`` and ``trips_on_auth`` are the :class:`Call`'s.
+        ``max_bytes``: the largest answer body read (more is ServerUnavailable); ``deadline``: the
+        :func:`time.monotonic` instant by which each attempt's whole answer must have arrived (else
+        ServerUnavailable, at that instant)."""
+        call = Call(method, self.server_url + path, retry, trips_on_auth, self.stop)
+        headers = {"Accept-Encoding": "identity"} if max_bytes is not None else None  # the cap counts what is sent
+
+        def exchange(cancel: threading.Event | None) -> httpx.Response:
+            limits = self._timeouts(timeout, deadline)
+            try:
+                request = self._http.build_request(method, path, json=body, headers=headers, timeout=limits)
+                resp = self._http.send(request, stream=True)
+            except httpx.RequestError as exc:  # refused, reset, timed out, protocol errors
+                raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
+            try:
+                return self._whole(call, resp, max_bytes, cancel)
+            except httpx.RequestError as exc:  # reset, read timeout, bad encoding while the body arrives
+                raise ServerUnavailable(f"{call}: {type(exc).__name__} while reading the answer: {exc}") from None
+            finally:
+                resp.close()
+
+        def attempt() -> T:
+            resp = exchange(None) if deadline is None else self._by(deadline, call, exchange)
+            if resp.status_code >= 400:
+                raise error_from_response(resp)
+            try:
+                return reader(resp)
+            except ValueError as exc:  # invalid JSON, pydantic's ValidationError
+                raise ServerUnavailable(f"{call}: malformed answer: {_first_problem(exc)}") from None
+
+        run: Callable[[], T] = attempt
+        for policy in reversed(self.policies):
+            run = partial(policy.apply, call, run)
+        return run()
+
+    def _timeouts(self, timeout: float | None, deadline: float | None) -> httpx.Timeout:
+        """The call's timeouts, none longer than what is left until ``deadline``."""
+        connect, read = (timeout, timeout) if timeout is not None else (self.connect_timeout, self.read_timeout)
+        if deadline is not None:
+            left = max(deadline - time.monotonic(), 0.001)
+            connect, read = min(connect, left), min(read, left)
+        return httpx.Timeout(read, connect=connect)
+
+    @staticmethod
+    def _whole(call: Call, resp: httpx.Response, max_bytes: int | None,
+               cancel: threading.Event | None) -> httpx.Response:
+        """``resp`` (streaming) read into a plain response, refusing a body over ``max_bytes``."""
+        def too_large(how: str) -> ServerUnavailable:
+            return ServerUnavailable(f"{call}: the answer {how} the {max_bytes}-byte limit of this call; not read further")
+
+        if max_bytes is not None:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise too_large(f"declares {declared} bytes, over")
+        body = bytearray()
+        for chunk in resp.iter_bytes():
+            if cancel is not None and cancel.is_set():
+                raise ServerUnavailable(f"{call}: abandoned at its deadline")
+            body += chunk
+            if max_bytes is not None and len(body) > max_bytes:
+                raise too_large("exceeds")
+        headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _WIRE_HEADERS]
+        return httpx.Response(resp.status_code, headers=headers, content=bytes(body), request=resp.request,
+                              extensions={k: v for k, v in resp.extensions.items() if k == "reason_phrase"})
+
+    @staticmethod
+    def _by(deadline: float, call: Call, exchange: Callable[[threading.Event | None], httpx.Response]) -> httpx.Response:
+        """``exchange`` on a helper thread, waited for until ``deadline``: the caller is back in time whatever the
+        server does (connect, headers or a body dripped byte by byte). A late exchange is told to stop at its
+        next chunk; its timeouts are already no longer than the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerUnavailable(f"{call}: not sent, its deadline has passed")
+        done, cancel = threading.Event(), threading.Event()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(exchange(cancel))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="plancache-http", daemon=True).start()
+        if not done.wait(left):
+            cancel.set()
+            raise ServerUnavailable(f"{call}: no whole answer by its deadline ({left:.2f} s after it was sent)")
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,51 @@
+"""The one verification of a plan blob against its record, for every place that admits a blob.
+
+The order is fixed: size → sha256 → signature → graph key → environment. Each caller asks for the
+steps that apply to it: the client all of them; a bundle entry the same, against its header's
+environment and its enclosed spec's key; the worker a tuned blob's size, sha256 and environment; the
+server's publish and the worker spool size and sha256 only. The first failing step raises
+:class:`~plancache.errors.VerificationError` whose ``reason`` is one of :data:`REASONS`.
+Needs neither torch nor the server stack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .environment import Environment
+from .errors import VerificationError
+from .protocol import PlanMeta, PlanRecord
+from .signing import TrustedKeys
+
+#: Every reason a blob is rejected for. ``malformed``: a record or blob that cannot be decoded;
+#: ``deserialize``: a verified blob that cuDNN refused to load (counted by the client, not raised here).
+REASONS: tuple[str, ...] = ("malformed", "size", "sha256", "unsigned", "unknown_signer", "bad_signature",
+                            "graph_key", "environment", "deserialize")
+
+
+def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: TrustedKeys | None = None,
+                graph_key: str | None = None, environment: Environment | None = None) -> None:
+    """Raise :class:`VerificationError` (message starting with ``what``) at the first failing step.
+
+    Steps that are not asked for are skipped: size and sha256 when ``blob`` is None (the record alone:
+    is it authentic and meant for this graph and GPU?), the signature when ``trusted`` holds no key,
+    the graph key and environment when ``graph_key`` / ``environment`` is None."""
+    if blob is not None:
+        if len(blob) != record.blob_size:
+            raise VerificationError("size", f"{what}: blob size {len(blob)} does not match its record's "
+                                            f"{record.blob_size} bytes")
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != record.blob_sha256:
+            raise VerificationError("sha256", f"{what}: blob sha256 {digest} does not match its record's "
+                                              f"{record.blob_sha256}")
+    if trusted:
+        trusted.verify(record, what=what)  # SignatureError: unsigned, unknown_signer, bad_signature
+    if graph_key is not None and record.graph_key != graph_key:
+        raise VerificationError("graph_key", f"{what}: its record is for graph key {record.graph_key}, "
+                                             f"expected {graph_key}")
+    if environment is not None:
+        env_id = record.env_id if isinstance(record, PlanRecord) else record.environment.env_id
+        if env_id != environment.env_id or record.environment.validity() != environment.validity():
+            raise VerificationError("environment", f"{what}: its record is for {record.environment.describe()} "
+                                                   f"(env id {env_id}), expected {environment.describe()} "
+                                                   f"(env id {environment.env_id})")

@@ -1,0 +1,79 @@
+"""The job protocol (claim, heartbeat, complete, fail), plan upload and the admin's job calls, on the shared
+HTTP layer (:mod:`plancache.http`). A refusal arrives as its error class (``409 lease_lost`` →
+:class:`~plancache.errors.LeaseLost`); a server that cannot answer as
+:class:`~plancache.errors.ServerUnavailable`, once the client's :class:`~plancache.http.Retry` gives up.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from ..environment import Environment
+from ..http import HttpClient, Retry, json_as
+from ..protocol import (
+    ClaimRequest,
+    ClaimResponse,
+    CompleteRequest,
+    FailRequest,
+    Job,
+    JobList,
+    LeaseRequest,
+    PlanRecord,
+    PlanUpload,
+    TuneRequest,
+)
+
+#: Job calls carry plan uploads (up to the server's ``max_blob_bytes``): they wait longer for an answer
+#: than the client's resolve does.
+READ_TIMEOUT = 30.0
+
+
+class JobsApi:
+    """The job calls of a worker or an admin command, on ``http``."""
+
+    def __init__(self, http: HttpClient) -> None:
+        self.http = http
+
+    @classmethod
+    def open(cls, server_url: str, token: str | None, *, retry: Retry = Retry()) -> JobsApi:
+        """On a new :class:`~plancache.http.HttpClient` with ``retry``, the settings' connect timeout and a
+        :data:`READ_TIMEOUT` read timeout."""
+        return cls(HttpClient(server_url, token, policies=[retry], read_timeout=READ_TIMEOUT))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> JobsApi:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def claim(self, environment: Environment, worker_id: str) -> ClaimResponse | None:
+        """A job for ``environment`` with a lease, or ``None`` when the queue has none."""
+        body = ClaimRequest(environment=environment, worker_id=worker_id).model_dump(mode="json")
+        return self.http.read("POST", "/v1/jobs/claim", _claimed, body=body)
+
+    def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
+        """Extend the lease: one attempt (the caller beats again on its own schedule)."""
+        self.http.request("POST", f"/v1/jobs/{job_id}/heartbeat", body=lease.model_dump(mode="json"), timeout=timeout,
+                          retry=False)
+
+    def complete(self, job_id: int, req: CompleteRequest) -> None:
+        self.http.request("POST", f"/v1/jobs/{job_id}/complete", body=req.model_dump(mode="json"))
+
+    def fail(self, job_id: int, req: FailRequest) -> None:
+        self.http.request("POST", f"/v1/jobs/{job_id}/fail", body=req.model_dump(mode="json"))
+
+    def put_plan(self, upload: PlanUpload) -> PlanRecord:
+        return self.http.read("PUT", "/v1/plans", json_as(PlanRecord), body=upload.model_dump(mode="json"))
+
+    def enqueue(self, req: TuneRequest) -> list[Job]:
+        return self.http.read("POST", "/v1/admin/tune", json_as(JobList), body=req.model_dump(mode="json")).jobs
+
+    def job(self, job_id: int) -> Job:
+        return self.http.read("GET", f"/v1/jobs/{job_id}", json_as(Job))
+
+
+def _claimed(resp: httpx.Response) -> ClaimResponse | None:
+    return None if resp.status_code == 204 else ClaimResponse.model_validate_json(resp.content)
