@@ -98,8 +98,8 @@ def _run_threads(workers: int, body: Callable[[str], list[int]], deadline: float
 def _claim_only(store: Store, stop_at: float) -> Callable[[str], list[int]]:
     def body(worker: str) -> list[int]:
         got = []
-        while time.perf_counter() < stop_at and (job := store.claim(ENV, worker, lease_seconds=600)) is not None:
-            got.append(job.id)
+        while time.perf_counter() < stop_at and (claim := store.claim(ENV, worker, lease_seconds=600)) is not None:
+            got.append(claim.job.id)
         return got
     return body
 
@@ -107,13 +107,14 @@ def _claim_only(store: Store, stop_at: float) -> Callable[[str], list[int]]:
 def _full_cycle(store: Store, stop_at: float) -> Callable[[str], list[int]]:
     def body(worker: str) -> list[int]:
         got = []
-        while time.perf_counter() < stop_at and (job := store.claim(ENV, worker, lease_seconds=600)) is not None:
-            store.heartbeat(job.id, worker, job.fencing_token, lease_seconds=600)
+        while time.perf_counter() < stop_at and (claim := store.claim(ENV, worker, lease_seconds=600)) is not None:
+            job = claim.job
+            store.heartbeat(job.id, worker, claim.lease_token, lease_seconds=600)
             blob = f"plan for job {job.id}".encode() * 64
             meta = PlanMeta(graph_key=job.graph_key, environment=ENV, blob_sha256=hashlib.sha256(blob).hexdigest(),
                             blob_size=len(blob), engine_id=1, workspace_bytes=0, winner_median_ms=0.1,
                             tuning_seconds=1.0, worker_id=worker)
-            store.publish_plan(meta, blob, job_id=job.id, worker_id=worker, lease_token=job.fencing_token)
+            store.publish_plan(meta, blob, job_id=job.id, worker_id=worker, lease_token=claim.lease_token)
             got.append(job.id)
         return got
     return body

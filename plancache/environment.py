@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from .errors import GpuUnavailable
 
@@ -20,15 +20,26 @@ VALIDITY_FIELDS: tuple[str, ...] = ("sm", "sm_count", "cudnn_version", "driver_v
 INFO_FIELDS: tuple[str, ...] = ("device_name", "cuda_runtime", "torch_version")
 
 
+def refuse_bool(value: Any) -> Any:
+    """Before an integer field is validated: pydantic's lax mode would read ``true``/``false`` as 1/0."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be an integer, not a boolean")
+    return value
+
+
+#: An integer field of the wire models: lax (``"5"`` from a query string is 5) but never a boolean.
+Int = Annotated[int, BeforeValidator(refuse_bool)]
+
+
 class Environment(BaseModel):
     """A GPU environment. ``sm`` is major*10+minor (90 for an H100/H200)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    sm: int = Field(ge=10, le=1000, description="compute capability, major*10+minor")
-    sm_count: int = Field(ge=1, le=100_000)
-    cudnn_version: int = Field(ge=1, le=2**31 - 1, description="cuDNN backend version, e.g. 91900")
-    driver_version: int = Field(ge=1, le=2**31 - 1, description="CUDA driver API version, e.g. 13000")
+    sm: Int = Field(ge=10, le=1000, description="compute capability, major*10+minor")
+    sm_count: Int = Field(ge=1, le=100_000)
+    cudnn_version: Int = Field(ge=1, le=2**31 - 1, description="cuDNN backend version, e.g. 91900")
+    driver_version: Int = Field(ge=1, le=2**31 - 1, description="CUDA driver API version, e.g. 13000")
     frontend_version: str = Field(min_length=1, max_length=64, description="nvidia-cudnn-frontend version")
     device_name: str = Field(default="", max_length=256)
     cuda_runtime: str = Field(default="", max_length=64)

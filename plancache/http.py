@@ -12,11 +12,12 @@ A call is one *attempt* (send, read the answer) wrapped in the client's policies
 Policies: :class:`Retry` sends a call again after ServerUnavailable, with backoff; :class:`CircuitBreaker`
 fails every call at once for a cool-down after one failure. Needs only the base install (httpx, pydantic).
 
-Answers are streamed, so a call may bound them while they arrive: ``max_bytes`` (an answer declaring or
-delivering more is cut off after at most ``max_bytes + 1`` bytes of body plus one network chunk) and
-``deadline`` (a :func:`time.monotonic` instant by which the whole answer must be in, connect and headers
-included; the caller gets ServerUnavailable at that instant at the latest). Either failure is ServerUnavailable,
-so a :class:`CircuitBreaker` opens as for any other.
+Answers are streamed, so a call may bound them while they arrive: ``max_bytes`` (an answer declaring more is
+refused before its body is read; one delivering more is cut off at the network chunk that crosses the limit, so
+at most ``max_bytes`` plus one chunk is ever held) and ``deadline`` (a :func:`time.monotonic` instant by which
+the whole answer must be in, connect and headers included: the exchange runs on a helper thread and the caller
+gets ServerUnavailable at that instant at the latest). Either failure is ServerUnavailable, so a
+:class:`CircuitBreaker` opens as for any other. Calls without them read the whole answer, as before.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
 
 from .errors import SpecError
-from .spec import GraphSpec, TuningSpec, pydantic_message
+from .spec import MAX_DIM, MAX_NAME, MAX_PARAMS, MAX_PORTS, MAX_TENSORS, GraphSpec, TuningSpec, pydantic_message
 
 #: The schema-1 version number.
 LEGACY_SCHEMA_VERSION = 1
@@ -33,6 +33,10 @@ DType = Literal["float16", "bfloat16", "float32", "int32", "int64"]
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 MAX_RANK = 8
 MAX_ELEMENTS = 1 << 40
+#: A tensor name (a key of ``tensors``/``outputs``, a node's port value).
+Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
+#: A dim, stride, padding…: bounded like the schema-2 document's dims.
+Size = Annotated[int, Field(ge=-MAX_DIM, le=MAX_DIM)]
 
 
 class _Strict(BaseModel):
@@ -42,8 +46,8 @@ class _Strict(BaseModel):
 class TensorSpec(_Strict):
     """A non-virtual tensor: a graph input, or a graph output in :attr:`LegacySpec.outputs`."""
 
-    dims: list[int] = Field(min_length=1, max_length=MAX_RANK)
-    strides: list[int] = Field(min_length=1, max_length=MAX_RANK)
+    dims: list[Size] = Field(min_length=1, max_length=MAX_RANK)
+    strides: list[Size] = Field(min_length=1, max_length=MAX_RANK)
     dtype: DType
     pass_by_value: bool = False
 
@@ -51,9 +55,9 @@ class TensorSpec(_Strict):
 class NodeSpec(_Strict):
     op: str = Field(min_length=1, max_length=64)
     name: str | None = Field(default=None, max_length=128, description="cosmetic; not part of the key")
-    inputs: dict[str, str]
-    attrs: dict[str, Any] = Field(default_factory=dict)
-    outputs: dict[str, str]
+    inputs: dict[Annotated[str, StringConstraints(max_length=64)], Name] = Field(max_length=MAX_PORTS)
+    attrs: dict[str, Any] = Field(default_factory=dict, max_length=MAX_PARAMS)
+    outputs: dict[Annotated[str, StringConstraints(max_length=64)], Name] = Field(max_length=MAX_PORTS)
 
 
 # ---------------------------------------------------------------- op attributes
@@ -64,9 +68,9 @@ class NoAttrs(_Strict):
 
 
 class ConvAttrs(_Strict):
-    padding: list[int] | None = None
-    stride: list[int] | None = None
-    dilation: list[int] | None = None
+    padding: list[Size] | None = Field(default=None, max_length=MAX_RANK)
+    stride: list[Size] | None = Field(default=None, max_length=MAX_RANK)
+    dilation: list[Size] | None = Field(default=None, max_length=MAX_RANK)
 
 
 class ReluAttrs(_Strict):
@@ -79,7 +83,7 @@ class SwishAttrs(_Strict):
 
 class ReductionAttrs(_Strict):
     mode: Literal["AMAX", "SUM"]
-    dims: list[int] = Field(min_length=1, max_length=MAX_RANK, description="output dims: 1 where reduced")
+    dims: list[Size] = Field(min_length=1, max_length=MAX_RANK, description="output dims: 1 where reduced")
 
 
 class SdpaAttrs(_Strict):
@@ -265,9 +269,9 @@ class LegacySpec(_Strict):
     io_data_type: DType
     intermediate_data_type: DType = "float32"
     compute_data_type: DType = "float32"
-    tensors: dict[str, TensorSpec] = Field(min_length=1)
+    tensors: dict[Name, TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
     nodes: list[NodeSpec] = Field(min_length=1, max_length=256)
-    outputs: dict[str, TensorSpec] = Field(min_length=1)
+    outputs: dict[Name, TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import base64
 import binascii
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
-from .environment import VALIDITY_FIELDS, Environment
+from .environment import VALIDITY_FIELDS, Environment, Int, refuse_bool
 
 Role = Literal["reader", "worker", "admin"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
@@ -20,6 +21,18 @@ GRAPH_KEY_PATTERN = r"^[0-9a-f]{64}$"
 GraphKey = str
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+#: Graph keys one request may name (resolve: also at most ``PLANCACHE_MAX_RESOLVE_KEYS``; tune: graph keys × targets
+#: at most 10,000 jobs).
+MAX_KEYS_PER_REQUEST = 10_000
+#: Knobs of one plan or candidate (cuDNN has 43 knob types), and the length of a knob's name.
+MAX_KNOBS = 64
+Int32 = Annotated[int, Ge(-INT32_MAX - 1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
+Int64 = Annotated[int, Ge(-INT64_MAX - 1), Le(INT64_MAX), BeforeValidator(refuse_bool)]
+GraphKeyStr = Annotated[str, StringConstraints(pattern=GRAPH_KEY_PATTERN)]
+#: Knob name → value, as cuDNN names them (``knob_type`` members, e.g. ``SPLIT_K``).
+Knobs = dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Int64]
+#: Job priorities: higher is claimed first.
+PRIORITY_MAX = 1_000_000
 LEASE_TOKEN_MAX_LENGTH = 128
 
 
@@ -31,10 +44,23 @@ def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+#: Characters :func:`b64decode` decodes at a time (a multiple of 4).
+B64_CHUNK = 4 << 20
+
+
 def b64decode(text: str, what: str = "blob") -> bytes:
-    """Strict base64 decode; raises ``ValueError`` naming ``what``."""
+    """Strict base64 decode; raises ``ValueError`` naming ``what``. A long text is decoded 4 MiB at a time, so a
+    server thread decoding a large plan lets the event loop run in between (padding only at the very end)."""
     try:
-        return base64.b64decode(text, validate=True)
+        if len(text) <= B64_CHUNK:
+            return base64.b64decode(text, validate=True)
+        parts = []
+        for start in range(0, len(text), B64_CHUNK):
+            part = text[start:start + B64_CHUNK]
+            if start + B64_CHUNK < len(text) and "=" in part:
+                raise ValueError("Excess data after padding")
+            parts.append(base64.b64decode(part, validate=True))
+        return b"".join(parts)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"{what} is not valid base64: {exc}") from exc
 
@@ -42,10 +68,10 @@ def b64decode(text: str, what: str = "blob") -> bytes:
 class TargetEnvironment(_Model):
     """Which environments a tuning job is for. A field left ``None`` matches any value."""
 
-    sm: int | None = Field(default=None, ge=10, le=1000)
-    sm_count: int | None = Field(default=None, ge=1, le=100_000)
-    cudnn_version: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    driver_version: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    sm: Int | None = Field(default=None, ge=10, le=1000)
+    sm_count: Int | None = Field(default=None, ge=1, le=100_000)
+    cudnn_version: Int | None = Field(default=None, ge=1, le=INT32_MAX)
+    driver_version: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     frontend_version: str | None = Field(default=None, min_length=1, max_length=64)
 
     def matches(self, env: Environment) -> bool:
@@ -59,11 +85,11 @@ class TargetEnvironment(_Model):
 class Candidate(_Model):
     """One candidate execution plan seen during autotuning."""
 
-    index: int = Field(ge=0, le=INT32_MAX)
-    engine_id: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
-    knobs: dict[str, int] = Field(default_factory=dict)
+    index: Int = Field(ge=0, le=INT32_MAX)
+    engine_id: Int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
+    knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     name: str = Field(default="", max_length=512)
-    workspace_bytes: int | None = Field(default=None, ge=0)
+    workspace_bytes: Int | None = Field(default=None, ge=0, le=INT64_MAX)
     median_ms: float | None = Field(default=None, ge=0)
     max_abs_err: float | None = None
     status: CandidateStatus
@@ -76,13 +102,13 @@ class PlanMeta(_Model):
     graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
     environment: Environment
     blob_sha256: str = Field(pattern=SHA256_PATTERN)
-    blob_size: int = Field(ge=1, le=INT64_MAX)
+    blob_size: Int = Field(ge=1, le=INT64_MAX)
     signature: str | None = Field(default=None, max_length=512, description="base64 ed25519 signature")
     signer_key_id: str | None = Field(default=None, max_length=128)
-    engine_id: int = Field(ge=-INT64_MAX, le=INT64_MAX)
-    knobs: dict[str, int] = Field(default_factory=dict)
+    engine_id: Int = Field(ge=-INT64_MAX, le=INT64_MAX)
+    knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     plan_name: str = Field(default="", max_length=512)
-    workspace_bytes: int = Field(ge=0, le=INT64_MAX)
+    workspace_bytes: Int = Field(ge=0, le=INT64_MAX)
     winner_median_ms: float = Field(ge=0)
     heuristic_median_ms: float | None = Field(default=None, ge=0)
     worst_median_ms: float | None = Field(default=None, ge=0)
@@ -111,30 +137,29 @@ class PlanPut(PlanUpload):
     ``lease_token`` of its claim (``worker_id`` is the lease's), and the upload completes that job. An admin
     token may leave both out and upload for any key and environment."""
 
-    job_id: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    job_id: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
+
+    @model_validator(mode="after")
+    def _lease_together(self) -> "PlanPut":
+        if (self.job_id is None) != (self.lease_token is None):
+            raise ValueError("job_id and lease_token are sent together")
+        return self
 
 
 class PlanRecord(PlanMeta):
     """A stored plan record."""
 
     env_id: str
-    job_id: int | None = None
+    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     created_at: datetime
 
 
 class ResolveRequest(_Model):
     environment: Environment
-    graph_keys: list[GraphKey] = Field(min_length=1)
+    graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST,
+                                          description="at most PLANCACHE_MAX_RESOLVE_KEYS (default 1000): 413 past it")
     include_blobs: bool = False
-
-    @field_validator("graph_keys")
-    @classmethod
-    def _keys_are_hex(cls, keys: list[str]) -> list[str]:
-        bad = [k for k in keys if len(k) != 64 or any(c not in "0123456789abcdef" for c in k)]
-        if bad:
-            raise ValueError(f"graph key {bad[0][:80]!r} is not 64 lowercase hex characters")
-        return keys
 
 
 class ResolvedPlan(_Model):
@@ -155,29 +180,29 @@ class SpecCreated(_Model):
 class TuneRequest(_Model):
     """``POST /v1/admin/tune``: tune these graph keys and/or specs on each target."""
 
-    graph_keys: list[GraphKey] = Field(default_factory=list)
-    specs: list[dict[str, Any]] = Field(default_factory=list)
-    targets: list[TargetEnvironment] = Field(min_length=1)
-    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
-    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    graph_keys: list[GraphKeyStr] = Field(default_factory=list, max_length=MAX_KEYS_PER_REQUEST)
+    specs: list[dict[str, Any]] = Field(default_factory=list, max_length=1000, description="GraphSpec documents")
+    targets: list[TargetEnvironment] = Field(min_length=1, max_length=100)
+    priority: Int = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)
+    max_attempts: Int | None = Field(default=None, ge=1, le=100)
 
 
 class EnqueueMissesRequest(_Model):
     """``POST /v1/admin/tune/misses``: enqueue the ``top`` most-missed keys of ``environment``."""
 
     environment: Environment
-    top: int = Field(default=10, ge=1, le=10_000)
-    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    top: Int = Field(default=10, ge=1, le=10_000)
+    priority: Int = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)
 
 
 class Job(_Model):
-    id: int
+    id: Int = Field(ge=1, le=INT64_MAX)
     graph_key: GraphKey
     target: TargetEnvironment
     status: JobStatus
-    priority: int
-    attempts: int
-    max_attempts: int
+    priority: Int32
+    attempts: Int = Field(ge=0, le=INT32_MAX)
+    max_attempts: Int = Field(ge=0, le=INT32_MAX)
     lease_owner: str | None = Field(default=None, description="the worker id of the lease; shown to admins and to the "
                                                               "lease's holder only")
     lease_holder: str | None = Field(default=None, description="the API token that claimed the lease (``token:<id>``); "
@@ -224,7 +249,7 @@ class Miss(_Model):
     graph_key: GraphKey
     env_id: str
     environment: Environment
-    count: int
+    count: Int = Field(ge=0, le=INT64_MAX)
     first_seen: datetime
     last_seen: datetime
 

@@ -1,4 +1,28 @@
-"""Configuration from ``PLANCACHE_*`` environment variables (pydantic-settings)."""
+"""Configuration from ``PLANCACHE_*`` environment variables (pydantic-settings), grouped by the role that reads it.
+
+Each variable is ``PLANCACHE_<FIELD>`` and is declared once, in the section of the role that reads it. A process
+reads the classes of its role only, so a bad value of a variable that another role reads does not stop it.
+
+Sections (one concern each):
+
+- :class:`StoreSettings`: where the store is (``DATABASE_URL``, ``BLOB_STORE``, ``JOB_MAX_ATTEMPTS``); the server
+  and the commands that open the database (``db``, ``token``, ``plans``, ``bundle``).
+- :class:`AdminTokenSettings`: ``ADMIN_TOKEN``; the server accepts it, admin commands send it.
+- :class:`ConnectionSettings`: how to reach a server (``SERVER_URL``, ``TOKEN``, ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``).
+- :class:`CacheSettings`: ``CACHE_DIR`` (the client's plan cache, the worker's upload spool).
+- :class:`SigningSettings`: ``SIGNING_KEY`` (worker, ``tune``, ``bundle export``).
+- :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``).
+
+Roles (what one kind of process reads):
+
+- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + the limits of the HTTP service.
+- :class:`WorkerSettings` (``plancache worker``, ``tune``): Connection + Cache + Signing.
+- :class:`ClientSettings` (the client library): Connection + Cache + Trust + the client's own knobs.
+- :class:`AdminSettings` (``enqueue``, ``tune --server``): Connection + AdminToken.
+- :class:`Settings`: every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
+
+A new setting goes into the section of the role that reads it (every class that includes that section gets it).
+"""
 
 from __future__ import annotations
 
@@ -8,38 +32,100 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+ENV_PREFIX = "PLANCACHE_"
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a settings field: ``open_reads`` → ``PLANCACHE_OPEN_READS``."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
 
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "plancache"
 
 
-class Settings(BaseSettings):
-    """All knobs of server, worker and client. Each is ``PLANCACHE_<NAME>`` in the environment."""
+class _Section(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    model_config = SettingsConfigDict(env_prefix="PLANCACHE_", extra="ignore")
 
-    # store / server
+# ------------------------------------------------------------------------------------------------ sections
+
+
+class StoreSettings(_Section):
+    """Where the store is: read by the server and by the commands that open the database themselves."""
+
     database_url: str = "sqlite:///./plancache.db"
     blob_store: str = "database"  # or file:///path (plancache.store.blobs)
+    job_max_attempts: int = 3
+
+
+class AdminTokenSettings(_Section):
+    """The bootstrap admin token: the server accepts it, admin commands send it."""
+
     admin_token: str | None = Field(default=None, repr=False)
+
+
+class ServerSettings(StoreSettings, AdminTokenSettings):
+    """``plancache serve`` and :func:`plancache.server.create_app`."""
+
     open_reads: bool = False
     max_blob_bytes: int = 64 * 1024 * 1024
     max_request_bytes: int = 96 * 1024 * 1024
     max_resolve_keys: int = 1000
     lease_seconds: float = 120.0
-    job_max_attempts: int = 3
+    # request limits (plancache.server.bodies, .limits, .serving; docs/DEPLOYMENT.md "Request limits")
+    max_json_bytes: int = 1024 * 1024  # body limit of every route but plan uploads (those: max_request_bytes)
+    max_inflight_bytes: int = 512 * 1024 * 1024  # memory of request bodies and answers in flight, per process
+    inflight_wait_seconds: float = 2.0  # a request over max_inflight_bytes waits this long, then 503
+    body_parse_threads: int = 1  # threads that parse and validate request bodies at once (per process)
+    header_timeout: float = 10.0  # seconds from connect (or the last answer) to a complete request head
+    body_timeout: float = 15.0  # seconds to receive a body, plus its size / body_min_rate
+    body_min_rate: int = 1024 * 1024  # bytes per second
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
+    spec_writes_per_minute: float = 60.0  # POST /v1/specs per non-admin token and process, after the burst
+    spec_write_burst: int = 300
+    misses_per_minute: float = 6000.0  # miss rows recorded per token and process, after the burst
+    miss_burst: int = 20000
 
-    # worker / client
+
+class ConnectionSettings(_Section):
+    """How a worker, a client or an admin command reaches the server."""
+
     server_url: str | None = None
     token: str | None = Field(default=None, repr=False)
-    signing_key: Path | None = None
-    trusted_keys: str | None = None
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
     connect_timeout: float = 1.0
     read_timeout: float = 5.0
 
-    # client only
+
+class CacheSettings(_Section):
+    """The local folder of a client (plan cache) or worker (upload spool, ``worker-spool/`` in it)."""
+
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+
+
+class SigningSettings(_Section):
+    """The ed25519 private key that signs plans (worker, ``tune``) and bundles (``bundle export``)."""
+
+    signing_key: Path | None = None
+
+
+class TrustSettings(_Section):
+    """The public keys a plan or bundle must be signed by (client, ``bundle import``)."""
+
+    trusted_keys: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------ roles
+
+
+class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
+    """``plancache worker`` and ``plancache tune``."""
+
+
+class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):
+    """The client library (:class:`plancache.client.PlanCache`)."""
+
     insecure_allow_unsigned: bool = False  # without trusted keys, admit plans checked by digest alone (normal mode)
     request_deadline: float = 5.0  # seconds: the whole server exchange of one plan()/prefetch()
     resolve_max_bytes: int = 256 * 1024 * 1024  # the largest resolve answer read (see README, Configuration)
@@ -47,6 +133,15 @@ class Settings(BaseSettings):
     cache_max_age_days: float = 30.0  # other environments' cache folders unused this long are dropped; 0: never
 
 
+class AdminSettings(ConnectionSettings, AdminTokenSettings):
+    """Admin commands that talk to a server (``plancache enqueue``, ``plancache tune --server``)."""
+
+
+class Settings(ServerSettings, WorkerSettings, ClientSettings, AdminSettings):
+    """Every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
+    Add a new setting to its role's section above, not here."""
+
+
 def get_settings() -> Settings:
-    """Read the settings now (never cached at import time)."""
+    """Read every setting now (never cached at import time)."""
     return Settings()

@@ -81,16 +81,19 @@ PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # ------------------------------------------------------------------ limits
+# Sized from real FE graphs (docs/SPEC.md "Limits"): the largest have hundreds of tensors, tens of nodes, rank
+# 5, about 25 ports and 30 params on a node. Counts and lengths are checked before pydantic builds anything.
 
-MAX_RANK = 12
-MAX_TENSORS = 4096
-MAX_NODES = 1024
-MAX_PARAMS = 256
-MAX_NAME = 256
-MAX_DIM = 1 << 40
-MAX_LIST = 1024
+MAX_RANK = 8  # cuDNN's CUDNN_DIM_MAX
+MAX_TENSORS = 1024
+MAX_NODES = 512
+MAX_PORTS = 64  # inputs, and outputs, of one node
+MAX_PARAMS = 64  # params of one node, entries of a $dict
+MAX_NAME = 256  # graph, tensor and node names; string values
+MAX_DIM = 1 << 40  # dims and strides
+MAX_LIST = 64  # items of a list or $tuple value
 MAX_DEPTH = 6
-MAX_UID = (1 << 63) - 1
+MAX_UID = (1 << 63) - 1  # uids, and any other integer (int64)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _ENUM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -155,8 +158,8 @@ class NodeDoc(_Strict):
     name: str = Field(default="", max_length=MAX_NAME)
     type: str
     compute_data_type: str | None = None
-    inputs: dict[str, int] = Field(default_factory=dict, max_length=64)
-    outputs: dict[str, int] = Field(min_length=1, max_length=64)
+    inputs: dict[str, int] = Field(default_factory=dict, max_length=MAX_PORTS)
+    outputs: dict[str, int] = Field(min_length=1, max_length=MAX_PORTS)
     params: dict[str, Any] = Field(default_factory=dict, max_length=MAX_PARAMS)
 
 
@@ -254,6 +257,8 @@ class GraphSpec(_Strict):
                 raise SpecError(f"{where}: dims {t.dim} / strides {t.stride} out of range [0, 2^40]")
             if t.pass_by_value is not None and isinstance(t.pass_by_value, float) and not math.isfinite(t.pass_by_value):
                 raise SpecError(f"{where}: embedded value {t.pass_by_value} is not finite")
+            if isinstance(t.pass_by_value, int) and abs(t.pass_by_value) > MAX_UID:
+                raise SpecError(f"{where}: embedded value out of range (a 64-bit integer)")
             if t.is_virtual and t.is_pass_by_value:
                 raise SpecError(f"{where}: a tensor cannot be both virtual and pass-by-value")
         for t in self.tensors:
@@ -510,9 +515,13 @@ def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
         return obj
     try:
         if isinstance(obj, (str, bytes)):
-            obj = json.loads(obj)
+            try:
+                obj = json.loads(obj)
+            except ValueError as exc:  # also an integer over Python's digit limit
+                raise SpecError(f"spec is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(obj, dict):
             raise SpecError(f"a spec must be a JSON object, not {type(obj).__name__}")
+        check_sizes(obj)
         if obj.get("schema") == 1:
             from .legacy_spec import legacy_document
 
@@ -524,6 +533,52 @@ def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
         raise SpecError("spec is nested too deeply") from None
     except ValidationError as exc:
         raise SpecError(f"invalid spec: {pydantic_message(exc)}") from None
+
+
+def _count(where: str, value: Any, limit: int) -> None:
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise SpecError(f"{where}: {len(value)} entries; the limit is {limit}")
+
+
+def _length(where: str, value: Any, limit: int = MAX_NAME) -> None:
+    if isinstance(value, str) and len(value) > limit:
+        raise SpecError(f"{where}: {len(value)} characters; the limit is {limit}")
+
+
+def check_sizes(doc: dict[str, Any]) -> None:
+    """Refuse a document (schema 1 or 2) over a count or length limit before it is validated, so that a huge
+    one costs a look at its top level, not a model per item: tensors, nodes, ports, params, names, rank."""
+    _length("name", doc.get("name"))
+    tensors, nodes = doc.get("tensors"), doc.get("nodes")
+    _count("tensors", tensors, MAX_TENSORS)
+    _count("nodes", nodes, MAX_NODES)
+    if isinstance(tensors, dict):  # schema 1: tensors and outputs by name
+        outputs = doc.get("outputs")
+        _count("outputs", outputs, MAX_TENSORS)
+        for section, named in (("tensors", tensors), ("outputs", outputs if isinstance(outputs, dict) else {})):
+            for name, t in named.items():
+                _length(f"{section}: a tensor name", name)
+                if isinstance(t, dict):
+                    _count(f"{section}[{str(name)[:40]!r}].dims", t.get("dims"), MAX_RANK)
+                    _count(f"{section}[{str(name)[:40]!r}].strides", t.get("strides"), MAX_RANK)
+    elif isinstance(tensors, list):
+        for i, t in enumerate(tensors):
+            if isinstance(t, dict):
+                _length(f"tensors[{i}].name", t.get("name"))
+                _count(f"tensors[{i}].dim", t.get("dim"), MAX_RANK)
+                _count(f"tensors[{i}].stride", t.get("stride"), MAX_RANK)
+    for i, n in enumerate(nodes if isinstance(nodes, list) else ()):
+        if not isinstance(n, dict):
+            continue
+        _length(f"nodes[{i}].name", n.get("name"))
+        for section in ("inputs", "outputs"):
+            ports = n.get(section)
+            _count(f"nodes[{i}].{section}", ports, MAX_PORTS)
+            for port, tensor in (ports.items() if isinstance(ports, dict) else ()):
+                _length(f"nodes[{i}].{section}: a port name", port)
+                _length(f"nodes[{i}].{section}[{str(port)[:40]!r}]", tensor)
+        for section in ("params", "attrs"):
+            _count(f"nodes[{i}].{section}", n.get(section), MAX_PARAMS)
 
 
 def canonical_json(obj: Any) -> str:

@@ -17,18 +17,22 @@ from .errors import VerificationError
 from .protocol import PlanMeta, PlanRecord
 from .signing import TrustedKeys
 
+#: A signature is required but no key is trusted to check it with (the client without trusted keys).
+NO_TRUSTED_KEYS = "no_trusted_keys"
 #: Every reason a blob is rejected for. ``malformed``: a record or blob that cannot be decoded;
 #: ``deserialize``: a verified blob that cuDNN refused to load (counted by the client, not raised here).
 REASONS: tuple[str, ...] = ("malformed", "size", "sha256", "unsigned", "unknown_signer", "bad_signature",
-                            "graph_key", "environment", "deserialize")
+                            NO_TRUSTED_KEYS, "graph_key", "environment", "deserialize")
 
 
 def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: TrustedKeys | None = None,
-                graph_key: str | None = None, environment: Environment | None = None) -> None:
+                graph_key: str | None = None, environment: Environment | None = None,
+                require_signature: bool = False) -> None:
     """Raise :class:`VerificationError` (message starting with ``what``) at the first failing step.
 
     Steps that are not asked for are skipped: size and sha256 when ``blob`` is None (the record alone:
-    is it authentic and meant for this graph and GPU?), the signature when ``trusted`` holds no key,
+    is it authentic and meant for this graph and GPU?), the signature when ``trusted`` holds no key — unless
+    ``require_signature``, when no key means the signature cannot be checked (:data:`NO_TRUSTED_KEYS`) —,
     the graph key and environment when ``graph_key`` / ``environment`` is None."""
     if blob is not None:
         if len(blob) != record.blob_size:
@@ -40,6 +44,9 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
                                               f"{record.blob_sha256}")
     if trusted:
         trusted.verify(record, what=what)  # SignatureError: unsigned, unknown_signer, bad_signature
+    elif require_signature:
+        raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
+                                                 f"so its signature cannot be verified")
     if graph_key is not None and record.graph_key != graph_key:
         raise VerificationError("graph_key", f"{what}: its record is for graph key {record.graph_key}, "
                                              f"expected {graph_key}")

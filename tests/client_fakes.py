@@ -1,12 +1,16 @@
 """Test doubles of the client's GPU backend (no GPU): they record every call, so tests can assert that a
-rejected blob never reached ``deserialize``."""
+rejected blob never reached ``deserialize``; and of hostile servers (:class:`DripServer`, :class:`CountedStream`)."""
 
 from __future__ import annotations
 
 import hashlib
+import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import torch
 
 from plancache.environment import Environment
@@ -149,3 +153,96 @@ def make_record(graph_key: str, env: Environment, blob: bytes, signer: Any = Non
 
     meta = make_meta(graph_key, env, blob, signer, **overrides)
     return PlanRecord(**meta.model_dump(), env_id=meta.environment.env_id, created_at=datetime.now(timezone.utc))
+
+
+class DripServer:
+    """A raw HTTP/1.1 server on 127.0.0.1 that answers every request with ``body`` (JSON), one byte every
+    ``interval`` seconds — the body only, or the status line and headers too (``drip_headers``). ``sent``
+    counts the body bytes sent; ``requests`` the requests read. Use as a context manager."""
+
+    def __init__(self, body: bytes, *, interval: float, drip_headers: bool = False) -> None:
+        self.body, self.interval, self.drip_headers = body, interval, drip_headers
+        self.sent = 0
+        self.requests = 0
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _drip(self, conn: socket.socket, data: bytes, counted: bool) -> bool:
+        for i in range(len(data)):
+            if self._stop.is_set():
+                return False
+            conn.sendall(data[i:i + 1])
+            if counted:
+                self.sent += 1
+            self._stop.wait(self.interval)
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, rest = data.split(b"\r\n\r\n", 1)
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                self.requests += 1
+                status = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(self.body)}\r\n\r\n").encode()
+                if self.drip_headers:
+                    if not self._drip(conn, status, counted=False):
+                        return
+                else:
+                    conn.sendall(status)
+                self._drip(conn, self.body, counted=True)
+            except OSError:  # the client hung up
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        for t in self._threads:
+            t.join(5)
+
+    def __enter__(self) -> DripServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CountedStream(httpx.SyncByteStream):
+    """A response body of ``size`` bytes made lazily in ``chunk``-byte pieces; ``read`` counts the bytes the
+    client pulled (what a hostile server would have pushed into its memory)."""
+
+    def __init__(self, size: int, chunk: int = 64 * 1024) -> None:
+        self.size, self.chunk = size, chunk
+        self.read = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        while self.read < self.size:
+            n = min(self.chunk, self.size - self.read)
+            self.read += n
+            yield b"\0" * n

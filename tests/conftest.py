@@ -18,8 +18,11 @@ Tests that need both databases take ``db_url`` or ``store``; ``-m "not postgres"
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -28,6 +31,16 @@ from typing import Any
 import pytest
 
 DEFAULT_POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+# Tests write only to temporary folders, whatever the shell exports: no PLANCACHE_* setting of the developer's
+# leaks in (PLANCACHE_TEST_* excepted), and the two defaults that name a place, ./plancache.db in the working
+# directory and ~/.cache/plancache, point into one scratch folder for the run (child processes inherit it).
+for _name in [n for n in os.environ if n.upper().startswith("PLANCACHE_") and not n.upper().startswith("PLANCACHE_TEST_")]:
+    del os.environ[_name]
+SCRATCH = tempfile.mkdtemp(prefix="plancache-tests-")
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+os.environ["PLANCACHE_DATABASE_URL"] = f"sqlite:///{os.path.join(SCRATCH, 'default.db')}"
+os.environ["PLANCACHE_CACHE_DIR"] = os.path.join(SCRATCH, "cache")
 
 
 class FakeClock:

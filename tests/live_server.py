@@ -28,6 +28,7 @@ import uvicorn
 
 from plancache.protocol import Role
 from plancache.server import create_app
+from plancache.server.serving import uvicorn_config
 from plancache.settings import Settings
 from plancache.store import open_store
 
@@ -65,8 +66,8 @@ class LiveServer:
         """Serve on :attr:`port` and return once ``/healthz`` answers."""
         if self._thread is not None:
             raise RuntimeError("the server is already running")
-        config = uvicorn.Config(self._asgi, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                                lifespan="on", interface="asgi3", timeout_graceful_shutdown=1)
+        config = uvicorn_config(self._asgi, self.settings, host="127.0.0.1", port=self.port, log_level="warning",
+                                access_log=False, lifespan="on", interface="asgi3", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)  # signal handlers are only installed on the main thread
         self._thread = threading.Thread(target=self._server.run, name=f"live-server-{self.port}", daemon=True)
         self._thread.start()

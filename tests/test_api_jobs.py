@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta
 
 import pytest
@@ -112,8 +113,9 @@ def test_misses_listing_and_enqueue_top_misses(api, make_spec, gpu_env):
 # ------------------------------------------------------------------ worker protocol
 
 
-def _claim(api, env, worker_id="w1"):
-    return api.client.post("/v1/jobs/claim", json={"environment": env.model_dump(), "worker_id": worker_id}, headers=api.worker)
+def _claim(api, env, worker_id="w1", headers=None):
+    return api.client.post("/v1/jobs/claim", json={"environment": env.model_dump(), "worker_id": worker_id},
+                           headers=headers or api.worker)
 
 
 def _lease(worker_id, token):
@@ -127,17 +129,20 @@ def test_claim_heartbeat_complete_round_trip(api, spec0, gpu_env, make_plan, clo
     r = _claim(api, gpu_env)
     assert r.status_code == 200
     claim = r.json()
-    assert claim["job"]["id"] == job["id"] and claim["job"]["status"] == "running"
-    assert claim["spec"] == api.store.get_spec(key) and claim["lease_token"] == claim["job"]["fencing_token"] == 1
+    token = claim["lease_token"]
+    assert claim["job"]["id"] == job["id"] and claim["job"]["status"] == "running" and claim["job"]["lease_owner"] == "w1"
+    assert claim["spec"] == api.store.get_spec(key) and isinstance(token, str) and len(token) >= 40
+    assert "fencing_token" not in claim["job"] and token not in json.dumps(claim["job"])
     assert datetime.fromisoformat(claim["lease_expires_at"]) == clock.now + timedelta(seconds=120)
     assert _claim(api, gpu_env, "w2").status_code == 204  # leased
 
     clock.advance(60)
-    r = api.client.post(f"/v1/jobs/{job['id']}/heartbeat", json=_lease("w1", 1), headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job['id']}/heartbeat", json=_lease("w1", token), headers=api.worker)
     assert r.status_code == 200 and datetime.fromisoformat(r.json()["lease_expires_at"]) == clock.now + timedelta(seconds=120)
+    assert r.json()["lease_owner"] == "w1" and token not in r.text
 
     meta, blob = make_plan(key, gpu_env, tuning_seconds=3.5)
-    body = {**_lease("w1", 1), "plan": upload_json(meta, blob)}
+    body = {**_lease("w1", token), "plan": upload_json(meta, blob)}
     r = api.client.post(f"/v1/jobs/{job['id']}/complete", json=body, headers=api.worker)
     assert r.status_code == 200, r.text
     assert r.json()["job_id"] == job["id"] and r.json()["blob_sha256"] == meta.blob_sha256
@@ -155,22 +160,24 @@ def test_claim_heartbeat_complete_round_trip(api, spec0, gpu_env, make_plan, clo
 def test_a_fenced_worker_is_refused(api, spec0, gpu_env, make_plan, clock):
     key, spec = spec0
     job_id = _tune(api, specs=[spec], targets=[{}]).json()["jobs"][0]["id"]
-    assert _claim(api, gpu_env, "w1").json()["lease_token"] == 1
+    first = _claim(api, gpu_env, "w1").json()["lease_token"]
     clock.advance(121)
-    assert _claim(api, gpu_env, "w2").json()["lease_token"] == 2  # took the expired lease over
+    second = _claim(api, gpu_env, "w2").json()  # took the expired lease over
+    assert second["job"]["attempts"] == 2 and second["lease_token"] != first
     meta, blob = make_plan(key, gpu_env, worker_id="w1")
-    for path, body in ((f"/v1/jobs/{job_id}/heartbeat", _lease("w1", 1)),
-                       (f"/v1/jobs/{job_id}/fail", {**_lease("w1", 1), "error": "boom"}),
-                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", 1), "plan": upload_json(meta, blob)})):
+    for path, body in ((f"/v1/jobs/{job_id}/heartbeat", _lease("w1", first)),
+                       (f"/v1/jobs/{job_id}/fail", {**_lease("w1", first), "error": "boom"}),
+                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", first), "plan": upload_json(meta, blob)})):
         r = api.client.post(path, json=body, headers=api.worker)
         assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost", path
+        assert "w2" not in r.text and second["lease_token"] not in r.text  # a refusal names no holder and no token
     assert api.store.get_plan(key, gpu_env) is None
     meta2, blob2 = make_plan(key, gpu_env, blob=b"w2's plan", worker_id="w2")
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w2", 2), "plan": upload_json(meta2, blob2)},
-                        headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete",
+                        json={**_lease("w2", second["lease_token"]), "plan": upload_json(meta2, blob2)}, headers=api.worker)
     assert r.status_code == 200 and r.json()["worker_id"] == "w2"
     # the fenced worker repeating its completion is still refused, even though the job is done now
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", 1), "plan": upload_json(meta, blob)},
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", first), "plan": upload_json(meta, blob)},
                         headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
 
@@ -180,15 +187,15 @@ def test_complete_checks_the_plan_against_the_job(api, make_spec, gpu_env, make_
     other, other_spec = make_spec(1)
     api.store.put_spec(other, other_spec)
     job_id = _tune(api, specs=[spec], targets=[{"sm": gpu_env.sm}]).json()["jobs"][0]["id"]
-    _claim(api, gpu_env)
+    lease = _lease("w1", _claim(api, gpu_env).json()["lease_token"])
     wrong_key = upload_json(*make_plan(other, gpu_env))
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", 1), "plan": wrong_key}, headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": wrong_key}, headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
     wrong_env = upload_json(*make_plan(key, gpu_env.model_copy(update={"sm": 100})))
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", 1), "plan": wrong_env}, headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": wrong_env}, headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "environment_mismatch"
     bad_b64 = {**upload_json(*make_plan(key, gpu_env)), "blob_b64": "%%%"}
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", 1), "plan": bad_b64}, headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": bad_b64}, headers=api.worker)
     assert r.status_code == 422 and "plan.blob_b64" in r.json()["error"]["message"]
     assert api.store.get_job(job_id).status == "running"
 
@@ -196,11 +203,128 @@ def test_complete_checks_the_plan_against_the_job(api, make_spec, gpu_env, make_
 def test_fail_requeues_then_fails_for_good(api, spec0, gpu_env):
     _, spec = spec0
     job_id = _tune(api, specs=[spec], targets=[{}], max_attempts=2).json()["jobs"][0]["id"]
-    _claim(api, gpu_env)
-    r = api.client.post(f"/v1/jobs/{job_id}/fail", json={**_lease("w1", 1), "error": "numerics"}, headers=api.worker)
+    first = _claim(api, gpu_env).json()["lease_token"]
+    r = api.client.post(f"/v1/jobs/{job_id}/fail", json={**_lease("w1", first), "error": "numerics"}, headers=api.worker)
     assert r.status_code == 200 and r.json()["status"] == "queued" and r.json()["error"] == "numerics"
-    assert _claim(api, gpu_env).json()["lease_token"] == 2
-    r = api.client.post(f"/v1/jobs/{job_id}/fail", json={**_lease("w1", 2), "error": "again", "retryable": True},
-                        headers=api.worker)
+    second = _claim(api, gpu_env).json()
+    assert second["job"]["attempts"] == 2 and second["lease_token"] != first
+    r = api.client.post(f"/v1/jobs/{job_id}/fail", json={**_lease("w1", second["lease_token"]), "error": "again",
+                                                         "retryable": True}, headers=api.worker)
     assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["attempts"] == 2
     assert api.client.get("/v1/jobs", params={"status": "failed"}, headers=api.admin).json()["jobs"][0]["id"] == job_id
+
+
+# ------------------------------------------------------------------ leases are bound to their holder
+
+
+@pytest.fixture
+def intruder(api):
+    """``Authorization`` headers of a second worker token (another worker, or someone who stole one)."""
+    token, _ = api.store.create_token("test-worker-2", "worker")
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _held_job(api, make_spec, gpu_env, i=0):
+    """A job claimed by worker ``w1`` with ``api.worker``: (job id, graph key, lease token)."""
+    key, spec = make_spec(i)
+    _tune(api, specs=[spec], targets=[{}])
+    claim = _claim(api, gpu_env, "w1").json()
+    return claim["job"]["id"], key, str(claim["lease_token"])
+
+
+def test_another_worker_token_cannot_heartbeat_complete_or_fail_a_claimed_job(api, intruder, make_spec, gpu_env,
+                                                                               make_plan):
+    """Even with the lease token itself (leaked), a second worker token is refused 403 ``not_lease_holder`` and
+    changes nothing; the real holder then completes (before: 200 for the intruder, 409 for the holder)."""
+    job_id, key, token = _held_job(api, make_spec, gpu_env)
+    meta, blob = make_plan(key, gpu_env, blob=b"the intruder's blob", worker_id="w1")
+    for path, body in ((f"/v1/jobs/{job_id}/heartbeat", _lease("w1", token)),
+                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", token), "plan": upload_json(meta, blob)}),
+                       (f"/v1/jobs/{job_id}/fail", {**_lease("w1", token), "error": "sabotage", "retryable": False})):
+        r = api.client.post(path, json=body, headers=intruder)
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "not_lease_holder" and "only the token that claimed" in r.json()["error"]["message"]
+    job = api.store.get_job(job_id)
+    assert job.status == "running" and job.attempts == 1 and job.error is None
+    assert api.store.get_plan(key, gpu_env) is None and api.store.get_blob(meta.blob_sha256) is None
+    good, good_blob = make_plan(key, gpu_env, blob=b"the holder's blob", worker_id="w1")
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(good, good_blob)},
+                        headers=api.worker)
+    assert r.status_code == 200 and r.json()["blob_sha256"] == good.blob_sha256
+
+
+def test_job_detail_shows_no_lease_token_and_the_owner_only_to_admins_and_the_holder(api, intruder, make_spec, gpu_env):
+    """GET /v1/jobs/{id}: before, any worker token read the owner and the (counter) fencing token."""
+    job_id, _, token = _held_job(api, make_spec, gpu_env)
+    views = {who: api.client.get(f"/v1/jobs/{job_id}", headers=h) for who, h in
+             (("intruder", intruder), ("holder", api.worker), ("admin", api.admin))}
+    for who, r in views.items():
+        assert r.status_code == 200 and r.json()["status"] == "running", who
+        assert "fencing_token" not in r.json() and "lease_token" not in r.json() and token not in r.text, who
+    assert views["intruder"].json()["lease_owner"] is None and views["intruder"].json()["lease_holder"] is None
+    assert views["holder"].json()["lease_owner"] == "w1" and views["holder"].json()["lease_holder"] is None
+    worker_id = api.store.authenticate(api.worker["Authorization"].split()[1]).id
+    assert views["admin"].json()["lease_owner"] == "w1" and views["admin"].json()["lease_holder"] == f"token:{worker_id}"
+    listed = api.client.get("/v1/jobs", headers=api.admin).json()["jobs"][0]
+    assert listed["lease_owner"] == "w1" and token not in json.dumps(listed)
+
+
+def test_lease_tokens_cannot_be_guessed(api, intruder, make_spec, gpu_env, clock):
+    """Small numbers (before: the fencing token was a counter, 1 for a first claim, and worked from any worker
+    token), another job's token and near misses all answer 409 ``lease_lost`` and change nothing."""
+    job_id, _, token = _held_job(api, make_spec, gpu_env, 0)
+    _, _, other_token = _held_job(api, make_spec, gpu_env, 1)
+    expires = api.store.get_job(job_id).lease_expires_at
+    clock.advance(5)  # a heartbeat that got through would move the expiry
+    guesses = [str(n) for n in range(200)] + [other_token, token[:-1], token + "A", token.swapcase(), " " + token]
+    for headers in (intruder, api.worker):
+        for guess in guesses:
+            r = api.client.post(f"/v1/jobs/{job_id}/heartbeat", json=_lease("w1", guess), headers=headers)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost", guess
+    assert api.store.get_job(job_id).lease_expires_at == expires
+    assert api.client.post(f"/v1/jobs/{job_id}/heartbeat", json=_lease("w1", token), headers=api.worker).status_code == 200
+
+
+# ------------------------------------------------------------------ PUT /v1/plans: a worker only for a job it holds
+
+
+def test_a_worker_cannot_put_a_plan_for_a_slot_it_holds_no_job_for(api, intruder, make_spec, gpu_env, make_plan):
+    """Before: 201, and the legitimate completion for that key and environment then got 409."""
+    key, spec = make_spec(0)
+    squat, squat_blob = make_plan(key, gpu_env, blob=b"squatter", worker_id="w2")
+    r = api.client.put("/v1/plans", json=upload_json(squat, squat_blob, spec), headers=intruder)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    assert "only for a job it holds" in r.json()["error"]["message"]
+    assert api.store.get_plan(key, gpu_env) is None and api.store.get_spec(key) is None  # nothing stored
+    job_id, _, token = _held_job(api, make_spec, gpu_env)
+    meta, blob = make_plan(key, gpu_env, blob=b"legit", worker_id="w1")
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta, blob)},
+                        headers=api.worker)
+    assert r.status_code == 200 and api.store.get_plan(key, gpu_env).blob_sha256 == meta.blob_sha256
+
+
+def test_a_worker_puts_the_plan_of_the_job_it_holds(api, intruder, make_spec, gpu_env, make_plan):
+    job_id, key, token = _held_job(api, make_spec, gpu_env)
+    other, other_spec = make_spec(1)
+    meta, blob = make_plan(key, gpu_env, worker_id="w1")
+    held = {"job_id": job_id, "lease_token": token}
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=intruder)  # the lease, leaked
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_lease_holder"
+    r = api.client.put("/v1/plans", json=upload_json(*make_plan(other, gpu_env), other_spec, **held), headers=api.worker)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"  # not the job's graph key
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob, job_id=job_id, lease_token="1"), headers=api.worker)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob, job_id=job_id), headers=api.worker)
+    assert r.status_code == 422 and "together" in r.json()["error"]["message"]
+    assert api.store.get_plan(key, gpu_env) is None and api.store.get_job(job_id).status == "running"
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=api.worker)
+    assert r.status_code == 201, r.text
+    assert r.json()["job_id"] == job_id and api.store.get_job(job_id).status == "succeeded"
+    again = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=api.worker)  # a retried upload
+    assert again.status_code == 200 and again.json() == r.json()
+
+
+def test_an_admin_still_uploads_plans_directly(api, make_spec, gpu_env, make_plan):
+    key, spec = make_spec(0)
+    r = api.client.put("/v1/plans", json=upload_json(*make_plan(key, gpu_env), spec), headers=api.admin)
+    assert r.status_code == 201 and r.json()["job_id"] is None

@@ -55,7 +55,7 @@ def published(api, make_spec, make_plan, gpu_env):
     for i in range(2):
         key, spec = make_spec(i)
         meta, blob = make_plan(key, gpu_env, blob=f"plan-blob-{i}".encode() * 100)
-        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.worker)
+        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)  # uploads with no job
         assert r.status_code == 201, r.text
         out.append((key, meta, blob))
     return out
@@ -65,10 +65,10 @@ def test_put_plan_new_then_idempotent_then_conflict(api, published, make_plan, g
     key, meta, blob = published[0]
     record = api.store.get_plan(key, gpu_env)
     assert record is not None and record.blob_sha256 == sha(blob)
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob), headers=api.worker)
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob), headers=api.admin)
     assert r.status_code == 200 and r.json()["blob_sha256"] == sha(blob)
     other_meta, other_blob = make_plan(key, gpu_env, blob=b"a different plan")
-    r = api.client.put("/v1/plans", json=upload_json(other_meta, other_blob), headers=api.worker)
+    r = api.client.put("/v1/plans", json=upload_json(other_meta, other_blob), headers=api.admin)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
     assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
 
@@ -89,7 +89,7 @@ def test_put_plan_refusals(api, make_spec, make_plan, gpu_env):
     meta, blob = make_plan(key, gpu_env)
 
     def put(body):
-        r = api.client.put("/v1/plans", json=body, headers=api.worker)
+        r = api.client.put("/v1/plans", json=body, headers=api.admin)
         return r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]
 
     status, code, message = put(upload_json(meta, blob))  # no spec stored, none sent
@@ -112,14 +112,14 @@ def test_blob_over_the_limit_is_413(store, make_spec, make_plan, gpu_env):
     key, spec = make_spec(0)
     with open_api(store, max_blob_bytes=1000) as api:
         meta, blob = make_plan(key, gpu_env, blob=b"x" * 1001)
-        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.worker)
+        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
         # a lying blob_size does not get a large blob past the limit
         r = api.client.put("/v1/plans", json=upload_json(meta.model_copy(update={"blob_size": 10}), blob, spec),
-                           headers=api.worker)
+                           headers=api.admin)
         assert r.status_code == 413
         meta, blob = make_plan(key, gpu_env, blob=b"x" * 1000)
-        assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.worker).status_code == 201
+        assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
 
 
 def test_request_body_over_the_limit_is_413_declared_or_streamed(store, gpu_env):

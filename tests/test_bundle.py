@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plancache.bundle import export_bundle, import_bundle, load_bundle
-from plancache.cli import _load, app
+from plancache.cli import app
 from plancache.environment import Environment
 from plancache.errors import Conflict, NotFound, VerificationError
 from plancache.signing import Signer, TrustedKeys, keygen
@@ -217,7 +217,6 @@ def test_not_a_bundle(tmp_path, dest):
 
 @pytest.fixture(scope="module")
 def cli() -> Any:
-    _load()
     runner = CliRunner()
     return lambda *args, **env: runner.invoke(app, list(args), env={"PLANCACHE_TRUSTED_KEYS": None,
                                                                    "PLANCACHE_SIGNING_KEY": None, **env})

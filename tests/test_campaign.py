@@ -42,7 +42,7 @@ def test_campaign_fans_out_to_every_known_key_once(api, make_spec, make_plan, gp
     # Only a worker on the new environment gets them; the old fleet's workers are not disturbed.
     assert api.store.claim(gpu_env, "old-fleet", lease_seconds=60) is None
     claimed = api.store.claim(new, "new-fleet", lease_seconds=60)
-    assert claimed is not None and claimed.graph_key in keys
+    assert claimed is not None and claimed.job.graph_key in keys
 
     again = api.client.post(URL, json={"target": target, "priority": 7}, headers=api.admin).json()
     assert (again["enqueued"], again["already_queued"]) == (0, 5)

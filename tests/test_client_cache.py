@@ -1,8 +1,13 @@
-"""The client's disk cache: layout, atomic writes, damaged entries."""
+"""The client's disk cache: layout, atomic writes, damaged entries, the size cap (least recently used first),
+other environments' folders, and processes sharing one folder."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +19,17 @@ KEY = "c" * 64
 BLOB = b"plan-bytes" * 50
 
 
+def plan_files(folder: Path) -> list[str]:
+    """The entry files of a folder (not its ``.used`` marker)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
 def test_save_then_load_round_trips_under_the_environment_folder(tmp_path):
     cache = DiskCache(tmp_path, H200)
     record = make_record(KEY, H200, BLOB)
     assert cache.save(record, BLOB)
     folder = tmp_path / H200.env_id
-    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{KEY}.json", f"{record.blob_sha256}.blob"])
+    assert plan_files(folder) == sorted([f"{KEY}.json", f"{record.blob_sha256}.blob"])
     loaded, blob = cache.load(KEY)
     assert loaded == record and blob == BLOB
     # Another environment sees nothing.
@@ -59,7 +69,7 @@ def test_discard_removes_the_record_and_the_blob(tmp_path):
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
     cache.discard(KEY, record.blob_sha256)
-    assert list((tmp_path / H200.env_id).iterdir()) == []
+    assert plan_files(tmp_path / H200.env_id) == []
     cache.discard(KEY, record.blob_sha256)  # absent: no error
 
 
@@ -93,3 +103,156 @@ def test_an_unwritable_folder_is_reported_not_raised(tmp_path):
 def test_graph_keys_are_checked_before_they_become_paths(tmp_path):
     with pytest.raises(ValueError):
         DiskCache(tmp_path, H200).load("../../etc/passwd")
+
+
+# ------------------------------------------------------------------ housekeeping
+
+DAY = 86400.0
+
+
+def key(i: int) -> str:
+    return hashlib.sha256(f"graph {i}".encode()).hexdigest()
+
+
+def blob(i: int, size: int = 1000) -> bytes:
+    return f"plan {i} ".encode().ljust(size, b".")
+
+
+def entry_bytes(cache: DiskCache, i: int) -> int:
+    record = make_record(key(i), H200, blob(i))
+    return len(blob(i)) + len(record.model_dump_json().encode())
+
+
+def set_last_use(cache: DiskCache, i: int, when: float) -> None:
+    record, _ = cache.load(key(i))
+    for path in (cache.dir / f"{key(i)}.json", cache.dir / f"{record.blob_sha256}.blob"):
+        os.utime(path, (when, when))
+
+
+def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
+    """Before: no cap; the cache grew without bound."""
+    one = entry_bytes(DiskCache(tmp_path, H200), 0)
+    cache = DiskCache(tmp_path, H200, max_bytes=10 * one)
+    for i in range(10):
+        assert cache.save(make_record(key(i), H200, blob(i)), blob(i))
+    assert cache.size() == 10 * one
+    now = time.time()
+    for i in range(10):  # entry i was last used i minutes ago: 9 is the least recently used
+        set_last_use(cache, i, now - 60 * i)
+    assert cache.load(key(8)) is not None  # a hit makes 8 the most recently used
+    cache.save(make_record(key(10), H200, blob(10)), blob(10))  # over the cap: down to 90 % of it
+    assert cache.size() <= 0.9 * cache.max_bytes
+    kept = [i for i in range(11) if cache.load(key(i)) is not None]
+    assert kept == [0, 1, 2, 3, 4, 5, 6, 8, 10], "evicted out of least-recently-used order"
+    assert not list(cache.dir.glob("*.tmp"))
+    # Without a cap nothing is evicted.
+    free = DiskCache(tmp_path / "free", H200, max_bytes=0)
+    for i in range(30):
+        free.save(make_record(key(i), H200, blob(i)), blob(i))
+    assert free.size() == 30 * one
+
+
+def test_the_cap_counts_every_environment_and_spares_other_folders(tmp_path):
+    one = entry_bytes(DiskCache(tmp_path, H200), 0)
+    other = DiskCache(tmp_path, OTHER_GPU)
+    for i in range(5):
+        other.save(make_record(key(i), OTHER_GPU, blob(i)), blob(i))
+        set_last_use(other, i, time.time() - DAY)
+    spool = tmp_path / "worker-spool"  # the worker's spool lives under the same root by default
+    spool.mkdir()
+    (spool / "job-1-1.blob").write_bytes(b"x" * 50 * one)
+    cache = DiskCache(tmp_path, H200, max_bytes=6 * one)
+    for i in range(5):
+        cache.save(make_record(key(i), H200, blob(i)), blob(i))
+    assert cache.size() <= 6 * one
+    assert all(cache.load(key(i)) is not None for i in range(5))  # the older environment went first
+    assert (spool / "job-1-1.blob").stat().st_size == 50 * one
+
+
+def test_a_reader_sharing_the_folder_with_an_evicting_writer_only_ever_misses(tmp_path):
+    """Another process evicting under a reader: every load is a whole, consistent entry or a miss, never an error."""
+    one = entry_bytes(DiskCache(tmp_path, H200), 0)
+    writer = DiskCache(tmp_path, H200, max_bytes=8 * one)
+    reader = DiskCache(tmp_path, H200)
+    stop, seen, errors = threading.Event(), {"hit": 0, "miss": 0}, []
+
+    def read() -> None:
+        while not stop.is_set():
+            for i in range(40):
+                try:
+                    got = reader.load(key(i))
+                except Exception as exc:  # noqa: BLE001 - the test's point
+                    errors.append(exc)
+                    continue
+                if got is None:
+                    seen["miss"] += 1
+                else:
+                    record, data = got
+                    if record.graph_key != key(i) or hashlib.sha256(data).hexdigest() != record.blob_sha256:
+                        errors.append(AssertionError(f"entry {i} is not whole"))
+                    seen["hit"] += 1
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for rounds in range(5):
+            for i in range(40):
+                assert writer.save(make_record(key(i), H200, blob(i)), blob(i))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert errors == [] and seen["hit"] > 0 and seen["miss"] > 0
+    assert writer.size() <= 8 * one
+
+
+def test_folders_of_environments_unused_for_max_age_days_are_dropped(tmp_path):
+    """Before: the folder of every cuDNN, driver or GPU this cache ever saw stayed forever."""
+    old_driver = H200.model_copy(update={"driver_version": 1})
+    old, recent = DiskCache(tmp_path, OTHER_GPU), DiskCache(tmp_path, old_driver)
+    for c, env in ((old, OTHER_GPU), (recent, old_driver)):
+        c.save(make_record(KEY, env, BLOB), BLOB)
+    stale = time.time() - 31 * DAY
+    os.utime(old.dir / ".used", (stale, stale))
+    os.utime(recent.dir / ".used", (time.time() - 2 * DAY,) * 2)
+    (tmp_path / "worker-spool").mkdir()
+    os.utime(tmp_path / "worker-spool", (stale, stale))
+    (tmp_path / ("0" * 32)).mkdir()  # an environment folder without its marker: its own time counts
+    os.utime(tmp_path / ("0" * 32), (stale, stale))
+    here = DiskCache(tmp_path, H200, max_age_days=30)
+    assert sorted(p.name for p in here.sweep()) == sorted([old.dir.name, "0" * 32])
+    assert not old.dir.exists() and recent.dir.exists() and (tmp_path / "worker-spool").exists()
+    # The current environment is never dropped, however old; opening the cache marks it used.
+    here.save(make_record(KEY, H200, BLOB), BLOB)
+    os.utime(here.dir / ".used", (stale, stale))
+    assert DiskCache(tmp_path, H200, max_age_days=30).sweep() == [] and here.load(KEY) is not None
+    assert (here.dir / ".used").stat().st_mtime > time.time() - 60
+    # 0 (or None) never drops anything.
+    os.utime(recent.dir / ".used", (stale, stale))
+    assert DiskCache(tmp_path, H200, max_age_days=0).sweep() == [] and recent.dir.exists()
+
+
+def test_a_crashed_writers_temporary_files_are_removed_by_a_scan(tmp_path):
+    cache = DiskCache(tmp_path, H200, max_bytes=1 << 30)
+    cache.save(make_record(KEY, H200, BLOB), BLOB)
+    fresh, stale = cache.dir / f".{KEY}.json.fresh.tmp", cache.dir / f".{KEY}.json.stale.tmp"
+    for p in (fresh, stale):
+        p.write_bytes(b"half")
+    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    cache.size()
+    assert fresh.exists() and not stale.exists()
+
+
+def test_plancache_opens_the_cache_with_its_settings(tmp_path):
+    from plancache.client import PlanCache
+    from plancache.settings import Settings
+    from tests.client_fakes import RecordingBackend
+
+    stale_dir = tmp_path / ("f" * 32)
+    stale_dir.mkdir()
+    os.utime(stale_dir, (time.time() - 40 * DAY,) * 2)
+    pc = PlanCache("", backend=RecordingBackend(), cache_dir=tmp_path, cache_max_bytes=12345,
+                   settings=Settings(cache_max_age_days=30))
+    assert pc.disk.max_bytes == 12345 and pc.disk.max_age_days == 30 and not stale_dir.exists()
+    assert PlanCache("", backend=RecordingBackend(), cache_dir=tmp_path, settings=Settings()).disk.max_bytes == 2 << 30

@@ -23,7 +23,17 @@ from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan,
 from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec
-from tests.client_fakes import H200, OTHER_GPU, RecordingBackend, make_meta, make_record, new_signer, trusted
+from tests.client_fakes import (
+    H200,
+    OTHER_GPU,
+    CountedStream,
+    DripServer,
+    RecordingBackend,
+    make_meta,
+    make_record,
+    new_signer,
+    trusted,
+)
 from tests.live_server import LiveServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -65,7 +75,8 @@ class Wire(httpx.HTTPTransport):
 def edit_blob(key: str, change: Callable[[bytes], bytes]) -> Callable[[dict], None]:
     def edit(body: dict) -> None:
         entry = body["plans"][key]
-        entry["blob_b64"] = base64.b64encode(change(base64.b64decode(entry["blob_b64"]))).decode()
+        if entry["blob_b64"] is not None:  # a client that cannot check signatures asks for records only
+            entry["blob_b64"] = base64.b64encode(change(base64.b64decode(entry["blob_b64"]))).decode()
     return edit
 
 
@@ -258,6 +269,70 @@ def test_a_slow_server_times_out_quickly_and_is_then_skipped(srv, tmp_path, sign
     assert wire.paths["/v1/plans/resolve"] == 1
 
 
+@pytest.mark.parametrize("phase", ["body", "headers"])
+def test_a_dripping_server_costs_at_most_the_request_deadline(tmp_path, signer, phase):
+    """Before: an answer dripped one byte every 50 ms held prefetch until its last byte (20 s for this 400-byte
+    answer; the read timeout is per chunk, and every chunk came in time). Now the whole exchange is cut at the
+    deadline, connect and headers included, and the breaker keeps the next load off the network."""
+    answer = b'{"plans": {}, "missing": []}'.ljust(400)
+    with DripServer(answer, interval=0.05, drip_headers=phase == "headers") as drip:
+        pc = PlanCache(drip.url, backend=RecordingBackend(), trusted_keys=trusted(signer), cache_dir=tmp_path / "cache",
+                       request_deadline=1.0, read_timeout=5.0)
+        t0 = time.monotonic()
+        plans = pc.prefetch([CONV, SDPA])
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.5, f"prefetch took {elapsed:.1f} s against a dripping server (deadline 1 s)"
+        assert [p.source for p in plans.values()] == ["heuristic", "heuristic"]
+        assert drip.requests == 1 and drip.sent < len(answer)
+        s = pc.stats()
+        assert s.remote_errors == 1 and s.fallbacks["server"] == 2 and pc._remote.is_off
+        t0 = time.monotonic()
+        assert pc.plan(MATMUL).source == "heuristic"
+        assert time.monotonic() - t0 < 0.5 and pc.stats().remote_skipped == 1 and drip.requests == 1
+
+
+class OversizeBlobs(Wire):
+    """The real server, except that every blob download is answered with ``body`` (no Content-Length)."""
+
+    def __init__(self, body: CountedStream) -> None:
+        super().__init__()
+        self.body = body
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/blobs/"):
+            self.paths[request.url.path] += 1
+            return httpx.Response(200, stream=self.body)
+        return super().handle_request(request)
+
+
+def test_an_oversize_blob_download_is_cut_off_at_its_record_size(srv, tmp_path, signer):
+    """Before: a 512 MiB body served for a blob whose record says 740 bytes was read whole, then refused by size.
+    Now the download stops as soon as it passes the record's size: a server failure (breaker open), nothing
+    deserialized, and the authentic record's engine config is rebuilt."""
+    blob = seed(srv, CONV, signer)
+    huge = CountedStream(512 * 1024 * 1024, chunk=1024)
+    wire = OversizeBlobs(huge)
+    wire.edit_answer = lambda body: body["plans"][CONV.graph_key].update(blob_b64=None)
+    pc = client(srv, tmp_path, signer, wire=wire)
+    assert pc.plan(CONV).source == "rebuild" and pc._backend.deserialized == []
+    assert huge.read <= len(blob) + 1 + huge.chunk, f"{huge.read} bytes read for a {len(blob)}-byte blob"
+    s = pc.stats()
+    assert s.remote_errors == 1 and s.rejects == {} and pc._remote.is_off and cached_files(tmp_path) == []
+
+
+def test_an_oversize_resolve_answer_is_cut_off(srv, tmp_path, signer):
+    """A resolve answer is read up to min(PLANCACHE_RESOLVE_MAX_BYTES, keys x (record + base64 of the largest
+    blob)); a longer one fails the round trip."""
+    seed(srv, CONV, signer)
+    pc = client(srv, tmp_path, signer, settings=Settings(resolve_max_bytes=512))
+    assert pc._remote.resolve_limit(1, True) == 512
+    assert pc.plan(CONV).source == "heuristic" and pc._backend.deserialized == []
+    assert pc.stats().remote_errors == 1 and pc._remote.is_off
+    roomy = client(srv, tmp_path / "r", signer, settings=Settings(max_blob_bytes=4096))
+    assert roomy._remote.resolve_limit(2, True) == 64 * 1024 + 2 * (16 * 1024 + 5464)  # 5464: base64 of 4096 bytes
+    assert roomy.plan(CONV).source == "server"
+
+
 def test_misses_are_recorded_and_specs_registered_with_a_reader_token(srv, tmp_path, signer, wire):
     reader = client(srv, tmp_path / "r", signer, wire=wire)
     assert reader.plan(CONV).source == "heuristic"
@@ -344,17 +419,143 @@ def test_credentials_the_server_refuses_turn_the_remote_off(srv, tmp_path, signe
     assert pc.stats().remote_errors == 1 and pc.stats().remote_skipped == 1
 
 
-def test_without_trusted_keys_digests_are_checked_and_a_warning_says_signatures_are_not(srv, tmp_path, caplog):
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+EVIL = b"the attacker's own plan" * 40  # what a hostile proxy substitutes
+
+
+def forge(key: str, how: str) -> Callable[[dict], None]:
+    """A hostile link's edit of the resolve answer for ``key``: every forgery keeps size and digest consistent."""
+    def edit(body: dict) -> None:
+        entry = body["plans"][key]
+        rec = entry["record"]
+        if how == "replaced_blob":  # another blob, its digest and size recomputed
+            entry["blob_b64"] = b64(EVIL)
+            rec.update(blob_sha256=hashlib.sha256(EVIL).hexdigest(), blob_size=len(EVIL))
+        elif how == "relabelled_gpu":  # another GPU's plan, relabelled for this one
+            rec.update(environment=H200.model_dump(mode="json"), env_id=H200.env_id)
+        elif how == "rewritten_config":  # the engine config rewritten, the blob spoiled so that it is rebuilt
+            rec.update(engine_id=666, knobs={"TILE_M": 64})
+            entry["blob_b64"] = b64(b"spoiled")
+    return edit
+
+
+FORGERIES = ["replaced_blob", "relabelled_gpu", "rewritten_config"]
+
+
+def forged_server(srv: LiveServer, signer: Any, how: str) -> Wire:
+    """The plan of CONV as a hostile link delivers it: a :class:`Wire` playing the proxy."""
+    wire = Wire()
+    if how == "relabelled_gpu":
+        seed(srv, CONV, signer, env=OTHER_GPU)
+        wire.edit_request = lambda body: body.update(environment=OTHER_GPU.model_dump(mode="json"))
+    else:
+        seed(srv, CONV, signer)
+    wire.edit_answer = forge(CONV.graph_key, how)
+    return wire
+
+
+def cached_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.suffix in (".json", ".blob"))
+
+
+@pytest.mark.parametrize("how", FORGERIES)
+def test_without_trusted_keys_a_forged_plan_is_refused_never_cached_and_built_locally(srv, tmp_path, signer, how, caplog):
+    """Before: with no trusted keys each forgery was deserialized (or its rewritten engine config rebuilt) and
+    written to the disk cache, from which the next process loaded it offline."""
+    wire = forged_server(srv, signer, how)
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        pc = client(srv, tmp_path, signer, wire=wire, trusted_keys=None, settings=Settings(trusted_keys=None))
+    assert "no trusted keys configured" in caplog.text and "refused (no_trusted_keys)" in caplog.text
+    plan = pc.plan(CONV)
+    assert (plan.source, pc._backend.deserialized) == ("heuristic", []), "a forged plan was loaded"
+    assert not [c for c in pc._backend.calls if c[0] == "engine_config"], "a forged engine config was rebuilt"
+    reason = "size" if how == "rewritten_config" else "no_trusted_keys"  # the spoiled blob fails a step earlier
+    assert pc.stats().rejects == {reason: 1}
+    assert cached_files(tmp_path) == [], "a forged plan was written to the disk cache"
+    # Strict mode names the reason and what to do.
+    strict = client(srv, tmp_path / "s", signer, wire=wire, trusted_keys=None, settings=Settings(trusted_keys=None),
+                    mode="strict")
+    with pytest.raises(PlanMiss, match=rf"server: rejected \({reason}\).*no trusted keys are configured"):
+        strict.plan(CONV)
+    assert strict._backend.calls == [] and cached_files(tmp_path / "s") == []
+
+
+def test_without_trusted_keys_a_cached_entry_is_refused_but_kept(srv, tmp_path, signer):
+    """A disk entry is not judged without keys: refused (no_trusted_keys), and left for a process that has them."""
+    seed(srv, CONV, signer)
+    client(srv, tmp_path, signer).plan(CONV)
+    files = cached_files(tmp_path)
+    assert len(files) == 2
+    offline = client(None, tmp_path, signer, trusted_keys=None, settings=Settings(trusted_keys=None))
+    assert offline.plan(CONV).source == "heuristic" and offline._backend.deserialized == []
+    assert offline.stats().rejects == {"no_trusted_keys": 1} and cached_files(tmp_path) == files
+    assert client(None, tmp_path, signer).plan(CONV).source == "disk"
+
+
+@pytest.mark.parametrize("how", ["setting", "config"])
+def test_the_insecure_opt_out_admits_unsigned_plans_but_never_writes_them_to_disk(srv, tmp_path, signer, how, caplog,
+                                                                                 monkeypatch):
     seed(srv, CONV, signer=None)
     seed(srv, SDPA, signer=None)
     wire = Wire()
-    wire.edit_answer = lambda body: body["plans"].get(SDPA.graph_key, {}).update(blob_b64=base64.b64encode(b"x").decode())
+    wire.edit_answer = lambda body: body["plans"].get(SDPA.graph_key, {}).update(blob_b64=b64(b"x"))
+    if how == "setting":
+        monkeypatch.setenv("PLANCACHE_INSECURE_ALLOW_UNSIGNED", "1")
+        opt_out: dict[str, Any] = {}
+    else:
+        opt_out = {"insecure_allow_unsigned": True}
     with caplog.at_level(logging.WARNING, logger="plancache.client"):
-        pc = PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
-                       settings=Settings(trusted_keys=None), transport=wire)
-    assert "signatures are not checked" in caplog.text
-    assert pc.plan(CONV).source == "server"
-    assert pc.plan(SDPA).source == "rebuild" and pc.stats().rejects == {"size": 1}
+        pc = client(srv, tmp_path, signer, wire=wire, trusted_keys=None, **opt_out)
+    assert pc.insecure_allow_unsigned and "INSECURE" in caplog.text
+    assert pc.plan(CONV).source == "server" and pc._backend.deserialized == [blob_of(CONV)]
+    # Digests are still checked; an unsigned record is never authentic, so its engine config is not rebuilt.
+    assert pc.plan(SDPA).source == "heuristic" and pc.stats().rejects == {"size": 1}
+    assert cached_files(tmp_path) == [], "an unsigned plan was written to the disk cache"
+    offline = client(None, tmp_path, signer, trusted_keys=None, **opt_out)
+    assert offline.plan(CONV).source == "heuristic"
+    # With trusted keys the opt-out changes nothing: every plan must be signed by one of them.
+    keyed = client(srv, tmp_path / "k", signer, **opt_out)
+    assert not keyed.insecure_allow_unsigned
+    assert keyed.plan(CONV).source == "heuristic" and keyed.stats().rejects == {"unsigned": 1}
+
+
+@pytest.mark.parametrize("mode", ["strict", "replay_only"])
+def test_strict_and_replay_only_refuse_unsigned_plans_even_with_the_opt_out(srv, tmp_path, signer, mode, caplog):
+    seed(srv, CONV, signer=None)
+    with caplog.at_level(logging.ERROR, logger="plancache.client"):
+        pc = client(srv, tmp_path, signer, trusted_keys=None, settings=Settings(trusted_keys=None),
+                    insecure_allow_unsigned=True, mode=mode)
+    assert not pc.insecure_allow_unsigned
+    assert f"{mode} mode admits signed plans only" in caplog.text and "ignored" in caplog.text
+    with pytest.raises(PlanMiss, match=rf"rejected \(no_trusted_keys\).*{mode} mode admits signed plans only"):
+        pc.plan(CONV)
+    assert pc._backend.calls == [] and cached_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", ["unsigned_damaged_blob", "unsigned_refused_by_cudnn", "strict_without_keys"])
+def test_only_an_authentic_record_is_rebuilt(srv, tmp_path, signer, case):
+    """Before: an unsigned record whose blob was damaged (or refused by cuDNN) had its (engine_id, knobs) built."""
+    seed(srv, CONV, signer=None if case != "strict_without_keys" else signer)
+    wire = Wire()
+    backend = RecordingBackend(fail=("deserialize",) if case == "unsigned_refused_by_cudnn" else ())
+    if case != "unsigned_refused_by_cudnn":
+        wire.edit_answer = edit_blob(CONV.graph_key, lambda b: b[:-1] + b"!")
+    if case == "strict_without_keys":
+        pc = client(srv, tmp_path, signer, wire=wire, backend=backend, trusted_keys=None,
+                    settings=Settings(trusted_keys=None), mode="strict")
+        with pytest.raises(PlanMiss, match="no authentic tuned record"):
+            pc.plan(CONV)
+    else:
+        pc = client(srv, tmp_path, signer, wire=wire, backend=backend, trusted_keys=None, insecure_allow_unsigned=True)
+        assert pc.plan(CONV).source == "heuristic"
+    assert not [c for c in backend.calls if c[0] == "engine_config"], "an unauthenticated engine config was built"
+    # The same damage on a signed record, with its key trusted, is rebuilt.
+    seed(srv, SDPA, signer)
+    wire.edit_answer = edit_blob(SDPA.graph_key, lambda b: b[:-1] + b"!")
+    assert client(srv, tmp_path / "k", signer, wire=wire).plan(SDPA).source == "rebuild"
 
 
 def test_trusted_keys_come_from_the_setting(srv, tmp_path, signer, monkeypatch):
@@ -411,6 +612,8 @@ def test_a_failing_local_build_raises(tmp_path, signer):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         PlanCache(None, backend=RecordingBackend(), mode="lenient", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="request_deadline"):
+        PlanCache(None, backend=RecordingBackend(), request_deadline=0, cache_dir=tmp_path)
 
 
 class Bundled(Step):

@@ -154,9 +154,32 @@ def test_fetch_blob_returns_the_bytes(server, clock):
     assert remote(server, clock).fetch_blob("0" * 64) == BLOB
 
 
+def test_fetch_blob_reads_no_more_than_the_records_size(server, clock):
+    r = remote(server, clock)
+    assert r.fetch_blob("0" * 64, size=len(BLOB)) == BLOB
+    with pytest.raises(ServerUnavailable, match=f"{len(BLOB) - 1}-byte limit"):
+        r.fetch_blob("0" * 64, size=len(BLOB) - 1)
+    assert r.is_off
+    small = remote(server, Clock(), max_blob_bytes=10)  # never more than max_blob_bytes, whatever the record says
+    with pytest.raises(ServerUnavailable, match="10-byte limit"):
+        small.fetch_blob("0" * 64, size=len(BLOB))
+
+
+def test_resolve_answers_are_capped_by_keys_and_the_setting(server, clock):
+    r = remote(server, clock, max_blob_bytes=3000, resolve_max_bytes=1 << 30)
+    assert r.resolve_limit(1, True) == 64 * 1024 + 16 * 1024 + 4000
+    assert r.resolve_limit(3, False) == 64 * 1024 + 3 * 16 * 1024
+    assert remote(server, clock, resolve_max_bytes=100_000).resolve_limit(1000, True) == 100_000
+    tight = remote(server, clock, resolve_max_bytes=100)
+    with pytest.raises(ServerUnavailable, match="100-byte limit"):
+        tight.resolve(H200, [KEY])
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_keys_per_request"):
         Remote(HttpClient(URL), max_keys_per_request=0)
+    with pytest.raises(ValueError, match="max_blob_bytes"):
+        Remote(HttpClient(URL), max_blob_bytes=0)
 
 
 def test_the_client_imports_neither_the_server_stack_nor_the_gpu_stack():

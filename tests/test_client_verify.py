@@ -62,6 +62,19 @@ def test_without_trusted_keys_the_digest_is_still_checked():
     assert reason(make_meta(KEY, H200, BLOB), corrupted) == "sha256"
 
 
+def test_a_required_signature_without_trusted_keys_fails_at_the_signature_step(signer):
+    """The client requires signatures: without a key to check one with, even a signed plan is refused."""
+    meta = make_meta(KEY, H200, BLOB, signer)
+    for keys in (None, TrustedKeys([])):
+        with pytest.raises(VerificationError, match="no trusted keys are configured") as err:
+            verify_blob(meta, BLOB, what="plan", trusted=keys, require_signature=True)
+        assert err.value.reason == "no_trusted_keys" and err.value.reason in REASONS
+    with pytest.raises(VerificationError) as err:  # size and sha256 still come first
+        verify_blob(meta, BLOB[:-1], what="plan", require_signature=True)
+    assert err.value.reason == "size"
+    verify_blob(meta, BLOB, what="plan", trusted=trusted(signer), require_signature=True)
+
+
 @pytest.mark.parametrize("case, expected", [
     ("truncated", "size"),
     ("corrupted_byte", "sha256"),
@@ -250,10 +263,13 @@ def test_spool_checks_size_then_sha256(calls, tmp_path, caplog):
     """A truncated blob (wrong size and digest) is set aside for its size, a corrupted one for its digest;
     the record's signature, graph and GPU are not the spool's business."""
     spool = Spool(tmp_path / "spool")
-    for job_id, (_, _, blob) in enumerate(cascade(None, KEY)[:3]):
-        spool.save(SpoolEntry(job_id, 1, "w1", make_meta(OTHER_KEY, OTHER_GPU, BLOB), {}, blob))
+    entries = [SpoolEntry(job_id, "lease-token", "w1", make_meta(OTHER_KEY, OTHER_GPU, BLOB), {}, blob)
+               for job_id, (_, _, blob) in enumerate(cascade(None, KEY)[:3])]
+    for entry in entries:
+        spool.save(entry)
     calls.clear()
     with caplog.at_level(logging.ERROR, logger="plancache.worker"):
         assert [e.job_id for e in spool.pending()] == [2]
     assert len(calls) == 3 and set(calls) == {(("size", "sha256"), r) for r in ("size", "sha256", None)}
-    assert f"job-0-1.blob: blob size {len(BLOB) - 1}" in caplog.text and "job-1-1.blob: blob sha256" in caplog.text
+    assert f"{entries[0].name}.blob: blob size {len(BLOB) - 1}" in caplog.text
+    assert f"{entries[1].name}.blob: blob sha256" in caplog.text

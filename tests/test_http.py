@@ -253,3 +253,82 @@ def test_retries_around_a_breaker_give_up_as_soon_as_it_is_off():
     with pytest.raises(ServerUnavailable) as exc:
         client(script, Retry(Backoff(initial=0.05), within=10), breaker).request("GET", "/x")
     assert exc.value.skipped and len(script.requests) == 1 and time.monotonic() - t0 < 1
+
+
+# ---------------------------------------------------------------- bounded answers: size and deadline
+
+
+class Lazy(httpx.SyncByteStream):
+    """``size`` bytes in ``chunk``-byte pieces, ``pause`` seconds apart; ``read`` counts what the client pulled."""
+
+    def __init__(self, size: int, chunk: int = 1024, pause: float = 0.0) -> None:
+        self.size, self.chunk, self.pause = size, chunk, pause
+        self.read = 0
+
+    def __iter__(self):
+        while self.read < self.size:
+            if self.pause:
+                time.sleep(self.pause)
+            n = min(self.chunk, self.size - self.read)
+            self.read += n
+            yield b"x" * n
+
+
+def test_a_body_over_max_bytes_is_cut_off_while_it_streams_and_trips_the_breaker():
+    """Before: the whole body was read (here 512 MiB) before anyone looked at its size."""
+    body = Lazy(512 * 1024 * 1024)
+    breaker = CircuitBreaker(30.0, clock=Clock())
+    http = client(Script([httpx.Response(200, stream=body)]), breaker)
+    with pytest.raises(ServerUnavailable, match="exceeds the 5000-byte limit"):
+        http.request("GET", "/v1/blobs/x", max_bytes=5000)
+    assert body.read <= 5000 + 1 + body.chunk and breaker.is_off
+    # A body declaring its length is refused before any of it is read.
+    declared = Lazy(10_000)
+    script = Script([httpx.Response(200, headers={"Content-Length": "10000"}, stream=declared)])
+    with pytest.raises(ServerUnavailable, match="declares 10000 bytes"):
+        client(script).request("GET", "/x", max_bytes=5000)
+    assert declared.read == 0
+    # Up to the limit is fine, and the reader gets the decoded, whole body.
+    assert client(Script([httpx.Response(200, stream=Lazy(5000))])).request("GET", "/x", max_bytes=5000).content \
+        == b"x" * 5000
+    assert script.requests[0].headers["accept-encoding"] == "identity"
+
+
+def test_a_capped_error_answer_is_still_read_as_its_error():
+    with pytest.raises(LeaseLost, match="fenced"):
+        client(Script([refusal(409, "lease_lost", "fenced")])).request("POST", "/x", max_bytes=4096)
+
+
+def test_a_deadline_bounds_the_whole_answer_however_slowly_it_drips():
+    """Before: each chunk arrived within the read timeout, so 40 chunks 0.1 s apart took 4 s."""
+    slow = Lazy(40, chunk=1, pause=0.1)
+    breaker = CircuitBreaker(30.0, clock=Clock())
+    http = client(Script([httpx.Response(200, stream=slow)]), breaker)
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable, match="no whole answer by its deadline"):
+        http.request("GET", "/x", deadline=time.monotonic() + 0.5)
+    elapsed = time.monotonic() - t0
+    assert 0.45 <= elapsed < 0.8, elapsed
+    assert breaker.is_off
+    time.sleep(0.25)
+    assert slow.read < 10, "the abandoned read went on"
+    # In time: the answer as usual. Already past: not sent at all.
+    assert client(Script([OK])).read("GET", "/x", json_as(Ok), deadline=time.monotonic() + 5) == Ok(ok=True)
+    script = Script([OK])
+    with pytest.raises(ServerUnavailable, match="not sent, its deadline has passed"):
+        client(script).request("GET", "/x", deadline=time.monotonic() - 1)
+    assert script.requests == []
+
+
+def test_a_deadline_shortens_the_timeouts_of_the_call():
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"])
+        return OK
+
+    http = HttpClient(URL, connect_timeout=1.0, read_timeout=5.0, transport=httpx.MockTransport(answer))
+    http.request("GET", "/x", deadline=time.monotonic() + 2.0)
+    http.request("GET", "/x")
+    assert seen[0]["read"] <= 2.0 and seen[0]["connect"] == 1.0
+    assert (seen[1]["read"], seen[1]["connect"]) == (5.0, 1.0)

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from plancache.cli import _load, app
+from plancache.cli import app
 from plancache.environment import Environment
 from plancache.store import open_store
 from plancache.store.blobs import FileBlobs
@@ -157,7 +157,6 @@ def test_cli_plans_gc(tmp_path, blob_store_url, monkeypatch, make_spec, make_pla
         _publish(s, make_spec, make_plan, 0, gpu_env, b"keep me")
         _publish(s, make_spec, make_plan, 1, old_env, b"old")
         s.put_blob(b"orphan")
-    _load()
     runner = CliRunner()
     env_file = tmp_path / "env.json"
     env_file.write_text(gpu_env.model_dump_json())
@@ -168,7 +167,10 @@ def test_cli_plans_gc(tmp_path, blob_store_url, monkeypatch, make_spec, make_pla
     assert "would delete 1 plan records" in r.output and old_env.env_id in r.output
     assert "would delete 2 unreferenced blobs" in r.output  # the orphan, and the blob only the old record holds
 
-    r = runner.invoke(app, ["plans", "gc", "--grace-hours", "0", "--keep-environment", gpu_env.env_id,
+    # the short id `plans list` prints (12 characters) stands for the whole one
+    listed = runner.invoke(app, ["plans", "list", "--database-url", url]).stdout
+    assert gpu_env.env_id[:12] in listed and gpu_env.env_id not in listed
+    r = runner.invoke(app, ["plans", "gc", "--grace-hours", "0", "--keep-environment", gpu_env.env_id[:12],
                             "--database-url", url])
     assert r.exit_code == 0, r.output
     assert "deleted 1 plan records" in r.output and "deleted 2 unreferenced blobs" in r.output
@@ -176,7 +178,11 @@ def test_cli_plans_gc(tmp_path, blob_store_url, monkeypatch, make_spec, make_pla
         assert [p.env_id for p in s.list_plans()] == [gpu_env.env_id]
         assert len(_blob_digests(s)) == 1 and s.get_blob(s.list_plans()[0].blob_sha256) == b"keep me"
 
-    r = runner.invoke(app, ["plans", "gc", "--keep-environment", "0" * 32, "--database-url", url])
-    assert r.exit_code == 1 and "no plan records have environment id" in r.output
+    for typo in ("0" * 32, gpu_env.env_id[:11] + "x", "h200-typo.json"):  # an unknown id, a mistyped one, no file
+        r = runner.invoke(app, ["plans", "gc", "--keep-environment", typo, "--database-url", url])
+        assert r.exit_code == 1 and "no such environment" in r.output, r.output
+        assert "cannot read environment file" not in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["plans", "gc", "--keep-environment", gpu_env.env_id[:4], "--database-url", url])
+    assert r.exit_code == 2 and "at least 8 characters" in r.output
     r = runner.invoke(app, ["plans", "gc", "--grace-hours", "-1", "--database-url", url])
     assert r.exit_code == 2

@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from plancache.cli import db_cmds
+from plancache.cli import make_app
+from plancache.cli.common import ExitCode
 from plancache.store import open_store
 
 
 @pytest.fixture
 def cli():
-    app = typer.Typer()
-    db_cmds.register(app)
+    app = make_app()
     runner = CliRunner()
 
     def run(*args: str, code: int = 0):
@@ -28,8 +27,8 @@ def cli():
 
 def test_commands_need_an_upgraded_database(cli, tmp_path):
     url = f"sqlite:///{tmp_path / 'x.db'}"
-    result = cli("token", "list", "--database-url", url, code=1)
-    assert "plancache db upgrade" in result.stderr
+    result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
+    assert "plancache db upgrade" in result.stderr and "Traceback" not in result.output
     assert "(head)" in cli("db", "upgrade", "--database-url", url).stdout
 
 
@@ -90,5 +89,5 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
         assert moved.get_blob(orphan) == b"stored, not referenced yet"
     assert "moved 0 blobs" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout  # idempotent
 
-    assert "file:// store" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=1).stderr
+    assert "file:// store" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=2).stderr
     assert "file:///absolute/path" in cli("db", "migrate-blobs", "s3://bucket", "--database-url", db_url, code=2).stderr

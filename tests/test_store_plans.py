@@ -83,11 +83,11 @@ def test_publish_with_a_job_checks_key_and_target(store, key, gpu_env, make_plan
     job, _ = store.enqueue(key, TargetEnvironment(sm=90))
     lease = store.claim(gpu_env, "w1", lease_seconds=60)
     with pytest.raises(errors.Conflict, match="graph key"):
-        store.publish_plan(*make_plan(other, gpu_env), job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
+        store.publish_plan(*make_plan(other, gpu_env), job_id=job.id, worker_id="w1", lease_token=lease.lease_token)
     with pytest.raises(errors.LeaseLost):
         store.publish_plan(*make_plan(key, gpu_env), job_id=job.id)
     assert store.get_job(job.id).status == "running" and _rows(store, plans) == 0
-    record = store.publish_plan(*make_plan(key, gpu_env), job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
+    record = store.publish_plan(*make_plan(key, gpu_env), job_id=job.id, worker_id="w1", lease_token=lease.lease_token)
     assert record.job_id == job.id and store.get_job(job.id).status == "succeeded"
 
 
@@ -106,9 +106,9 @@ def test_a_failure_inside_publish_leaves_nothing_half_written(store, key, gpu_en
     monkeypatch.setattr(plans_module, "upsert_insert", crash_on_record)
     meta, blob = make_plan(key, gpu_env)
     with pytest.raises(RuntimeError):
-        store.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
+        store.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.lease_token)
     assert _rows(store, blobs) == 0 and _rows(store, plans) == 0 and store.get_blob(meta.blob_sha256) is None
-    assert store.get_job(job.id) == lease
+    assert store.get_job(job.id) == lease.job
 
 
 CRASHING_PUBLISHER = textwrap.dedent("""
@@ -124,7 +124,7 @@ CRASHING_PUBLISHER = textwrap.dedent("""
     plans_module.upsert_insert = die
     store = open_store(sys.argv[1])
     meta = PlanMeta.model_validate_json(sys.argv[2])
-    store.publish_plan(meta, sys.argv[3].encode(), job_id=int(sys.argv[4]), worker_id="w1", lease_token=int(sys.argv[5]))
+    store.publish_plan(meta, sys.argv[3].encode(), job_id=int(sys.argv[4]), worker_id="w1", lease_token=sys.argv[5])
 """)
 
 
@@ -135,14 +135,14 @@ def test_a_process_killed_inside_publish_leaves_nothing_half_written(db_url, blo
     meta, blob = make_plan(key, gpu_env, blob=b"plan-from-a-dying-worker")
     proc = subprocess.run(
         [sys.executable, "-c", CRASHING_PUBLISHER, db_url, meta.model_dump_json(), blob.decode(), str(job.id),
-         str(lease.fencing_token)],
+         lease.lease_token],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PLANCACHE_BLOB_STORE": blob_store_url},
     )
     assert proc.returncode == 17, proc.stderr
     with open_store(db_url, blob_store=blob_store_url) as fresh:
         assert _rows(fresh, blobs) == 0 and _rows(fresh, plans) == 0 and fresh.get_blob(meta.blob_sha256) is None
         assert fresh.get_job(job.id).status == "running"
-        record = fresh.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.fencing_token)
+        record = fresh.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=lease.lease_token)
         assert record.job_id == job.id
 
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from plancache.client.remote import Remote
 from plancache.environment import Environment
-from plancache.errors import TuningError
+from plancache.errors import Forbidden, TuningError
 from plancache.http import Backoff, Retry
 from plancache.protocol import Job, PlanRecord, TargetEnvironment, TuneRequest
 from plancache.signing import Signer, TrustedKeys, keygen
@@ -185,7 +185,7 @@ def test_heartbeats_keep_a_tuning_longer_than_the_lease(srv, tmp_path, keys):
     stop_a.set(), stop_b.set()
     ta.join(5), tb.join(5)
     done = job(srv, j.id)
-    assert done.attempts == 1 and done.fencing_token == 1 and plan(srv, j.graph_key).worker_id == "w-a"
+    assert done.attempts == 1 and plan(srv, j.graph_key).worker_id == "w-a"
     assert box_b["stats"].claimed == 0
 
 
@@ -206,7 +206,7 @@ def test_a_worker_killed_mid_job_leaves_it_to_be_reclaimed_after_the_lease(srv, 
     stop_b.set()
     tb.join(5)
     done = job(srv, j.id)
-    assert done.attempts == 2 and done.fencing_token == 2 and done.lease_owner == "w-b"
+    assert done.attempts == 2 and done.lease_owner == "w-b"
     assert plan(srv, j.graph_key).worker_id == "w-b"
 
 
@@ -225,7 +225,7 @@ def test_a_worker_paused_past_its_lease_is_fenced(srv, tmp_path, keys):
         a.kill()
     stats = json.loads(out.strip().splitlines()[-1])
     assert stats["succeeded"] == 0 and stats["dropped"] == 1, (tmp_path / "w-paused.log").read_text()
-    assert plan(srv, j.graph_key).worker_id == "w-b" and job(srv, j.id).fencing_token == 2
+    assert plan(srv, j.graph_key).worker_id == "w-b" and job(srv, j.id).attempts == 2
     assert "lease" in (tmp_path / "w-paused.log").read_text()
 
 
@@ -320,11 +320,9 @@ def test_sigterm_lets_a_short_tuning_finish_and_publish(srv, tmp_path, keys):
 
 
 def worker_cli() -> typer.Typer:
-    from plancache.cli import worker_cmds
+    from plancache.cli import make_app
 
-    app = typer.Typer()
-    worker_cmds.register(app)
-    return app
+    return make_app()
 
 
 def test_enqueue_cli_registers_specs_and_queues_jobs_for_the_target(srv):
@@ -338,16 +336,21 @@ def test_enqueue_cli_registers_specs_and_queues_jobs_for_the_target(srv):
     for j in map(Job.model_validate, jobs):
         assert j.priority == 5 and j.target == TargetEnvironment(sm=90, cudnn_version=91900)
     refused = CliRunner().invoke(worker_cli(), ["enqueue", files[0], "--server", srv.url, "--token", srv.token("worker")])
-    assert refused.exit_code == 1 and "forbidden" in refused.output
+    assert refused.exit_code == 8 and "forbidden" in refused.output and "admin token" in refused.output  # AUTH
 
 
 def test_upload_tuned_publishes_a_signed_plan_without_the_queue(srv, keys):
+    """Outside the queue takes an admin token: a worker token publishes only the plans of jobs it holds."""
     key, trusted = keys
     s = spec("sdpa_causal")
     tuner = FakeTuner()
-    rec = upload_tuned(srv.url, srv.token("worker"), s, tuner.tune(s), Signer.from_file(key), "plancache-tune",
+    with pytest.raises(Forbidden, match="only for a job it holds"):
+        upload_tuned(srv.url, srv.token("worker"), s, tuner.tune(s), Signer.from_file(key), "plancache-tune",
+                     tuner=tuner)
+    assert plan(srv, s.graph_key) is None
+    rec = upload_tuned(srv.url, srv.admin_token, s, tuner.tune(s), Signer.from_file(key), "plancache-tune",
                        tuner=tuner)
-    assert tuner.verified == [s.graph_key] and rec.job_id is None and rec.worker_id == "plancache-tune"
+    assert tuner.verified == [s.graph_key] * 2 and rec.job_id is None and rec.worker_id == "plancache-tune"
     trusted.verify(rec)
     assert plan(srv, s.graph_key) == rec
 

@@ -1,30 +1,73 @@
-"""The ``plancache`` command line. Each sub-module registers its commands on :data:`app`;
-heavy imports (torch, cudnn, SQLAlchemy, FastAPI) happen inside the commands, so a
-client-only install can run the client commands."""
+"""The ``plancache`` command line. Each command lives in the module named after it and registers itself on the
+app with ``register(app)``; what the modules share is in :mod:`plancache.cli.common` (the error convention
+included). Heavy imports (torch, cudnn, SQLAlchemy, FastAPI) happen inside the commands, so a client-only
+install can run the client commands.
+
+=========================  ===================================
+command                    module
+=========================  ===================================
+``serve``                  :mod:`plancache.cli.serve_cmds`
+``db upgrade|migrate-blobs``  :mod:`plancache.cli.db_cmds`
+``token create|revoke|list``  :mod:`plancache.cli.token_cmds`
+``plans list|gc``          :mod:`plancache.cli.plans_cmds`
+``bundle export|import``   :mod:`plancache.cli.bundle_cmds`
+``spec key|canonical``     :mod:`plancache.cli.spec_cmds`
+``tune``                   :mod:`plancache.cli.tune_cmds` (tables: :mod:`plancache.cli.report`)
+``worker``                 :mod:`plancache.cli.worker_cmds`
+``enqueue``                :mod:`plancache.cli.enqueue_cmds`
+``keygen``                 :mod:`plancache.cli.keygen_cmds`
+=========================  ===================================
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="plancache: a plan cache for cuDNN Frontend graphs.")
+from .. import __version__
 
-# Modules that define ``register(app)``; each owns one group of commands.
-_COMMAND_MODULES = [
-    "plancache.cli.spec_cmds",
-    "plancache.cli.worker_cmds",
-    "plancache.cli.db_cmds",
-    "plancache.cli.bundle_cmds",
+#: Modules that define ``register(app)``, in the order ``plancache --help`` lists their commands.
+COMMAND_MODULES = [
     "plancache.cli.serve_cmds",
+    "plancache.cli.db_cmds",
+    "plancache.cli.token_cmds",
+    "plancache.cli.plans_cmds",
+    "plancache.cli.bundle_cmds",
+    "plancache.cli.spec_cmds",
+    "plancache.cli.tune_cmds",
+    "plancache.cli.worker_cmds",
+    "plancache.cli.enqueue_cmds",
+    "plancache.cli.keygen_cmds",
 ]
 
 
-def _load() -> None:
-    for name in _COMMAND_MODULES:
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"plancache {__version__}")
+        raise typer.Exit()
+
+
+def make_app() -> typer.Typer:
+    """A new app with every command (tests build their own)."""
+    app = typer.Typer(no_args_is_help=True, add_completion=False,
+                      help="plancache: a plan cache for cuDNN Frontend graphs. Exit codes: docs/CLI.md.")
+
+    @app.callback()
+    def root(
+        version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                               help="print the plancache version and exit"),
+    ) -> None:
+        pass  # the options of `plancache` itself; the app's help is the Typer's
+
+    for name in COMMAND_MODULES:
         importlib.import_module(name).register(app)
+    return app
+
+
+app = make_app()
 
 
 def main() -> None:
-    _load()
-    app()
+    app(prog_name="plancache")

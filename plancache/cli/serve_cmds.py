@@ -1,26 +1,91 @@
-"""``plancache serve``: migrate the configured database to head, then serve the HTTP API with uvicorn."""
+"""``plancache serve``: bind the port, migrate the configured database to head, then serve the HTTP API with
+uvicorn. The ``listening on`` line is printed once the server accepts requests on a migrated database, so a
+script may wait for it (or for ``/readyz``) before it uses the server or the database."""
 
 from __future__ import annotations
 
+import errno
+import socket
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
+from ..settings import ServerSettings
+from .common import ExitCode, Failure, command, open_database
 
+#: uvicorn's default listen backlog.
+BACKLOG = 2048
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (as uvicorn would bind it); a busy or unusable address is a failure.
+    Connections wait in its backlog until the server has started."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise Failure(f"cannot listen on {host}:{port}: the address is already in use",
+                          "stop the process that holds it (another plancache serve?) or choose another --port",
+                          ExitCode.OS_ERROR) from None
+        raise Failure(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                      "give --host an address of this machine (127.0.0.1, 0.0.0.0, ::) and --port a free port "
+                      "(below 1024 needs privileges)", ExitCode.OS_ERROR) from None
+    return sock
+
+
+def _announcing_server(config: Any, announce: Callable[[], None]) -> Any:
+    """A uvicorn server that calls ``announce`` once it has started (app started, socket listening)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                announce()
+
+    return Server(config)
+
+
+@command
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8787, "--port", min=1, max=65535, help="TCP port"),
 ) -> None:
     """Serve the plancache API (OpenAPI at /docs). Configuration: PLANCACHE_* environment variables."""
-    import uvicorn
+    settings = ServerSettings()
+    # the server extra (FastAPI, uvicorn, SQLAlchemy): without it, MISSING_EXTRA, before anything is touched
+    import uvicorn  # noqa: F401
 
     from ..server import create_app
-    from ..settings import get_settings
-    from .db_cmds import _open
+    from ..server.serving import uvicorn_config
 
-    settings = get_settings()
-    with _open(settings.database_url, create=True) as store:
-        where = store.db.url.render_as_string(hide_password=True)
-        typer.echo(f"{where}: schema at revision {store.db.current_revision()}; serving on http://{host}:{port}", err=True)
-        uvicorn.run(create_app(settings, store=store), host=host, port=port, proxy_headers=False)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    sock = _listen(host, port)
+    try:
+        with open_database(settings.database_url, create=True, settings=settings) as store:
+            try:
+                app = create_app(settings, store=store)  # type: ignore[arg-type]  # the server reads its role's settings
+            except ValueError as exc:  # a limit out of range: the message names its variable
+                raise Failure(str(exc), "fix or unset that variable (README, Configuration)", ExitCode.CONFIG) from None
+            where = store.db.url.render_as_string(hide_password=True)
+            revision = store.db.current_revision()
+
+            def announce() -> None:
+                typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
+
+            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)  # type: ignore[arg-type]
+            try:
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down cleanly, then re-raised the signal
+                pass
+    finally:
+        sock.close()
 
 
 def register(app: typer.Typer) -> None:

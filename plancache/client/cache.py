@@ -146,10 +146,13 @@ class DiskCache:
             record_json = record.model_dump_json().encode()
             _write_atomic(self._blob_path(record.blob_sha256), blob)
             _write_atomic(self._record_path(record.graph_key), record_json)
-            self._mark_used()
         except OSError as exc:
             log.warning("plan cache: cannot write %s: %s", self.dir, exc)
             return False
+        try:
+            self._mark_used()
+        except OSError:
+            pass
         if self.max_bytes is not None:
             if self._estimate is None:
                 self._estimate = self.size()
@@ -231,12 +234,19 @@ class DiskCache:
 
     def sweep(self) -> list[Path]:
         """On opening the cache: mark this environment's folder used, and delete the folders of other
-        environments unused for ``max_age_days``. Returns the folders deleted."""
-        if self.dir.is_dir():
-            try:
-                self._mark_used()
-            except OSError:
-                pass  # a read-only cache
+        environments unused for ``max_age_days``. Returns the folders deleted. Never raises: the cache is an
+        optimisation, and a folder it cannot read or write is left as it is."""
+        try:
+            return self._sweep()
+        except OSError as exc:
+            log.warning("plan cache: cannot tidy %s: %s", self.root, exc)
+            return []
+
+    def _sweep(self) -> list[Path]:
+        try:
+            self._mark_used()
+        except OSError:
+            pass  # no folder for this environment yet, or a read-only cache
         if self.max_age_days is None:
             return []
         oldest = self._clock() - self.max_age_days * 86400.0

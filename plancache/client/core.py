@@ -12,6 +12,17 @@ allows (:data:`MODE_STEPS`, by :class:`Builds`):
   blob bytes were damaged; never a heuristic build. Otherwise :class:`~plancache.errors.PlanMiss`.
 - ``replay_only``: never builds anything: verified blobs only, :class:`~plancache.errors.PlanMiss` otherwise.
 
+Signatures: a plan is admitted only with a valid signature by a trusted key (``PLANCACHE_TRUSTED_KEYS``).
+Without trusted keys every disk or server plan is refused (reason ``no_trusted_keys``) and, in normal mode,
+built locally — unless ``insecure_allow_unsigned`` (``PLANCACHE_INSECURE_ALLOW_UNSIGNED``) is set, which in
+normal mode only admits plans checked by size and digest alone; strict and replay-only modes ignore it. A plan
+admitted without a signature is never written to the disk cache, and only a record whose signature verified is
+rebuilt from its ``(engine_id, knobs)``.
+
+The server is asked once per load (one ``plan``/``prefetch``) and all of it — resolve, blob downloads, spec
+registrations — must be done within ``request_deadline`` seconds; every answer is read with a size limit
+(:mod:`plancache.client.remote`). Past either, the server counts as failed for that load and its breaker opens.
+
 A new step is one :class:`Step` subclass and one entry in :data:`LADDER` (or in ``ClientConfig.steps``).
 
 A shape family (the same graph with other dims) shares one cuDNN kernel cache, so the heuristic
@@ -45,7 +56,7 @@ from ..protocol import PlanRecord, ResolvedPlan, b64decode
 from ..settings import Settings, get_settings
 from ..signing import TrustedKeys
 from ..spec import GraphSpec, canonical_json, from_pygraph, graph_key, is_pygraph, parse_spec
-from ..verify import verify_blob
+from ..verify import NO_TRUSTED_KEYS, verify_blob
 from .backend import Backend, BuiltPlanLike
 from .cache import DiskCache
 from .plan import Plan
@@ -113,6 +124,7 @@ class Pending:
     graph: Any  # the caller's pygraph, or None
     trail: list[str] = field(default_factory=list)  # why each step passed it on, for PlanMiss
     record: PlanRecord | None = None  # an authentic tuned record whose blob could not be used
+    refused: str | None = None  # the reason of the last refusal of a blob for it
 
     def note(self, step: str, what: str) -> None:
         self.trail.append(f"{step}: {what}")
@@ -142,11 +154,13 @@ class Step(ABC):
     def reject(self, p: Pending, reason: str, message: str) -> None:
         """Count, note and log a refused blob."""
         _bump(self.cache._stats.rejects, reason)
+        p.refused = reason
         p.note(self.name, f"rejected ({reason})")
         log.warning("plancache: rejected the %s plan %s (%s): %s", self.name, p.key[:12], reason, message)
 
     def learn(self, p: Pending, record: PlanRecord) -> None:
-        """Keep ``record`` for the rebuild step when it is authentic, whatever its blob."""
+        """Keep ``record`` for the rebuild step when it is authentic (its signature verified by a trusted key),
+        whatever its blob."""
         if self.cache._authentic(record, p.key):
             p.record = record
 
@@ -165,7 +179,7 @@ class Step(ABC):
             built = c._deserialize(p, record, blob)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
             self.reject(p, "deserialize", f"{type(exc).__name__}: {exc}")
-            p.record = record
+            self.learn(p, record)
             return None
         finally:
             c._stats.deserialize_seconds += time.perf_counter() - t0
@@ -214,14 +228,16 @@ class DiskStep(Step):
             record, blob = entry
             if (plan := self.admit(p, record, blob)) is not None:
                 found[p] = plan
-            else:
+            elif p.refused != NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
                 disk.discard(p.key, record.blob_sha256)
         return found
 
 
 class ServerStep(Step):
-    """One resolve round trip for the batch, blobs inline (or fetched by digest); a verified blob is saved to
-    disk. The specs of the keys the server misses are registered once per process, so an admin can tune them."""
+    """One resolve round trip for the batch, blobs inline (or fetched by digest), all of it within the cache's
+    ``request_deadline`` and each answer within its size limit; a verified blob whose signature was checked is
+    saved to disk. The specs of the keys the server misses are registered once per process (time allowing), so
+    an admin can tune them."""
 
     name = StepName.SERVER
     builds = Builds.NOTHING
@@ -237,44 +253,59 @@ class ServerStep(Step):
             for p in batch:
                 p.note(self.name, "none configured")
             return {}
-        answers = self._ask({p.key: p.spec for p in batch})
+        deadline = time.monotonic() + self.cache.request_deadline
+        specs = {p.key: p.spec for p in batch}
+        answers, missing = self._ask(specs, deadline)
+        blobs = {p: self._blob(p, answers[p.key], deadline) for p in batch if answers and p.key in answers}
         found: dict[Pending, Plan] = {}
         for p in batch:
             if answers is None:
                 p.note(self.name, "unavailable")
             elif p.key not in answers:
                 p.note(self.name, "no plan for this environment")
-            elif (plan := self._take(p, answers[p.key])) is not None:
+            elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
                 found[p] = plan
+        for key in missing:
+            if key in specs:
+                self._report_miss(key, specs[key], deadline)
         return found
 
-    def _take(self, p: Pending, answer: ResolvedPlan) -> Plan | None:
+    def _blob(self, p: Pending, answer: ResolvedPlan, deadline: float) -> bytes | None:
+        """The answer's blob: inline, or downloaded (at most its record's size) when its record could be
+        admitted at all; None when there is none (the reason is noted)."""
         record = answer.record
-        try:
-            blob = b64decode(answer.blob_b64) if answer.blob_b64 is not None else self._fetch_blob(record.blob_sha256)
-        except ValueError as exc:
-            self.reject(p, "malformed", str(exc))
-            self.learn(p, record)
+        if answer.blob_b64 is not None:
+            try:
+                return b64decode(answer.blob_b64)
+            except ValueError as exc:
+                self.reject(p, "malformed", str(exc))
+                self.learn(p, record)
+                return None
+        try:  # the record alone first: no download for a record that cannot be admitted anyway
+            self.cache._verify(record, None, p.key)
+        except VerificationError as exc:
+            self.reject(p, exc.reason, exc.message)
             return None
-        if blob is None:
+        try:
+            return self._remote().fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
+        except PlanCacheError as exc:
+            self._count_failure(exc)
             p.note(self.name, "blob unavailable")
             self.learn(p, record)
             return None
+
+    def _take(self, p: Pending, answer: ResolvedPlan, blob: bytes | None) -> Plan | None:
+        if blob is None:  # refused or not downloaded, and noted so
+            return None
+        c, record = self.cache, answer.record
         plan = self.admit(p, record, blob)
-        if plan is not None:
-            self.cache.disk.save(record, blob)
+        if plan is not None and c.signatures_checked:  # an unsigned plan is used, never kept
+            c.disk.save(record, blob)
         return plan
 
     def _remote(self) -> Remote:
         assert self.cache._remote is not None
         return self.cache._remote
-
-    def _fetch_blob(self, sha256: str) -> bytes | None:
-        try:
-            return self._remote().fetch_blob(sha256)
-        except PlanCacheError as exc:
-            self._count_failure(exc)
-            return None
 
     def _count_failure(self, exc: PlanCacheError) -> None:
         stats = self.cache._stats
@@ -284,25 +315,26 @@ class ServerStep(Step):
             stats.remote_errors += 1
             log.warning("plancache: %s", exc.message)
 
-    def _ask(self, specs: dict[str, GraphSpec]) -> dict[str, ResolvedPlan] | None:
-        """One resolve for all keys of ``specs``; registers the specs of missing keys. None: no answer."""
+    def _ask(self, specs: dict[str, GraphSpec], deadline: float) -> tuple[dict[str, ResolvedPlan] | None, list[str]]:
+        """One resolve for all keys of ``specs``: the plans (None: no answer) and the keys the server misses.
+        Without a way to check signatures, only records are asked for (they are refused all the same)."""
+        c = self.cache
         try:
-            resp = self._remote().resolve(self.cache.environment, list(specs), include_blobs=True)
+            resp = self._remote().resolve(c.environment, list(specs), include_blobs=c.signatures_checked or
+                                          c.insecure_allow_unsigned, deadline=deadline)
         except PlanCacheError as exc:
             self._count_failure(exc)
-            return None
-        for key in resp.missing:
-            if key in specs:
-                self._report_miss(key, specs[key])
-        return resp.plans
+            return None, []
+        return resp.plans, resp.missing
 
-    def _report_miss(self, key: str, spec: GraphSpec) -> None:
-        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it."""
-        if key in self._reported or not self._may_register:
+    def _report_miss(self, key: str, spec: GraphSpec, deadline: float) -> None:
+        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it.
+        Not sent once the deadline has passed (a later load of the key sends it)."""
+        if key in self._reported or not self._may_register or time.monotonic() >= deadline:
             return
         self._reported.add(key)
         try:
-            self._remote().register_spec(spec)
+            self._remote().register_spec(spec, deadline=deadline)
         except ServerUnavailable as exc:
             self._count_failure(exc)
         except PlanCacheError as exc:
@@ -395,7 +427,11 @@ class ClientConfig:
     ``settings`` or the environment): ``server_url`` ``PLANCACHE_SERVER_URL`` (``""``: no server, disk cache
     and local builds only), ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS``,
     ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout`` ``PLANCACHE_CONNECT_TIMEOUT``/
-    ``READ_TIMEOUT``. After a server failure the server is not asked again for ``cooldown`` seconds.
+    ``READ_TIMEOUT``, ``request_deadline`` ``PLANCACHE_REQUEST_DEADLINE`` (seconds for the whole server exchange
+    of one load), ``cache_max_bytes`` ``PLANCACHE_CACHE_MAX_BYTES`` (disk cache cap, 0: none),
+    ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
+    admit plans checked by digest alone, never written to disk; ignored by strict and replay-only modes).
+    After a server failure the server is not asked again for ``cooldown`` seconds.
     ``backend`` defaults to :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``;
     ``environment`` to the backend's fingerprint. ``steps``: the ladder, before the mode filters it."""
 
@@ -407,6 +443,9 @@ class ClientConfig:
     cooldown: float = 30.0
     connect_timeout: float | None = None
     read_timeout: float | None = None
+    request_deadline: float | None = None
+    cache_max_bytes: int | None = None
+    insecure_allow_unsigned: bool | None = None
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
@@ -417,6 +456,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.request_deadline is not None and self.request_deadline <= 0:
+            raise ValueError("request_deadline must be > 0")
 
 
 @dataclass
@@ -455,8 +496,9 @@ class PlanCache:
     """Ready cuDNN plans for the GPU of this process, tuned plans first.
 
     ``PlanCache(config)``, or ``PlanCache(server_url, token=..., ...)`` with the fields of :class:`ClientConfig`
-    as keywords (given with a config, they replace its fields). With trusted keys every blob must carry a valid
-    signature by one of them; without, only digests are checked (a warning says so). Thread-safe: loads run one
+    as keywords (given with a config, they replace its fields). Every blob must carry a valid signature by one
+    of the trusted keys; without trusted keys no disk or server plan is admitted (reason ``no_trusted_keys``)
+    unless, in normal mode, ``insecure_allow_unsigned`` is set (see the module docstring). Thread-safe: loads run one
     at a time, but :meth:`plan` of an already loaded spec never waits for them (it hashes the spec, so keep the
     returned :class:`Plan` in hot loops); all plans share one cuDNN handle, used by one thread at a time.
     """
@@ -478,17 +520,27 @@ class PlanCache:
         self.environment = config.environment or backend.environment()
         keys = config.trusted_keys
         self.trusted_keys = _trusted_keys(keys if keys is not None else settings.trusted_keys)
-        if not len(self.trusted_keys):
-            log.warning("plancache: no trusted keys configured (PLANCACHE_TRUSTED_KEYS): plan signatures are not "
-                        "checked, only sizes and digests")
+        opt_out = config.insecure_allow_unsigned
+        opt_out = settings.insecure_allow_unsigned if opt_out is None else opt_out
+        #: Plans are admitted without a signature (normal mode, no trusted keys, and the explicit opt-out).
+        self.insecure_allow_unsigned = bool(opt_out) and not self.signatures_checked and self.mode == "normal"
+        self._warn_about_keys(bool(opt_out))
+        self.request_deadline = config.request_deadline or settings.request_deadline
+        if self.request_deadline <= 0:
+            raise ValueError("request_deadline must be > 0")
         url = config.server_url if config.server_url is not None else settings.server_url
         self._remote = Remote(HttpClient(url, config.token if config.token is not None else settings.token,
                                          connect_timeout=config.connect_timeout or settings.connect_timeout,
                                          read_timeout=config.read_timeout or settings.read_timeout,
                                          policies=[CircuitBreaker(config.cooldown)],
-                                         transport=config.transport)) if url else None
+                                         transport=config.transport),
+                              max_blob_bytes=settings.max_blob_bytes,
+                              resolve_max_bytes=settings.resolve_max_bytes) if url else None
         cache_dir = config.cache_dir if config.cache_dir is not None else settings.cache_dir
-        self.disk = DiskCache(cache_dir, self.environment)
+        max_bytes = config.cache_max_bytes if config.cache_max_bytes is not None else settings.cache_max_bytes
+        self.disk = DiskCache(cache_dir, self.environment, max_bytes=max_bytes,
+                              max_age_days=settings.cache_max_age_days)
+        self.disk.sweep()
         self._lock = threading.RLock()      # the ladder's state
         self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
         self._memory: dict[str, Plan] = {}
@@ -499,6 +551,29 @@ class PlanCache:
         allowed = MODE_STEPS[self.mode]
         #: The ladder of this cache: ``config.steps`` the mode allows, in order.
         self.steps: list[Step] = [step for step in (make(self) for make in config.steps) if step.builds in allowed]
+
+    @property
+    def signatures_checked(self) -> bool:
+        """Whether trusted keys are configured, so that a plan's signature can be verified."""
+        return len(self.trusted_keys) > 0
+
+    def _warn_about_keys(self, opt_out: bool) -> None:
+        if self.signatures_checked:
+            if opt_out:
+                log.info("plancache: insecure_allow_unsigned is ignored: trusted keys are configured, so every plan "
+                         "must be signed by one of them")
+        elif self.mode != "normal":
+            log.error("plancache: %s mode admits signed plans only and no trusted keys are configured "
+                      "(PLANCACHE_TRUSTED_KEYS or trusted_keys=): every load will raise PlanMiss%s", self.mode,
+                      " (insecure_allow_unsigned is ignored in this mode)" if opt_out else "")
+        elif self.insecure_allow_unsigned:
+            log.warning("plancache: INSECURE: no trusted keys and insecure_allow_unsigned is set: plans from the "
+                        "server and the disk cache are checked by size and digest only, so anyone able to alter them "
+                        "on the way can run code of their choice on this GPU; such plans are not written to disk")
+        else:
+            log.warning("plancache: no trusted keys configured (PLANCACHE_TRUSTED_KEYS): plans from the server and the "
+                        "disk cache cannot be verified and are refused (no_trusted_keys); every graph is built "
+                        "locally. Set PLANCACHE_INSECURE_ALLOW_UNSIGNED=1 only to accept unverifiable plans knowingly")
 
     # ------------------------------------------------------------ public
 
@@ -605,23 +680,30 @@ class PlanCache:
                 self._stats.load_seconds += time.perf_counter() - t0
 
     def _miss(self, p: Pending) -> PlanMiss:
+        hint = "" if self.signatures_checked else (
+            f" — {self.mode} mode admits signed plans only and no trusted keys are configured "
+            "(PLANCACHE_TRUSTED_KEYS or trusted_keys=)")
         return PlanMiss(f"no verified tuned plan for {p.spec.name or 'graph'} ({p.key}) on "
-                        f"{self.environment.describe()} ({self.mode} mode): {'; '.join(p.trail)}")
+                        f"{self.environment.describe()} ({self.mode} mode): {'; '.join(p.trail)}{hint}")
 
     def _deserialize(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike:
         with self._handle_lock:
             return self._backend.deserialize(p.spec, blob, engine_id=record.engine_id, knobs=record.knobs,
                                              plan_name=record.plan_name, graph=p.graph)
 
-    def _verify(self, record: PlanRecord, blob: bytes | None, key: str) -> None:
-        """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone."""
+    def _verify(self, record: PlanRecord, blob: bytes | None, key: str, *, signed: bool | None = None) -> None:
+        """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone. A signature
+        by a trusted key is required (``signed``, default: unless unsigned plans are allowed); without trusted
+        keys that fails with ``no_trusted_keys``."""
         verify_blob(record, blob, what=f"plan {key[:12]}", trusted=self.trusted_keys, graph_key=key,
-                    environment=self.environment)
+                    environment=self.environment,
+                    require_signature=not self.insecure_allow_unsigned if signed is None else signed)
 
     def _authentic(self, record: PlanRecord, key: str) -> bool:
-        """The record is signed (when keys are trusted) and meant for this graph and GPU, whatever its blob."""
+        """The record's signature verifies by a trusted key and it is meant for this graph and GPU, whatever its
+        blob: only such a record's ``(engine_id, knobs)`` may be rebuilt."""
         try:
-            self._verify(record, None, key)
+            self._verify(record, None, key, signed=True)
         except VerificationError:
             return False
         return True

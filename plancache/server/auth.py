@@ -26,12 +26,18 @@ _bearer = HTTPBearer(auto_error=False, scheme_name="token",
                      description="`PLANCACHE_ADMIN_TOKEN`, or a token from `plancache token create --role reader|worker|admin`")
 
 
+BOOTSTRAP_ADMIN = "bootstrap-admin"
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's role and name (``role`` None: anonymous, allowed by open reads)."""
+    """Who is calling: the token's role and name (``role`` None: anonymous, allowed by open reads), and
+    ``identity``, what a job lease is bound to: ``token:<id>`` for a stored token (ids are never reused,
+    unlike the names of revoked tokens), ``bootstrap-admin`` for ``PLANCACHE_ADMIN_TOKEN``, None when anonymous."""
 
     role: Role | None
     name: str
+    identity: str | None = None
 
     def may(self, role: Role) -> bool:
         return self.role is not None and ROLE_RANK[self.role] >= ROLE_RANK[role]
@@ -57,11 +63,11 @@ def identify(request: Request, store: Any, admin_token: str | None) -> Principal
     if token is None:
         return None
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
-        return Principal(role="admin", name="bootstrap-admin")
+        return Principal(role="admin", name=BOOTSTRAP_ADMIN, identity=BOOTSTRAP_ADMIN)
     info = store.authenticate(token)
     if info is None:
         raise Unauthorized("unknown or revoked token")
-    return Principal(role=info.role, name=info.name)
+    return Principal(role=info.role, name=info.name, identity=f"token:{info.id}")
 
 
 def _a(role: Role) -> str:
@@ -73,16 +79,30 @@ def require(role: Role, *, open_reads_apply: bool = True) -> Callable[..., Princ
     callers under ``open_reads`` unless ``open_reads_apply`` is off)."""
 
     def dependency(request: Request, store: StoreDep, settings: SettingsDep, _: Any = Depends(_bearer)) -> Principal:
-        principal = identify(request, store, settings.admin_token)
-        if principal is None:
-            if role == "reader" and settings.open_reads and open_reads_apply:
-                return ANONYMOUS
-            raise Unauthorized(f"this route needs {_a(role)} token: send 'Authorization: Bearer <token>'")
-        if not principal.may(role):
-            raise Forbidden(f"token {principal.name!r} has role {principal.role}; this route needs {role}")
-        return principal
+        return authorize(request, store, settings, role, open_reads_apply=open_reads_apply)
 
+    dependency.plancache_role = (role, open_reads_apply)  # type: ignore[attr-defined]  # read by bodies.CheckedRoute
     return dependency
+
+
+#: Where :func:`authorize` keeps a request's principal (its scope), so that checking twice looks the token up once.
+PRINCIPAL_SCOPE_KEY = "plancache.principal"
+
+
+def authorize(request: Request, store: Any, settings: Any, role: Role, *, open_reads_apply: bool = True) -> Principal:
+    """What :func:`require`'s dependency checks. :class:`~plancache.server.bodies.CheckedRoute` calls it before
+    a request body is read (a caller without the role never gets a body parsed), the dependency again after."""
+    if PRINCIPAL_SCOPE_KEY in request.scope:
+        principal = request.scope[PRINCIPAL_SCOPE_KEY]
+    else:
+        principal = request.scope[PRINCIPAL_SCOPE_KEY] = identify(request, store, settings.admin_token)
+    if principal is None:
+        if role == "reader" and settings.open_reads and open_reads_apply:
+            return ANONYMOUS
+        raise Unauthorized(f"this route needs {_a(role)} token: send 'Authorization: Bearer <token>'")
+    if not principal.may(role):
+        raise Forbidden(f"token {principal.name!r} has role {principal.role}; this route needs {role}")
+    return principal
 
 
 Reader = Annotated[Principal, Depends(require("reader"))]

@@ -1,25 +1,66 @@
-"""Request bodies and URLs, checked before any parsing: a size limit (declared and streamed) and strict JSON.
+"""Request bodies and URLs, checked before any parsing, and parsed off the event loop.
+
+Every route of the app uses :class:`CheckedRoute`. For a route that takes a body, before FastAPI sees it:
+
+1. the caller's token is checked (:func:`plancache.server.auth.authorize`): a caller without the route's
+   role gets its 401/403 before a byte of the body is read;
+2. the body is read within its route's size limit (the declared ``Content-Length`` first, then what
+   arrives): ``Settings.max_request_bytes`` for plan uploads (:data:`UPLOAD_ROUTES`, the blob is inline),
+   ``Settings.max_json_bytes`` (1 MiB; a spec is kilobytes) for every other route, else 413; within its
+   deadline, ``Settings.body_timeout`` plus its size at ``Settings.body_min_rate``, else 408 (a slow drip
+   is cut); and within the process's in-flight budget (:class:`~plancache.server.limits.ByteBudget`),
+   waiting briefly for room, else 503 with ``Retry-After``;
+3. it is parsed as strict JSON and validated against the route's body model in a worker thread, at most
+   ``Settings.body_parse_threads`` at once, so the event loop keeps answering (``/healthz``) meanwhile.
+   FastAPI then gets the validated model and does not validate it again.
 
 Strict JSON refuses what Python's ``json`` accepts but the store cannot keep or the wire models
-cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than 4300 digits,
-NUL characters in strings (PostgreSQL text cannot hold them), bytes that are not UTF-8 and nesting
-too deep to parse; a NUL in the query string is refused too. Each is a 422, like any invalid JSON. All routes of the app use :class:`CheckedRoute`.
+cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than
+:data:`MAX_INT_CHARS` characters (no field takes more than a 64-bit integer; refused before Python converts
+it, so a 4,000-digit number costs nothing), NUL characters in strings (PostgreSQL text cannot hold them),
+bytes that are not UTF-8 and nesting too deep to parse; a NUL in the query string is refused too. Each is a 422.
 """
 
 from __future__ import annotations
 
+import asyncio
+import email.message
 import json
 import math
 import re
+import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from fastapi import HTTPException, Request, Response
+from fastapi.dependencies.models import Dependant
+from fastapi.dependencies.utils import get_dependant
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import compile_path
+
+from ..protocol import Role
+from .auth import authorize
+from .deps import get_store
+from .errors import documented_errors
 
 _ESCAPED_NUL = b"\\u0000"
 # A \u0000 escape preceded by an even number of backslashes (an odd number escapes the backslash itself).
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+#: Longest JSON integer accepted, in characters: -9223372036854775808 (int64's minimum) has 20.
+MAX_INT_CHARS = 20
+#: Routes whose body carries a plan blob (base64) and so may be up to ``Settings.max_request_bytes``.
+UPLOAD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/complete")})
+#: Memory a body takes while its request runs, per byte of body, as the in-flight budget counts it: parsed JSON
+#: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text;
+#: an upload is its text, the base64 string, the decoded blob and the store's copies (4.4 times measured).
+JSON_MEMORY_FACTOR = 26
+UPLOAD_MEMORY_FACTOR = 5
 
 
 def _refuse(message: str) -> json.JSONDecodeError:
@@ -34,51 +75,70 @@ def _parse_float(text: str) -> float:
 
 
 def _parse_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise _refuse(f"integer of {len(text)} digits is too long") from None
+    if len(text) > MAX_INT_CHARS:
+        raise _refuse(f"integer of {len(text)} characters is too long (at most {MAX_INT_CHARS}: no field takes "
+                      "more than a 64-bit integer)")
+    return int(text)
 
 
 def _parse_constant(name: str) -> Any:
     raise _refuse(f"{name} is not valid JSON")
 
 
-def strict_json_loads(body: bytes) -> Any:
-    """``json.loads`` refusing non-finite numbers, huge integers and NUL characters (``json.JSONDecodeError``)."""
-    if _ESCAPED_NUL in body and _NUL_ESCAPE.search(body):
+def _yield_point(obj: dict[str, Any]) -> dict[str, Any]:
+    """``object_hook``: a Python call per JSON object, so a thread parsing a big body lets the event loop run."""
+    return obj
+
+
+def _has_escaped_nul(body: bytes | bytearray) -> bool:
+    """Whether ``body`` holds ``\\u0000``, searched a MiB at a time (between searches, other threads may run)."""
+    step = 1 << 20
+    return any(body.find(_ESCAPED_NUL, i, i + step + len(_ESCAPED_NUL)) != -1 for i in range(0, len(body), step))
+
+
+def strict_json_loads(body: bytes | bytearray) -> Any:
+    """``json.loads`` refusing non-finite numbers, huge integers and NUL characters (``json.JSONDecodeError``).
+
+    Each number and object is a Python call (the hooks): a thread parsing a big body of them lets others run."""
+    if _has_escaped_nul(body) and _NUL_ESCAPE.search(body):
         raise _refuse("strings may not contain NUL characters (\\u0000)")
     try:
-        return json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant)
+        return json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant,
+                          object_hook=_yield_point)
     except UnicodeDecodeError:
         raise _refuse("the body is not UTF-8 text") from None
     except RecursionError:
         raise _refuse("the body nests too deeply") from None
 
 
-class CheckedRequest(Request):
-    """A request whose body is read at most ``Settings.max_request_bytes`` and parsed as strict JSON."""
+def _json_invalid(exc: json.JSONDecodeError) -> RequestValidationError:
+    """The error FastAPI raises for a body that is not JSON (the same shape, so the same 422)."""
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                    "input": {}, "ctx": {"error": exc.msg}}])
 
-    async def body(self) -> bytes:
-        if not hasattr(self, "_body"):
-            limit = self.app.state.settings.max_request_bytes
-            declared = self.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
-                raise _too_large(int(declared), limit)
-            chunks: list[bytes] = []
-            total = 0
-            async for chunk in self.stream():
-                total += len(chunk)
-                if total > limit:
-                    raise _too_large(total, limit)
-                chunks.append(chunk)
-            self._body = b"".join(chunks)
-        return self._body
 
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            self._json = strict_json_loads(await self.body())
-        return self._json
+def _parse_and_validate(body: bytes, field: Any) -> Any:
+    """Runs in a worker thread: the body parsed, and validated against ``field`` (FastAPI's body field) if given."""
+    try:
+        value = strict_json_loads(body)
+    except json.JSONDecodeError as exc:
+        raise _json_invalid(exc) from None
+    if field is None:
+        return value
+    validated, errors = field.validate(value, {}, loc=("body",))
+    if errors:
+        raise RequestValidationError(errors)
+    return validated
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI would parse a body of this content type as JSON (as its request handler decides)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _too_large(size: int, limit: int) -> HTTPException:
@@ -86,15 +146,183 @@ def _too_large(size: int, limit: int) -> HTTPException:
     return HTTPException(413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes")
 
 
+def _too_slow(received: int, seconds: float) -> HTTPException:
+    return HTTPException(408, f"request body not received in time ({received} bytes in {seconds:.0f} s)")
+
+
+class CheckedRequest(Request):
+    """A request whose body is read within a size limit, a deadline and the in-flight budget, and parsed as
+    strict JSON. :class:`CheckedRoute` sets the limit and releases the budget when the handler is done."""
+
+    body_limit: int | None = None
+    memory_factor: int = 1
+    started: float = 0.0
+    held_bytes: int = 0
+
+    def _settings(self) -> Any:
+        return self.app.state.settings
+
+    async def _take(self, n: int) -> None:
+        """Count ``n`` more body bytes (times :attr:`memory_factor`) in the in-flight budget; a request can hold
+        the whole budget, not more (it then runs alone)."""
+        budget = getattr(self.app.state, "inflight", None)
+        if budget is not None and n > 0:
+            n = min(n * self.memory_factor, budget.capacity - self.held_bytes)
+            if n > 0:
+                await budget.take(n)
+                self.held_bytes += n
+
+    def release(self) -> None:
+        budget = getattr(self.app.state, "inflight", None)
+        if budget is not None:
+            budget.release(self.held_bytes)
+        self.held_bytes = 0
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            settings = self._settings()
+            limit = self.body_limit if self.body_limit is not None else settings.max_request_bytes
+            started = self.started or time.monotonic()
+            declared_text = self.headers.get("content-length", "")
+            declared = None
+            if declared_text.isdigit():  # h11 has checked it is one number; it may still have 16,000 digits
+                if len(declared_text) > 18 or int(declared_text) > limit:
+                    raise _too_large(int(declared_text) if len(declared_text) <= 18 else limit + 1, limit)
+                declared = int(declared_text)
+                await self._take(declared)
+            buffer = bytearray()  # grown in place: no whole-body copy on the event loop
+            total = 0
+            stream = self.stream().__aiter__()
+            while True:
+                # the body's deadline: body_timeout, plus the time its bytes so far take at body_min_rate
+                left = started + settings.body_timeout + total / max(settings.body_min_rate, 1) - time.monotonic()
+                if left <= 0:
+                    raise _too_slow(total, time.monotonic() - started)
+                try:
+                    async with asyncio.timeout(left):
+                        chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise _too_slow(total, time.monotonic() - started) from None
+                total += len(chunk)
+                if total > limit:
+                    raise _too_large(total, limit)
+                if declared is None:
+                    await self._take(len(chunk))
+                buffer += chunk
+            self._body = buffer  # type: ignore[assignment]  # bytes-like: FastAPI and json.loads take a bytearray
+        return self._body
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = await run_parser(self.app, strict_json_loads, await self.body())
+        return self._json
+
+
+_LIMITERS: weakref.WeakKeyDictionary[Any, dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _parse_limiter(app: Any) -> anyio.CapacityLimiter:
+    """The app's limiter of parsing threads on the running event loop (a limiter belongs to one loop)."""
+    per_app = _LIMITERS.setdefault(app, {})
+    loop = asyncio.get_running_loop()
+    limiter = per_app.get(loop)
+    if limiter is None:
+        for old in [lp for lp in per_app if lp.is_closed()]:
+            del per_app[old]
+        limiter = per_app[loop] = anyio.CapacityLimiter(max(1, app.state.settings.body_parse_threads))
+    return limiter
+
+
+async def run_parser(app: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread, at most ``Settings.body_parse_threads`` at once per process."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_parse_limiter(app))
+
+
+def _required_role(dependant: Dependant) -> tuple[Role, bool] | None:
+    """``(role, open_reads_apply)`` of the route's :func:`~plancache.server.auth.require` dependency, if any."""
+    for dep in dependant.dependencies:
+        role = getattr(dep.call, "plancache_role", None)
+        if role is None:
+            role = _required_role(dep)
+        if role is not None:
+            return role
+    return None
+
+
 class CheckedRoute(APIRoute):
-    """An :class:`APIRoute` whose handler sees a :class:`CheckedRequest` and refuses NUL in the query string."""
+    """An :class:`APIRoute` that refuses NUL in the query string and, for a route with a body, checks the token,
+    reads the body and parses and validates it as described in the module docstring before FastAPI's handler."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if get_dependant(path=compile_path(path)[1], call=endpoint).body_params:  # what reading a body may answer
+            kwargs["responses"] = {**documented_errors(408, 413, 503), **(kwargs.get("responses") or {})}
+        super().__init__(path, endpoint, **kwargs)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        body_params = self.dependant.body_params
+        # FastAPI validates a lone body parameter against the whole body: that is what is done here, in a thread
+        body_field = body_params[0] if len(body_params) == 1 and not self._embed_body_fields else None
+        has_body = bool(body_params)
+        role = _required_role(self.dependant)
+        uploads = any((method, self.path_format) in UPLOAD_ROUTES for method in self.methods or ())
 
         async def checked(request: Request) -> Response:
             if b"%00" in request.scope.get("query_string", b""):
                 raise HTTPException(422, "the query string may not contain NUL (%00)")
-            return await handler(CheckedRequest(request.scope, request.receive))
+            req = CheckedRequest(request.scope, request.receive)
+            if not has_body:
+                return await handler(req)
+            settings = request.app.state.settings
+            req.started = time.monotonic()
+            req.body_limit = (settings.max_request_bytes if uploads
+                              else min(settings.max_json_bytes, settings.max_request_bytes))
+            req.memory_factor = UPLOAD_MEMORY_FACTOR if uploads else JSON_MEMORY_FACTOR
+            try:
+                if role is not None:
+                    store = await get_store(req)
+                    await run_in_threadpool(authorize, req, store, settings, role[0], open_reads_apply=role[1])
+                body = await req.body()
+                if body and _is_json(req.headers.get("content-type")):
+                    req._json = await run_parser(request.app, _parse_and_validate, body, body_field)
+                return await handler(req)
+            finally:
+                req.release()
 
         return checked
+
+
+#: What the JSON schema of every string says about NUL, which the server refuses in bodies and query strings.
+NO_NUL_PATTERN = "^[^\\u0000]*$"
+_STRING_RULES = {"pattern", "enum", "const", "format"}
+
+
+def _state_no_nul(node: Any) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "string" and not _STRING_RULES & node.keys():
+            node["pattern"] = NO_NUL_PATTERN
+        if node.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
+            node.setdefault("propertyNames", {}).setdefault("pattern", NO_NUL_PATTERN)
+        for value in node.values():
+            _state_no_nul(value)
+    elif isinstance(node, list):
+        for value in node:
+            _state_no_nul(value)
+
+
+def install_openapi_rules(app: Any) -> None:
+    """Make the app's OpenAPI document state what this module enforces beyond the models: no NUL in any string
+    (every string schema without a pattern of its own gets :data:`NO_NUL_PATTERN`, every map's keys too)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _state_no_nul(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -30,21 +30,28 @@ _CODES_BY_STATUS = {
     404: "not_found",
     405: "method_not_allowed",
     406: "not_acceptable",
+    408: "request_timeout",
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "validation_error",
+    429: "too_many_requests",
+    503: "server_busy",
 }
 _MAX_PROBLEMS = 5
 _MAX_PART_CHARS = 300
+#: Longest error message answered (a message may quote what the request sent).
+MAX_MESSAGE_CHARS = 2000
 
 _DOCUMENTED = {
     401: "missing, malformed, unknown or revoked token",
     403: "the token's role may not do this",
     404: "not found",
     409: "conflicts with stored state",
+    408: "the request body did not arrive in time",
     413: "request or blob too large",
     422: "invalid request (the message names the field)",
-    503: "database unavailable",
+    429: "this token's budget for the operation is spent; retry after Retry-After seconds",
+    503: "database unavailable, or the server is busy; retry after Retry-After seconds",
 }
 
 
@@ -54,6 +61,8 @@ def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "…"
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=dict(headers or {}))
 
 

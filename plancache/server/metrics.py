@@ -1,7 +1,8 @@
 """Prometheus metrics of one app, in its own :class:`CollectorRegistry` (never the process-global one).
 
 - ``plancache_http_requests_total{method,route,status}`` and ``plancache_http_request_duration_seconds{method,route}``
-  (``route`` is the path template, ``<unmatched>`` for unknown paths, so the label set stays small)
+  (``route`` is the path template of the app's route the request matched -- API routes, ``/docs`` and
+  ``/openapi.json`` alike -- and ``<unmatched>`` for paths no route matches, so the label set stays small)
 - ``plancache_resolve_keys_total{result="hit"|"miss"}``
 - ``plancache_blob_bytes_served_total{route}`` (blob GETs and blobs inlined in resolve answers)
 - ``plancache_jobs{status}`` (read from the store at scrape time)
@@ -19,6 +20,7 @@ import sqlalchemy.exc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("plancache.server")
@@ -70,6 +72,8 @@ class Metrics:
                                  ["method", "route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.resolve_keys = Counter("plancache_resolve_keys", "Graph keys asked for in resolve, by result",
                                     ["result"], registry=r)
+        self.misses_not_counted = Counter("plancache_misses_not_counted", "Missed graph keys answered but not recorded: "
+                                          "the token's miss budget was spent", registry=r)
         self.bytes_served = Counter("plancache_blob_bytes_served", "Plan blob bytes sent, by route", ["route"], registry=r)
         self.tuning_seconds = Histogram("plancache_tuning_seconds", "Autotuning time of newly published plans",
                                         buckets=_TUNING_BUCKETS, registry=r)
@@ -83,6 +87,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def route_label(scope: Scope) -> str:
+    """The path template of the route that ``scope`` matched, else :data:`UNMATCHED_ROUTE`.
+
+    FastAPI's routes record themselves in ``scope["route"]``; Starlette's plain routes (``/openapi.json``) do
+    not, so those are found again by matching the app's routes, as its router did (a full match first, then
+    one that matched the path but not the method)."""
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return path
+    partial = None
+    for route in getattr(getattr(scope.get("app"), "router", None), "routes", ()):
+        try:
+            match, child = route.matches(scope)
+        except Exception:  # noqa: BLE001 - a label must never fail the request
+            continue
+        path = getattr(child.get("route"), "path", None) or getattr(route, "path", None)
+        if match is Match.FULL and path:
+            return path
+        if match is Match.PARTIAL and partial is None:
+            partial = path
+    return partial or UNMATCHED_ROUTE
 
 
 class MetricsMiddleware:
@@ -108,7 +135,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+            route = route_label(scope)
             method = scope["method"] if scope["method"] in _METHODS else "OTHER"
             self.metrics.requests.labels(method, route, str(status)).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)

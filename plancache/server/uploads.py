@@ -1,11 +1,12 @@
-"""Checks shared by ``PUT /v1/plans`` and job completion before a plan reaches the store."""
+"""What ``PUT /v1/plans`` and job completion share: the checks before a plan reaches the store, and
+publishing the plan of a held job."""
 
 from __future__ import annotations
 
 from fastapi.exceptions import RequestValidationError
 
-from ..errors import Forbidden, PayloadTooLarge
-from ..protocol import PlanUpload
+from ..errors import Forbidden, LeaseLost, PayloadTooLarge
+from ..protocol import PlanRecord, PlanUpload
 from ..settings import Settings
 from ..store import Store
 from .auth import Principal
@@ -37,3 +38,20 @@ def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settin
     if upload.spec is not None:
         store.put_spec(upload.graph_key, upload.spec)
     return blob
+
+
+def publish_job_plan(store: Store, plan: PlanUpload, blob: bytes, *, job_id: int, worker_id: str, lease_token: str,
+                     principal: Principal) -> tuple[PlanRecord, bool]:
+    """Publish the plan of job ``job_id`` and mark the job succeeded, in one transaction, if the caller holds
+    its lease (``worker_id``, ``lease_token``, and ``principal`` the API token that claimed it); the record,
+    and whether this was a repeat. The holder repeating a completion that went through (its answer lost)
+    gets the stored record; every other refusal (:class:`LeaseLost`, ``NotLeaseHolder`` …) stands."""
+    try:
+        return store.publish_plan(plan, blob, job_id=job_id, worker_id=worker_id, lease_token=lease_token,
+                                  holder=principal.identity, replace=plan.replace), False
+    except LeaseLost:
+        done = store.get_plan(plan.graph_key, plan.environment)
+        if (done is None or done.job_id != job_id or done.blob_sha256 != plan.blob_sha256
+                or not store.completed_with(job_id, worker_id, lease_token, holder=principal.identity)):
+            raise
+        return done, True

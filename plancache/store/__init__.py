@@ -27,7 +27,9 @@ __all__ = ["Store", "TokenInfo", "open_store"]
 class Store(SpecsAndBlobs, Plans, Jobs, Tokens):
     """All store operations over one database. Thread-safe: each call runs in its own transaction.
 
-    ``clock`` returns the current time (timezone-aware) for every timestamp and lease; tests inject one.
+    ``clock`` returns the current time (timezone-aware) for every timestamp and lease; tests inject one. Without it,
+    leases and the other times written in a job or publish transaction are the database's clock
+    (:meth:`~.db.Database.now`), so replicas with skewed clocks agree on them.
     ``job_max_attempts`` and ``blob_store`` (a ``PLANCACHE_BLOB_STORE`` value) default to their settings.
     """
 

@@ -1,17 +1,28 @@
 """The tuning job queue: de-duplicated enqueue, leased claims with fencing tokens, heartbeats, retries.
 
-A job is ``queued`` → ``running`` (claimed: attempts and fencing token incremented, lease set) →
-``succeeded`` (its plan published, see :mod:`plancache.store.plans`) or ``failed``. A running job
-whose lease expired is claimable again; the new claim increments the fencing token, so the old
-holder's heartbeat, failure or completion is refused with :class:`errors.LeaseLost`. Claims are
-one ``UPDATE … RETURNING`` over a ``FOR UPDATE SKIP LOCKED`` candidate on Postgres, and run in a
-``BEGIN IMMEDIATE`` transaction on SQLite, so a job is never handed to two workers.
+A job is ``queued`` → ``running`` (claimed: attempts incremented, lease set) → ``succeeded`` (its plan
+published, see :mod:`plancache.store.plans`) or ``failed``. A running job whose lease expired is
+claimable again. Claims are one ``UPDATE … RETURNING`` over a ``FOR UPDATE SKIP LOCKED`` candidate on
+Postgres, and run in a ``BEGIN IMMEDIATE`` transaction on SQLite, so a job is never handed to two workers.
+
+Leases are bound to their holder. Each claim draws a new secret lease token (the fencing token,
+``secrets.token_urlsafe``), returned to the claimer only (:class:`Claim`); the store keeps its sha256
+and the API token that claimed (``holder``). A heartbeat, failure or completion must present the
+current lease's token (compared in constant time; a token of a lease taken over, or a guess, is
+:class:`errors.LeaseLost`) from the same API token (else :class:`errors.NotLeaseHolder`).
+
+Lease times are the database's: every operation reads the time once, on its own transaction
+(:meth:`~.db.Database.now`), so replicas with skewed clocks agree on when a lease expires.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import secrets
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -28,6 +39,23 @@ from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
+#: Random bytes of a lease token (256 bits: not guessable).
+LEASE_TOKEN_BYTES = 32
+#: Longest ``holder`` (the claiming API token's identity) the store keeps.
+MAX_HOLDER_LENGTH = 64
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed job and its lease token: the secret that heartbeat, complete and fail need. The store
+    keeps only its hash, so this is the one time it is seen."""
+
+    job: Job
+    lease_token: str = field(repr=False)
+
+
+def hash_lease_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 def target_key(target: TargetEnvironment) -> str:
@@ -46,8 +74,8 @@ def row_to_job(row: Row[Any]) -> Job:
         attempts=m["attempts"],
         max_attempts=m["max_attempts"],
         lease_owner=m["lease_owner"],
+        lease_holder=m["lease_holder"],
         lease_expires_at=m["lease_expires_at"],
-        fencing_token=m["fencing_token"],
         error=m["error"],
         created_at=m["created_at"],
         updated_at=m["updated_at"],
@@ -55,14 +83,25 @@ def row_to_job(row: Row[Any]) -> Job:
     )
 
 
-def _lease(lease_seconds: float, now: datetime) -> datetime:
+def _check_lease_seconds(lease_seconds: float) -> timedelta:
     if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds > 0):
         raise errors.InvalidValue(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
-    return now + timedelta(seconds=lease_seconds)
+    return timedelta(seconds=lease_seconds)
 
 
-def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: int | None) -> Row[Any]:
-    """Lock and return job ``job_id`` if ``worker_id`` holds its current lease; else NotFound / LeaseLost.
+def _lease_token_matches(row: Row[Any], lease_token: Any) -> bool:
+    stored = row.lease_token_hash
+    return (isinstance(lease_token, str) and stored is not None
+            and hmac.compare_digest(stored, hash_lease_token(lease_token)))
+
+
+def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
+             holder: str | None = None) -> Row[Any]:
+    """Lock and return job ``job_id`` if the caller holds its current lease: ``lease_token`` is that lease's
+    token, ``holder`` the API token that claimed it and ``worker_id`` its worker. Else :class:`errors.NotFound`,
+    :class:`errors.LeaseLost` (not running; a token of a lease taken over, or no lease token of this job;
+    another worker id) or :class:`errors.NotLeaseHolder` (the right lease token from another API token).
+    Refusals name no holder and no token.
 
     A lease that expired but was not taken over by another claim is still held.
     """
@@ -70,22 +109,25 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
         sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
     if row is None:
         raise errors.NotFound(f"no job {job_id}")
-    if worker_id is None or lease_token is None:
+    if not worker_id or not lease_token:
         raise errors.LeaseLost(f"job {job_id}: a worker id and lease token are needed to act on it")
     if row.status != "running":
         raise errors.LeaseLost(f"job {job_id} is {row.status}, not running")
-    if row.lease_owner != worker_id or row.fencing_token != lease_token:
-        raise errors.LeaseLost(
-            f"job {job_id}: lease {lease_token} of {worker_id!r} was taken over "
-            f"(now held by {row.lease_owner!r} with lease {row.fencing_token})"
-        )
+    if not _lease_token_matches(row, lease_token):
+        raise errors.LeaseLost(f"job {job_id}: that is not the lease token of its current lease (the lease "
+                               "was taken over by a later claim, or was never held with it)")
+    if row.lease_holder != holder:
+        raise errors.NotLeaseHolder(f"job {job_id} was claimed with another API token; only the token that "
+                                    "claimed a job may heartbeat, complete or fail it")
+    if row.lease_owner != worker_id:
+        raise errors.LeaseLost(f"job {job_id}: its lease is not held by worker {worker_id!r}")
     return row
 
 
-def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: int | None,
-                      graph_key: str, env: Environment, now: datetime) -> None:
-    """Mark a held job succeeded, inside the caller's (plan-publishing) transaction."""
-    row = held_job(conn, job_id, worker_id, lease_token)
+def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
+                      graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> None:
+    """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time)."""
+    row = held_job(conn, job_id, worker_id, lease_token, holder)
     if row.graph_key != graph_key:
         raise errors.Conflict(f"job {job_id} is for graph key {row.graph_key}, not {graph_key}")
     target = row_to_job(row).target
@@ -98,7 +140,8 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
 
 
 def _claim_statements() -> tuple[Any, Any]:
-    """The two statements of a claim, built once (bound parameters: now, expires, worker, env_<field>)."""
+    """The two statements of a claim, built once (bound parameters: now, expires, worker, token_hash, holder,
+    env_<field>)."""
     cand = jobs.alias("candidate")
     now = sa.bindparam("now", type_=UTCDateTime)
     expired = sa.and_(cand.c.status == "running", cand.c.lease_expires_at < now)
@@ -122,6 +165,8 @@ def _claim_statements() -> tuple[Any, Any]:
         sa.update(jobs).where(jobs.c.id == best)
         .values(status="running", attempts=jobs.c.attempts + 1, fencing_token=jobs.c.fencing_token + 1,
                 lease_owner=sa.bindparam("worker", type_=jobs.c.lease_owner.type),
+                lease_token_hash=sa.bindparam("token_hash", type_=jobs.c.lease_token_hash.type),
+                lease_holder=sa.bindparam("holder", type_=jobs.c.lease_holder.type),
                 lease_expires_at=sa.bindparam("expires", type_=UTCDateTime), updated_at=now)
         .returning(*jobs.c)
     )
@@ -149,7 +194,7 @@ class Jobs:
             with self.db.write() as conn:
                 if not spec_exists(conn, graph_key):
                     raise errors.NotFound(f"no spec stored for graph key {graph_key}; upload it first")
-                now = self.db.now()
+                now = self.db.now(conn)
                 row = conn.execute(
                     upsert_insert(conn, jobs)
                     .values(graph_key=graph_key, **target.model_dump(), target_key=key, status="queued",
@@ -165,46 +210,63 @@ class Jobs:
                     return row_to_job(row), False
         raise errors.Conflict(f"could not enqueue graph key {graph_key}: the active job kept changing")
 
-    def claim(self, env: Environment, worker_id: str, *, lease_seconds: float) -> Job | None:
-        """Lease the best job this environment can run (highest priority, then oldest), or None.
+    def claim(self, env: Environment, worker_id: str, *, lease_seconds: float, holder: str | None = None) -> Claim | None:
+        """Lease the best job this environment can run (highest priority, then oldest) to ``worker_id``
+        and the API token ``holder`` (the server passes the caller's identity), or None.
 
         Running jobs whose lease expired are taken over; those with no attempts left end ``failed``.
         """
         check_validity(env.validity())
-        now = self.db.now()
-        params = {"now": now, "expires": _lease(lease_seconds, now), "worker": worker_id,
-                  **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
+        duration = _check_lease_seconds(lease_seconds)
+        if holder is not None and len(holder) > MAX_HOLDER_LENGTH:
+            raise errors.InvalidValue(f"a lease holder is at most {MAX_HOLDER_LENGTH} characters")
+        token = secrets.token_urlsafe(LEASE_TOKEN_BYTES)
         with self.db.write() as conn:
+            now = self.db.now(conn)
+            params = {"now": now, "expires": now + duration, "worker": worker_id,
+                      "token_hash": hash_lease_token(token), "holder": holder,
+                      **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
             conn.execute(_FAIL_EXHAUSTED, params)
             row = conn.execute(_CLAIM, params).first()
-        return None if row is None else row_to_job(row)
+        return None if row is None else Claim(row_to_job(row), token)
 
-    def heartbeat(self, job_id: int, worker_id: str, lease_token: int, *, lease_seconds: float) -> Job:
-        """Extend the lease of a job this worker holds (:class:`errors.LeaseLost` if it does not)."""
-        now = self.db.now()
-        expires = _lease(lease_seconds, now)
+    def heartbeat(self, job_id: int, worker_id: str, lease_token: str, *, lease_seconds: float,
+                  holder: str | None = None) -> Job:
+        """Extend the lease of a job this caller holds (:func:`held_job` says what is refused)."""
+        duration = _check_lease_seconds(lease_seconds)
         with self.db.write() as conn:
-            held_job(conn, job_id, worker_id, lease_token)
+            held_job(conn, job_id, worker_id, lease_token, holder)
+            now = self.db.now(conn)
             row = conn.execute(
                 sa.update(jobs).where(jobs.c.id == job_id)
-                .values(lease_expires_at=expires, updated_at=now).returning(*jobs.c)
+                .values(lease_expires_at=now + duration, updated_at=now).returning(*jobs.c)
             ).one()
         return row_to_job(row)
 
-    def fail(self, job_id: int, worker_id: str, lease_token: int, error: str, *, retryable: bool = True) -> Job:
-        """Record a failed attempt: back to ``queued`` if retryable with attempts left, else ``failed``."""
-        now = self.db.now()
+    def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
+             holder: str | None = None) -> Job:
+        """Record a failed attempt of a job this caller holds: back to ``queued`` (lease cleared) if retryable
+        with attempts left, else ``failed``."""
         with self.db.write() as conn:
-            row = held_job(conn, job_id, worker_id, lease_token)
+            row = held_job(conn, job_id, worker_id, lease_token, holder)
+            now = self.db.now(conn)
             requeue = retryable and row.attempts < row.max_attempts
+            lease = {"lease_owner": None, "lease_holder": None, "lease_token_hash": None} if requeue else {}
             row = conn.execute(
                 sa.update(jobs).where(jobs.c.id == job_id)
                 .values(status="queued" if requeue else "failed", error=error, updated_at=now,
-                        lease_expires_at=None, lease_owner=None if requeue else row.lease_owner,
-                        finished_at=None if requeue else now)
+                        lease_expires_at=None, finished_at=None if requeue else now, **lease)
                 .returning(*jobs.c)
             ).one()
         return row_to_job(row)
+
+    def completed_with(self, job_id: int, worker_id: str, lease_token: str, holder: str | None = None) -> bool:
+        """Whether job ``job_id`` succeeded under exactly this lease (worker, lease token and API token): a
+        completion repeated by its holder (whose first answer was lost) is then answered, not refused."""
+        with self.db.read() as conn:
+            row = None if not 0 < job_id <= INT64_MAX else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+        return (row is not None and row.status == "succeeded" and row.lease_owner == worker_id
+                and row.lease_holder == holder and _lease_token_matches(row, lease_token))
 
     def get_job(self, job_id: int) -> Job:
         with self.db.read() as conn:

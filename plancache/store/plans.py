@@ -58,13 +58,14 @@ class Plans(Misses):
     blob_store: BlobStore
 
     def publish_plan(self, meta: PlanMeta, blob: bytes, *, job_id: int | None = None, worker_id: str | None = None,
-                     lease_token: int | None = None, replace: bool = False) -> PlanRecord:
+                     lease_token: str | None = None, holder: str | None = None, replace: bool = False) -> PlanRecord:
         """Store a plan in one transaction: the blob if absent, the record, and (with ``job_id``) the job's success.
 
         Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
         :class:`errors.NotFound` (no spec),
         :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
-        :class:`errors.LeaseLost` (``worker_id``/``lease_token`` no longer hold job ``job_id``).
+        :class:`errors.LeaseLost` / :class:`errors.NotLeaseHolder` (``worker_id``, ``lease_token`` and the API token
+        ``holder`` do not hold job ``job_id``: :func:`~.jobs.held_job`).
         Publishing the same blob again returns the stored record unchanged.
         """
         try:
@@ -72,11 +73,11 @@ class Plans(Misses):
         except errors.VerificationError as exc:
             raise errors.IntegrityError(exc.message) from None
         env = meta.environment
-        now = self.db.now()
-        values = _record_values(meta, job_id, now)
         with self.db.write() as conn:
+            now = self.db.now(conn)  # the database's time, as for the job's lease
+            values = _record_values(meta, job_id, now)
             if job_id is not None:
-                complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now)
+                complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now, holder=holder)
             if not spec_exists(conn, meta.graph_key):
                 raise errors.NotFound(f"no spec stored for graph key {meta.graph_key}; upload it with the plan")
             insert_blob_row(conn, meta.blob_sha256, len(blob), now)
@@ -107,10 +108,11 @@ class Plans(Misses):
             row = conn.execute(sa.select(plans).where(plans.c.graph_key == graph_key, *same_env(plans, env))).first()
         return None if row is None else row_to_record(row)
 
-    def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool
+    def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool, count_misses: bool = True
                 ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:
         """Records (and blobs) for the keys that have a plan on ``env``, and the missing keys (in input
-        order, once each), for which a miss is recorded. One query (and one blob store read), plus one write
+        order, once each), for which a miss is recorded (unless ``count_misses`` is off: the server records
+        them itself, within a per-token budget). One query (and one blob store read), plus one write
         when keys are missing. A blob gone since its record was read (gc after a replace) comes back None."""
         keys = list(dict.fromkeys(graph_keys))
         found: dict[str, tuple[PlanRecord, bytes | None]] = {}
@@ -122,7 +124,7 @@ class Plans(Misses):
             for row in rows:
                 found[row.graph_key] = (row_to_record(row), data.get(row.blob_sha256))
         missing = [k for k in keys if k not in found]
-        if missing:
+        if missing and count_misses:
             self.record_misses(env, missing)
         return found, missing
 

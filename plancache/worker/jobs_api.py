@@ -54,6 +54,9 @@ class JobsApi:
         body = ClaimRequest(environment=environment, worker_id=worker_id).model_dump(mode="json")
         return self.http.read("POST", "/v1/jobs/claim", _claimed, body=body)
 
+    # heartbeat, complete and fail carry the claim's secret lease token: they only work from the API token
+    # that claimed the job (403 ``not_lease_holder`` → :class:`~plancache.errors.NotLeaseHolder` otherwise).
+
     def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
         """Extend the lease: one attempt (the caller beats again on its own schedule)."""
         self.http.request("POST", f"/v1/jobs/{job_id}/heartbeat", body=lease.model_dump(mode="json"), timeout=timeout,
@@ -66,6 +69,9 @@ class JobsApi:
         self.http.request("POST", f"/v1/jobs/{job_id}/fail", body=req.model_dump(mode="json"))
 
     def put_plan(self, upload: PlanUpload) -> PlanRecord:
+        """``PUT /v1/plans``: with an admin token any plan; with a worker token only a
+        :class:`~plancache.protocol.PlanPut` naming a job this token holds (``job_id``, ``lease_token``),
+        which the upload then completes."""
         return self.http.read("PUT", "/v1/plans", json_as(PlanRecord), body=upload.model_dump(mode="json"))
 
     def enqueue(self, req: TuneRequest) -> list[Job]:

@@ -27,6 +27,7 @@ from ..errors import (
     InsufficientGpuMemory,
     LeaseLost,
     NotFound,
+    NotLeaseHolder,
     PlanCacheError,
     ServerUnavailable,
     SpecError,
@@ -44,6 +45,9 @@ log = logging.getLogger("plancache.worker")
 
 #: Errors that would recur on any worker of the environment: the job is failed for good.
 PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, SpecError)
+#: The server's answers that this worker no longer holds a job's lease (taken over after it expired; the job
+#: finished or released; claimed with a token this worker no longer uses).
+LEASE_GONE: tuple[type[PlanCacheError], ...] = (LeaseLost, NotLeaseHolder, Conflict, NotFound)
 MAX_ERROR_CHARS = 8000
 
 
@@ -69,21 +73,34 @@ def lease_duration(claim: ClaimResponse) -> float:
 
 
 class _Heartbeat(threading.Thread):
-    """Extends a job's lease every ``interval`` seconds until halted; sets :attr:`lost` when fenced."""
+    """Extends a job's lease every ``interval`` seconds until halted; sets :attr:`lost` when fenced.
+
+    It keeps beating while the result is delivered (a long upload must not let the lease run out), so a
+    beat may reach the server just after the worker's own completion or failure ended the lease:
+    :meth:`finishing` is called first, and a refusal from then on is that, not a lost lease.
+    """
 
     def __init__(self, client: JobsApi, job_id: int, lease: LeaseRequest, interval: float) -> None:
         super().__init__(daemon=True, name=f"heartbeat-job-{job_id}")
         self.client, self.job_id, self.lease, self.interval = client, job_id, lease, interval
         self.lost = threading.Event()
         self._halt = threading.Event()
+        self._finishing = threading.Event()
+
+    def finishing(self) -> None:
+        """The worker is about to complete or fail the job itself."""
+        self._finishing.set()
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
             try:
                 self.client.heartbeat(self.job_id, self.lease, timeout=max(self.interval, 0.5))
-            except (LeaseLost, Conflict, NotFound) as exc:
-                log.warning("job %d: lease lost (%s)", self.job_id, exc.message)
-                self.lost.set()
+            except LEASE_GONE as exc:
+                if self._finishing.is_set():  # this worker's own completion or failure got there first
+                    log.debug("job %d: heartbeat after the job was finished (%s)", self.job_id, exc.message)
+                else:
+                    log.warning("job %d: lease lost (%s)", self.job_id, exc.message)
+                    self.lost.set()
                 return
             except PlanCacheError as exc:
                 log.warning("job %d: heartbeat failed: %s", self.job_id, exc.message)
@@ -159,12 +176,13 @@ class Worker:
         lease = LeaseRequest(worker_id=self.worker_id, lease_token=claim.lease_token)
         duration = lease_duration(claim)
         self.stats.claimed += 1
-        log.info("job %d: claimed graph %s (attempt %d of %d, lease %.1fs, token %d)",
-                 job.id, job.graph_key[:12], job.attempts, job.max_attempts, duration, claim.lease_token)
+        log.info("job %d: claimed graph %s (attempt %d of %d, lease %.1fs)",
+                 job.id, job.graph_key[:12], job.attempts, job.max_attempts, duration)
         beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.05))
         beat.start()
         try:
             entry = self._tune_job(claim, lease, beat, stop)
+            beat.finishing()  # the job was failed or released, or is delivered now
             if entry is not None:
                 try:
                     log.info("job %d: result spooled at %s", job.id, self.spool.save(entry))
@@ -182,6 +200,7 @@ class Worker:
             spec = self._check_job(claim)
             need = self.tuner.check_memory(spec)
         except PlanCacheError as exc:
+            beat.finishing()
             self._report_failure(job, lease, exc)
             return None
         log.info("job %d: tuning (needs ~%.1f MiB of device memory)", job.id, need / 2**20)
@@ -194,6 +213,7 @@ class Worker:
             if stop.is_set():
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
                 if not done.wait(self.shutdown_grace):
+                    beat.finishing()
                     self._fail(job.id, lease, "worker shutting down", retryable=True)
                     self.stats.released += 1
                     return None
@@ -202,6 +222,7 @@ class Worker:
             self.stats.dropped += 1
             return None
         if outcome.error is not None:
+            beat.finishing()
             self._report_failure(job, lease, outcome.error)
             return None
         tuned = outcome.tuned
@@ -247,9 +268,8 @@ class Worker:
             log.warning("job %d: not delivered (%s); the result stays in %s", entry.job_id, exc.message,
                         self.spool.directory)
             return False
-        except LeaseLost as exc:
-            log.warning("job %d: lease lost (%s); another worker owns the job now; dropping the spooled result",
-                        entry.job_id, exc.message)
+        except (LeaseLost, NotLeaseHolder) as exc:
+            log.warning("job %d: lease lost (%s); dropping the spooled result", entry.job_id, exc.message)
             self.stats.dropped += 1
         except (Unauthorized, Forbidden):
             raise
@@ -284,7 +304,7 @@ class Worker:
             self.client.fail(job_id, req)
         except ServerUnavailable as exc:
             log.warning("job %d: could not report the failure (%s); its lease will expire", job_id, exc.message)
-        except (LeaseLost, Conflict, NotFound) as exc:
+        except LEASE_GONE as exc:
             log.warning("job %d: failure not recorded: %s", job_id, exc.message)
         else:
             log.info("job %d: failure reported (%s)", job_id, "retryable" if retryable else "permanent")

@@ -1,17 +1,19 @@
 """Finished job results on local disk, so a result survives the server being down or the worker restarting.
 
-Each entry is ``job-<id>-<lease token>.blob`` (the plan bytes) plus ``.json`` (the signed
-record, the spec and the lease that completes the job). The blob is written first and the
+Each entry is ``job-<id>-<lease>.blob`` (the plan bytes; ``<lease>`` a digest of the lease token) plus
+``.json`` (the signed record, the spec and the lease that completes the job, its secret token included:
+keep the spool directory private to the worker). The blob is written first and the
 JSON last, each atomically (temporary file, fsync, rename), so a JSON file always names a
 complete blob. An entry is removed once the server accepted (or definitively refused) it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ from ..verify import verify_blob
 
 log = logging.getLogger("plancache.worker")
 
-SPOOL_VERSION = 1
+#: 2: lease tokens are secret strings (version 1 entries held the counters servers no longer accept).
+SPOOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class SpoolEntry:
     """A finished, signed result waiting to be sent as the completion of ``job_id``."""
 
     job_id: int
-    lease_token: int
+    lease_token: str = field(repr=False)
     worker_id: str
     meta: PlanMeta
     spec: dict[str, Any]
@@ -39,7 +42,7 @@ class SpoolEntry:
 
     @property
     def name(self) -> str:
-        return f"job-{self.job_id}-{self.lease_token}"
+        return f"job-{self.job_id}-{hashlib.sha256(self.lease_token.encode()).hexdigest()[:16]}"
 
     def upload(self) -> PlanUpload:
         return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob), spec=self.spec)
@@ -47,7 +50,7 @@ class SpoolEntry:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner only: it holds a lease token
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -97,9 +100,9 @@ class Spool:
         meta = PlanMeta.model_validate(doc["meta"])
         blob = path.with_suffix(".blob").read_bytes()
         verify_blob(meta, blob, what=path.with_suffix(".blob").name)
-        entry = SpoolEntry(int(doc["job_id"]), int(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob)
+        entry = SpoolEntry(int(doc["job_id"]), str(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob)
         if entry.name != path.stem:
-            raise ValueError(f"file name does not match job {entry.job_id} lease {entry.lease_token}")
+            raise ValueError(f"file name does not match job {entry.job_id} and its lease")
         return entry
 
     def remove(self, entry: SpoolEntry) -> None:

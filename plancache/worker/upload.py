@@ -37,9 +37,13 @@ def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict, tun
     """Check ``tuned``'s blob after a deserialize round trip (with ``tuner``, default :class:`GpuTuner` on
     device 0), sign it (unsigned when ``signer`` is None) and ``PUT /v1/plans``; return the stored record.
 
+    This uploads outside the job queue, which needs an **admin** ``token``: a worker token publishes only
+    the plans of jobs it holds (the worker loop completes its jobs; see :class:`~plancache.protocol.PlanPut`)
+    and is refused with :class:`~plancache.errors.Forbidden`.
+
     Raises :class:`~plancache.errors.TuningError` when the round trip does not match the reference,
     :class:`~plancache.errors.ServerUnavailable` when the server stays unreachable for
-    ``retry_for`` seconds, and the server's refusal (e.g. ``Conflict``) otherwise.
+    ``retry_for`` seconds, and the server's refusal (e.g. ``Conflict``, ``Forbidden``) otherwise.
     """
     spec = parse_spec(spec)
     tuner = tuner or GpuTuner()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ...environment import VALIDITY_FIELDS
-from ...protocol import TargetEnvironment
+from ...environment import VALIDITY_FIELDS, Int
+from ...protocol import PRIORITY_MAX, TargetEnvironment
 from ...store.campaigns import run_campaign
 from ..auth import Admin
 from ..bodies import CheckedRoute
@@ -19,9 +19,12 @@ router = APIRouter(route_class=CheckedRoute, tags=["admin"])
 class CampaignRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: TargetEnvironment
-    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, description="higher is claimed first")
-    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    # the schema states what _target_names_something checks: at least one validity field set (not null)
+    target: TargetEnvironment = Field(description="at least one field set", json_schema_extra={"anyOf": [
+        {"required": [f], "properties": {f: {"type": "string" if f == "frontend_version" else "integer"}}}
+        for f in VALIDITY_FIELDS]})
+    priority: Int = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX, description="higher is claimed first")
+    max_attempts: Int | None = Field(default=None, ge=1, le=100)
 
     @model_validator(mode="after")
     def _target_names_something(self) -> "CampaignRequest":

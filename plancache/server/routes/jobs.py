@@ -1,4 +1,9 @@
-"""The job queue over HTTP: listing and detail, and the worker protocol (claim, heartbeat, complete, fail)."""
+"""The job queue over HTTP: listing and detail, and the worker protocol (claim, heartbeat, complete, fail).
+
+A lease belongs to the API token that claimed it and is proved by the secret ``lease_token`` of the claim's
+answer (never shown again): heartbeat, complete and fail need both (409 ``lease_lost`` for a token that is
+not the current lease's, 403 ``not_lease_holder`` for the right one from another API token).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from ...errors import LeaseLost
 from ...protocol import (
     GRAPH_KEY_PATTERN,
     ClaimRequest,
@@ -19,14 +23,14 @@ from ...protocol import (
     LeaseRequest,
     PlanRecord,
 )
-from ..auth import Admin, Worker
+from ..auth import Admin, Principal, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
-from ..uploads import accept_upload
+from ..uploads import accept_upload, publish_job_plan
 
-# Routes are matched in order: /v1/jobs/claim comes before /v1/jobs/{job_id}, so a wrong method on it
-# is answered 405 with its own Allow header.
+# /v1/jobs/{job_id:int} matches digits only, so a wrong method on /v1/jobs/claim is answered 405 with its own
+# Allow header (not a malformed job id, 422); a job id that is not a number is 404.
 router = APIRouter(route_class=CheckedRoute, tags=["jobs"])
 
 JobId = Annotated[int, Path(ge=1, le=2**31 - 1)]
@@ -43,25 +47,40 @@ def list_jobs(store: StoreDep, _: Admin, status: JobStatus | None = None,
 
 @router.post("/v1/jobs/claim", response_model=ClaimResponse, summary="Lease the best job this environment can run",
              responses={204: {"description": "no job for this environment"}, **documented_errors(401, 403, 422, 503)})
-def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, _: Worker) -> ClaimResponse | Response:
-    job = store.claim(req.environment, req.worker_id, lease_seconds=settings.lease_seconds)
-    if job is None:
+def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, principal: Worker) -> ClaimResponse | Response:
+    """The answer's ``lease_token`` is the lease's secret, shown this once; only this API token may use it."""
+    claimed = store.claim(req.environment, req.worker_id, lease_seconds=settings.lease_seconds, holder=principal.identity)
+    if claimed is None:
         return Response(status_code=204)
+    job = claimed.job
     spec = store.get_spec(job.graph_key)
     if spec is None:  # jobs reference specs by foreign key: a job without one is a broken store
         raise RuntimeError(f"job {job.id} references graph key {job.graph_key}, which has no stored spec")
     assert job.lease_expires_at is not None
-    return ClaimResponse(job=job, spec=spec, lease_token=job.fencing_token, lease_expires_at=job.lease_expires_at)
+    return ClaimResponse(job=job_view(job, principal), spec=spec, lease_token=claimed.lease_token,
+                         lease_expires_at=job.lease_expires_at)
 
 
-@router.get("/v1/jobs/{job_id}", response_model=Job, summary="One job", responses=documented_errors(401, 403, 404, 422, 503))
-def read_job(job_id: JobId, store: StoreDep, _: Worker) -> Job:
-    return store.get_job(job_id)
+def job_view(job: Job, principal: Principal) -> Job:
+    """``job`` as ``principal`` may see it: an admin sees whose lease it is (worker id and API token), the
+    lease's holder its own worker id, anyone else neither. No one is shown a lease token."""
+    if principal.may("admin"):
+        return job
+    mine = job.lease_holder is not None and job.lease_holder == principal.identity
+    return job.model_copy(update={"lease_holder": None, "lease_owner": job.lease_owner if mine else None})
+
+
+@router.get("/v1/jobs/{job_id:int}", response_model=Job, summary="One job", responses=documented_errors(401, 403, 404, 422, 503))
+def read_job(job_id: JobId, store: StoreDep, principal: Worker) -> Job:
+    """Status and progress; the lease's owner only for admins and the lease's holder."""
+    return job_view(store.get_job(job_id), principal)
 
 
 @router.post("/v1/jobs/{job_id}/heartbeat", response_model=Job, summary="Extend a held lease", responses=_LEASE_ERRORS)
-def heartbeat(job_id: JobId, req: LeaseRequest, store: StoreDep, settings: SettingsDep, _: Worker) -> Job:
-    return store.heartbeat(job_id, req.worker_id, req.lease_token, lease_seconds=settings.lease_seconds)
+def heartbeat(job_id: JobId, req: LeaseRequest, store: StoreDep, settings: SettingsDep, principal: Worker) -> Job:
+    job = store.heartbeat(job_id, req.worker_id, req.lease_token, lease_seconds=settings.lease_seconds,
+                          holder=principal.identity)
+    return job_view(job, principal)
 
 
 @router.post("/v1/jobs/{job_id}/complete", response_model=PlanRecord, summary="Publish the job's plan and finish it",
@@ -69,24 +88,19 @@ def heartbeat(job_id: JobId, req: LeaseRequest, store: StoreDep, settings: Setti
 def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep,
              principal: Worker) -> PlanRecord:
     """One transaction publishes the plan and marks the job succeeded; a worker whose lease was taken
-    over gets 409 ``lease_lost``. The same holder repeating a completion that went through gets the record."""
+    over gets 409 ``lease_lost``, another API token 403 ``not_lease_holder``. The same holder repeating a
+    completion that went through gets the record."""
     plan = req.plan
     blob = accept_upload(plan, principal, store, settings, loc=("body", "plan"))
-    try:
-        record = store.publish_plan(plan, blob, job_id=job_id, worker_id=req.worker_id, lease_token=req.lease_token,
-                                    replace=plan.replace)
-    except LeaseLost:
-        job = store.get_job(job_id)
-        done = store.get_plan(plan.graph_key, plan.environment) if job.status == "succeeded" else None
-        if (done is None or done.job_id != job_id or done.blob_sha256 != plan.blob_sha256
-                or job.lease_owner != req.worker_id or job.fencing_token != req.lease_token):
-            raise
-        return done
-    metrics.tuning_seconds.observe(plan.tuning_seconds)
+    record, repeated = publish_job_plan(store, plan, blob, job_id=job_id, worker_id=req.worker_id,
+                                        lease_token=req.lease_token, principal=principal)
+    if not repeated:
+        metrics.tuning_seconds.observe(plan.tuning_seconds)
     return record
 
 
 @router.post("/v1/jobs/{job_id}/fail", response_model=Job, summary="Report a failed attempt", responses=_LEASE_ERRORS)
-def fail(job_id: JobId, req: FailRequest, store: StoreDep, _: Worker) -> Job:
+def fail(job_id: JobId, req: FailRequest, store: StoreDep, principal: Worker) -> Job:
     """Back to ``queued`` when ``retryable`` and attempts are left, else ``failed``."""
-    return store.fail(job_id, req.worker_id, req.lease_token, req.error, retryable=req.retryable)
+    job = store.fail(job_id, req.worker_id, req.lease_token, req.error, retryable=req.retryable, holder=principal.identity)
+    return job_view(job, principal)

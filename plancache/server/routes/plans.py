@@ -8,17 +8,19 @@ import os
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from ...environment import Environment
-from ...errors import NotFound, PayloadTooLarge
-from ...protocol import SHA256_PATTERN, PlanRecord, PlanUpload, ResolveRequest, ResolveResponse
+from ...errors import Forbidden, NotFound, PayloadTooLarge
+from ...protocol import SHA256_PATTERN, PlanPut, PlanRecord, ResolveRequest, ResolveResponse
 from ..auth import Reader, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
-from ..uploads import accept_upload
+from ..limits import Held, rate_key
+from ..uploads import accept_upload, publish_job_plan
 from .specs import GraphKeyPath
 
 router = APIRouter(route_class=CheckedRoute, tags=["plans"])
@@ -34,27 +36,55 @@ MAX_INLINE_BLOB_BYTES = 128 << 20
 
 @router.post("/v1/plans/resolve", response_model=ResolveResponse, summary="Records (and blobs) for many graph keys on one environment",
              responses=documented_errors(401, 403, 413, 422, 503))
-def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, _: Reader) -> Response:
+def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, principal: Reader,
+            request: Request) -> Response:
     """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
-    and recorded as misses. ``include_blobs`` inlines the blobs as base64, in key order up to
-    128 MiB of blob bytes per answer; a plan past that has ``blob_b64`` null: GET it from /v1/blobs."""
+    and recorded as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``;
+    past it they are still listed, not counted). ``include_blobs`` inlines the blobs as base64, in key order up
+    to 128 MiB of blob bytes per answer and what the server's in-flight budget has room for; a plan past that
+    has ``blob_b64`` null: GET it from /v1/blobs."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
-    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=False)
+    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=False, count_misses=False)
+    if missing:
+        counted = request.app.state.miss_writes.take(rate_key(principal), len(missing), partial=True)
+        if counted:
+            store.record_misses(req.environment, missing[:counted])
+        metrics.misses_not_counted.inc(len(missing) - counted)
+    held = 0
     if req.include_blobs:
-        inline, budget = [], MAX_INLINE_BLOB_BYTES
-        for key in dict.fromkeys(k for k in req.graph_keys if k in found):
-            record = found[key][0]
-            if record.blob_size <= budget:
+        candidates = [(key, found[key][0].blob_size) for key in dict.fromkeys(k for k in req.graph_keys if k in found)]
+        wanted = 0
+        for _, size in candidates:
+            if wanted + size <= MAX_INLINE_BLOB_BYTES:
+                wanted += size
+        held = budget = request.app.state.inflight.take_up_to(wanted)  # released once the answer is sent
+        inline = []
+        for key, size in candidates:
+            if size <= budget:
                 inline.append(key)
-                budget -= record.blob_size
-        if inline:  # each (record, blob) read together; a plan removed in between keeps its record, blob null
-            found.update(store.resolve(req.environment, inline, include_blobs=True)[0])
+                budget -= size
+        try:
+            if inline:  # each (record, blob) read together; a plan removed in between keeps its record, blob null
+                found.update(store.resolve(req.environment, inline, include_blobs=True)[0])
+        except BaseException:
+            request.app.state.inflight.release(held)
+            raise
     metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
     chunks = resolve_json(found, missing)
-    if req.include_blobs:
-        return StreamingResponse(chunks, media_type="application/json")
+    if req.include_blobs:  # the held bytes go back once the answer is sent, or the client is gone (background)
+        hold = Held(request.app.state.inflight, held)
+        return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
+                                 background=BackgroundTask(hold.release))
     return Response(b"".join(chunks), media_type="application/json")
+
+
+def _releasing(chunks: Iterator[bytes], hold: Held) -> Iterator[bytes]:
+    """``chunks``, giving ``hold`` back when they are all sent (or the iterator is dropped)."""
+    try:
+        yield from chunks
+    finally:
+        hold.release()
 
 
 def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str]) -> Iterator[bytes]:
@@ -118,16 +148,28 @@ def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], store: Store
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-@router.put("/v1/plans", response_model=PlanRecord, status_code=201, summary="Upload a tuned plan (worker)",
+@router.put("/v1/plans", response_model=PlanRecord, status_code=201, summary="Upload a tuned plan (a worker for a job it holds, or an admin)",
             responses={200: {"model": PlanRecord, "description": "this key and environment already had a plan"},
                        **documented_errors(401, 403, 404, 409, 413, 422, 503)})
-def upload_plan(upload: PlanUpload, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
+def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
                 principal: Worker) -> PlanRecord:
     """201 for a new plan; 200 when the same blob was stored already (or ``replace``, admin only, swapped it).
-    A different blob for a stored key and environment without ``replace`` is 409."""
+    A different blob for a stored key and environment without ``replace`` is 409.
+
+    A worker token publishes only the plan of a job it holds: ``job_id`` and ``lease_token`` of its claim
+    (``worker_id`` the lease's; the plan must be for the job's graph key and match its target), and the
+    upload completes the job, as ``POST /v1/jobs/{id}/complete`` does (403 without them; 409 ``lease_lost``
+    or 403 ``not_lease_holder`` as there). An admin token may upload for any key and environment."""
+    if upload.job_id is None and not principal.may("admin"):
+        raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker publishes plans only for a job "
+                        "it holds (send job_id and lease_token of its claim); uploading without a job needs admin")
     blob = accept_upload(upload, principal, store, settings)
     existing = store.get_plan(upload.graph_key, upload.environment)
-    record = store.publish_plan(upload, blob, replace=upload.replace)
+    if upload.job_id is not None and upload.lease_token is not None:
+        record, _ = publish_job_plan(store, upload, blob, job_id=upload.job_id, worker_id=upload.worker_id,
+                                     lease_token=upload.lease_token, principal=principal)
+    else:
+        record = store.publish_plan(upload, blob, replace=upload.replace)
     if existing is not None:
         response.status_code = 200
     if existing is None or existing.blob_sha256 != record.blob_sha256:

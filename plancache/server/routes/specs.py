@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Response
+from fastapi import APIRouter, Body, HTTPException, Path, Request, Response
 
 from ...errors import NotFound
 from ...protocol import GRAPH_KEY_PATTERN, SpecCreated
@@ -13,6 +13,7 @@ from ..auth import Reader, TokenReader
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
 from ..errors import documented_errors
+from ..limits import rate_key
 
 router = APIRouter(route_class=CheckedRoute, tags=["specs"])
 
@@ -21,9 +22,17 @@ GraphKeyPath = Annotated[str, Path(pattern=GRAPH_KEY_PATTERN, description="64 lo
 
 @router.post("/v1/specs", response_model=SpecCreated, status_code=201, summary="Register a GraphSpec",
              responses={200: {"model": SpecCreated, "description": "already registered"},
-                        **documented_errors(401, 403, 409, 413, 422, 503)})
-def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec document")], store: StoreDep,
-                response: Response, _: TokenReader) -> SpecCreated:
+                        **documented_errors(401, 403, 409, 413, 422, 429, 503)})
+def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec document (docs/SPEC.md)")], store: StoreDep,
+                response: Response, principal: TokenReader, request: Request) -> SpecCreated:
+    """Each non-admin token may register ``PLANCACHE_SPEC_WRITE_BURST`` specs at once and
+    ``PLANCACHE_SPEC_WRITES_PER_MINUTE`` after that (per server process); past it, 429 with ``Retry-After``."""
+    if not principal.may("admin"):
+        limiter = request.app.state.spec_writes
+        if not limiter.take(rate_key(principal)):
+            seconds = limiter.retry_after(rate_key(principal))
+            raise HTTPException(429, f"token {principal.name!r} registered too many specs; retry in {seconds} s",
+                                headers={"Retry-After": str(seconds)})
     key = graph_key(spec)
     created = store.put_spec(key, spec)
     if not created:

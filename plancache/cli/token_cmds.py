@@ -1,0 +1,63 @@
+"""``plancache token create|revoke|list``: API tokens, stored hashed in the database."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import typer
+
+from .common import command, database_url_option, open_database
+
+token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (stored hashed).")
+
+
+class RoleChoice(str, enum.Enum):
+    reader = "reader"
+    worker = "worker"
+    admin = "admin"
+
+
+@token_app.command("create")
+@command
+def token_create(
+    role: RoleChoice = typer.Option(..., "--role", help="reader: resolve/fetch; worker: claim and publish; admin: everything"),
+    name: str = typer.Option(..., "--name", help="a unique name for this token, e.g. the host or team using it"),
+    database_url: Optional[str] = database_url_option(),
+) -> None:
+    """Create a token and print it (stdout, once: only its hash is stored)."""
+    with open_database(database_url) as store:
+        plaintext, info = store.create_token(name, role.value)
+    typer.echo(f"created {info.role} token {info.name!r} (id {info.id}); it is shown only now:", err=True)
+    typer.echo(plaintext)
+
+
+@token_app.command("revoke")
+@command
+def token_revoke(name_or_id: str = typer.Argument(..., help="the live token's name, or its id"),
+                 database_url: Optional[str] = database_url_option()) -> None:
+    """Revoke a token; requests bearing it are refused from now on."""
+    with open_database(database_url) as store:
+        info = store.revoke_token(name_or_id)
+    typer.echo(f"revoked {info.role} token {info.name!r} (id {info.id})")
+
+
+@token_app.command("list")
+@command
+def token_list(database_url: Optional[str] = database_url_option()) -> None:
+    """List tokens (never their secrets)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    with open_database(database_url) as store:
+        tokens = store.list_tokens()
+    table = Table(title=f"{len(tokens)} tokens")
+    for col in ("id", "name", "role", "created", "status"):
+        table.add_column(col)
+    for t in tokens:
+        table.add_row(str(t.id), t.name, t.role, t.created_at.strftime("%Y-%m-%d %H:%M:%S"), "revoked" if t.revoked else "live")
+    Console(width=200).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(token_app, name="token")
