@@ -122,6 +122,8 @@ class TrustSettings(_Section):
 class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
     """``plancache worker`` and ``plancache tune``."""
 
+    build_processes: int | None = Field(default=None, ge=0, le=256)  # candidate builders; None: half the cores, <= 8
+
 
 class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):
     """The client library (:class:`plancache.client.PlanCache`)."""

@@ -94,6 +94,26 @@ def test_heuristic_and_engine_config_builds_match_reference(tuned, name):
         assert check == "reference"
 
 
+@pytest.mark.parametrize("name", SEEDS)
+def test_builder_processes_find_the_same_candidates_and_winner(tuned, name):
+    """Candidates built in builder processes (timed here) are the in-process ones: same configs, same
+    outcomes, a winner within timing noise of the serial run's."""
+    from plancache import gpu
+    from plancache.gpu.candidates import BuildPool
+
+    spec, serial = tuned[name]
+    with BuildPool(4) as pool:
+        parallel = gpu.autotune(spec, repeats=10, builders=pool)
+
+    def configs(t):
+        return [(c.index, c.engine_id, c.knobs, c.status) for c in t.candidates]
+    assert configs(parallel) == configs(serial)
+    win = {c.index: c.median_ms for c in serial.candidates}
+    assert win[parallel.winner_index] <= serial.winner_median_ms * 1.05, (parallel.winner_index, serial.winner_index)
+    print(f"\n{name}: in-process tuning {serial.tuning_seconds:.2f} s, 4 builder processes {parallel.tuning_seconds:.2f} s "
+          f"(first use: process start included); winner #{serial.winner_index} / #{parallel.winner_index}")
+
+
 def test_verify_plan_refuses_a_plan_of_another_graph(tuned):
     """A blob deserialized against the wrong spec must not pass the numerics check."""
     from plancache import gpu

@@ -277,6 +277,12 @@ def signing_key_option(help: str) -> Any:
     return typer.Option(None, "--signing-key", help=f"{help} (default: {env_name('signing_key')})", show_default=False)
 
 
+def build_processes_option() -> Any:
+    return typer.Option(None, "--build-processes", min=0, max=256, show_default=False,
+                        help="processes that build candidate plans while this one times them; 0: build here "
+                             f"(default: {env_name('build_processes')}, else half the CPU cores, at most 8)")
+
+
 # ------------------------------------------------------------------------------------------------ the store
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -11,6 +12,7 @@ import typer
 from ..settings import AdminSettings, WorkerSettings, env_name
 from .common import (
     ExitCode,
+    build_processes_option,
     Failure,
     as_failure,
     command,
@@ -38,6 +40,7 @@ def tune(
     repeats: int = typer.Option(20, "--repeats", min=3, help="timed runs per candidate (fewer for slow ones)"),
     warmup: int = typer.Option(3, "--warmup", min=0, help="untimed runs per candidate before timing"),
     device: int = typer.Option(0, "--device", min=0, help="CUDA device ordinal"),
+    build_processes: Optional[int] = build_processes_option(),
     show_candidates: bool = typer.Option(False, "--candidates", help="print every candidate's row"),
 ) -> None:
     """Autotune specs on this GPU; write the winners to --out and/or upload them to --server."""
@@ -64,6 +67,7 @@ def tune(
         gpu,  # the gpu extra (torch, cudnn): without it, MISSING_EXTRA (after the arguments are checked)
     )
     from ..errors import PlanCacheError
+    from ..gpu.candidates import BuildPool, default_processes
     from ..gpu.runtime import require_gpu
     from .report import candidate_table, summary_table
 
@@ -73,7 +77,10 @@ def tune(
 
     console = Console()
     results = []
-    with Progress(console=console, transient=True) as bar:
+    processes = build_processes if build_processes is not None else worker.build_processes
+    processes = default_processes() if processes is None else processes
+    builders = BuildPool(processes, device=device) if processes else None
+    with Progress(console=console, transient=True) as bar, builders or contextlib.nullcontext():
         for path, spec in specs:
             task = bar.add_task(f"tuning {path.name}", total=None)
 
@@ -81,7 +88,8 @@ def tune(
                 bar.update(task, completed=done, total=total)
 
             try:
-                tuned = gpu.autotune(spec, device=device, warmup=warmup, repeats=repeats, progress=progress)
+                tuned = gpu.autotune(spec, device=device, warmup=warmup, repeats=repeats, progress=progress,
+                                     builders=builders)
             except PlanCacheError as exc:
                 raise failure_of_spec(path, exc) from None
             bar.remove_task(task)

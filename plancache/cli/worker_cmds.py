@@ -10,6 +10,7 @@ import typer
 from ..settings import WorkerSettings, env_name
 from .common import (
     ExitCode,
+    build_processes_option,
     command,
     load_signer,
     open_jobs_api,
@@ -33,6 +34,7 @@ def worker(
     poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.05, help="seconds between claims on an empty queue"),
     signing_key: Optional[Path] = signing_key_option("ed25519 private key file (plancache keygen)"),
     device: int = typer.Option(0, "--device", min=0, help="CUDA device ordinal"),
+    build_processes: Optional[int] = build_processes_option(),
     shutdown_grace: float = typer.Option(25.0, "--shutdown-grace", min=0,
                                          help="on SIGTERM, seconds a running tuning may take to finish before release"),
 ) -> None:
@@ -59,11 +61,13 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     stop_on_signals(stop)
-    w = Worker(client, GpuTuner(device), signer, spool, worker_id=worker_id or default_worker_id(),
+    tuner = GpuTuner(device, build_processes=settings.build_processes if build_processes is None else build_processes)
+    w = Worker(client, tuner, signer, spool, worker_id=worker_id or default_worker_id(),
                poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace)
     try:
         w.run(stop)
     finally:
+        tuner.close()
         client.close()
 
 

@@ -15,8 +15,9 @@ from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
 from ..spec import GraphSpec
 from . import reference
+from .candidates import BuildPool, build_in_process
 from .fegraph import decode, graph_layouts
-from .runtime import (HEURISTIC_MODES, _plan_identity, apply_constraints, canonical, check_memory, check_pack, expected_outputs,
+from .runtime import (canonical, check_memory, check_pack, deserialize_plan, expected_outputs, plan_identity, prepare,
                       require_gpu)
 from .timing import median_ms
 
@@ -73,7 +74,7 @@ def _dedupe(graph: Any, count: int) -> list[int]:
     """Indices of distinct (engine_id, knobs) configs, first occurrence kept (modes A, B, FALLBACK overlap)."""
     seen, keep = set(), []
     for i in range(count):
-        eid, knobs, name = _plan_identity(graph, i)
+        eid, knobs, name = plan_identity(graph, i)
         ident = (eid, tuple(sorted(knobs.items()))) if eid is not None else ("name", name, i)
         if ident not in seen:
             seen.add(ident)
@@ -82,10 +83,14 @@ def _dedupe(graph: Any, count: int) -> list[int]:
 
 
 def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeats: int = 20,
-             progress: Progress | None = None, seed: int | None = None) -> TunedPlan:
+             progress: Progress | None = None, seed: int | None = None, builders: BuildPool | None = None) -> TunedPlan:
     """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
     the float32 torch reference, or for a graph no reference covers, cuDNN's FALLBACK / heuristic plan
-    (ties → smaller workspace; :func:`plancache.gpu.runtime.expected_outputs`)."""
+    (ties → smaller workspace; :func:`plancache.gpu.runtime.expected_outputs`).
+
+    Each candidate is built and serialized (by ``builders``' processes while earlier ones are timed, or
+    here one after another), then its blob is deserialized, checked and timed in this process alone: the
+    published blob is the one that was checked and timed."""
     spec = canonical(spec)
     dev = require_gpu(device)
     t0 = time.perf_counter()
@@ -96,12 +101,10 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
         handle = cudnn.create_handle()
         cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
         g = decode(spec, handle=handle)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([HEURISTIC_MODES[m] for m in spec.tuning.heuristic_modes])
-        apply_constraints(g, spec)
-        g.check_support()
+        prepare(g, spec, list(spec.tuning.heuristic_modes))
         indices = _dedupe(g, g.get_execution_plan_count())
+        built = builders.build(spec, g, indices) if builders else build_in_process(g, indices)
+        device_property = cudnn.create_device_properties(device)
 
         inputs = reference.make_inputs(spec, dev, seed=seed)
         outputs = reference.allocate_outputs(spec, dev, graph_layouts(g))
@@ -112,28 +115,25 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
 
         candidates: list[Candidate] = []
         timed: list[tuple[float, int, int]] = []  # (median ms, workspace, index)
+        blobs: dict[int, bytes] = {}
         build_s = timing_s = 0.0
         workspace = torch.empty(1, dtype=torch.uint8, device=dev)
-        for n_done, i in enumerate(indices):
-            eid, knobs, name = _plan_identity(g, i)
-            cand = dict(index=i, engine_id=eid, knobs=knobs, name=name)
-            tb = time.perf_counter()
-            try:
-                g.build_plan_at_index(i)
-                ws = int(g.get_workspace_size_plan_at_index(i))
-            except Exception as exc:  # a candidate the backend declines to build is data, not a failure
-                build_s += time.perf_counter() - tb
-                candidates.append(Candidate(**cand, status="build_failed", error=str(exc)[:4000]))
+        for n_done, b in enumerate(built):
+            cand = dict(index=b.index, engine_id=b.engine_id, knobs=b.knobs, name=b.name)
+            build_s += b.build_seconds
+            if b.blob is None:  # a candidate the backend declines to build is data, not a failure
+                candidates.append(Candidate(**cand, status="build_failed", error=b.error))
                 _report(progress, n_done, len(indices), candidates[-1])
                 continue
-            build_s += time.perf_counter() - tb
+            ws = b.workspace_bytes
             tt = time.perf_counter()
             try:
+                plan = deserialize_plan(spec, b.blob, handle, device_property=device_property)
                 if ws > workspace.numel():
                     workspace = torch.empty(ws, dtype=torch.uint8, device=dev)
                 for t in outputs.values():
                     t.fill_(float("nan") if t.dtype.is_floating_point else -1)
-                g.execute_plan_at_index(pack, workspace, index=i, handle=handle)
+                plan.execute(pack, workspace, handle)
                 torch.cuda.synchronize(dev)
                 errs = reference.output_errors(spec, outputs, ref, inputs=inputs)
                 err = max(errs.values())
@@ -142,39 +142,37 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
                     candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
                                                 error=f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})"))
                 else:
-                    ms = median_ms(lambda: g.execute_plan_at_index(pack, workspace, index=i, handle=handle),
+                    ms = median_ms(lambda: plan.execute(pack, workspace, handle),
                                    warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
                                    set_stream=lambda sid: cudnn.set_stream(handle, sid))
                     candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
-                    timed.append((ms, ws, i))
+                    timed.append((ms, ws, b.index))
+                    blobs[b.index] = b.blob
             except Exception as exc:
                 candidates.append(Candidate(**cand, workspace_bytes=ws, status="run_failed", error=str(exc)[:4000]))
             timing_s += time.perf_counter() - tt
             _report(progress, n_done, len(indices), candidates[-1])
 
-        if not timed:
-            reasons = "; ".join(f"#{c.index} {c.status}: {c.error}" for c in candidates[:5])
-            raise TuningError(f"no candidate plan built, ran and passed the numerics check ({check}; "
-                              f"{len(candidates)} tried): {reasons}")
-        fastest = min(t[0] for t in timed)
-        winner = min((t for t in timed if t[0] <= fastest * (1 + TIE_TOLERANCE)), key=lambda t: (t[1], t[0]))
-        win_ms, win_ws, win_idx = winner
-        heuristic_idx = indices[0]
-        heur = next((c for c in candidates if c.index == heuristic_idx), None)
-        ok_ms = [c.median_ms for c in candidates if c.median_ms is not None]
-
-        g.build_plan_at_index(win_idx)  # rebuild the winner last: the blob then holds only it
-        blob = bytes(g.serialize(as_bytes=True))
-        eid, knobs, name = _plan_identity(g, win_idx)
-        err = next(c.max_abs_err for c in candidates if c.index == win_idx)
-        if eid is None:
-            raise TuningError(f"winning plan #{win_idx} ({name}) exposes no (engine_id, knobs) to record")
+    if not timed:
+        reasons = "; ".join(f"#{c.index} {c.status}: {c.error}" for c in candidates[:5])
+        raise TuningError(f"no candidate plan built, ran and passed the numerics check ({check}; "
+                          f"{len(candidates)} tried): {reasons}")
+    fastest = min(t[0] for t in timed)
+    win_ms, win_ws, win_idx = min((t for t in timed if t[0] <= fastest * (1 + TIE_TOLERANCE)), key=lambda t: (t[1], t[0]))
+    heuristic_idx = indices[0]
+    heur = next((c for c in candidates if c.index == heuristic_idx), None)
+    ok_ms = [c.median_ms for c in candidates if c.median_ms is not None]
+    win = next(c for c in candidates if c.index == win_idx)
+    if win.engine_id is None:
+        raise TuningError(f"winning plan #{win_idx} ({win.name}) exposes no (engine_id, knobs) to record")
+    blob = blobs[win_idx]
     return TunedPlan(
-        blob=blob, sha256=hashlib.sha256(blob).hexdigest(), workspace_bytes=win_ws, engine_id=eid, knobs=knobs,
-        plan_name=name, winner_index=win_idx, heuristic_index=heuristic_idx, winner_median_ms=win_ms,
-        heuristic_median_ms=heur.median_ms if heur else None, worst_median_ms=max(ok_ms) if ok_ms else None,
-        candidates=candidates, tuning_seconds=time.perf_counter() - t0, build_seconds=build_s, timing_seconds=timing_s,
-        environment=env, max_abs_err=float(err or 0.0), numerics_check=check,
+        blob=blob, sha256=hashlib.sha256(blob).hexdigest(), workspace_bytes=win_ws, engine_id=win.engine_id,
+        knobs=win.knobs, plan_name=win.name, winner_index=win_idx, heuristic_index=heuristic_idx,
+        winner_median_ms=win_ms, heuristic_median_ms=heur.median_ms if heur else None,
+        worst_median_ms=max(ok_ms) if ok_ms else None, candidates=candidates,
+        tuning_seconds=time.perf_counter() - t0, build_seconds=build_s, timing_seconds=timing_s,
+        environment=env, max_abs_err=float(win.max_abs_err or 0.0), numerics_check=check,
     )
 
 

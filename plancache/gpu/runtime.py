@@ -71,7 +71,8 @@ class BuiltPlan:
         return bytes(self.graph.serialize(as_bytes=True))
 
 
-def _plan_identity(graph: Any, index: int) -> tuple[int | None, dict[str, int], str]:
+def plan_identity(graph: Any, index: int) -> tuple[int | None, dict[str, int], str]:
+    """``(engine_id, knobs, plan name)`` of candidate ``index`` (None / {} where the backend exposes none)."""
     try:
         engine_id, knobs = graph.get_engine_and_knobs_at_index(index)
         engine_id, public = int(engine_id), knobs_to_public(knobs)
@@ -98,7 +99,8 @@ def apply_constraints(graph: Any, spec: GraphSpec) -> None:
         graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
 
 
-def _prepare(g: Any, spec: GraphSpec, modes: list[str]) -> None:
+def prepare(g: Any, spec: GraphSpec, modes: list[str]) -> None:
+    """Validate and lower ``g``, list the candidate plans of heuristic ``modes``, apply the spec's constraints."""
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([HEURISTIC_MODES[m] for m in modes])
@@ -122,10 +124,10 @@ def build_heuristic(spec: GraphSpec, handle: Any, *, kernel_cache: Any = None, g
                                            "convolution and pointwise graphs")
     g = graph if graph is not None else decode(spec, handle=handle, kernel_cache=kernel_cache,
                                                dynamic_shapes=kernel_cache is not None)
-    _prepare(g, spec, ["A", "FALLBACK"])
+    prepare(g, spec, ["A", "FALLBACK"])
     g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
     # The walk selects the first plan that builds; pygraph keeps that index privately.
-    engine_id, knobs, name = _plan_identity(g, getattr(g, "_plan_index", 0))
+    engine_id, knobs, name = plan_identity(g, getattr(g, "_plan_index", 0))
     return BuiltPlan(spec, g, int(g.get_workspace_size()), engine_id, knobs, name)
 
 
@@ -139,7 +141,7 @@ def build_engine_config(spec: GraphSpec, handle: Any, engine_id: int, knobs: dic
     g.create_execution_plan(int(engine_id), knobs_from_public(knobs))
     index = g.get_execution_plan_count() - 1
     g.build_plan_at_index(index)
-    _, _, name = _plan_identity(g, index)
+    _, _, name = plan_identity(g, index)
     return BuiltPlan(spec, g, int(g.get_workspace_size()), int(engine_id), dict(knobs), name)
 
 
@@ -211,7 +213,7 @@ def expected_outputs(spec: GraphSpec, inputs: dict[int, torch.Tensor], handle: A
     for mode, label in (("FALLBACK", "cross-check:fallback"), ("A", "cross-check:heuristic")):
         g = decode(spec, handle=handle)
         try:
-            _prepare(g, spec, [mode])
+            prepare(g, spec, [mode])
             g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
         except Exception:  # noqa: BLE001 - no plan of this mode builds: try the next
             continue

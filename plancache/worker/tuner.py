@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..environment import Environment
 from ..protocol import PlanMeta
@@ -45,12 +45,20 @@ class Tuner(Protocol):
 
 
 class GpuTuner:
-    """:class:`Tuner` on CUDA device ``device`` through :mod:`plancache.gpu` (imported on first use)."""
+    """:class:`Tuner` on CUDA device ``device`` through :mod:`plancache.gpu` (imported on first use).
 
-    def __init__(self, device: int = 0, *, warmup: int = 3, repeats: int = 20) -> None:
+    ``build_processes`` builder processes build candidate plans while this process times them (0: build
+    here, one after another; None: :func:`plancache.gpu.candidates.default_processes`). They start with
+    the first tuning and stop on :meth:`close`."""
+
+    def __init__(self, device: int = 0, *, warmup: int = 3, repeats: int = 20, build_processes: int | None = None) -> None:
+        if build_processes is not None and build_processes < 0:
+            raise ValueError(f"build_processes must be 0 or more, got {build_processes}")
         self.device = device
         self.warmup = warmup
         self.repeats = repeats
+        self.build_processes = build_processes
+        self._builders: Any = None
 
     def environment(self) -> Environment:
         from ..environment import detect
@@ -64,10 +72,27 @@ class GpuTuner:
 
     def tune(self, spec: GraphSpec) -> "TunedPlan":
         from .. import gpu
+        from ..gpu.candidates import BuildPool, default_processes
 
-        return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats)
+        if self.build_processes is None:
+            self.build_processes = default_processes()
+        if self.build_processes and self._builders is None:
+            self._builders = BuildPool(self.build_processes, device=self.device)
+        return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats, builders=self._builders)
 
     def verify(self, spec: GraphSpec, blob: bytes) -> float:
         from .. import gpu
 
         return gpu.verify_plan(spec, blob, device=self.device)
+
+    def close(self) -> None:
+        """Stop the builder processes (they start again if :meth:`tune` is called later)."""
+        if self._builders is not None:
+            self._builders.close()
+            self._builders = None
+
+    def __enter__(self) -> "GpuTuner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

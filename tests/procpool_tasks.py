@@ -1,0 +1,42 @@
+"""Tasks for tests/test_procpool.py: importable by the spawned processes of an OrderedPool."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def square_after(item: tuple[int, float]) -> int:
+    """``n * n`` after sleeping ``delay`` seconds (later items finish first when their delay is shorter)."""
+    n, delay = item
+    time.sleep(delay)
+    return n * n
+
+
+def crash_on(item: tuple[int, str]) -> int:
+    """Kill this process (like a native crash) for the items marked ``crash``; else ``n + 1``."""
+    n, what = item
+    if what == "crash":
+        os._exit(17)
+    return n + 1
+
+
+def crash_once(item: tuple[int, str]) -> int:
+    """Kill the process the first time ``n`` runs (a marker file remembers); succeed on the retry."""
+    n, marker = item
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(17)
+    return n
+
+
+def raise_for(item: int) -> int:
+    if item == 2:
+        raise ValueError("task 2 is bad")
+    return item
+
+
+def pid(item: int) -> int:
+    """This process's id, after a pause long enough for the other processes to take the next items."""
+    time.sleep(0.1)
+    return os.getpid()

@@ -1,0 +1,57 @@
+"""OrderedPool: results in submission order from spawned processes; a task that kills its process is pinned
+on itself (retried alone, then reported as Crashed) and the others still complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from plancache.procpool import Crashed, OrderedPool
+from tests import procpool_tasks as tasks
+
+
+@pytest.fixture
+def pool():
+    with OrderedPool(3) as p:
+        yield p
+
+
+def test_results_come_back_in_submission_order(pool):
+    items = [(n, 0.3 - 0.05 * n) for n in range(6)]  # later items finish first
+    assert list(pool.map_ordered(tasks.square_after, items)) == [n * n for n in range(6)]
+
+
+def test_work_runs_in_several_processes(pool):
+    pids = set(pool.map_ordered(tasks.pid, list(range(9))))
+    assert len(pids) >= 2
+
+
+def test_a_crashing_task_is_reported_and_the_others_complete(pool):
+    items = [(0, "ok"), (1, "ok"), (2, "crash"), (3, "ok"), (4, "crash"), (5, "ok")]
+    out = list(pool.map_ordered(tasks.crash_on, items))
+    assert out == [1, 2, Crashed((2, "crash")), 4, Crashed((4, "crash")), 6]
+    assert pool.restarts >= 2
+    assert list(pool.map_ordered(tasks.crash_on, [(7, "ok")])) == [8]  # the pool works after crashes
+
+
+def test_a_task_that_crashed_once_succeeds_on_its_retry(pool, tmp_path):
+    out = list(pool.map_ordered(tasks.crash_once, [(1, str(tmp_path / "m1")), (2, str(tmp_path / "m2"))]))
+    assert out == [1, 2]
+
+
+def test_an_exception_raised_by_the_task_reaches_the_caller(pool):
+    results = pool.map_ordered(tasks.raise_for, [0, 1, 2, 3])
+    assert next(results) == 0 and next(results) == 1
+    with pytest.raises(ValueError, match="task 2 is bad"):
+        next(results)
+
+
+def test_closing_the_iterator_early_cancels_what_has_not_started(pool):
+    results = pool.map_ordered(tasks.square_after, [(n, 0.2) for n in range(12)])
+    assert next(results) == 0
+    results.close()
+    assert list(pool.map_ordered(tasks.square_after, [(3, 0.0)])) == [9]
+
+
+def test_a_pool_needs_a_process():
+    with pytest.raises(ValueError, match="at least 1 process"):
+        OrderedPool(0)
