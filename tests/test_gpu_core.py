@@ -59,8 +59,8 @@ def test_fresh_process_deserializes_and_runs_the_winner(tuned, name, tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_json()))
     (tmp_path / "plan.blob").write_bytes(t.blob)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_child.py"), str(tmp_path / "spec.json"), str(tmp_path / "plan.blob")],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_child.py"), str(tmp_path / "spec.json"),
+                           str(tmp_path / "plan.blob")], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(res["errors"]) == {str(o.uid) for o in spec.output_tensors()}
@@ -153,3 +153,21 @@ def test_graph_replay_timing_agrees_with_eager_timing_where_launch_overhead_is_n
     eager = median_ms(run, repeats=30, budget_s=None)
     graphed = median_ms(run, repeats=30, budget_s=None, set_stream=lambda sid: None, graph_below_ms=1e9)
     assert eager > 0.05 and abs(graphed - eager) / eager < 0.15, (eager, graphed)
+
+
+def test_a_slow_run_is_given_up_after_one_timing_but_a_short_one_never_is():
+    import torch
+
+    from plancache.gpu.timing import timings_ms
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(a)
+    small = torch.randn(64, 64, device="cuda")
+    small_out = torch.empty_like(small)
+    slow = timings_ms(lambda: torch.matmul(a, a, out=out), repeats=10, budget_s=None, give_up_above_ms=0.01)
+    assert len(slow) == 1 and slow[0] >= 0.5  # a fp32 8192^3 matmul takes milliseconds
+    kept = timings_ms(lambda: torch.matmul(a, a, out=out), repeats=10, budget_s=None, give_up_above_ms=1e6)
+    assert len(kept) == 10
+    short = timings_ms(lambda: torch.matmul(small, small, out=small_out), repeats=10, budget_s=None,
+                       set_stream=lambda sid: None, give_up_above_ms=1e-6)
+    assert len(short) == 10  # under 0.5 ms launch overhead dominates one eager timing: never given up

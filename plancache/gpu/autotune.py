@@ -25,6 +25,9 @@ from .timing import median_ms
 CANDIDATE_BUDGET_S = 0.25
 #: Two medians within this relative distance are a tie, broken by the smaller workspace.
 TIE_TOLERANCE = 0.01
+#: A candidate of at least 0.5 ms whose run after one warm-up takes this many times the best median so far
+#: cannot win: that one timing is its figure (slow candidates otherwise cost most of a graph's timing budget).
+GIVE_UP_FACTOR = 2.0
 
 Progress = Callable[[int, int, Candidate], None]
 
@@ -142,9 +145,11 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
                     candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
                                                 error=f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})"))
                 else:
+                    best = min((t[0] for t in timed), default=None)
                     ms = median_ms(lambda: plan.execute(pack, workspace, handle),
                                    warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
-                                   set_stream=lambda sid: cudnn.set_stream(handle, sid))
+                                   set_stream=lambda sid: cudnn.set_stream(handle, sid),
+                                   give_up_above_ms=None if best is None else best * GIVE_UP_FACTOR)
                     candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
                     timed.append((ms, ws, b.index))
                     blobs[b.index] = b.blob

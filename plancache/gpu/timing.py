@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -20,21 +20,32 @@ SetStream = Callable[[int], None]
 
 
 def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25,
-              set_stream: SetStream | None = None, graph_below_ms: float = 0.5) -> float:
+              set_stream: SetStream | None = None, graph_below_ms: float = 0.5,
+              give_up_above_ms: float | None = None) -> float:
     """Median milliseconds of one ``run()`` (see :func:`timings_ms`)."""
     return statistics.median(timings_ms(run, warmup=warmup, repeats=repeats, budget_s=budget_s,
-                                        set_stream=set_stream, graph_below_ms=graph_below_ms))
+                                        set_stream=set_stream, graph_below_ms=graph_below_ms,
+                                        give_up_above_ms=give_up_above_ms))
 
 
 def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25,
-               set_stream: SetStream | None = None, graph_below_ms: float = 0.5) -> list[float]:
+               set_stream: SetStream | None = None, graph_below_ms: float = 0.5,
+               give_up_above_ms: float | None = None) -> list[float]:
     """Milliseconds of each timed ``run()`` on the current stream, bracketed by CUDA events.
 
     With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3). With ``set_stream``
     (called with a stream id to point the caller's cuDNN handle at it; pass ``lambda s: None`` for
-    plain torch work) runs shorter than ``graph_below_ms`` are timed by CUDA-graph replay."""
+    plain torch work) runs shorter than ``graph_below_ms`` are timed by CUDA-graph replay. With
+    ``give_up_above_ms``, a run of at least ``graph_below_ms`` (where launch overhead is noise) that
+    takes longer than that after one warm-up is timed no further: its one timing is returned."""
     stream = torch.cuda.current_stream()
-    for _ in range(warmup):
+    for _ in range(min(warmup, 1)):
+        run()
+    if give_up_above_ms is not None:
+        once = _once_ms(run, stream)
+        if once >= max(graph_below_ms, give_up_above_ms):
+            return [once]
+    for _ in range(warmup - 1):
         run()
     first = _once_ms(run, stream)
     if set_stream is not None and first < graph_below_ms:
