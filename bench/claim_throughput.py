@@ -165,7 +165,8 @@ def main() -> None:
             with make_db() as url:
                 r = measure(url, args.jobs, workers, args.deadline)
             rows.append({"database": name, "workers": workers, "jobs": args.jobs, **r})
-            print(f"{name:<10} {workers:>7} {args.jobs:>6} {r['claim_jobs_per_s']:>13.0f} {r['cycle_jobs_per_s']:>31.0f}", flush=True)
+            print(f"{name:<10} {workers:>7} {args.jobs:>6} {r['claim_jobs_per_s']:>13.0f} {r['cycle_jobs_per_s']:>31.0f}",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

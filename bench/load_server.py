@@ -149,8 +149,12 @@ def synthetic_spec(i: int) -> dict[str, Any]:
 
 def seed(url: str, n: int, min_bytes: int, max_bytes: int, rng: random.Random) -> tuple[dict[str, bytes], str]:
     """``n`` plans (records and blobs via the store) and a reader token; returns ``({graph_key: blob}, token)``."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from plancache.signing import Signer
     from plancache.store import open_store
 
+    signer = Signer(Ed25519PrivateKey.generate())  # records carry real envelopes, as in production
     plans: dict[str, bytes] = {}
     with open_store(url, create=True) as store:
         for i in range(n):
@@ -160,12 +164,12 @@ def seed(url: str, n: int, min_bytes: int, max_bytes: int, rng: random.Random) -
             blob = rng.randbytes(rng.randint(min_bytes, max_bytes))
             meta = PlanMeta(
                 graph_key=key, environment=ENV, blob_sha256=hashlib.sha256(blob).hexdigest(), blob_size=len(blob),
-                signature=base64.b64encode(rng.randbytes(64)).decode(), signer_key_id="bench-key", engine_id=rng.randint(0, 60),
+                engine_id=rng.randint(0, 60),
                 knobs={"tile": 2, "stages": 3}, plan_name="eng0_k2=2_k3=3", workspace_bytes=rng.randint(0, 1 << 22),
                 winner_median_ms=0.05, heuristic_median_ms=0.06, worst_median_ms=1.2, tuning_seconds=3.0, worker_id="bench",
                 candidates=[Candidate(index=c, engine_id=c, median_ms=0.05 + c / 100, status="ok") for c in range(8)],
             )
-            store.publish_plan(meta, blob)
+            store.publish_plan(signer.sign(meta), blob)
             plans[key] = blob
         token, _ = store.create_token("bench-reader", "reader")
     return plans, token
@@ -278,7 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{result['database']}: {result['plans']} plans, blobs {result['blob_bytes_min'] >> 10}-{result['blob_bytes_max'] >> 10} KiB "
+    print(f"\n{result['database']}: {result['plans']} plans, "
+          f"blobs {result['blob_bytes_min'] >> 10}-{result['blob_bytes_max'] >> 10} KiB "
           f"(mean {result['blob_bytes_mean'] >> 10} KiB), {result['keys_per_resolve']} keys per resolve, "
           f"{result['clients']} clients, {result['machine']['cpus']} CPUs")
     print(f"{'scenario':<14} {'requests':>8} {'req/s':>8} {'MB/s':>8} {'KB/answer':>10} {'p50 ms':>8} {'p99 ms':>8}")

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +206,7 @@ def child_quality(out: Path, limit: int | None) -> None:
             outs = gpu.allocate_outputs(spec, dev)
             ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device=dev)
             tensors = {**inputs, **outs}
-            ts = timings_ms(lambda: plan.execute(tensors, ws, handle), warmup=10, repeats=100, budget_s=1.0,
+            ts = timings_ms(partial(plan.execute, tensors, ws, handle), warmup=10, repeats=100, budget_s=1.0,
                             set_stream=lambda sid: cudnn.set_stream(handle, sid))
             row[label] = {"median": statistics.median(ts), "p10": _pct(ts, 0.1), "p90": _pct(ts, 0.9)}
         torch.backends.cudnn.benchmark = True
@@ -226,7 +227,8 @@ def child_quality(out: Path, limit: int | None) -> None:
 def _child(phase: str, out: Path, limit: int | None, *extra: str, timeout: float = 900) -> None:
     env = {**os.environ, "CUDA_CACHE_DISABLE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, __file__, "--child", phase, "--out", str(out)] + (["--limit", str(limit)] if limit else []) + list(extra)
+    args = [sys.executable, __file__, "--child", phase, "--out", str(out), *(["--limit", str(limit)] if limit else []),
+            *extra]
     t0 = time.perf_counter()
     subprocess.run(args, env=env, check=True, timeout=timeout)
     print(f"[{phase}] process wall {time.perf_counter() - t0:.1f} s", flush=True)
@@ -296,7 +298,8 @@ def _plot(out: Path, startup: dict, quality: list[dict], tuning: dict) -> None:
             err = [[m - r[key]["p10"] for m, r in zip(med, rows)], [r[key]["p90"] - m for m, r in zip(med, rows)]]
             ax.bar([i + off for i in x], med, width=0.27, yerr=err, label=key, color=color)
         ax.set_xticks(list(x))
-        ax.set_xticklabels([r["name"].replace("resnet50_", "").replace("sdpa_causal_", "") for r in rows], rotation=75, fontsize=6)
+        ax.set_xticklabels([r["name"].replace("resnet50_", "").replace("sdpa_causal_", "") for r in rows], rotation=75,
+                           fontsize=6)
         ax.set_ylabel("ms (median, p10–p90)")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
@@ -316,7 +319,8 @@ def main() -> None:
     args = ap.parse_args()
     out: Path = args.out
     if args.child:
-        {"tune": lambda: child_tune(out, args.limit, not args.no_parallel_probe), "heuristic": lambda: child_heuristic(out, args.limit),
+        {"tune": lambda: child_tune(out, args.limit, not args.no_parallel_probe),
+         "heuristic": lambda: child_heuristic(out, args.limit),
          "fetch": lambda: child_fetch(out, args.limit, args.server, args.token),
          "quality": lambda: child_quality(out, args.limit)}[args.child]()
         return
@@ -346,7 +350,8 @@ def main() -> None:
     quality = json.loads((out / "quality.json").read_text())
     n = len(heuristic["graphs"])
     startup = {"graphs": n, "heuristic_s": heuristic["total_s"], "autotune_s": tuning["total_s"], "fetch_s": fetch["total_s"],
-               "fetch_prefetch_s": fetch["prefetch_s"], "client_construct_s": fetch["construct_s"], "cuda_init_s": {"heuristic": heuristic["init_s"], "fetch": fetch["init_s"]},
+               "fetch_prefetch_s": fetch["prefetch_s"], "client_construct_s": fetch["construct_s"],
+               "cuda_init_s": {"heuristic": heuristic["init_s"], "fetch": fetch["init_s"]},
                "a_over_c": heuristic["total_s"] / fetch["total_s"], "b_over_c": tuning["total_s"] / fetch["total_s"],
                "plans_per_s": n / fetch["total_s"], "max_error": max(fetch["errors"].values()), "client_stats": fetch["stats"]}
     geo = {}

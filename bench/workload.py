@@ -37,7 +37,8 @@ def resnet50_convs(batch: int = 32) -> list[GraphSpec]:
 def transformer_epilogues() -> list[GraphSpec]:
     specs = []
     for h in HIDDEN_SIZES:
-        for kind, k, n, act in (("qkv", h, 3 * h, "relu"), ("out", h, h, "relu"), ("up", h, 4 * h, "gelu"), ("down", 4 * h, h, "relu")):
+        for kind, k, n, act in (("qkv", h, 3 * h, "relu"), ("out", h, h, "relu"), ("up", h, 4 * h, "gelu"),
+                                ("down", 4 * h, h, "relu")):
             if h == 8192 and kind in ("qkv", "out"):
                 continue  # keep the workload's memory and tuning time bounded; up/down cover h=8192
             specs.append(matmul_epilogue(batch=1, m=TOKENS, k=k, n=n, act=act, name=f"mlp_h{h}_{kind}_{act}"))

@@ -3,20 +3,24 @@
 A bundle is a single UTF-8 JSON document::
 
     {"format": "plancache-bundle",
-     "header": {"version": 1, "environment": {...}, "env_id": "...", "created_at": "...",
-                "signer_key_id": "..." | null, "entries": N},
+     "header": {"version": 2, "environment": {...}, "env_id": "...", "created_at": "...", "entries": N},
      "entries": [{"record": <PlanRecord>, "blob_b64": "<base64 plan blob>", "spec": <canonical GraphSpec>}, ...],
-     "signature": "<base64 ed25519>" | null}
+     "envelope": <DSSE envelope> | null}
 
-The signature covers the canonical JSON (sorted keys, no whitespace) of ``format``, ``header`` and
-``entries`` as they appear in the file. JSON rather than a zip or tar: plan blobs are small (kilobytes
-to a few megabytes), one document has exactly one canonical form to sign, reading it needs nothing
-beyond the standard library on a client, ``jq`` can inspect it, and there are no archive members,
-paths or orderings to validate. The cost is base64's third more bytes for the blobs.
+The envelope (:mod:`plancache.signing`) carries an in-toto statement (:func:`bundle_statement`) whose subjects
+are the entries' blobs, named by graph key, and whose predicate (:data:`~plancache.signing.BUNDLE_PREDICATE`)
+is the header and the sha256 of the canonical JSON (sorted keys, no whitespace) of ``entries`` as they appear
+in the file: it covers every record, blob and spec. Version 1 bundles (signed with the retired statement-v1
+signature) are refused with a message saying to export them again.
 
-Loading verifies everything before anything is used (:func:`verify_bundle`): the bundle signature
-against the trusted keys when any are configured (then it is required), then each entry through
-:func:`plancache.verify.verify_blob` in its fixed order: size and sha256 of the blob against its record,
+JSON rather than a zip or tar: plan blobs are small (kilobytes to a few megabytes), one document has exactly
+one canonical form to sign, reading it needs nothing beyond the standard library on a client, ``jq`` can
+inspect it, and there are no archive members, paths or orderings to validate. The cost is base64's third
+more bytes for the blobs.
+
+Loading verifies everything before anything is used (:func:`verify_bundle`): the bundle's envelope against
+the trusted keys when any are configured (then it is required, and its statement must be this bundle's),
+then each entry through :func:`plancache.verify.verify_blob` in its fixed order: size and sha256 of the blob against its record,
 the record's own plan signature (with trusted keys, as a client with trusted keys requires it of every
 plan), that its graph key is the key of the enclosed spec, and that it is for the bundle's environment.
 Reasons are those of :data:`plancache.verify.REASONS`. Any failure refuses the whole bundle with a
@@ -28,56 +32,53 @@ This module needs no SQLAlchemy: :func:`export_bundle` and :func:`import_bundle`
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from .errors import Conflict, IntegrityError, NotFound, PlanCacheError, VerificationError
-from .environment import Environment
-from .protocol import PlanMeta, PlanRecord, b64decode, b64encode
-from .signing import Signer, TrustedKeys
-from .spec import canonical_json, graph_key
+from .canonical import canonical_json
+from .environment import ENV_ID_PATTERN, Environment
+from .errors import Conflict, IntegrityError, NotFound, PlanCacheError, SignatureError, VerificationError
+from .files import atomic_write
+from .protocol import Envelope, PlanMeta, PlanRecord, b64decode, b64encode
+from .signing import BUNDLE_PREDICATE, Signer, TrustedKeys, statement
+from .spec import graph_key
+from .validation import StrictModel, validation_message
 from .verify import verify_blob
 
 if TYPE_CHECKING:
     from .store import Store
 
 BUNDLE_FORMAT = "plancache-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION: Final = 2
 _PAGE = 1000
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class BundleHeader(_Model):
-    version: Literal[1]
+class BundleHeader(StrictModel):
+    version: Literal[2]
     environment: Environment
-    env_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    env_id: str = Field(pattern=ENV_ID_PATTERN)
     created_at: datetime
-    signer_key_id: str | None = None
     entries: int = Field(ge=0)
 
 
-class BundleEntry(_Model):
+class BundleEntry(StrictModel):
     record: PlanRecord
     blob_b64: str
     spec: dict[str, Any]
 
 
-class BundleDocument(_Model):
+class BundleDocument(StrictModel):
     format: Literal["plancache-bundle"]
     header: BundleHeader
     entries: list[BundleEntry]
-    signature: str | None = None
+    envelope: Envelope | None = None
 
 
 class BundlePlan(NamedTuple):
@@ -96,8 +97,12 @@ class ImportReport:
     signature_checked: bool
 
 
-def _signed_part(doc: dict[str, Any]) -> bytes:
-    return canonical_json({"format": doc["format"], "header": doc["header"], "entries": doc["entries"]}).encode()
+def bundle_statement(doc: dict[str, Any]) -> dict[str, Any]:
+    """The in-toto statement the envelope of bundle ``doc`` (the document as it appears in the file) signs."""
+    entries = doc["entries"]
+    digest = hashlib.sha256(canonical_json(entries).encode()).hexdigest()
+    return statement(((e["record"]["graph_key"], e["record"]["blob_sha256"]) for e in entries), BUNDLE_PREDICATE,
+                     {"header": doc["header"], "entries_sha256": digest})
 
 
 def _entry_name(index: int, entry: BundleEntry) -> str:
@@ -113,29 +118,20 @@ def build_bundle(environment: Environment, plans: Iterable[BundlePlan], signer: 
     ]
     header = BundleHeader(
         version=BUNDLE_VERSION, environment=environment, env_id=environment.env_id,
-        created_at=now or datetime.now(timezone.utc), signer_key_id=signer.key_id if signer else None,
-        entries=len(entries),
+        created_at=now or datetime.now(UTC), entries=len(entries),
     )
     doc: dict[str, Any] = {"format": BUNDLE_FORMAT, "header": header.model_dump(mode="json"), "entries": entries}
-    doc["signature"] = signer.sign_bytes(_signed_part(doc)) if signer else None
+    doc["envelope"] = signer.envelope(bundle_statement(doc)).model_dump() if signer else None
     return doc
 
 
 def write_bundle(doc: dict[str, Any], path: Path | str) -> None:
-    """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, ensure_ascii=False, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``doc`` to ``path`` with :func:`~plancache.files.atomic_write` (compact JSON, UTF-8)."""
+    atomic_write(path, json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
 
 
 def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
-    """Parse a bundle file: the raw document (what the signature covers) and its validated model.
+    """Parse a bundle file: the raw document (what the envelope's statement covers) and its validated model.
 
     Raises :class:`VerificationError` (reason ``malformed``) for anything that is not a well-formed bundle.
     """
@@ -145,12 +141,14 @@ def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
         raise VerificationError("malformed", f"{path}: not a plancache bundle (invalid JSON: {exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
         raise VerificationError("malformed", f"{path}: not a plancache bundle (no \"format\": \"{BUNDLE_FORMAT}\")")
+    header = raw.get("header")
+    if isinstance(header, dict) and header.get("version") == 1:
+        raise VerificationError("malformed", f"{path}: a version 1 bundle, signed with the retired statement-v1 "
+                                             f"signature, which this plancache no longer reads: export it again")
     try:
         doc = BundleDocument.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise VerificationError("malformed", f"{path}: invalid bundle at {loc}: {first.get('msg')}") from None
+        raise VerificationError("malformed", f"{path}: invalid bundle: {validation_message(exc.errors(), 1)}") from None
     return raw, doc
 
 
@@ -172,7 +170,7 @@ def _verify_entry(index: int, entry: BundleEntry, header: BundleHeader, trusted:
 def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys | None) -> list[BundlePlan]:
     """Every check of the module docstring; the verified plans, or :class:`VerificationError` for the first failure.
 
-    With ``trusted`` empty or ``None`` the bundle signature is not checked (nothing to check it against).
+    With ``trusted`` empty or ``None`` the bundle's envelope is not checked (nothing to check it against).
     """
     header = doc.header
     if header.env_id != header.environment.env_id:
@@ -180,10 +178,8 @@ def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys
                                                f"environment ({header.environment.env_id})")
     if header.entries != len(doc.entries):
         raise VerificationError("malformed", f"bundle header counts {header.entries} entries, it holds {len(doc.entries)}")
-    if trusted:
-        if doc.signature and header.signer_key_id is None:
-            raise VerificationError("malformed", "the bundle has a signature but its header names no signer key")
-        trusted.verify_bytes(_signed_part(raw), doc.signature, header.signer_key_id, what="bundle")
+    if trusted and trusted.open(doc.envelope, BUNDLE_PREDICATE, what="bundle") != bundle_statement(raw):
+        raise SignatureError("bad_signature", "bundle: its header or entries do not match its signed statement")
     plans: list[BundlePlan] = []
     seen: dict[str, int] = {}
     for index, entry in enumerate(doc.entries):
@@ -201,7 +197,7 @@ def load_bundle(path: Path | str, trusted_keys: TrustedKeys | None) -> list[Bund
     return verify_bundle(raw, doc, trusted_keys)
 
 
-def collect_plans(store: "Store", environment: Environment, graph_keys: list[str] | None) -> list[BundlePlan]:
+def collect_plans(store: Store, environment: Environment, graph_keys: list[str] | None) -> list[BundlePlan]:
     """The stored plans (record, blob, canonical spec) of ``graph_keys`` — or every stored plan, with ``None`` —
     on ``environment``. A key without a plan there is :class:`NotFound`, listing every such key."""
     if graph_keys is None:
@@ -223,12 +219,13 @@ def collect_plans(store: "Store", environment: Environment, graph_keys: list[str
     for key, record in records.items():
         blob, spec = store.get_blob(record.blob_sha256), store.get_spec(key)
         if blob is None or spec is None:
-            raise IntegrityError(f"plan {key} on {environment.describe()}: its {'blob' if blob is None else 'spec'} is not stored")
+            absent = "blob" if blob is None else "spec"
+            raise IntegrityError(f"plan {key} on {environment.describe()}: its {absent} is not stored")
         plans.append(BundlePlan(record, blob, spec))
     return plans
 
 
-def export_bundle(store: "Store", environment: Environment, graph_keys: list[str] | None, out: Path | str,
+def export_bundle(store: Store, environment: Environment, graph_keys: list[str] | None, out: Path | str,
                   signer: Signer | None = None) -> int:
     """Write the bundle of ``graph_keys`` (or every plan, with ``None``) on ``environment`` to ``out``;
     the number of plans written."""
@@ -237,7 +234,7 @@ def export_bundle(store: "Store", environment: Environment, graph_keys: list[str
     return len(plans)
 
 
-def import_bundle(store: "Store", path: Path | str, trusted_keys: TrustedKeys | None,
+def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | None,
                   *, progress: Callable[[int, int], None] | None = None) -> ImportReport:
     """Verify a bundle whole, then publish its specs and plans into ``store`` (idempotent).
 

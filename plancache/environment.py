@@ -9,38 +9,38 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from annotated_types import Ge, Le
+from pydantic import BeforeValidator, ConfigDict, Field, StringConstraints
 
+from .canonical import canonical_json
 from .errors import GpuUnavailable
+from .validation import INT32_MAX, StrictModel, refuse_bool
 
+#: The fields a plan's environment must match exactly; the info fields are for people to read.
 VALIDITY_FIELDS: tuple[str, ...] = ("sm", "sm_count", "cudnn_version", "driver_version", "frontend_version")
 INFO_FIELDS: tuple[str, ...] = ("device_name", "cuda_runtime", "torch_version")
+#: An environment id: 32 lowercase hex characters.
+ENV_ID_PATTERN = r"^[0-9a-f]{32}$"
+
+#: The validity fields' types, bounds included (:class:`~plancache.protocol.TargetEnvironment` makes each optional).
+Sm = Annotated[int, Ge(10), Le(1000), BeforeValidator(refuse_bool)]
+SmCount = Annotated[int, Ge(1), Le(100_000), BeforeValidator(refuse_bool)]
+Version = Annotated[int, Ge(1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
+FrontendVersion = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
 
-def refuse_bool(value: Any) -> Any:
-    """Before an integer field is validated: pydantic's lax mode would read ``true``/``false`` as 1/0."""
-    if isinstance(value, bool):
-        raise ValueError("Input should be an integer, not a boolean")
-    return value
-
-
-#: An integer field of the wire models: lax (``"5"`` from a query string is 5) but never a boolean.
-Int = Annotated[int, BeforeValidator(refuse_bool)]
-
-
-class Environment(BaseModel):
+class Environment(StrictModel):
     """A GPU environment. ``sm`` is major*10+minor (90 for an H100/H200)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
-    sm: Int = Field(ge=10, le=1000, description="compute capability, major*10+minor")
-    sm_count: Int = Field(ge=1, le=100_000)
-    cudnn_version: Int = Field(ge=1, le=2**31 - 1, description="cuDNN backend version, e.g. 91900")
-    driver_version: Int = Field(ge=1, le=2**31 - 1, description="CUDA driver API version, e.g. 13000")
-    frontend_version: str = Field(min_length=1, max_length=64, description="nvidia-cudnn-frontend version")
+    sm: Sm = Field(description="compute capability, major*10+minor")
+    sm_count: SmCount
+    cudnn_version: Version = Field(description="cuDNN backend version, e.g. 91900")
+    driver_version: Version = Field(description="CUDA driver API version, e.g. 13000")
+    frontend_version: FrontendVersion = Field(description="nvidia-cudnn-frontend version")
     device_name: str = Field(default="", max_length=256)
     cuda_runtime: str = Field(default="", max_length=64)
     torch_version: str = Field(default="", max_length=64)
@@ -54,7 +54,7 @@ class Environment(BaseModel):
         """Stable id of the validity fields (32 hex chars)."""
         return environment_id(self.validity())
 
-    def compatible_with(self, other: "Environment") -> bool:
+    def compatible_with(self, other: Environment) -> bool:
         return self.validity() == other.validity()
 
     def describe(self) -> str:
@@ -66,8 +66,8 @@ class Environment(BaseModel):
 
 
 def environment_id(validity: dict[str, Any]) -> str:
-    canon = json.dumps({f: validity[f] for f in VALIDITY_FIELDS}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+    """The first 32 hex characters of the sha256 of the validity fields' canonical JSON."""
+    return hashlib.sha256(canonical_json({f: validity[f] for f in VALIDITY_FIELDS}).encode()).hexdigest()[:32]
 
 
 def cuda_driver_version() -> int:

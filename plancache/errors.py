@@ -52,6 +52,13 @@ class IntegrityError(PlanCacheError):
     http_status = 422
 
 
+class StaleRevision(Conflict):
+    """A replacement plan's revision is not above the stored plan's: an older record may not replace a newer one."""
+
+    code = "stale_revision"
+    http_status = 409
+
+
 class LeaseLost(PlanCacheError):
     """A job heartbeat/completion came from a holder whose lease was taken over (fenced)."""
 
@@ -107,7 +114,8 @@ class VerificationError(PlanCacheError):
 
 
 class SignatureError(VerificationError):
-    """A signature or key failed: ``reason`` is ``unsigned``, ``unknown_signer``, ``bad_signature`` or ``bad_key``."""
+    """A signature or key failed: ``reason`` is ``unsigned``, ``unknown_signer``, ``bad_signature``, ``malformed``
+    (a signed payload that is not the statement expected) or ``bad_key``."""
 
 
 class GpuUnavailable(PlanCacheError):

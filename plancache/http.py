@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
 from .settings import get_settings
+from .validation import validation_message
 
 log = logging.getLogger("plancache.http")
 
@@ -202,8 +203,7 @@ _WIRE_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encod
 
 
 def _first_problem(exc: ValueError) -> str:
-    problems = exc.errors() if isinstance(exc, ValidationError) else []
-    return str(problems[0].get("msg", exc)) if problems else str(exc)
+    return validation_message(exc.errors(), 1) if isinstance(exc, ValidationError) else str(exc)
 
 
 class HttpClient:
@@ -314,7 +314,7 @@ class HttpClient:
         if left <= 0:
             raise ServerUnavailable(f"{call}: not sent, its deadline has passed")
         done, cancel = threading.Event(), threading.Event()
-        outcome: list[Any] = []
+        outcome: list[httpx.Response | BaseException] = []
 
         def run() -> None:
             try:

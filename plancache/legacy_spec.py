@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
 
 from .errors import SpecError
-from .spec import MAX_DIM, MAX_NAME, MAX_PARAMS, MAX_PORTS, MAX_TENSORS, GraphSpec, TuningSpec, pydantic_message
+from .spec import MAX_DIM, MAX_NAME, MAX_PARAMS, MAX_PORTS, MAX_TENSORS, GraphSpec, TuningSpec
+from .validation import StrictModel, validation_message
 
 #: The schema-1 version number.
 LEGACY_SCHEMA_VERSION = 1
@@ -39,11 +41,7 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
 Size = Annotated[int, Field(ge=-MAX_DIM, le=MAX_DIM)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TensorSpec(_Strict):
+class TensorSpec(StrictModel):
     """A non-virtual tensor: a graph input, or a graph output in :attr:`LegacySpec.outputs`."""
 
     dims: list[Size] = Field(min_length=1, max_length=MAX_RANK)
@@ -52,7 +50,7 @@ class TensorSpec(_Strict):
     pass_by_value: bool = False
 
 
-class NodeSpec(_Strict):
+class NodeSpec(StrictModel):
     op: str = Field(min_length=1, max_length=64)
     name: str | None = Field(default=None, max_length=128, description="cosmetic; not part of the key")
     inputs: dict[Annotated[str, StringConstraints(max_length=64)], Name] = Field(max_length=MAX_PORTS)
@@ -63,30 +61,30 @@ class NodeSpec(_Strict):
 # ---------------------------------------------------------------- op attributes
 
 
-class NoAttrs(_Strict):
+class NoAttrs(StrictModel):
     pass
 
 
-class ConvAttrs(_Strict):
+class ConvAttrs(StrictModel):
     padding: list[Size] | None = Field(default=None, max_length=MAX_RANK)
     stride: list[Size] | None = Field(default=None, max_length=MAX_RANK)
     dilation: list[Size] | None = Field(default=None, max_length=MAX_RANK)
 
 
-class ReluAttrs(_Strict):
+class ReluAttrs(StrictModel):
     negative_slope: float | None = None
 
 
-class SwishAttrs(_Strict):
+class SwishAttrs(StrictModel):
     swish_beta: float | None = None
 
 
-class ReductionAttrs(_Strict):
+class ReductionAttrs(StrictModel):
     mode: Literal["AMAX", "SUM"]
     dims: list[Size] = Field(min_length=1, max_length=MAX_RANK, description="output dims: 1 where reduced")
 
 
-class SdpaAttrs(_Strict):
+class SdpaAttrs(StrictModel):
     attn_scale: float | None = Field(default=None, description="baked into the plan; default 1/sqrt(d)")
     causal: bool = False
 
@@ -103,13 +101,18 @@ class TensorInfo:
     pass_by_value: bool = False
 
 
+Attrs = TypeVar("Attrs", bound=StrictModel)
+#: Output dims by port, from a node, its attributes and the tensors so far.
+Infer = Callable[[NodeSpec, Attrs, dict[str, TensorInfo]], dict[str, tuple[int, ...]]]
+
+
 @dataclass(frozen=True)
-class OpDef:
+class OpDef(Generic[Attrs]):
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    attrs: type[_Strict]
-    infer: Callable[["NodeSpec", _Strict, dict[str, TensorInfo]], dict[str, tuple[int, ...]]]
-    output_dtype: Callable[[LegacySpec, _Strict], str] | None = None
+    attrs: type[Attrs]
+    infer: Infer[Attrs]
+    output_dtype: Callable[[LegacySpec, Attrs], str] | None = None
 
 
 def _fail(node: NodeSpec, index: int, msg: str) -> SpecError:
@@ -161,8 +164,8 @@ def _infer_matmul(node: NodeSpec, attrs: NoAttrs, t: dict[str, TensorInfo]) -> d
     return {"C": batch + (a[-2], b[-1])}
 
 
-def _infer_elementwise(first: str, second: str | None, same_as_first: bool):
-    def infer(node: NodeSpec, attrs: _Strict, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
+def _infer_elementwise(first: str, second: str | None, same_as_first: bool) -> Infer[StrictModel]:
+    def infer(node: NodeSpec, attrs: StrictModel, t: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
         a = t[node.inputs[first]].dims
         if second is None:
             return {"output": a}
@@ -197,12 +200,12 @@ def _infer_sdpa(node: NodeSpec, attrs: SdpaAttrs, t: dict[str, TensorInfo]) -> d
     return {"O": (q[0], q[1], q[2], v[3])}
 
 
-def _float32(spec: LegacySpec, attrs: _Strict) -> str:
+def _float32(spec: LegacySpec, attrs: StrictModel) -> str:
     return "float32"
 
 
 _UNARY = _infer_elementwise("input", None, False)
-OPS: dict[str, OpDef] = {
+OPS: dict[str, OpDef[Any]] = {
     "conv_fprop": OpDef(("image", "weight"), ("Y",), ConvAttrs, _infer_conv),
     "matmul": OpDef(("A", "B"), ("C",), NoAttrs, _infer_matmul),
     "bias": OpDef(("input", "bias"), ("output",), NoAttrs, _infer_elementwise("input", "bias", True)),
@@ -261,7 +264,7 @@ def _check_layout(name: str, t: TensorSpec) -> None:
         raise SpecError(f"tensor {name!r}: a pass-by-value scalar must be float32 with all dims 1")
 
 
-class LegacySpec(_Strict):
+class LegacySpec(StrictModel):
     """A schema-1 document (validated; convert it with :func:`legacy_document`)."""
 
     schema_version: int = Field(default=LEGACY_SCHEMA_VERSION, alias="schema")
@@ -274,11 +277,11 @@ class LegacySpec(_Strict):
     outputs: dict[Name, TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     _infos: dict[str, TensorInfo] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
-    def _validate_graph(self) -> "LegacySpec":
+    def _validate_graph(self) -> LegacySpec:
         if self.schema_version != LEGACY_SCHEMA_VERSION:
             raise SpecError(f"schema version {self.schema_version} is not schema 1")
         self._infos = self._infer()
@@ -307,7 +310,7 @@ class LegacySpec(_Strict):
                 attrs = op.attrs.model_validate(node.attrs)
                 shapes = op.infer(node, attrs, infos)
             except ValidationError as exc:
-                raise _fail(node, i, f"bad attributes: {pydantic_message(exc, None)}") from None
+                raise _fail(node, i, f"bad attributes: {validation_message(exc.errors(), None)}") from None
             except ValueError as exc:
                 raise _fail(node, i, str(exc)) from None
             for port, tname in node.outputs.items():
@@ -318,7 +321,8 @@ class LegacySpec(_Strict):
                 if declared is not None:
                     _check_layout(tname, declared)
                     if tuple(declared.dims) != dims:
-                        raise _fail(node, i, f"output tensor {tname!r} declared with dims {declared.dims}, but {node.op} gives {list(dims)}")
+                        raise _fail(node, i, f"output tensor {tname!r} declared with dims {declared.dims}, "
+                                             f"but {node.op} gives {list(dims)}")
                     if declared.pass_by_value:
                         raise _fail(node, i, f"output tensor {tname!r} cannot be pass-by-value")
                     infos[tname] = TensorInfo(tname, dims, tuple(declared.strides), declared.dtype, False)
@@ -381,7 +385,7 @@ def parse_legacy(obj: dict[str, Any]) -> LegacySpec:
     try:
         return LegacySpec.model_validate(obj)
     except ValidationError as exc:
-        raise SpecError(f"invalid spec: {pydantic_message(exc, None)}") from None
+        raise SpecError(f"invalid spec: {validation_message(exc.errors(), None)}") from None
 
 
 _FE_TYPES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "int32": "INT32", "int64": "INT64"}
@@ -433,10 +437,10 @@ def legacy_document(obj: dict[str, Any] | LegacySpec) -> dict[str, Any]:
             if t not in uid:
                 uid[t], nxt = nxt, nxt + 1
     tensors = []
-    for name in sorted(uid, key=uid.get):
+    for name in sorted(uid, key=lambda n: uid[n]):
         info = infos[name]
-        node = next((n for n in spec.nodes if name in n.outputs.values()), None)
-        pushed = node is not None and node.op == "reduction"
+        producer = next((n for n in spec.nodes if name in n.outputs.values()), None)
+        pushed = producer is not None and producer.op == "reduction"
         tensors.append({
             "uid": uid[name], "name": name, "data_type": None if info.virtual else _FE_TYPES[info.dtype],
             "dim": list(info.dims), "stride": list(info.strides), "is_virtual": info.virtual,
@@ -461,27 +465,27 @@ def legacy_document(obj: dict[str, Any] | LegacySpec) -> dict[str, Any]:
 class TensorRef:
     """A tensor handle returned by the builder; mirrors the cudnn tensor setters for outputs."""
 
-    def __init__(self, builder: "SpecBuilder", name: str) -> None:
+    def __init__(self, builder: SpecBuilder, name: str) -> None:
         self._b, self.name = builder, name
 
-    def set_output(self, is_output: bool = True) -> "TensorRef":
+    def set_output(self, is_output: bool = True) -> TensorRef:
         self._b._set_output(self.name, is_output)
         return self
 
-    def set_name(self, name: str) -> "TensorRef":
+    def set_name(self, name: str) -> TensorRef:
         self._b._rename(self.name, name)
         self.name = name
         return self
 
-    def set_dim(self, dims: list[int]) -> "TensorRef":
+    def set_dim(self, dims: list[int]) -> TensorRef:
         self._b._out_attr(self.name, "dims", list(dims))
         return self
 
-    def set_stride(self, strides: list[int]) -> "TensorRef":
+    def set_stride(self, strides: list[int]) -> TensorRef:
         self._b._out_attr(self.name, "strides", list(strides))
         return self
 
-    def set_data_type(self, dtype: DType) -> "TensorRef":
+    def set_data_type(self, dtype: DType) -> TensorRef:
         self._b._out_attr(self.name, "dtype", dtype)
         return self
 
@@ -489,7 +493,7 @@ class TensorRef:
         return f"TensorRef({self.name!r})"
 
 
-_TORCH_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
+_TORCH_DTYPES: dict[str, DType] = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
                  "torch.int32": "int32", "torch.int64": "int64"}
 
 

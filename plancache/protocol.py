@@ -7,37 +7,30 @@ import binascii
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
-from .environment import VALIDITY_FIELDS, Environment, Int, refuse_bool
+from .environment import VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
+from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
 
+#: A sha256 hex digest (a blob's; a graph key is one too): 64 lowercase hex characters.
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
-GRAPH_KEY_PATTERN = r"^[0-9a-f]{64}$"
+GRAPH_KEY_PATTERN = SHA256_PATTERN
 GraphKey = str
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 #: Graph keys one request may name (resolve: also at most ``PLANCACHE_MAX_RESOLVE_KEYS``; tune: graph keys × targets
 #: at most 10,000 jobs).
 MAX_KEYS_PER_REQUEST = 10_000
 #: Knobs of one plan or candidate (cuDNN has 43 knob types), and the length of a knob's name.
 MAX_KNOBS = 64
-Int32 = Annotated[int, Ge(-INT32_MAX - 1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
-Int64 = Annotated[int, Ge(-INT64_MAX - 1), Le(INT64_MAX), BeforeValidator(refuse_bool)]
 GraphKeyStr = Annotated[str, StringConstraints(pattern=GRAPH_KEY_PATTERN)]
 #: Knob name → value, as cuDNN names them (``knob_type`` members, e.g. ``SPLIT_K``).
 Knobs = dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Int64]
 #: Job priorities: higher is claimed first.
 PRIORITY_MAX = 1_000_000
 LEASE_TOKEN_MAX_LENGTH = 128
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 def b64encode(data: bytes) -> str:
@@ -65,24 +58,24 @@ def b64decode(text: str, what: str = "blob") -> bytes:
         raise ValueError(f"{what} is not valid base64: {exc}") from exc
 
 
-class TargetEnvironment(_Model):
+class TargetEnvironment(StrictModel):
     """Which environments a tuning job is for. A field left ``None`` matches any value."""
 
-    sm: Int | None = Field(default=None, ge=10, le=1000)
-    sm_count: Int | None = Field(default=None, ge=1, le=100_000)
-    cudnn_version: Int | None = Field(default=None, ge=1, le=INT32_MAX)
-    driver_version: Int | None = Field(default=None, ge=1, le=INT32_MAX)
-    frontend_version: str | None = Field(default=None, min_length=1, max_length=64)
+    sm: Sm | None = None
+    sm_count: SmCount | None = None
+    cudnn_version: Version | None = None
+    driver_version: Version | None = None
+    frontend_version: FrontendVersion | None = None
 
     def matches(self, env: Environment) -> bool:
         return all(getattr(self, f) is None or getattr(self, f) == getattr(env, f) for f in VALIDITY_FIELDS)
 
     @classmethod
-    def exactly(cls, env: Environment) -> "TargetEnvironment":
+    def exactly(cls, env: Environment) -> TargetEnvironment:
         return cls(**env.validity())
 
 
-class Candidate(_Model):
+class Candidate(StrictModel):
     """One candidate execution plan seen during autotuning."""
 
     index: Int = Field(ge=0, le=INT32_MAX)
@@ -96,15 +89,39 @@ class Candidate(_Model):
     error: str | None = Field(default=None, max_length=4000)
 
 
-class PlanMeta(_Model):
-    """Everything a plan record states about a blob, as produced by a worker."""
+#: Longest base64 DSSE payload accepted (a plan statement is about 1 KiB; knobs are capped by :data:`MAX_KNOBS`).
+MAX_ENVELOPE_PAYLOAD = 64 << 10
+
+
+class DsseSignature(StrictModel):
+    """One signature of a DSSE envelope: the signer's key id and the base64 ed25519 signature of the PAE."""
+
+    keyid: str = Field(min_length=1, max_length=128)
+    sig: str = Field(min_length=1, max_length=512)
+
+
+class Envelope(StrictModel):
+    """A DSSE envelope (secure-systems-lab/dsse on GitHub), field names as the standard spells them:
+    ``payload`` is the base64 of the signed document, whose type ``payloadType`` names; each signature covers
+    the pre-authentication encoding of both (:func:`plancache.signing.pae`)."""
+
+    payloadType: str = Field(min_length=1, max_length=128)  # noqa: N815 - the DSSE field name
+    payload: str = Field(min_length=1, max_length=MAX_ENVELOPE_PAYLOAD)
+    signatures: list[DsseSignature] = Field(min_length=1, max_length=8)
+
+
+class PlanMeta(StrictModel):
+    """Everything a plan record states about a blob, as produced by a worker. ``envelope`` signs the record
+    (:mod:`plancache.signing`): a signed record is authentic only when its fields equal those of the envelope's
+    statement; ``revision`` orders the signed records of one graph key and environment (higher is newer)."""
 
     graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
     environment: Environment
     blob_sha256: str = Field(pattern=SHA256_PATTERN)
     blob_size: Int = Field(ge=1, le=INT64_MAX)
-    signature: str | None = Field(default=None, max_length=512, description="base64 ed25519 signature")
-    signer_key_id: str | None = Field(default=None, max_length=128)
+    envelope: Envelope | None = Field(default=None, description="DSSE envelope of the signed in-toto statement")
+    revision: Int = Field(default=0, ge=0, le=INT64_MAX, description="set by the signer (by default its signing time "
+                          "in milliseconds, strictly increasing); a replacement must have a higher one")
     engine_id: Int = Field(ge=-INT64_MAX, le=INT64_MAX)
     knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     plan_name: str = Field(default="", max_length=512)
@@ -119,6 +136,11 @@ class PlanMeta(_Model):
         default="reference", pattern=r"^(reference|cross-check:fallback|cross-check:heuristic)$",
         description="how the winner's numerics were checked: the float32 torch reference of every node, or, for a "
                     "graph no reference covers, against cuDNN's FALLBACK plan or its heuristic choice")
+
+    @property
+    def signer_key_id(self) -> str | None:
+        """The key id of the envelope's first signature; None for an unsigned record."""
+        return self.envelope.signatures[0].keyid if self.envelope else None
 
 
 class PlanUpload(PlanMeta):
@@ -141,7 +163,7 @@ class PlanPut(PlanUpload):
     lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
 
     @model_validator(mode="after")
-    def _lease_together(self) -> "PlanPut":
+    def _lease_together(self) -> PlanPut:
         if (self.job_id is None) != (self.lease_token is None):
             raise ValueError("job_id and lease_token are sent together")
         return self
@@ -155,29 +177,29 @@ class PlanRecord(PlanMeta):
     created_at: datetime
 
 
-class ResolveRequest(_Model):
+class ResolveRequest(StrictModel):
     environment: Environment
     graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST,
                                           description="at most PLANCACHE_MAX_RESOLVE_KEYS (default 1000): 413 past it")
     include_blobs: bool = False
 
 
-class ResolvedPlan(_Model):
+class ResolvedPlan(StrictModel):
     record: PlanRecord
     blob_b64: str | None = None
 
 
-class ResolveResponse(_Model):
+class ResolveResponse(StrictModel):
     plans: dict[GraphKey, ResolvedPlan]
     missing: list[GraphKey]
 
 
-class SpecCreated(_Model):
+class SpecCreated(StrictModel):
     graph_key: GraphKey
     created: bool
 
 
-class TuneRequest(_Model):
+class TuneRequest(StrictModel):
     """``POST /v1/admin/tune``: tune these graph keys and/or specs on each target."""
 
     graph_keys: list[GraphKeyStr] = Field(default_factory=list, max_length=MAX_KEYS_PER_REQUEST)
@@ -187,7 +209,7 @@ class TuneRequest(_Model):
     max_attempts: Int | None = Field(default=None, ge=1, le=100)
 
 
-class EnqueueMissesRequest(_Model):
+class EnqueueMissesRequest(StrictModel):
     """``POST /v1/admin/tune/misses``: enqueue the ``top`` most-missed keys of ``environment``."""
 
     environment: Environment
@@ -195,7 +217,7 @@ class EnqueueMissesRequest(_Model):
     priority: Int = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)
 
 
-class Job(_Model):
+class Job(StrictModel):
     id: Int = Field(ge=1, le=INT64_MAX)
     graph_key: GraphKey
     target: TargetEnvironment
@@ -214,16 +236,16 @@ class Job(_Model):
     finished_at: datetime | None = None
 
 
-class JobList(_Model):
+class JobList(StrictModel):
     jobs: list[Job]
 
 
-class ClaimRequest(_Model):
+class ClaimRequest(StrictModel):
     environment: Environment
     worker_id: str = Field(min_length=1, max_length=256)
 
 
-class ClaimResponse(_Model):
+class ClaimResponse(StrictModel):
     job: Job
     spec: dict[str, Any]
     lease_token: str = Field(description="the lease's secret fencing token, given only here: send it back with "
@@ -231,7 +253,7 @@ class ClaimResponse(_Model):
     lease_expires_at: datetime
 
 
-class LeaseRequest(_Model):
+class LeaseRequest(StrictModel):
     worker_id: str = Field(min_length=1, max_length=256)
     lease_token: str = Field(min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
 
@@ -245,7 +267,7 @@ class FailRequest(LeaseRequest):
     retryable: bool = True
 
 
-class Miss(_Model):
+class Miss(StrictModel):
     graph_key: GraphKey
     env_id: str
     environment: Environment
@@ -254,14 +276,14 @@ class Miss(_Model):
     last_seen: datetime
 
 
-class MissList(_Model):
+class MissList(StrictModel):
     misses: list[Miss]
 
 
-class ErrorBody(_Model):
+class ErrorBody(StrictModel):
     code: str
     message: str
 
 
-class ErrorResponse(_Model):
+class ErrorResponse(StrictModel):
     error: ErrorBody

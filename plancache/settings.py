@@ -87,6 +87,8 @@ class ServerSettings(StoreSettings, AdminTokenSettings):
     spec_write_burst: int = 300
     misses_per_minute: float = 6000.0  # miss rows recorded per token and process, after the burst
     miss_burst: int = 20000
+    blob_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=0)  # blob bytes kept in memory per process (LRU)
+    token_cache_seconds: float = Field(default=5.0, ge=0, le=300)  # an authenticated token is not looked up again
 
 
 class ConnectionSettings(_Section):

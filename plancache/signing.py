@@ -1,42 +1,113 @@
-"""ed25519 signing of plan statements.
+"""ed25519 signing of plan records and bundles as DSSE envelopes carrying in-toto statements.
 
-A worker signs a canonical statement binding the graph key, the environment's validity
-fields, the blob's sha256 and size and the winning ``(engine_id, knobs)``. The server
-stores the signature but holds no private key; clients verify against trusted public keys.
-Key ids (the first 16 hex chars of the sha256 of the raw public key) allow rotation.
+A signed record carries a DSSE envelope (https://github.com/secure-systems-lab/dsse) of payload type
+:data:`PAYLOAD_TYPE`, whose payload is an in-toto Statement v1 (https://in-toto.io/Statement/v1): its subject
+is the plan blob (``{"name": "plan blob", "digest": {"sha256": …}}``), its predicate (:data:`PLAN_PREDICATE`)
+the record's graph key, environment validity fields, blob size, ``(engine_id, knobs)``, timings, numerics
+check, worker id and ``revision`` (:func:`plan_predicate`), plus the signing time. Each signature is ed25519
+over DSSE's pre-authentication encoding (:func:`pae`), so any DSSE verifier holding the public key checks it;
+``keyid`` is the key id (the first 16 hex characters of the sha256 of the raw public key). A record is
+authentic only when a trusted key's signature verifies and the record's fields equal the statement's
+(:meth:`TrustedKeys.verify`). Bundles are signed the same way (:mod:`plancache.bundle`).
+
+The server stores envelopes but holds no private key; clients verify against trusted public keys, and several
+trusted keys at once allow rotation (docs/DESIGN.md, "Signatures, revisions and key rotation").
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import os
+import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .canonical import canonical_json
 from .errors import SignatureError
-from .protocol import PlanMeta
+from .files import atomic_write
+from .protocol import DsseSignature, Envelope, PlanMeta
 
-STATEMENT_VERSION = 1
+#: The DSSE payload type of an in-toto statement.
+PAYLOAD_TYPE = "application/vnd.in-toto+json"
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+#: The predicate types of a plan record's and of a bundle's statement.
+PLAN_PREDICATE = "https://plancache.dev/plan/v1"
+BUNDLE_PREDICATE = "https://plancache.dev/bundle/v1"
+#: The name of a plan statement's one subject.
+PLAN_SUBJECT = "plan blob"
 
 
-def statement(meta: PlanMeta) -> bytes:
-    """The canonical bytes a signature covers."""
-    body = {
-        "v": STATEMENT_VERSION,
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding, the bytes a signature covers:
+    ``"DSSEv1" SP len(type) SP type SP len(body) SP body`` (lengths in ASCII decimal, of the UTF-8 bytes)."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %b %d %b" % (len(kind), kind, len(payload), payload)
+
+
+def subjects(artifacts: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+    """A statement's ``subject`` list for ``(name, sha256)`` pairs."""
+    return [{"name": name, "digest": {"sha256": sha}} for name, sha in artifacts]
+
+
+def statement(artifacts: Iterable[tuple[str, str]], predicate_type: str, predicate: dict[str, Any]) -> dict[str, Any]:
+    """An in-toto Statement v1 about ``artifacts`` (``(name, sha256)`` pairs)."""
+    return {"_type": STATEMENT_TYPE, "subject": subjects(artifacts), "predicateType": predicate_type,
+            "predicate": predicate}
+
+
+def plan_predicate(meta: PlanMeta) -> dict[str, Any]:
+    """The fields of ``meta`` its statement's predicate signs (the predicate adds ``signed_at``, the signing time)."""
+    return {
         "graph_key": meta.graph_key,
         "environment": meta.environment.validity(),
-        "blob_sha256": meta.blob_sha256,
         "blob_size": meta.blob_size,
         "engine_id": meta.engine_id,
         "knobs": dict(sorted(meta.knobs.items())),
+        "winner_median_ms": meta.winner_median_ms,
+        "heuristic_median_ms": meta.heuristic_median_ms,
+        "numerics_check": meta.numerics_check,
+        "worker_id": meta.worker_id,
+        "revision": meta.revision,
     }
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def plan_statement(meta: PlanMeta, signed_at: datetime) -> dict[str, Any]:
+    """The statement a signed ``meta`` carries."""
+    stamp = signed_at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return statement([(PLAN_SUBJECT, meta.blob_sha256)], PLAN_PREDICATE, {**plan_predicate(meta), "signed_at": stamp})
+
+
+class _Revisions:
+    """This process's revision clock (see :func:`next_revision`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next(self, after: int) -> int:
+        with self._lock:
+            self._last = max(time.time_ns() // 1_000_000, self._last + 1, after + 1)
+            return self._last
+
+
+_REVISIONS = _Revisions()
+
+
+def next_revision(after: int = 0) -> int:
+    """A new revision: the time in milliseconds since the epoch, raised as needed to stay above ``after`` and
+    above every revision this process made before."""
+    return _REVISIONS.next(after)
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -52,16 +123,20 @@ class Signer:
     def key_id(self) -> str:
         return key_id(self.private_key.public_key())
 
-    def sign(self, meta: PlanMeta) -> PlanMeta:
-        """Return ``meta`` with ``signature`` and ``signer_key_id`` set."""
-        return meta.model_copy(update={"signature": self.sign_bytes(statement(meta)), "signer_key_id": self.key_id})
+    def sign(self, meta: PlanMeta, *, now: datetime | None = None) -> PlanMeta:
+        """``meta`` with a new ``revision`` (:func:`next_revision`: above its own) and the ``envelope`` signing it."""
+        meta = meta.model_copy(update={"revision": next_revision(meta.revision), "envelope": None})
+        return meta.model_copy(update={"envelope": self.envelope(plan_statement(meta, now or datetime.now(UTC)))})
 
-    def sign_bytes(self, message: bytes) -> str:
-        """The base64 ed25519 signature of ``message`` (for documents other than plan statements)."""
-        return base64.b64encode(self.private_key.sign(message)).decode()
+    def envelope(self, signed: dict[str, Any]) -> Envelope:
+        """The DSSE envelope of the in-toto statement ``signed``, signed by this key."""
+        payload = canonical_json(signed).encode()
+        sig = base64.b64encode(self.private_key.sign(pae(PAYLOAD_TYPE, payload))).decode()
+        return Envelope(payloadType=PAYLOAD_TYPE, payload=base64.b64encode(payload).decode(),
+                        signatures=[DsseSignature(keyid=self.key_id, sig=sig)])
 
     @classmethod
-    def from_file(cls, path: Path | str) -> "Signer":
+    def from_file(cls, path: Path | str) -> Signer:
         data = Path(path).read_bytes()
         try:
             key = serialization.load_pem_private_key(data, password=None)
@@ -86,7 +161,7 @@ class TrustedKeys:
         return sorted(self._keys)
 
     @classmethod
-    def from_files(cls, paths: list[Path | str]) -> "TrustedKeys":
+    def from_files(cls, paths: list[Path | str]) -> TrustedKeys:
         keys = []
         for path in paths:
             data = Path(path).read_bytes()
@@ -100,7 +175,7 @@ class TrustedKeys:
         return cls(keys)
 
     @classmethod
-    def from_setting(cls, value: str | None) -> "TrustedKeys":
+    def from_setting(cls, value: str | None) -> TrustedKeys:
         """``PLANCACHE_TRUSTED_KEYS``: public key files (or folders of ``*.pub``) separated by ``,`` or ``:``."""
         if not value:
             return cls([])
@@ -113,22 +188,58 @@ class TrustedKeys:
             paths.extend(sorted(p.glob("*.pub")) if p.is_dir() else [p])
         return cls.from_files(paths)
 
-    def verify(self, meta: PlanMeta, *, what: str | None = None) -> None:
-        """Raise :class:`SignatureError` (naming ``what``, default the plan) unless ``meta`` carries a valid
-        signature by a trusted key."""
-        self.verify_bytes(statement(meta), meta.signature, meta.signer_key_id, what=what or f"plan {meta.graph_key[:12]}")
-
-    def verify_bytes(self, message: bytes, signature: str | None, signer_key_id: str | None, *, what: str) -> None:
-        """Raise :class:`SignatureError` (naming ``what``) unless ``signature`` is a trusted key's signature of ``message``."""
-        if not signature or not signer_key_id:
+    def open(self, envelope: Envelope | None, predicate_type: str, *, what: str) -> dict[str, Any]:
+        """The in-toto statement in ``envelope``, once a trusted key's signature of it verifies; raises
+        :class:`SignatureError` (naming ``what``): ``unsigned`` (no envelope), ``unknown_signer`` (no signature by
+        a trusted key id), ``bad_signature`` (none of those verifies), ``malformed`` (a verified payload that is not
+        a statement of ``predicate_type``)."""
+        if envelope is None:
             raise SignatureError("unsigned", f"{what} is unsigned")
-        key = self._keys.get(signer_key_id)
-        if key is None:
-            raise SignatureError("unknown_signer", f"{what} signed by unknown key {signer_key_id}")
         try:
-            key.verify(base64.b64decode(signature, validate=True), message)
-        except (InvalidSignature, ValueError) as exc:
-            raise SignatureError("bad_signature", f"{what}: signature does not verify") from exc
+            payload = base64.b64decode(envelope.payload, validate=True)
+        except binascii.Error as exc:
+            raise SignatureError("malformed", f"{what}: the envelope's payload is not base64: {exc}") from None
+        ours = [s for s in envelope.signatures if s.keyid in self._keys]
+        if not ours:
+            raise SignatureError("unknown_signer", f"{what} signed by unknown key "
+                                                   f"{', '.join(s.keyid for s in envelope.signatures)}")
+        message = pae(envelope.payloadType, payload)
+        if not any(self._verifies(self._keys[s.keyid], s.sig, message) for s in ours):
+            raise SignatureError("bad_signature", f"{what}: signature does not verify")
+        try:
+            signed = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SignatureError("malformed", f"{what}: the signed payload is not JSON: {exc}") from None
+        if (envelope.payloadType != PAYLOAD_TYPE or not isinstance(signed, dict) or signed.get("_type") != STATEMENT_TYPE
+                or signed.get("predicateType") != predicate_type or not isinstance(signed.get("predicate"), dict)
+                or not isinstance(signed.get("subject"), list)):
+            raise SignatureError("malformed", f"{what}: the signed payload is not an in-toto statement "
+                                              f"({STATEMENT_TYPE}, payload type {PAYLOAD_TYPE}) of {predicate_type}")
+        return signed
+
+    @staticmethod
+    def _verifies(key: Ed25519PublicKey, sig: str, message: bytes) -> bool:
+        try:
+            key.verify(base64.b64decode(sig, validate=True), message)
+        except (InvalidSignature, binascii.Error, ValueError):
+            return False
+        return True
+
+    def verify(self, meta: PlanMeta, *, what: str | None = None) -> None:
+        """Raise :class:`SignatureError` (naming ``what``, default the plan) unless ``meta``'s envelope verifies by
+        a trusted key (:meth:`open`) and its statement says what ``meta`` says: subject the blob's sha256,
+        predicate equal to :func:`plan_predicate` (``bad_signature`` naming the fields that differ)."""
+        what = what or f"plan {meta.graph_key[:12]}"
+        signed = self.open(meta.envelope, PLAN_PREDICATE, what=what)
+        predicate = {k: v for k, v in signed["predicate"].items() if k != "signed_at"}
+        expected = plan_predicate(meta)
+        differ = sorted(k for k in expected.keys() | predicate.keys() if k not in expected or k not in predicate
+                        or expected[k] != predicate[k])
+        if signed["subject"] != subjects([(PLAN_SUBJECT, meta.blob_sha256)]):
+            differ.insert(0, "blob_sha256")
+        if differ:
+            raise SignatureError("bad_signature", f"{what}: the record does not match its signed statement "
+                                                  f"({', '.join(differ)})")
 
 
 def keygen(directory: Path | str, name: str = "plancache") -> tuple[Path, Path, str]:
@@ -139,8 +250,9 @@ def keygen(directory: Path | str, name: str = "plancache") -> tuple[Path, Path, 
     if priv.exists() or pub.exists():
         raise FileExistsError(f"{priv} or {pub} already exists; refusing to overwrite a key")
     key = Ed25519PrivateKey.generate()
-    fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    pem = serialization.Encoding.PEM
+    atomic_write(priv, key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+                 mode=0o600, exclusive=True)
+    atomic_write(pub, key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
+                 mode=0o644, exclusive=True)
     return priv, pub, key_id(key.public_key())

@@ -26,12 +26,15 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from . import SPEC_SCHEMA_VERSION
+from .canonical import canonical_json
 from .errors import SpecError, UnsupportedGraph
+from .validation import INT64_MAX, StrictModel, validation_message
 
 # ------------------------------------------------------------------ the vocabulary (FE 1.32)
 
@@ -93,13 +96,15 @@ MAX_NAME = 256  # graph, tensor and node names; string values
 MAX_DIM = 1 << 40  # dims and strides
 MAX_LIST = 64  # items of a list or $tuple value
 MAX_DEPTH = 6
-MAX_UID = (1 << 63) - 1  # uids, and any other integer (int64)
+MAX_UID = INT64_MAX  # uids, and any other integer
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _ENUM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Strict(StrictModel):
+    """A model of the spec document: JSON types exactly (no ``"1"`` for 1)."""
+
+    model_config = ConfigDict(strict=True)
 
 
 class TuningSpec(_Strict):
@@ -110,7 +115,7 @@ class TuningSpec(_Strict):
     deterministic_only: bool = False
 
     @model_validator(mode="after")
-    def _modes(self) -> "TuningSpec":
+    def _modes(self) -> TuningSpec:
         bad = [m for m in self.heuristic_modes if m not in HEURISTIC_MODES]
         if bad:
             raise ValueError(f"unknown heuristic mode {bad[0]!r}; known: {', '.join(HEURISTIC_MODES)}")
@@ -230,13 +235,13 @@ class GraphSpec(_Strict):
     nodes: list[NodeDoc] = Field(min_length=1, max_length=MAX_NODES)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
     _producer: dict[int, int] = PrivateAttr(default_factory=dict)
-    _canonical: "GraphSpec | None" = PrivateAttr(default=None)
+    _canonical: GraphSpec | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _validate_graph(self) -> "GraphSpec":
+    def _validate_graph(self) -> GraphSpec:
         if self.schema_version != SPEC_SCHEMA_VERSION:
             raise SpecError(f"schema version {self.schema_version} is not supported (this is {SPEC_SCHEMA_VERSION})")
         for field in ("io_data_type", "intermediate_data_type", "compute_data_type"):
@@ -282,12 +287,14 @@ class GraphSpec(_Strict):
                 if uid in producer:
                     continue
                 if t.is_virtual:
-                    raise SpecError(f"{where}: input {port!r} is virtual tensor {t.name or uid!r}, not produced by an earlier node")
+                    raise SpecError(f"{where}: input {port!r} is virtual tensor {t.name or uid!r}, "
+                                    "not produced by an earlier node")
                 if uid in (u for n in self.nodes[i:] for u in n.outputs.values()):
                     raise SpecError(f"{where}: input {port!r} reads tensor {t.name or uid!r} before the node that produces it")
             for port, uid in node.outputs.items():
                 if uid in producer:
-                    raise SpecError(f"{where}: output {port!r} tensor {by_uid[uid].name or uid!r} is already produced by node {producer[uid]}")
+                    raise SpecError(f"{where}: output {port!r} tensor {by_uid[uid].name or uid!r} is already produced "
+                                    f"by node {producer[uid]}")
                 if by_uid[uid].is_pass_by_value:
                     raise SpecError(f"{where}: output {port!r} cannot be a pass-by-value tensor")
                 producer[uid] = i
@@ -395,9 +402,8 @@ class GraphSpec(_Strict):
         tensors = []
         for t in sorted(self.tensors, key=lambda t: remap[t.uid]):
             node = self.producer(t.uid)
-            produced = node is not None
-            keep_dim = not produced or t.dim_assigned or node.type in PUSHED_OUTPUT_DIMS
-            keep_stride = not produced or t.stride_assigned
+            keep_dim = node is None or t.dim_assigned or node.type in PUSHED_OUTPUT_DIMS
+            keep_stride = node is None or t.stride_assigned
             tensors.append({
                 "uid": remap[t.uid], "data_type": self.data_type_of(t),
                 "dim": t.dim if keep_dim else None, "stride": t.stride if keep_stride else None,
@@ -431,7 +437,7 @@ class GraphSpec(_Strict):
     def graph_key(self) -> str:
         return graph_key(self)
 
-    def canonical_document(self) -> "GraphSpec":
+    def canonical_document(self) -> GraphSpec:
         """This document with canonical uids and tensors in uid order (what workers build), names and flags kept."""
         if self._canonical is not None:
             return self._canonical
@@ -498,15 +504,6 @@ def _canonical_params(node_type: str, params: dict[str, Any], remap: dict[int, i
 # ------------------------------------------------------------------ parsing and keys
 
 
-def pydantic_message(exc: ValidationError, limit: int | None = 5) -> str:
-    """A validation error as one line: ``loc: msg`` for the first ``limit`` problems (all when None)."""
-    parts = []
-    for err in exc.errors()[:limit]:
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts)
-
-
 def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
     """Validate a spec given as a model, a dict or JSON text; raise :class:`SpecError` naming the problem.
 
@@ -532,7 +529,7 @@ def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:
     except RecursionError:
         raise SpecError("spec is nested too deeply") from None
     except ValidationError as exc:
-        raise SpecError(f"invalid spec: {pydantic_message(exc)}") from None
+        raise SpecError(f"invalid spec: {validation_message(exc.errors())}") from None
 
 
 def _count(where: str, value: Any, limit: int) -> None:
@@ -579,11 +576,6 @@ def check_sizes(doc: dict[str, Any]) -> None:
                 _length(f"nodes[{i}].{section}[{str(port)[:40]!r}]", tensor)
         for section in ("params", "attrs"):
             _count(f"nodes[{i}].{section}", n.get(section), MAX_PARAMS)
-
-
-def canonical_json(obj: Any) -> str:
-    """Sorted keys, no whitespace, UTF-8 safe."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:

@@ -1,8 +1,8 @@
 """The one verification of a plan blob against its record, for every place that admits a blob.
 
-The order is fixed: size → sha256 → signature → graph key → environment. Each caller asks for the
-steps that apply to it: the client all of them; a bundle entry the same, against its header's
-environment and its enclosed spec's key; the worker a tuned blob's size, sha256 and environment; the
+The order is fixed: size → sha256 → signature → graph key → environment → revision. Each caller asks
+for the steps that apply to it: the client all of them; a bundle entry all but the revision, against its
+header's environment and its enclosed spec's key; the worker a tuned blob's size, sha256 and environment; the
 server's publish and the worker spool size and sha256 only. The first failing step raises
 :class:`~plancache.errors.VerificationError` whose ``reason`` is one of :data:`REASONS`.
 Needs neither torch nor the server stack.
@@ -19,21 +19,24 @@ from .signing import TrustedKeys
 
 #: A signature is required but no key is trusted to check it with (the client without trusted keys).
 NO_TRUSTED_KEYS = "no_trusted_keys"
-#: Every reason a blob is rejected for. ``malformed``: a record or blob that cannot be decoded;
-#: ``deserialize``: a verified blob that cuDNN refused to load (counted by the client, not raised here).
+#: A signed record older than one already accepted for its graph key and environment (a replay).
+STALE_REVISION = "revision"
+#: Every reason a blob is rejected for. ``malformed``: a record or blob (or a signed payload) that cannot be
+#: decoded; ``deserialize``: a verified blob that cuDNN refused to load (counted by the client, not raised here).
 REASONS: tuple[str, ...] = ("malformed", "size", "sha256", "unsigned", "unknown_signer", "bad_signature",
-                            NO_TRUSTED_KEYS, "graph_key", "environment", "deserialize")
+                            NO_TRUSTED_KEYS, "graph_key", "environment", STALE_REVISION, "deserialize")
 
 
 def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: TrustedKeys | None = None,
                 graph_key: str | None = None, environment: Environment | None = None,
-                require_signature: bool = False) -> None:
+                require_signature: bool = False, min_revision: int | None = None) -> None:
     """Raise :class:`VerificationError` (message starting with ``what``) at the first failing step.
 
     Steps that are not asked for are skipped: size and sha256 when ``blob`` is None (the record alone:
     is it authentic and meant for this graph and GPU?), the signature when ``trusted`` holds no key — unless
     ``require_signature``, when no key means the signature cannot be checked (:data:`NO_TRUSTED_KEYS`) —,
-    the graph key and environment when ``graph_key`` / ``environment`` is None."""
+    the graph key and environment when ``graph_key`` / ``environment`` is None, the revision when ``min_revision``
+    (the highest revision accepted before for this graph key and environment) is None."""
     if blob is not None:
         if len(blob) != record.blob_size:
             raise VerificationError("size", f"{what}: blob size {len(blob)} does not match its record's "
@@ -43,7 +46,7 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
             raise VerificationError("sha256", f"{what}: blob sha256 {digest} does not match its record's "
                                               f"{record.blob_sha256}")
     if trusted:
-        trusted.verify(record, what=what)  # SignatureError: unsigned, unknown_signer, bad_signature
+        trusted.verify(record, what=what)  # SignatureError: unsigned, unknown_signer, bad_signature, malformed
     elif require_signature:
         raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
                                                  f"so its signature cannot be verified")
@@ -56,3 +59,6 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
             raise VerificationError("environment", f"{what}: its record is for {record.environment.describe()} "
                                                    f"(env id {env_id}), expected {environment.describe()} "
                                                    f"(env id {environment.env_id})")
+    if min_revision is not None and record.revision < min_revision:
+        raise VerificationError(STALE_REVISION, f"{what}: its record has revision {record.revision}, older than "
+                                                f"revision {min_revision} accepted before for this graph and GPU")

@@ -16,10 +16,7 @@ import torch
 from plancache.environment import Environment
 from plancache.spec import GraphSpec
 
-H200 = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
-                   device_name="NVIDIA H200", cuda_runtime="13.0", torch_version="2.11.0")
-OTHER_GPU = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
-                        device_name="NVIDIA A100")
+from .factories import H200
 
 
 @dataclass
@@ -116,43 +113,6 @@ class RecordingBackend:
         if stream is not self._current:
             self.streams_set.append(stream)
             self._current = stream
-
-
-def new_signer() -> Any:
-    """A fresh ed25519 :class:`~plancache.signing.Signer` (in memory)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from plancache.signing import Signer
-
-    return Signer(Ed25519PrivateKey.generate())
-
-
-def trusted(*signers: Any) -> Any:
-    from plancache.signing import TrustedKeys
-
-    return TrustedKeys([s.private_key.public_key() for s in signers])
-
-
-def make_meta(graph_key: str, env: Environment, blob: bytes, signer: Any = None, **overrides: Any) -> Any:
-    """A :class:`~plancache.protocol.PlanMeta` consistent with ``blob``, signed by ``signer`` when given."""
-    from plancache.protocol import PlanMeta
-
-    fields: dict[str, Any] = dict(graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(),
-                                  blob_size=len(blob), engine_id=7, knobs={"TILE_M": 2}, plan_name="eng7",
-                                  workspace_bytes=1024, winner_median_ms=0.05, tuning_seconds=1.5, worker_id="w-test")
-    fields.update(overrides)
-    meta = PlanMeta(**fields)
-    return signer.sign(meta) if signer is not None else meta
-
-
-def make_record(graph_key: str, env: Environment, blob: bytes, signer: Any = None, **overrides: Any) -> Any:
-    """Like :func:`make_meta`, as a stored :class:`~plancache.protocol.PlanRecord`."""
-    from datetime import datetime, timezone
-
-    from plancache.protocol import PlanRecord
-
-    meta = make_meta(graph_key, env, blob, signer, **overrides)
-    return PlanRecord(**meta.model_dump(), env_id=meta.environment.env_id, created_at=datetime.now(timezone.utc))
 
 
 class DripServer:

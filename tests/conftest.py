@@ -8,10 +8,10 @@
 - ``blob_store_url``: ``database``; in modules marked ``both_blob_stores`` also a ``file://`` folder
   under ``tmp_path`` (each test that uses it runs once per blob store).
 - ``store``: ``open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)``, closed afterwards.
-- ``gpu_env``: an H200-like :class:`~plancache.environment.Environment`.
+- ``gpu_env``: :data:`tests.factories.H200`.
 - ``make_spec(i)``: a small valid spec dict, distinct for each ``i``, and its graph key.
 - ``make_plan(graph_key, env, blob=…, worker_id=…)``: a :class:`~plancache.protocol.PlanMeta`
-  consistent with ``blob`` (digest and size), and the blob.
+  consistent with ``blob`` (digest and size; :func:`tests.factories.make_meta`), and the blob.
 
 Tests that need both databases take ``db_url`` or ``store``; ``-m "not postgres"`` runs SQLite only.
 """
@@ -19,13 +19,13 @@ Tests that need both databases take ``db_url`` or ``store``; ``-m "not postgres"
 from __future__ import annotations
 
 import atexit
-import hashlib
+import itertools
 import os
 import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -47,7 +47,7 @@ class FakeClock:
     """A settable clock for the store: ``clock()`` is now; ``clock.advance(seconds)`` moves it."""
 
     def __init__(self, start: datetime | None = None) -> None:
-        self.now = start or datetime.now(timezone.utc)
+        self.now = start or datetime.now(UTC)
 
     def __call__(self) -> datetime:
         return self.now
@@ -134,10 +134,9 @@ def store(db_url: str, clock: FakeClock, blob_store_url: str) -> Iterator[Any]:
 
 @pytest.fixture
 def gpu_env() -> Any:
-    from plancache.environment import Environment
+    from .factories import H200
 
-    return Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
-                       device_name="NVIDIA H200", cuda_runtime="13.0", torch_version="2.11.0")
+    return H200
 
 
 def _spec(i: int) -> dict[str, Any]:
@@ -164,20 +163,17 @@ def make_spec() -> Callable[[int], tuple[str, dict[str, Any]]]:
 
 @pytest.fixture
 def make_plan() -> Callable[..., tuple[Any, bytes]]:
-    """``make_plan(graph_key, env, blob=b"…", worker_id="w1", **overrides) -> (PlanMeta, blob)``."""
-    from plancache.protocol import Candidate, PlanMeta
+    """``make_plan(graph_key, env, blob=b"…", worker_id="w1", **overrides) -> (PlanMeta, blob)``: an unsigned record
+    whose revision is above that of every record made before in the test (so a later one may replace an earlier)."""
+    from plancache.protocol import PlanMeta
+
+    from .factories import make_meta
+
+    revisions = itertools.count(1)
 
     def make(graph_key: str, env: Any, blob: bytes = b"serialized-plan", worker_id: str = "w1",
              **overrides: Any) -> tuple[PlanMeta, bytes]:
-        fields: dict[str, Any] = dict(
-            graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(), blob_size=len(blob),
-            signature="c2ln", signer_key_id="0123456789abcdef", engine_id=7, knobs={"tile": 2, "stages": 3},
-            plan_name="eng7_k2=2", workspace_bytes=1024, winner_median_ms=0.05, heuristic_median_ms=0.08,
-            worst_median_ms=1.5, tuning_seconds=2.5, worker_id=worker_id,
-            candidates=[Candidate(index=0, engine_id=7, knobs={"tile": 2}, median_ms=0.05, status="ok"),
-                        Candidate(index=1, engine_id=9, status="build_failed", error="unsupported")],
-        )
-        fields.update(overrides)
-        return PlanMeta(**fields), blob
+        fields = {"revision": next(revisions), "worker_id": worker_id, **overrides}
+        return make_meta(graph_key, env, blob, **fields), blob
 
     return make

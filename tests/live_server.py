@@ -1,4 +1,6 @@
-"""A real plancache server for tests: uvicorn on 127.0.0.1 in a background thread, SQLite under ``tmp_path``.
+"""A real plancache server for tests: uvicorn on 127.0.0.1 in a background thread (configured as ``plancache
+serve`` configures it), SQLite under ``tmp_path`` or the store it is given. The one way tests run a live server
+in-process; :func:`free_port` is also for tests that start ``plancache serve`` itself.
 
 ::
 
@@ -9,7 +11,8 @@
         srv.delay = 2.0                      # every request now waits 2 s before it is handled
         srv.stop(); srv.start()              # down and back up on the same port
 
-The helper owns the store (opened and migrated on construction, closed on exit), so it
+The helper owns the store (opened and migrated on construction, closed on exit) unless it is given one
+(``store=``, e.g. the ``store`` fixture: any database and blob store), which it leaves open. The store
 survives :meth:`LiveServer.stop`/:meth:`LiveServer.start`; a stopped server refuses connections.
 Extra keyword arguments become :class:`~plancache.settings.Settings` fields.
 """
@@ -33,7 +36,8 @@ from plancache.settings import Settings
 from plancache.store import open_store
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free at the time of the call."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -42,15 +46,17 @@ def _free_port() -> int:
 class LiveServer:
     """See the module docstring. ``delay`` (seconds, default 0) is slept before each HTTP request."""
 
-    def __init__(self, tmp_path: Path, *, admin_token: str = "admin-test-token", open_reads: bool = False,
-                 lease_seconds: float = 120.0, start_timeout: float = 20.0, **settings: Any) -> None:
+    def __init__(self, tmp_path: Path, *, store: Any = None, admin_token: str = "admin-test-token",
+                 open_reads: bool = False, lease_seconds: float = 120.0, start_timeout: float = 20.0,
+                 **settings: Any) -> None:
         self.settings = Settings(database_url=f"sqlite:///{Path(tmp_path) / 'srv.db'}", admin_token=admin_token,
                                  open_reads=open_reads, lease_seconds=lease_seconds, **settings)
         self.admin_token = admin_token
-        self.store = open_store(self.settings.database_url, create=True)
+        self._owns_store = store is None
+        self.store = open_store(self.settings.database_url, create=True) if store is None else store
         self.app = create_app(self.settings, store=self.store)
         self.delay = 0.0
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout = start_timeout
         self._tokens: dict[str, str] = {}
@@ -103,7 +109,7 @@ class LiveServer:
             self._tokens[role], _ = self.store.create_token(f"test-{role}", role)
         return self._tokens[role]
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.start()
         return self
 
@@ -111,4 +117,5 @@ class LiveServer:
         try:
             self.stop()
         finally:
-            self.store.close()
+            if self._owns_store:
+                self.store.close()

@@ -66,7 +66,8 @@ def test_jobs_listing_filters_and_detail(api, make_spec):
     ids = [j["id"] for j in _tune(api, specs=[s0, s1], targets=[{}]).json()["jobs"]]
     listed = api.client.get("/v1/jobs", headers=api.admin).json()["jobs"]
     assert [j["id"] for j in listed] == sorted(ids, reverse=True)
-    assert [j["graph_key"] for j in api.client.get("/v1/jobs", params={"graph_key": k1}, headers=api.admin).json()["jobs"]] == [k1]
+    jobs = api.client.get("/v1/jobs", params={"graph_key": k1}, headers=api.admin).json()["jobs"]
+    assert [j["graph_key"] for j in jobs] == [k1]
     assert len(api.client.get("/v1/jobs", params={"limit": 1, "offset": 1}, headers=api.admin).json()["jobs"]) == 1
     assert api.client.get("/v1/jobs", params={"status": "running"}, headers=api.admin).json()["jobs"] == []
     r = api.client.get("/v1/jobs", params={"status": "bogus"}, headers=api.admin)
@@ -98,7 +99,8 @@ def test_misses_listing_and_enqueue_top_misses(api, make_spec, gpu_env):
     misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
     assert [(m["graph_key"], m["count"]) for m in misses] == list(zip(keys, [4, 3, 2, 1]))
     assert api.client.get("/v1/misses", params={"env_id": "0" * 32}, headers=api.admin).json()["misses"] == []
-    assert len(api.client.get("/v1/misses", params={"env_id": gpu_env.env_id, "limit": 2}, headers=api.admin).json()["misses"]) == 2
+    misses = api.client.get("/v1/misses", params={"env_id": gpu_env.env_id, "limit": 2}, headers=api.admin).json()["misses"]
+    assert len(misses) == 2
     assert api.client.get("/v1/misses", params={"env_id": "nope"}, headers=api.admin).status_code == 422
 
     r = api.client.post("/v1/admin/tune/misses", json={"environment": env, "top": 2, "priority": 3}, headers=api.admin)

@@ -84,6 +84,18 @@ def test_replace_needs_admin(api, published, make_plan, gpu_env):
     assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
 
 
+def test_an_older_record_cannot_replace_a_newer_one(api, published, make_plan, gpu_env):
+    key, meta, blob = published[0]
+    older, older_blob = make_plan(key, gpu_env, blob=b"an older plan", revision=meta.revision - 1)
+    r = api.client.put("/v1/plans", json=upload_json(older, older_blob, replace=True), headers=api.admin)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_revision"
+    assert f"has revision {meta.revision}; a replacement needs a higher revision" in r.json()["error"]["message"]
+    assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
+    newer, newer_blob = make_plan(key, gpu_env, blob=b"a newer plan")
+    r = api.client.put("/v1/plans", json=upload_json(newer, newer_blob, replace=True), headers=api.admin)
+    assert r.status_code == 200 and r.json()["revision"] == newer.revision > meta.revision
+
+
 def test_put_plan_refusals(api, make_spec, make_plan, gpu_env):
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env)
@@ -238,7 +250,8 @@ def test_blob_get_etag_and_immutable_caching(api, published):
         assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == f'"{digest}"', inm
     r = api.client.get(f"/v1/blobs/{digest}", headers={**api.reader, "If-None-Match": '"something-else"'})
     assert r.status_code == 200 and r.content == blob
-    assert f'plancache_blob_bytes_served_total{{route="/v1/blobs/{{sha256}}"}} {float(2 * len(blob))}' in api.client.get("/metrics").text
+    served = f'plancache_blob_bytes_served_total{{route="/v1/blobs/{{sha256}}"}} {float(2 * len(blob))}'
+    assert served in api.client.get("/metrics").text
 
 
 def test_blob_unknown_or_malformed(api):

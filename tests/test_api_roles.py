@@ -8,10 +8,11 @@ import pytest
 
 from plancache.server.redact import RedactTokens
 
+from .factories import H200
 from .server_util import ADMIN_TOKEN, api, bearer, open_api  # noqa: F401
 
 KEY = "0" * 64
-ENV = {"sm": 90, "sm_count": 132, "cudnn_version": 91900, "driver_version": 13000, "frontend_version": "1.32.0"}
+ENV = H200.validity()
 
 # (method, path template, concrete path, role needed or None)
 ROUTES = [
@@ -66,10 +67,8 @@ def test_role_matrix(api):
     for method, _, path, needed in ROUTES:
         for caller, (headers, role) in callers.items():
             r = _call(api, method, path, headers)
-            if needed is None or RANK[role] >= RANK[needed]:
-                expected = "allowed"
-            else:
-                expected = 401 if role is None else 403
+            allowed = needed is None or RANK[role] >= RANK[needed]
+            expected = "allowed" if allowed else (401 if role is None else 403)
             got = "allowed" if r.status_code not in (401, 403) else r.status_code
             assert got == expected, (method, path, caller, r.status_code, r.text)
             if got != "allowed":

@@ -134,7 +134,9 @@ def _set_blob(doc: dict[str, Any], i: int, blob: bytes) -> None:
 
 @pytest.mark.parametrize("change, trusted, reason, needle", [
     # Any edit breaks the bundle signature when trusted keys are configured.
-    (lambda d: d["entries"][1]["record"].update(winner_median_ms=0.001), True, "bad_signature", "bundle: signature"),
+    (lambda d: d["entries"][1]["record"].update(winner_median_ms=0.001), True, "bad_signature",
+     "bundle: its header or entries do not match its signed statement"),
+    (lambda d: d["header"].update(created_at="2020-01-01T00:00:00Z"), True, "bad_signature", "bundle: its header"),
     (lambda d: d["entries"].pop(), True, "malformed", "counts 3 entries"),
     # Without trusted keys every entry is still checked on its own.
     (lambda d: _set_blob(d, 1, b"evil" * 10), False, "size", "bundle entry 1"),
@@ -202,6 +204,21 @@ def test_conflicting_stored_plan_refuses_import_before_writing(bundle_file, dest
     assert _plan_count(dest) == 1
 
 
+def test_a_version_1_bundle_is_refused_with_a_clear_error(bundle_file, dest, keys):
+    """Bundles signed with the retired statement-v1 signature are not read: export them again."""
+    def version_1(doc: dict[str, Any]) -> None:
+        doc["header"].update(version=1, signer_key_id=keys["signer"].key_id)
+        doc["signature"] = doc.pop("envelope")["signatures"][0]["sig"]
+
+    old = _edit(bundle_file, version_1)
+    for trust in (keys["trusted"], None):
+        with pytest.raises(VerificationError, match="a version 1 bundle, signed with the retired statement-v1 "
+                                                    "signature.*export it again") as err:
+            import_bundle(dest, old, trust)
+        assert err.value.reason == "malformed"
+    assert _plan_count(dest) == 0
+
+
 def test_not_a_bundle(tmp_path, dest):
     junk = tmp_path / "junk.json"
     for content in (b"\xff\xfe not json", b"[1, 2]", json.dumps({"format": "plancache-bundle"}).encode()):
@@ -247,7 +264,7 @@ def test_cli_export_import_and_tamper(tmp_path, make_spec, make_plan, gpu_env, k
     bad = _edit(out, lambda d: _set_blob(d, 0, b"x" * 40))
     r = cli("bundle", "import", str(bad), "--database-url", dst_url, PLANCACHE_TRUSTED_KEYS=str(keys["pub"]))
     assert r.exit_code == 1
-    assert "refused" in r.output and "signature does not verify" in r.output
+    assert "refused" in r.output and "do not match its signed statement" in r.output
 
 
 def test_cli_argument_errors(tmp_path, gpu_env, cli):
@@ -288,7 +305,7 @@ def test_trusted_keys_require_every_record_signed(store, make_spec, make_plan, g
     _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
     key, spec = make_spec(5)
     store.put_spec(key, spec)
-    meta, blob = make_plan(key, gpu_env, blob=b"unsigned plan", signature=None, signer_key_id=None)
+    meta, blob = make_plan(key, gpu_env, blob=b"unsigned plan")
     store.publish_plan(meta, blob)
     out = tmp_path / "u.json"
     export_bundle(store, gpu_env, None, out, keys["signer"])

@@ -34,6 +34,8 @@ from plancache.settings import (
 )
 from plancache.store import open_store
 
+from .live_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "conv_bias_relu.json"
 SERVER_EXTRA = ["fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "prometheus_client"]
@@ -76,12 +78,6 @@ def expected_failure(proc: Any, code: ExitCode, *phrases: str) -> str:
     for phrase in phrases:
         assert phrase in out, f"{phrase!r} not in:\n{out}"
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

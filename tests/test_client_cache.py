@@ -13,7 +13,7 @@ import pytest
 
 from plancache.client.cache import DiskCache
 from plancache.errors import VerificationError
-from tests.client_fakes import H200, OTHER_GPU, make_record
+from tests.factories import H200, OTHER_GPU, make_record
 
 KEY = "c" * 64
 BLOB = b"plan-bytes" * 50
@@ -196,7 +196,7 @@ def test_a_reader_sharing_the_folder_with_an_evicting_writer_only_ever_misses(tm
     for t in threads:
         t.start()
     try:
-        for rounds in range(5):
+        for _rounds in range(5):
             for i in range(40):
                 assert writer.save(make_record(key(i), H200, blob(i)), blob(i))
     finally:
@@ -256,3 +256,24 @@ def test_plancache_opens_the_cache_with_its_settings(tmp_path):
                    settings=Settings(cache_max_age_days=30))
     assert pc.disk.max_bytes == 12345 and pc.disk.max_age_days == 30 and not stale_dir.exists()
     assert PlanCache("", backend=RecordingBackend(), cache_dir=tmp_path, settings=Settings()).disk.max_bytes == 2 << 30
+
+
+def test_accepted_revisions_only_grow_survive_eviction_and_are_shared(tmp_path):
+    """``<graph_key>.revision`` keeps the highest revision accepted, for every process sharing the folder; the size
+    cap never evicts it; a damaged file counts as none, and a read-only folder keeps it in this process."""
+    cache = DiskCache(tmp_path, H200, max_bytes=1)
+    assert cache.revision(KEY) == 0
+    cache.accept_revision(KEY, 5)
+    cache.accept_revision(KEY, 3)
+    assert cache.revision(KEY) == 5 and DiskCache(tmp_path, H200).revision(KEY) == 5
+    assert DiskCache(tmp_path, OTHER_GPU).revision(KEY) == 0  # per environment
+    cache.save(make_record(KEY, H200, BLOB), BLOB)  # over the cap: the entry is evicted, the revision stays
+    assert plan_files(tmp_path / H200.env_id) == [f"{KEY}.revision"]
+    (tmp_path / H200.env_id / f"{KEY}.revision").write_text("not a number")
+    assert DiskCache(tmp_path, H200).revision(KEY) == 0 and cache.revision(KEY) == 5
+    os.chmod(tmp_path / H200.env_id, 0o500)
+    try:
+        cache.accept_revision(KEY, 9)  # cannot be written: remembered by this process only
+        assert cache.revision(KEY) == 9
+    finally:
+        os.chmod(tmp_path / H200.env_id, 0o700)

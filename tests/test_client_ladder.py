@@ -11,10 +11,11 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -23,17 +24,8 @@ from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan,
 from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec
-from tests.client_fakes import (
-    H200,
-    OTHER_GPU,
-    CountedStream,
-    DripServer,
-    RecordingBackend,
-    make_meta,
-    make_record,
-    new_signer,
-    trusted,
-)
+from tests.client_fakes import CountedStream, DripServer, RecordingBackend
+from tests.factories import H200, OTHER_GPU, make_meta, make_record, new_signer, trusted
 from tests.live_server import LiveServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -154,8 +146,10 @@ def test_a_bad_blob_is_rejected_with_its_reason_and_never_deserialized(srv, tmp_
         wire.edit_answer = edit_blob(key, lambda b: b[: len(b) // 2])
     elif case == "wrong_signature":
         good = make_meta(key, H200, blob_of(CONV), signer)
-        seed(srv, CONV, signer=None, signature=good.signature[:-4] + ("AAA=" if not good.signature.endswith("AAA=") else "BBB="),
-             signer_key_id=good.signer_key_id)
+        sig = good.envelope.signatures[0]
+        flipped = sig.model_copy(update={"sig": sig.sig[:-4] + ("AAA=" if not sig.sig.endswith("AAA=") else "BBB=")})
+        seed(srv, CONV, signer=None, revision=good.revision,
+             envelope=good.envelope.model_copy(update={"signatures": [flipped]}))
     elif case == "unknown_signer":
         seed(srv, CONV, new_signer())
     elif case == "unsigned":
@@ -681,3 +675,83 @@ def test_a_custom_step_joins_the_ladder(srv, tmp_path, signer, wire):
     assert replay.plan(CONV).source == "bundle"
     with pytest.raises(PlanMiss, match=r"disk: no entry; bundle: rejected \(size\); server: none configured$"):
         replay.plan(MATMUL)
+
+
+# ------------------------------------------------------------------ revisions and key rotation
+
+
+def test_an_older_signed_record_is_refused_once_a_newer_one_was_accepted(srv, tmp_path, signer):
+    """A replay: a validly signed but older record of a key and environment, served by a hostile link or left
+    in the disk cache, is refused (``revision``) once this cache folder accepted a newer one."""
+    key, old_blob = CONV.graph_key, b"the plan before the re-tune" * 30
+    old = make_record(key, H200, old_blob, signer)
+    new_blob = seed(srv, CONV, signer)  # signed after ``old``: a higher revision
+    new = srv.store.get_plan(key, H200)
+    assert new.revision > old.revision
+    first = client(srv, tmp_path, signer)
+    assert first.plan(CONV).source == "server" and first.disk.revision(key) == new.revision
+    folder = tmp_path / "cache" / H200.env_id
+    assert (folder / f"{key}.revision").read_text() == str(new.revision)
+
+    (folder / f"{key}.json").unlink()  # evicted: the next process asks the server, which a hostile link answers
+    wire = Wire()
+    wire.edit_answer = lambda body: body["plans"][key].update(record=json.loads(old.model_dump_json()),
+                                                              blob_b64=b64(old_blob))
+    replayed = client(srv, tmp_path, signer, wire=wire)
+    assert replayed.plan(CONV).source == "heuristic" and replayed._backend.deserialized == []
+    assert replayed.stats().rejects == {"revision": 1}
+
+    (folder / f"{key}.json").write_text(old.model_dump_json())  # the older plan put back in the disk cache
+    (folder / f"{old.blob_sha256}.blob").write_bytes(old_blob)
+    offline = client(None, tmp_path, signer)
+    assert offline.plan(CONV).source == "heuristic" and offline._backend.deserialized == []
+    assert offline.stats().rejects == {"revision": 1}
+    assert not (folder / f"{key}.json").exists(), "the stale entry was not dropped"
+    assert client(srv, tmp_path, signer).plan(CONV).source == "server"  # the newer plan still loads
+    assert srv.store.get_plan(key, H200).blob_sha256 == hashlib.sha256(new_blob).hexdigest()
+
+
+def test_key_rotation_two_trusted_keys_then_one_retired(srv, tmp_path):
+    """Rotation as docs/DESIGN.md describes it: clients trust the old and the new key, workers sign with the new
+    one, ``plancache plans resign`` signs the stored records again with it (a higher revision replaces each),
+    then the old key is retired: a record only it signed is refused, the others still load."""
+    from typer.testing import CliRunner
+
+    from plancache.cli import make_app
+    from plancache.errors import StaleRevision
+    from plancache.protocol import PlanMeta
+    from plancache.signing import Signer, TrustedKeys, keygen
+
+    old_key, old_pub, _ = keygen(tmp_path / "keys", "old")
+    new_key, new_pub, _ = keygen(tmp_path / "keys", "new")
+    old, new = Signer.from_file(old_key), Signer.from_file(new_key)
+    seed(srv, CONV, old)
+    seed(srv, SDPA, new)
+    both = TrustedKeys.from_files([old_pub, new_pub])
+    during = client(srv, tmp_path / "during", new, trusted_keys=both).prefetch([CONV, SDPA])
+    assert {p.source for p in during.values()} == {"server"}
+
+    after = client(srv, tmp_path / "after", new, trusted_keys=[new_pub])  # the old key retired
+    plans = after.prefetch([CONV, SDPA])
+    assert {k: p.source for k, p in plans.items()} == {CONV.graph_key: "heuristic", SDPA.graph_key: "server"}
+    assert after.stats().rejects == {"unknown_signer": 1}
+
+    before = srv.store.get_plan(CONV.graph_key, H200)
+    result = CliRunner().invoke(make_app(), ["plans", "resign", "--signing-key", str(new_key), "--trusted-keys",
+                                             f"{old_pub},{new_pub}", "--database-url", srv.settings.database_url])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert (f"signed 1 plan records again with key {new.key_id}; 1 were signed by it already, 0 replaced by a newer "
+            "record meanwhile, 0 refused") in result.stdout
+    resigned = srv.store.get_plan(CONV.graph_key, H200)
+    assert resigned.signer_key_id == new.key_id and resigned.revision > before.revision
+    assert resigned.blob_sha256 == before.blob_sha256 and resigned.engine_id == before.engine_id
+    with pytest.raises(StaleRevision):  # the old record cannot come back
+        srv.store.publish_plan(PlanMeta.model_validate(before.model_dump(include=set(PlanMeta.model_fields))),
+                               blob_of(CONV), replace=True)
+    retired = client(srv, tmp_path / "retired", new, trusted_keys=[new_pub])
+    assert {p.source for p in retired.prefetch([CONV, SDPA]).values()} == {"server"}
+    # The cache folder that accepted the old key's record takes the re-signed one, and remembers its revision.
+    again = client(srv, tmp_path / "during", new, trusted_keys=[new_pub])
+    assert again.plan(CONV).source == "server" and again.stats().rejects == {"unknown_signer": 1}  # its disk entry
+    assert again.disk.revision(CONV.graph_key) == resigned.revision
+

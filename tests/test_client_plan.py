@@ -103,13 +103,17 @@ def test_tensors_may_come_in_a_mapping_for_names_that_are_not_identifiers():
     (lambda t: t.pop("Y"), "missing output tensor 'Y'"),
     (lambda t: t.update(Z=torch.empty(1)), "unknown tensor 'Z'"),
     (lambda t: t.update(A=t["A"].float()), r"input tensor 'A': dtype torch.float32, the plan needs torch.bfloat16"),
-    (lambda t: t.update(Y=torch.empty(2, 8, 5, dtype=torch.bfloat16)), r"output tensor 'Y': shape \(2, 8, 5\), the plan needs \(2, 8, 4\)"),
+    (lambda t: t.update(Y=torch.empty(2, 8, 5, dtype=torch.bfloat16)),
+     r"output tensor 'Y': shape \(2, 8, 5\), the plan needs \(2, 8, 4\)"),
     (lambda t: t.update(A=t["A"].transpose(1, 2).contiguous().transpose(1, 2)), r"input tensor 'A': strides \(128, 1, 8\)"),
-    (lambda t: t.update(A=torch.empty(2, 8, 16, dtype=torch.bfloat16, device="meta")), "input tensor 'A' is on meta, the plan runs on cpu"),
-    (lambda t: t.update(A=torch.empty(2 * 8 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 16)), "'A': data pointer is not 16-byte aligned"),
+    (lambda t: t.update(A=torch.empty(2, 8, 16, dtype=torch.bfloat16, device="meta")),
+     "input tensor 'A' is on meta, the plan runs on cpu"),
+    (lambda t: t.update(A=torch.empty(2 * 8 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 16)),
+     "'A': data pointer is not 16-byte aligned"),
     (lambda t: t.update(B=[[1.0]]), "input tensor 'B' must be a torch.Tensor, not list"),
     (lambda t: t.update(alpha=True), "'alpha' is a pass-by-value scalar: give a float"),
-    (lambda t: t.update(alpha=torch.tensor([0.5], dtype=torch.float64)), "'alpha' is a pass-by-value scalar: it must be a one-element torch.float32 CPU tensor"),
+    (lambda t: t.update(alpha=torch.tensor([0.5], dtype=torch.float64)),
+     "'alpha' is a pass-by-value scalar: it must be a one-element torch.float32 CPU tensor"),
     (lambda t: t.update(alpha=torch.ones(2)), "one-element torch.float32 CPU tensor"),
 ])
 def test_a_bad_tensor_is_refused_by_name_before_launch(change, message):
@@ -136,7 +140,8 @@ def test_layouts_are_checked_but_strides_of_unit_dims_do_not_matter():
     w = torch.randn(4, 8, 3, 3).to(bf).contiguous(memory_format=torch.channels_last)
     y = torch.empty(2, 4, 6, 6, dtype=bf).contiguous(memory_format=torch.channels_last)
     plan.execute(X=x, W=w, Y=y)
-    with pytest.raises(ValueError, match=r"input tensor 'X': strides \(288, 36, 6, 1\), the plan was built for \(288, 1, 48, 8\)"):
+    with pytest.raises(ValueError,
+                       match=r"input tensor 'X': strides \(288, 36, 6, 1\), the plan was built for \(288, 1, 48, 8\)"):
         plan.execute(X=x.contiguous(), W=w, Y=y)
     # Bias-like tensors: a size-1 dim's stride is never used to address memory.
     b = SpecBuilder(io_data_type="bfloat16")

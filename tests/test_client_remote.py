@@ -15,7 +15,7 @@ from plancache.errors import Forbidden, NotFound, ServerUnavailable
 from plancache.http import CircuitBreaker, HttpClient
 from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
 from plancache.spec import parse_spec
-from tests.client_fakes import H200, make_record
+from tests.factories import H200, make_record
 
 URL = "http://plancache.test"
 KEY = "d" * 64

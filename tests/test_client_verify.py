@@ -25,7 +25,8 @@ from plancache.spec import parse_spec
 from plancache.verify import REASONS, verify_blob
 from plancache.worker import Spool, SpoolEntry
 from plancache.worker.upload import tuned_meta
-from tests.client_fakes import H200, OTHER_GPU, RecordingBackend, make_meta, make_record, new_signer, trusted
+from tests.client_fakes import RecordingBackend
+from tests.factories import H200, OTHER_GPU, make_meta, make_record, new_signer, trusted
 from tests.worker_fakes import FakeTunedPlan
 
 KEY = "a" * 64
@@ -33,7 +34,7 @@ OTHER_KEY = "b" * 64
 BLOB = b"\x00serialized-cudnn-plan\xff" * 10
 CORRUPT = BLOB[:-1] + bytes([BLOB[-1] ^ 0x40])  # same size, other digest
 SPEC = parse_spec((Path(__file__).resolve().parents[1] / "examples" / "conv_bias_relu.json").read_text())
-STEPS = ("size", "sha256", "signature", "graph_key", "environment")
+STEPS = ("size", "sha256", "signature", "graph_key", "environment", "revision")
 CALLERS = (plancache.client.core, plancache.bundle, plancache.store.plans, plancache.worker.upload,
            plancache.worker.spool)
 
@@ -43,9 +44,9 @@ def signer():
     return new_signer()
 
 
-def reason(meta, blob=BLOB, *, key=KEY, env=H200, keys=None) -> str | None:
+def reason(meta, blob=BLOB, *, key=KEY, env=H200, keys=None, min_revision=None) -> str | None:
     try:
-        verify_blob(meta, blob, what="plan", graph_key=key, environment=env, trusted=keys)
+        verify_blob(meta, blob, what="plan", graph_key=key, environment=env, trusted=keys, min_revision=min_revision)
     except VerificationError as exc:
         return exc.reason
     return None
@@ -84,6 +85,7 @@ def test_a_required_signature_without_trusted_keys_fails_at_the_signature_step(s
     ("other_graph", "graph_key"),
     ("other_environment", "environment"),
     ("record_env_id_lies", "environment"),
+    ("older_revision", "revision"),
 ])
 def test_each_failure_names_its_reason(signer, case, expected):
     keys = trusted(signer)
@@ -97,9 +99,10 @@ def test_each_failure_names_its_reason(signer, case, expected):
     elif case == "unknown_signer":
         meta = make_meta(KEY, H200, BLOB, new_signer())
     elif case == "bad_signature":
-        sig = bytearray(base64.b64decode(meta.signature))
+        sig = bytearray(base64.b64decode(meta.envelope.signatures[0].sig))
         sig[0] ^= 1
-        meta = meta.model_copy(update={"signature": base64.b64encode(bytes(sig)).decode()})
+        signature = meta.envelope.signatures[0].model_copy(update={"sig": base64.b64encode(bytes(sig)).decode()})
+        meta = meta.model_copy(update={"envelope": meta.envelope.model_copy(update={"signatures": [signature]})})
     elif case == "other_graph":
         key = OTHER_KEY
     elif case == "other_environment":
@@ -107,7 +110,8 @@ def test_each_failure_names_its_reason(signer, case, expected):
     elif case == "record_env_id_lies":
         meta = make_record(KEY, H200, BLOB, signer).model_copy(update={"env_id": OTHER_GPU.env_id})
     assert expected in REASONS
-    assert reason(meta, blob, key=key, keys=keys) == expected
+    min_revision = meta.revision + 1 if case == "older_revision" else meta.revision
+    assert reason(meta, blob, key=key, keys=keys, min_revision=min_revision) == expected
 
 
 def test_messages_name_the_plan_and_the_mismatch(signer):
@@ -138,6 +142,9 @@ def test_steps_run_in_order(signer):
     assert reason(make_meta(OTHER_KEY, OTHER_GPU, BLOB), keys=keys) == "unsigned"
     # Signed, other graph and env: graph key before environment.
     assert reason(make_meta(OTHER_KEY, OTHER_GPU, BLOB, signer), keys=keys) == "graph_key"
+    # Signed, other env, older than one accepted before: environment before revision.
+    old = make_meta(KEY, OTHER_GPU, BLOB, signer)
+    assert reason(old, keys=keys, min_revision=old.revision + 1) == "environment"
 
 
 def test_steps_not_asked_for_are_skipped(signer):
@@ -175,7 +182,8 @@ def calls(monkeypatch) -> list[tuple[tuple[str, ...], str | None]]:
 
     def spy(record: Any, blob: bytes | None, **kw: Any) -> None:
         asked = dict(zip(STEPS, (blob is not None, blob is not None, bool(kw.get("trusted")),
-                                 kw.get("graph_key") is not None, kw.get("environment") is not None)))
+                                 kw.get("graph_key") is not None, kw.get("environment") is not None,
+                                 kw.get("min_revision") is not None)))
         steps = tuple(s for s in STEPS if asked[s])
         try:
             verify.verify_blob(record, blob, **kw)
@@ -213,9 +221,10 @@ def test_client_admits_a_blob_through_every_step_in_order(signer, calls, tmp_pat
 
 @pytest.mark.parametrize("with_keys", [True, False])
 def test_bundle_entries_go_through_every_step_in_order(signer, calls, tmp_path, with_keys):
-    """A bundle entry is checked against its header's environment and the key of its enclosed spec."""
+    """A bundle entry is checked against its header's environment and the key of its enclosed spec (a bundle
+    has no revisions to compare with)."""
     keys = trusted(signer) if with_keys else None
-    steps = STEPS if with_keys else tuple(s for s in STEPS if s != "signature")
+    steps = tuple(s for s in STEPS if s != "revision" and (with_keys or s != "signature"))
     for expected, record, blob in cascade(signer, SPEC.graph_key):
         if not with_keys and expected == "unsigned":
             expected = "graph_key"

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from .live_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- walkthrough"
 GPU_LINE = ("PLANCACHE_SIGNING_KEY=keys/fleet.key plancache worker --server $API --token $WORKER --once"
@@ -41,12 +43,6 @@ def walkthrough_block() -> str:
     m = re.compile(r"<!-- walkthrough[^\n]*-->\n```(?:bash|sh)\n(.*?)\n```\n", re.S).search(readme)
     assert m, "the walkthrough marker must be followed directly by a ```bash block"
     return m.group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:
@@ -80,8 +76,9 @@ def test_block_is_found_and_has_the_gpu_line() -> None:
 def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     block = walkthrough_block()
     assert block.count(GPU_LINE) == 1
-    script = "set -euo pipefail\n" + block.replace(GPU_LINE, STAND_IN) + ("\necho \"WALKTHROUGH_TOKENS=${#WORKER} ${#READER} ${#PLANCACHE_ADMIN_TOKEN}\""
-                                                                  "\necho \"WALKTHROUGH_SERVER_PID=$SERVER\"\n")
+    script = ("set -euo pipefail\n" + block.replace(GPU_LINE, STAND_IN)
+              + "\necho \"WALKTHROUGH_TOKENS=${#WORKER} ${#READER} ${#PLANCACHE_ADMIN_TOKEN}\""
+              + "\necho \"WALKTHROUGH_SERVER_PID=$SERVER\"\n")
     (tmp_path / "walkthrough.sh").write_text(script)
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # a fresh checkout: examples/ and the install's .venv
     if not (Path(sys.prefix) / "bin" / "activate").is_file():

@@ -119,7 +119,8 @@ def test_an_unexpected_exception_is_a_logged_500_with_the_error_body(sqlite_stor
     monkeypatch.setattr(sqlite_store, "get_spec", lambda _k: 1 / 0)
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.get("/v1/specs/" + "0" * 64)
-        assert r.status_code == 500 and r.json() == {"error": {"code": "internal_error", "message": "internal server error (logged)"}}
+        assert r.status_code == 500
+        assert r.json() == {"error": {"code": "internal_error", "message": "internal server error (logged)"}}
         assert "ZeroDivisionError" in caplog.text
         assert 'route="/v1/specs/{graph_key}",status="500"' in client.get("/metrics").text
 

@@ -52,9 +52,9 @@ def test_the_cdn_pages_are_off(sapi):
 
 
 def test_docs_under_a_root_path_links_the_document_there(tmp_path):
-    with open_store(f"sqlite:///{tmp_path / 'root.db'}", create=True) as store:
-        with TestClient(create_app(Settings(), store=store), root_path="/plancache") as client:
-            assert '<a href="/plancache/openapi.json">' in client.get("/docs").text
+    with (open_store(f"sqlite:///{tmp_path / 'root.db'}", create=True) as store,
+          TestClient(create_app(Settings(), store=store), root_path="/plancache") as client):
+        assert '<a href="/plancache/openapi.json">' in client.get("/docs").text
 
 
 def test_render_escapes_what_the_document_says():

@@ -122,8 +122,8 @@ def test_same_computation_same_key_however_it_was_written():
 
 
 def test_key_is_the_same_in_another_process():
-    code = ("import sys; sys.path.insert(0, %r); from tests.test_spec import fe_conv; "
-            "from plancache.spec import from_pygraph; print(from_pygraph(fe_conv(weights_first=True)).graph_key)") % str(ROOT)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_spec import fe_conv; "
+            "from plancache.spec import from_pygraph; print(from_pygraph(fe_conv(weights_first=True)).graph_key)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == from_pygraph(fe_conv()).graph_key
@@ -169,7 +169,8 @@ def _with(doc: dict, mutate) -> dict:
 @pytest.mark.parametrize("mutate, needle", [
     (lambda d: d["nodes"][0].__setitem__("type", "CONV_WIBBLE"), "unknown node type 'CONV_WIBBLE'"),
     (lambda d: d["tensors"][0].__setitem__("data_type", "FLOAT128"), "unknown data type 'FLOAT128'"),
-    (lambda d: d["nodes"][0]["params"].__setitem__("mode", {"$enum": "os_system", "name": "X"}), "'os_system' is not a cudnn enum"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("mode", {"$enum": "os_system", "name": "X"}),
+     "'os_system' is not a cudnn enum"),
     (lambda d: d["nodes"][0]["params"].__setitem__("cb", {"$call": "x"}), "unknown value form"),
     (lambda d: d["nodes"][0]["params"].__setitem__("alpha", float("nan")), "not a finite number"),
     (lambda d: d["nodes"][0]["inputs"].__setitem__("image", 999), "uid 999"),

@@ -91,3 +91,31 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
 
     assert "file:// store" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=2).stderr
     assert "file:///absolute/path" in cli("db", "migrate-blobs", "s3://bucket", "--database-url", db_url, code=2).stderr
+
+
+def test_plans_resign_refusals_and_unsigned_records(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path,
+                                                    monkeypatch):
+    """``plans resign`` signs only what a trusted key signed, or, with --include-unsigned, records stored without a
+    signature (those from before schema revision 0004)."""
+    from plancache.signing import Signer, TrustedKeys, keygen
+
+    for variable in ("PLANCACHE_SIGNING_KEY", "PLANCACHE_TRUSTED_KEYS"):
+        monkeypatch.delenv(variable, raising=False)
+    priv, pub, key_id = keygen(tmp_path / "keys", "fleet")
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    unsigned = store.publish_plan(*make_plan(key, gpu_env))
+    args = ("plans", "resign", "--database-url", db_url)
+    assert "no signing key given" in cli(*args, code=ExitCode.CONFIG).stderr
+    assert "no trusted keys given" in cli(*args, "--signing-key", str(priv), code=ExitCode.CONFIG).stderr
+    refused = cli(*args, "--signing-key", str(priv), "--trusted-keys", str(pub), code=ExitCode.FAILED)
+    assert "0 plan records again" in refused.stdout and f"plan {key[:16]} on env {gpu_env.env_id[:12]} is unsigned" \
+        in refused.stderr
+    assert store.get_plan(key, gpu_env) == unsigned
+    done = cli(*args, "--signing-key", str(priv), "--include-unsigned").stdout
+    assert f"signed 1 plan records again with key {key_id}" in done
+    signed = store.get_plan(key, gpu_env)
+    assert signed.signer_key_id == key_id and signed.revision > unsigned.revision
+    TrustedKeys.from_files([pub]).verify(signed)
+    assert "1 were signed by it already" in cli(*args, "--signing-key", str(priv), "--trusted-keys", str(pub)).stdout
+    assert Signer.from_file(priv).key_id in cli("plans", "list", "--database-url", db_url).stdout

@@ -119,6 +119,7 @@ def test_file_blob_store_layout_and_atomic_writes(tmp_path):
 
 
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    from plancache import files
     from plancache.store import blobs as blobs_module
 
     bs = blobs_module.FileBlobs(tmp_path)
@@ -128,7 +129,7 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     def crash(*args: object) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr(blobs_module.os, "replace", crash)  # after the temporary file is written and synced
+    monkeypatch.setattr(files.os, "replace", crash)  # after the temporary file is written and synced
     with pytest.raises(OSError, match="rename failed"):
         bs.put(None, digest, data)
     assert not bs.has(None, digest) and [p for p in tmp_path.rglob("*") if p.is_file()] == []

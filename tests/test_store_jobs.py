@@ -7,17 +7,34 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
 
 from plancache import errors
-from plancache.environment import Environment
 from plancache.protocol import TargetEnvironment
 
+from .factories import OTHER_GPU
+
 ANY = TargetEnvironment()
+
+
+def test_a_target_and_the_tables_follow_the_validity_fields():
+    """The validity fields and their bounds are defined once (plancache.environment): a job's target names each
+    of them, optional but bounded alike, and the plans, jobs and misses tables hold each in a column."""
+    from plancache.environment import VALIDITY_FIELDS, Environment
+    from plancache.store.models import jobs, misses, plans
+
+    assert tuple(TargetEnvironment.model_fields) == VALIDITY_FIELDS
+    assert all(f in table.c for f in VALIDITY_FIELDS for table in (jobs, misses, plans))
+    for field, bad in (("sm", 9), ("sm_count", 0), ("cudnn_version", 2**31), ("driver_version", 0),
+                       ("frontend_version", "")):
+        with pytest.raises(ValidationError):
+            TargetEnvironment(**{field: bad})
+        with pytest.raises(ValidationError):
+            Environment(**{**OTHER_GPU.model_dump(), field: bad})
 
 
 @pytest.fixture
@@ -77,8 +94,7 @@ def test_claim_matches_environment_with_wildcards(store, make_spec, gpu_env):
     got = {store.claim(gpu_env, "w", lease_seconds=60).job.id, store.claim(gpu_env, "w", lease_seconds=60).job.id}
     assert got == {exact.id, wildcard.id}
     assert store.claim(gpu_env, "w", lease_seconds=60) is None
-    a100 = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0")
-    assert store.claim(a100, "w", lease_seconds=60).job.graph_key == keys[0]
+    assert store.claim(OTHER_GPU, "w", lease_seconds=60).job.graph_key == keys[0]
 
 
 def test_claim_order_is_priority_then_age(store, make_spec, gpu_env):
@@ -360,7 +376,7 @@ def test_a_replica_whose_clock_runs_ahead_does_not_steal_live_leases(db_url, mak
         replica_clock.skew = timedelta(seconds=20)
         assert b.claim(gpu_env, "w-b", lease_seconds=10) is None
         job = b.heartbeat(held.job.id, "w-a", held.lease_token, lease_seconds=10)
-        assert job.attempts == 1 and _close_to(job.lease_expires_at, datetime.now(timezone.utc) + timedelta(seconds=10))
+        assert job.attempts == 1 and _close_to(job.lease_expires_at, datetime.now(UTC) + timedelta(seconds=10))
 
 
 def test_a_replica_whose_clock_runs_behind_reclaims_expired_leases_on_time(db_url, make_spec, gpu_env, replica_clock):
@@ -377,8 +393,8 @@ def test_a_replica_whose_clock_runs_behind_reclaims_expired_leases_on_time(db_ur
         replica_clock.skew = timedelta(hours=-1)
         taken = c.claim(gpu_env, "w-c", lease_seconds=10)
         assert taken is not None and taken.job.id == dead.job.id and taken.job.attempts == 2
-        assert _close_to(taken.job.lease_expires_at, datetime.now(timezone.utc) + timedelta(seconds=10))
-        assert _close_to(taken.job.updated_at, datetime.now(timezone.utc))
+        assert _close_to(taken.job.lease_expires_at, datetime.now(UTC) + timedelta(seconds=10))
+        assert _close_to(taken.job.updated_at, datetime.now(UTC))
 
 
 def test_an_injected_clock_still_drives_every_lease(store, key, gpu_env, clock, replica_clock):

@@ -10,8 +10,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from pydantic import ValidationError
 import sqlalchemy as sa
+from pydantic import ValidationError
 
 from plancache import errors
 from plancache.protocol import TargetEnvironment
@@ -62,6 +62,26 @@ def test_publish_is_idempotent_and_never_silently_overwrites(store, key, gpu_env
     assert store.get_plan(key, gpu_env) == first
     replaced = store.publish_plan(other_meta, other_blob, replace=True)
     assert replaced.blob_sha256 == other_meta.blob_sha256 and store.get_plan(key, gpu_env) == replaced
+    assert _rows(store, plans) == 1
+
+
+def test_a_replacement_needs_a_higher_revision(store, key, gpu_env, make_plan):
+    """An older record (a replay) cannot replace a newer one, even with ``replace``; the same record again is
+    idempotent; the same blob signed again with a higher revision replaces its record."""
+    new_meta, new_blob = make_plan(key, gpu_env, blob=b"the newer plan", revision=200)
+    stored = store.publish_plan(new_meta, new_blob)
+    old_meta, old_blob = make_plan(key, gpu_env, blob=b"the older plan", revision=100)
+    for meta, blob in ((old_meta, old_blob), (old_meta.model_copy(update={"revision": 200}), old_blob),
+                       (new_meta.model_copy(update={"revision": 199, "worker_id": "w2"}), new_blob)):
+        with pytest.raises(errors.StaleRevision, match=rf"has revision 200; a replacement needs a higher revision "
+                                                       rf"than that, this one has {meta.revision}") as err:
+            store.publish_plan(meta, blob, replace=True)
+        assert (err.value.code, err.value.http_status) == ("stale_revision", 409)
+    assert store.publish_plan(new_meta, new_blob, replace=True) == stored  # a repeat: unchanged
+    assert store.publish_plan(new_meta.model_copy(update={"revision": 1}), new_blob) == stored  # no replace: stands
+    resigned = store.publish_plan(new_meta.model_copy(update={"revision": 201, "worker_id": "w2"}), new_blob,
+                                  replace=True)
+    assert (resigned.revision, resigned.worker_id) == (201, "w2") and store.get_plan(key, gpu_env) == resigned
     assert _rows(store, plans) == 1
 
 

@@ -3,8 +3,8 @@
 - ``plancache serve`` in a subprocess on a fresh SQLite file: the README's round trip (register a spec,
   enqueue, a worker claims and completes, a client resolves and fetches the blob), with the tokens
   kept out of its logs;
-- an in-process uvicorn on the ``store`` fixture (SQLite and Postgres, database and file blob stores):
-  large blobs, concurrent clients, and a streamed (chunked) body over the limit refused with 413.
+- a :class:`~tests.live_server.LiveServer` on the ``store`` fixture (SQLite and Postgres, database and file blob
+  stores): large blobs, concurrent clients, and a streamed (chunked) body over the limit refused with 413.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from plancache.server import create_app
-from plancache.settings import Settings
-
+from .live_server import LiveServer, free_port
 from .server_util import ADMIN_TOKEN, bearer, upload_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,16 +34,11 @@ pytestmark = pytest.mark.both_blob_stores
 START_TIMEOUT = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(base: str, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(base: str, proc: subprocess.Popen) -> None:
+    """Until ``plancache serve`` (``proc``) answers ``/readyz`` at ``base``."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
+        if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
         try:
             if httpx.get(f"{base}/readyz", timeout=1.0).status_code == 200:
@@ -92,7 +82,8 @@ def test_plancache_serve_round_trip(tmp_path: Path, gpu_env: Any, make_plan: Any
 
             # what `plancache worker` does on the GPU, with a stand-in blob
             claim = http.post("/v1/jobs/claim", json={"environment": environment, "worker_id": "gpu-1"}, headers=worker).json()
-            assert claim["job"]["graph_key"] == key and claim["spec"] == json.loads(http.get(f"/v1/specs/{key}", headers=reader).text)
+            assert claim["job"]["graph_key"] == key
+            assert claim["spec"] == json.loads(http.get(f"/v1/specs/{key}", headers=reader).text)
             meta, blob = make_plan(key, gpu_env, blob=os.urandom(300_000), worker_id="gpu-1")
             r = http.post(f"/v1/jobs/{claim['job']['id']}/complete", headers=worker,
                           json={"worker_id": "gpu-1", "lease_token": claim["lease_token"], "plan": upload_json(meta, blob)})
@@ -118,30 +109,11 @@ def test_plancache_serve_round_trip(tmp_path: Path, gpu_env: Any, make_plan: Any
         assert secret not in logs
 
 
-class _Server:
-    """An in-process uvicorn serving ``app`` on a free loopback port, in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        base = f"http://127.0.0.1:{self.port}"
-        wait_ready(base)
-        return base
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture
-def served(store: Any) -> Iterator[tuple[str, Any]]:
-    app = create_app(Settings(admin_token=ADMIN_TOKEN, max_request_bytes=8 << 20, max_blob_bytes=4 << 20), store=store)
-    with _Server(app) as base:
-        yield base, store
+def served(store: Any, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    with LiveServer(tmp_path, store=store, admin_token=ADMIN_TOKEN, start_timeout=START_TIMEOUT,
+                    max_request_bytes=8 << 20, max_blob_bytes=4 << 20) as srv:
+        yield srv.url, store
 
 
 def test_uvicorn_large_blobs_and_concurrent_clients(served: tuple[str, Any], make_spec: Any, make_plan: Any,
@@ -186,5 +158,6 @@ def test_uvicorn_refuses_a_streamed_body_over_the_limit(served: tuple[str, Any],
         r = http.put("/v1/plans", content=stream(), headers={**bearer(ADMIN_TOKEN), "Content-Type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
         assert r.json()["error"]["message"].startswith("request body")
-        assert http.get("/healthz").status_code == 200  # the server is fine afterwards
+    # the server is fine afterwards (as `plancache serve` does, it dropped the refused connection: ask on a new one)
+    assert httpx.get(f"{base}/healthz", timeout=10.0).status_code == 200
     assert store.get_plan(key, gpu_env) is None

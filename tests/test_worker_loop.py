@@ -11,8 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import pytest
@@ -104,12 +104,12 @@ def in_thread(worker: Worker) -> tuple[threading.Thread, threading.Event, dict]:
 
 def child(srv: LiveServer, tmp_path: Path, key: Path, worker_id: str, *args: str) -> subprocess.Popen:
     """A real worker process (FakeTuner GPU step) — ``python -m tests.worker_fakes``."""
-    log = open(tmp_path / f"{worker_id}.log", "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.worker_fakes", "--server", srv.url, "--token", srv.token("worker"),
-         "--worker-id", worker_id, "--spool-dir", str(tmp_path / f"spool-{worker_id}"), "--signing-key", str(key),
-         *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(tmp_path / f"{worker_id}.log", "w") as log:  # the child has its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.worker_fakes", "--server", srv.url, "--token", srv.token("worker"),
+             "--worker-id", worker_id, "--spool-dir", str(tmp_path / f"spool-{worker_id}"), "--signing-key", str(key),
+             *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def running_by(srv: LiveServer, job_id: int, worker_id: str) -> Callable[[], bool]:

@@ -7,7 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,7 +85,7 @@ def test_spool_round_trip_and_remove(tmp_path):
     (loaded,) = spool.pending()
     assert loaded == entry
     up = loaded.upload()
-    assert up.blob_bytes() == entry.blob and up.spec == entry.spec and up.signature == entry.meta.signature
+    assert up.blob_bytes() == entry.blob and up.spec == entry.spec and up.envelope == entry.meta.envelope
     TrustedKeys.from_files([tmp_path / "keys" / "w.pub"]).verify(up)
     spool.remove(loaded)
     assert spool.pending() == [] and list(spool.directory.iterdir()) == []
@@ -105,7 +105,7 @@ def test_spool_sets_aside_a_corrupt_entry(tmp_path, caplog):
 
 
 def test_lease_duration_uses_the_servers_clock():
-    now = datetime.now(timezone.utc) - timedelta(hours=3)  # a skewed server clock does not matter
+    now = datetime.now(UTC) - timedelta(hours=3)  # a skewed server clock does not matter
     job = Job(id=1, graph_key="a" * 64, target=TargetEnvironment(), status="running", priority=0, attempts=1,
               max_attempts=3, lease_owner="w", lease_expires_at=now + timedelta(seconds=90),
               created_at=now, updated_at=now)
@@ -139,7 +139,7 @@ def test_a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease(tmp_p
     caplog.set_level(logging.DEBUG, logger="plancache.worker")
     spec = example_spec()
     priv, _, _ = keygen(tmp_path / "keys", "w")
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     job = Job(id=1, graph_key=spec.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
               max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=0.3), created_at=now,
               updated_at=now)

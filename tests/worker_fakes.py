@@ -26,8 +26,11 @@ from plancache.errors import InsufficientGpuMemory, TuningError
 from plancache.protocol import Candidate, PlanMeta
 from plancache.spec import GraphSpec
 
-FAKE_ENV = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
-                       device_name="FakeTuner test double (no GPU)")
+from .factories import H200, make_meta
+
+#: :data:`~tests.factories.H200`'s validity fields, named as the test double it is.
+FAKE_ENV = H200.model_copy(update={"device_name": "FakeTuner test double (no GPU)", "cuda_runtime": "",
+                                   "torch_version": ""})
 DTYPE_BYTES = {"HALF": 2, "BFLOAT16": 2, "FLOAT": 4, "INT32": 4, "INT64": 8, "FP8_E4M3": 1, "FP8_E5M2": 1}
 
 
@@ -46,12 +49,12 @@ class FakeTunedPlan:
     heuristic_median_ms: float | None = 0.08
 
     def to_meta(self, graph_key: str, worker_id: str) -> PlanMeta:
-        return PlanMeta(
-            graph_key=graph_key, environment=self.environment, blob_sha256=self.sha256, blob_size=len(self.blob),
-            engine_id=self.engine_id, knobs=self.knobs, plan_name="fake_engine7", workspace_bytes=0,
-            winner_median_ms=self.winner_median_ms, heuristic_median_ms=self.heuristic_median_ms,
-            worst_median_ms=0.5, candidates=[Candidate(index=0, engine_id=self.engine_id, knobs=self.knobs,
-                                                       median_ms=self.winner_median_ms, status="ok")],
+        return make_meta(
+            graph_key, self.environment, self.blob, blob_sha256=self.sha256, engine_id=self.engine_id,
+            knobs=self.knobs, plan_name="fake_engine7", workspace_bytes=0, winner_median_ms=self.winner_median_ms,
+            heuristic_median_ms=self.heuristic_median_ms, worst_median_ms=0.5,
+            candidates=[Candidate(index=0, engine_id=self.engine_id, knobs=self.knobs, median_ms=self.winner_median_ms,
+                                  status="ok")],
             tuning_seconds=self.tuning_seconds, worker_id=worker_id,
         )
 

@@ -130,7 +130,8 @@ def sdpa_fwd_train(handle=None, *, b: int = 2, h: int = 8, s: int = 512, d: int 
     return g, {"q": q, "k": k, "v": v, "o": o, "stats": stats}
 
 
-def sdpa_bwd(handle=None, *, b: int = 2, h: int = 8, s: int = 512, d: int = 64, io_dtype=BF16, deterministic: bool = False) -> Built:
+def sdpa_bwd(handle=None, *, b: int = 2, h: int = 8, s: int = 512, d: int = 64, io_dtype=BF16,
+             deterministic: bool = False) -> Built:
     """Causal SDPA backward matching ``sdpa_fwd_train``: dQ, dK, dV from q, k, v, o, dO, stats."""
     g = _graph("sdpa_bwd", handle, io_dtype)
     stride = bshd_strides(b, h, s, d)
@@ -269,7 +270,8 @@ def paged_decode(
 
 
 def varlen_sdpa(
-    handle=None, *, b: int = 4, h: int = 8, max_s_q: int = 512, max_s_kv: int = 512, d: int = 64, causal: bool = True, io_dtype=BF16
+    handle=None, *, b: int = 4, h: int = 8, max_s_q: int = 512, max_s_kv: int = 512, d: int = 64, causal: bool = True,
+    io_dtype=BF16,
 ) -> Built:
     """Packed variable-length (THD / ragged) attention: ragged offsets on q/k/v/o, padding mask."""
     g = _graph("varlen_sdpa", handle, io_dtype)
@@ -348,7 +350,8 @@ def fp8_sdpa(
     q = g.tensor(name="q", dim=[b, h, s, d], stride=stride, data_type=FP8_E4M3)
     k = g.tensor(name="k", dim=[b, h, s, d], stride=stride, data_type=FP8_E4M3)
     v = g.tensor(name="v", dim=[b, h, s, d], stride=stride, data_type=FP8_E4M3)
-    factors = {n: g.tensor(name=n, data_type=FP32, **SCALAR4) for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
+    factors = {n: g.tensor(name=n, data_type=FP32, **SCALAR4)
+               for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
 
     mask = {"diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT, "right_bound": 0} if causal else {}
     o, stats, amax_s, amax_o = g.sdpa_fp8(

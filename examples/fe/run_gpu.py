@@ -195,7 +195,8 @@ def prepare(name: str, g, T: dict[str, object], gen):
             x8, descale = quantize_fp8(x)
             bufs[key] = copy_into(T[key], x8)
             bufs[f"descale_{key}"] = copy_into(T[f"descale_{key}"], descale)
-        o, lse = attn_ref(*(bufs[x].float() * bufs[f"descale_{x}"].reshape(()) for x in ("q", "k", "v")), d**-0.5, band_mask(s, s))
+        o, lse = attn_ref(*(bufs[x].float() * bufs[f"descale_{x}"].reshape(()) for x in ("q", "k", "v")), d**-0.5,
+                          band_mask(s, s))
         amax_o = o.abs().max()
         bufs["scale_s"] = copy_into(T["scale_s"], torch.tensor([FP8_MAX], device=DEV))
         bufs["descale_s"] = copy_into(T["descale_s"], torch.tensor([1.0 / FP8_MAX], device=DEV))
@@ -223,7 +224,8 @@ def prepare(name: str, g, T: dict[str, object], gen):
         bufs["inv_var"] = copy_into(T["inv_var"], inv)
         y = F.layer_norm(xf, (xf.shape[-1],), wf, bf, eps=1e-5)
         dx, dw, db = torch.autograd.grad(y, (xf, wf, bf), dy.float().squeeze(-1).squeeze(-1))
-        expect = {"dx": (dx[..., None, None], 3e-2), "dscale": (dw.reshape(1, -1, 1, 1), 3e-2), "dbias": (db.reshape(1, -1, 1, 1), 3e-2)}
+        expect = {"dx": (dx[..., None, None], 3e-2), "dscale": (dw.reshape(1, -1, 1, 1), 3e-2),
+                  "dbias": (db.reshape(1, -1, 1, 1), 3e-2)}
     elif name == "rmsnorm_infer":
         x, w = rnd("x"), rnd("scale")
         bufs["epsilon"] = torch.full((1, 1, 1, 1), 1e-5, dtype=torch.float32)
@@ -309,7 +311,8 @@ def run_one(name: str, handle) -> bool:
 
 def main(argv) -> int:
     names = argv or list(graphs.EXAMPLES)
-    print(f"cudnn frontend {cudnn.__version__}, backend {cudnn.backend_version_string()}, {torch.cuda.get_device_name()}", flush=True)
+    print(f"cudnn frontend {cudnn.__version__}, backend {cudnn.backend_version_string()}, {torch.cuda.get_device_name()}",
+          flush=True)
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
     failed = [n for n in names if not run_one(n, handle)]

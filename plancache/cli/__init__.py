@@ -22,7 +22,6 @@ command                    module
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
 import typer
 
@@ -56,7 +55,7 @@ def make_app() -> typer.Typer:
 
     @app.callback()
     def root(
-        version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+        version: bool | None = typer.Option(None, "--version", callback=_version, is_eager=True,
                                                help="print the plancache version and exit"),
     ) -> None:
         pass  # the options of `plancache` itself; the app's help is the Typer's

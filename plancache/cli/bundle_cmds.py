@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,6 +16,7 @@ from .common import (
     database_url_option,
     load_environment,
     load_signer,
+    load_trusted_keys,
     open_database,
     signing_key_option,
     writable_folder,
@@ -24,11 +24,10 @@ from .common import (
 
 bundle_app = typer.Typer(no_args_is_help=True, help="Signed single-file plan bundles for hosts without a server.")
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
 def _read_keys(path: Path) -> list[str]:
     """Graph keys from a file: a JSON list, or one key per line (blank lines and ``#`` comments ignored)."""
+    from ..protocol import GRAPH_KEY_PATTERN
+
     def bad(problem: str) -> Failure:
         return Failure(f"--keys {problem}", "give a file of graph keys: one per line (`plancache spec key` prints "
                                             "them), or a JSON list", ExitCode.USAGE)
@@ -47,7 +46,7 @@ def _read_keys(path: Path) -> list[str]:
         lines = [(i + 1, ln.split("#", 1)[0].strip()) for i, ln in enumerate(text.splitlines())]
         lines = [(n, k) for n, k in lines if k]
     for n, key in lines:
-        if not isinstance(key, str) or not _HEX64.match(key):
+        if not isinstance(key, str) or not re.match(GRAPH_KEY_PATTERN, key):
             raise bad(f"{path}: item {n} ({str(key)[:80]!r}) is not a graph key (64 lowercase hex)")
     if not lines:
         raise bad(f"{path} holds no graph keys")
@@ -65,11 +64,11 @@ def _refused(file: Path, exc: Exception) -> Failure:
 @command
 def bundle_export(
     environment: str = typer.Option(..., "--environment", help="the target environment: a JSON file or inline JSON"),
-    keys: Optional[Path] = typer.Option(None, "--keys", help="file of graph keys (one per line, or a JSON list)"),
+    keys: Path | None = typer.Option(None, "--keys", help="file of graph keys (one per line, or a JSON list)"),
     all_plans: bool = typer.Option(False, "--all", help="every plan stored for the environment"),
     out: Path = typer.Option(..., "--out", help="bundle file to write"),
-    signing_key: Optional[Path] = signing_key_option("ed25519 private key that signs the bundle (unsigned without)"),
-    database_url: Optional[str] = database_url_option(),
+    signing_key: Path | None = signing_key_option("ed25519 private key that signs the bundle (unsigned without)"),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """Write the plans (records, blobs, specs) of a set of graph keys on one environment to a signed file."""
     from ..bundle import export_bundle
@@ -95,30 +94,21 @@ def bundle_export(
 @command
 def bundle_import(
     file: Path = typer.Argument(..., help="bundle file"),
-    trusted_keys: Optional[str] = typer.Option(None, "--trusted-keys",
+    trusted_keys: str | None = typer.Option(None, "--trusted-keys",
                                                help="public key files or folders of *.pub (, or : separated); "
                                                     "when given, the bundle and every plan in it must be signed "
                                                     "by one of them (default: PLANCACHE_TRUSTED_KEYS)"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir",
+    cache_dir: Path | None = typer.Option(None, "--cache-dir",
                                              help="seed this client plan cache folder (the PLANCACHE_CACHE_DIR of "
                                                   "the processes that will use it) instead of the database"),
-    database_url: Optional[str] = database_url_option(),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """Verify every entry of a bundle, then store its specs and plans in the database, or its plans in a
     client cache folder (--cache-dir, no server or database needed). Nothing is stored if any entry fails."""
     from ..bundle import import_bundle, read_bundle, verify_bundle
     from ..errors import PlanCacheError
-    from ..signing import TrustedKeys
 
-    trusted_keys = trusted_keys or TrustSettings().trusted_keys
-    try:
-        trusted = TrustedKeys.from_setting(trusted_keys)
-    except OSError as exc:
-        raise Failure(f"cannot read the trusted keys {trusted_keys!r}: {exc.strerror or exc} ({exc.filename})",
-                      "check --trusted-keys / PLANCACHE_TRUSTED_KEYS", ExitCode.OS_ERROR) from None
-    if trusted_keys and not trusted:
-        raise Failure(f"--trusted-keys {trusted_keys!r} names no public key",
-                      "give .pub files (`plancache keygen` writes them) or folders holding them", ExitCode.FAILED)
+    trusted = load_trusted_keys(trusted_keys or TrustSettings().trusted_keys)
     unchecked = "warning: the bundle signature was not checked (no --trusted-keys / PLANCACHE_TRUSTED_KEYS)"
     if cache_dir is not None:
         from ..client.cache import DiskCache

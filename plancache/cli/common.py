@@ -49,7 +49,7 @@ from ..settings import ConnectionSettings, StoreSettings, env_name
 if TYPE_CHECKING:
     from ..environment import Environment
     from ..http import Retry
-    from ..signing import Signer
+    from ..signing import Signer, TrustedKeys
     from ..spec import GraphSpec
     from ..store import Store
     from ..worker import JobsApi
@@ -386,6 +386,7 @@ def load_environment(value: str, option: str) -> Environment:
     from pydantic import ValidationError
 
     from ..environment import Environment
+    from ..validation import validation_message
 
     text = value
     if not value.lstrip().startswith("{"):
@@ -397,9 +398,7 @@ def load_environment(value: str, option: str) -> Environment:
     try:
         return Environment.model_validate_json(text)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
-        raise Failure(f"{option} {value[:80]}: not an environment ({where}: {first.get('msg')})",
+        raise Failure(f"{option} {value[:80]}: not an environment ({validation_message(exc.errors(), 1)})",
                       "give the environment JSON of a plan record (`plancache plans list --json`, its "
                       "\"environment\")", ExitCode.USAGE) from None
 
@@ -418,6 +417,23 @@ def load_signer(path: Path, option: str = "--signing-key") -> Signer:
     except SignatureError as exc:
         raise Failure(exc.message, f"give {option} / {variable} the NAME.key file `plancache keygen` wrote",
                       ExitCode.FAILED) from None
+
+
+def load_trusted_keys(value: str | None, option: str = "--trusted-keys") -> TrustedKeys:
+    """The public keys ``value`` names (files or folders of ``*.pub``, ``,`` or ``:`` separated; None: none);
+    an unreadable one, or a value that names no key, is a :class:`Failure` naming the option and the setting."""
+    from ..signing import TrustedKeys
+
+    variable = env_name("trusted_keys")
+    try:
+        trusted = TrustedKeys.from_setting(value)
+    except OSError as exc:
+        raise Failure(f"cannot read the trusted keys {value!r}: {exc.strerror or exc} ({exc.filename})",
+                      f"check {option} / {variable}", ExitCode.OS_ERROR) from None
+    if value and not trusted:
+        raise Failure(f"{option} {value!r} names no public key",
+                      "give .pub files (`plancache keygen` writes them) or folders holding them", ExitCode.FAILED)
+    return trusted
 
 
 # ------------------------------------------------------------------------------------------------ the server

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from .common import (
@@ -21,7 +19,7 @@ db_app = typer.Typer(no_args_is_help=True, help="Manage the plancache database."
 
 @db_app.command("upgrade")
 @command
-def db_upgrade(database_url: Optional[str] = database_url_option()) -> None:
+def db_upgrade(database_url: str | None = database_url_option()) -> None:
     """Apply the schema migrations up to the newest revision (safe to run again)."""
     with open_database(database_url, create=True) as store:
         where = store.db.url.render_as_string(hide_password=True)
@@ -31,7 +29,7 @@ def db_upgrade(database_url: Optional[str] = database_url_option()) -> None:
 @db_app.command("migrate-blobs")
 @command
 def db_migrate_blobs(target: str = typer.Argument(..., help="the folder to move them to, as file:///absolute/path"),
-                     database_url: Optional[str] = database_url_option()) -> None:
+                     database_url: str | None = database_url_option()) -> None:
     """Move the blob bytes held in the database to a file blob store (stop the servers first), all in one
     transaction; then set PLANCACHE_BLOB_STORE to TARGET everywhere. Safe to run again."""
     from ..store.blobs import migrate_blobs, open_blob_store

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -26,14 +25,14 @@ _GIVE_ADMIN_TOKEN = (f"give --token or set {env_name('admin_token')} to an admin
 @command
 def enqueue(
     files: list[Path] = typer.Argument(..., help="GraphSpec JSON files"),
-    server: Optional[str] = server_option("plancache server URL"),
-    token: Optional[str] = typer.Option(None, "--token", show_default=False,
+    server: str | None = server_option("plancache server URL"),
+    token: str | None = typer.Option(None, "--token", show_default=False,
                                         help="admin token (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)"),
-    sm: Optional[int] = typer.Option(None, "--sm", help="compute capability major*10+minor, e.g. 90 (default: any)"),
-    sm_count: Optional[int] = typer.Option(None, "--sm-count", help="number of SMs, e.g. 132 (default: any)"),
-    cudnn_version: Optional[int] = typer.Option(None, "--cudnn-version", help="e.g. 91900 (default: any)"),
-    driver_version: Optional[int] = typer.Option(None, "--driver-version", help="e.g. 13000 (default: any)"),
-    frontend_version: Optional[str] = typer.Option(None, "--frontend-version", help="e.g. 1.32.0 (default: any)"),
+    sm: int | None = typer.Option(None, "--sm", help="compute capability major*10+minor, e.g. 90 (default: any)"),
+    sm_count: int | None = typer.Option(None, "--sm-count", help="number of SMs, e.g. 132 (default: any)"),
+    cudnn_version: int | None = typer.Option(None, "--cudnn-version", help="e.g. 91900 (default: any)"),
+    driver_version: int | None = typer.Option(None, "--driver-version", help="e.g. 13000 (default: any)"),
+    frontend_version: str | None = typer.Option(None, "--frontend-version", help="e.g. 1.32.0 (default: any)"),
     priority: int = typer.Option(0, "--priority", help="higher is claimed first"),
     wait: float = typer.Option(5.0, "--wait", min=0.0,
                                help="seconds to keep trying an unreachable or failing server before giving up"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -12,10 +11,10 @@ from .common import ExitCode, Failure, command
 
 @command
 def keygen(
-    directory: Optional[Path] = typer.Argument(None, metavar="DIR", show_default=False,
+    directory: Path | None = typer.Argument(None, metavar="DIR", show_default=False,
                                                help="directory for NAME.key and NAME.pub (the same as --out) "
                                                     "(default: .)"),
-    out: Optional[Path] = typer.Option(None, "--out", show_default=False,
+    out: Path | None = typer.Option(None, "--out", show_default=False,
                                        help="directory for NAME.key and NAME.pub (default: .)"),
     name: str = typer.Option("plancache", "--name", help="file name stem"),
 ) -> None:

@@ -1,26 +1,37 @@
-"""``plancache plans list|gc``: inspect stored plan records, and retention (delete what is no longer used)."""
+"""``plancache plans list|gc|resign``: inspect stored plan records, retention (delete what is no longer used), and
+signing stored records again with another key (key rotation)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
+from ..settings import SigningSettings, TrustSettings
 from .common import (
     ExitCode,
     Failure,
     command,
     database_url_option,
     load_environment,
+    load_signer,
+    load_trusted_keys,
     open_database,
+    required,
+    signing_key_option,
 )
 
 if TYPE_CHECKING:
+    from ..protocol import PlanRecord
+    from ..signing import Signer, TrustedKeys
     from ..store import Store
 
-plans_app = typer.Typer(no_args_is_help=True, help="Inspect stored plans; delete those no longer used.")
+plans_app = typer.Typer(no_args_is_help=True, help="Inspect stored plans; delete those no longer used; sign them "
+                                                   "again with another key.")
+#: Records read per query by ``plans resign``.
+_PAGE = 1000
 
 _HEX = re.compile(r"^[0-9a-f]+$")
 #: The shortest environment id prefix taken for a whole id (``plans list`` prints 12 characters).
@@ -70,13 +81,13 @@ def resolve_env_id(store: Store, value: str, option: str) -> str:
 @plans_app.command("list")
 @command
 def plans_list(
-    env_id: Optional[str] = typer.Option(None, "--env-id", help="only plans for this environment id (or its first "
+    env_id: str | None = typer.Option(None, "--env-id", help="only plans for this environment id (or its first "
                                                                 "8+ characters, as this table prints it)"),
-    graph_key: Optional[str] = typer.Option(None, "--graph-key", help="only plans for this graph key"),
+    graph_key: str | None = typer.Option(None, "--graph-key", help="only plans for this graph key"),
     limit: int = typer.Option(100, "--limit", min=1, max=10_000, help="list at most this many records"),
     offset: int = typer.Option(0, "--offset", min=0, help="skip this many records first (paging)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON record per line instead of a table"),
-    database_url: Optional[str] = database_url_option(),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """List stored plan records, newest first."""
     with open_database(database_url) as store:
@@ -91,7 +102,8 @@ def plans_list(
     from rich.table import Table
 
     table = Table(title=f"{len(records)} plans")
-    for col in ("graph key", "env id", "GPU", "cuDNN", "engine", "winner ms", "heuristic ms", "blob bytes", "signed", "worker", "created"):
+    for col in ("graph key", "env id", "GPU", "cuDNN", "engine", "winner ms", "heuristic ms", "blob bytes", "signed",
+                "worker", "created"):
         table.add_column(col, justify="right" if col in ("engine", "winner ms", "heuristic ms", "blob bytes") else "left")
     for r in records:
         env = r.environment
@@ -109,12 +121,12 @@ def plans_list(
 def plans_gc(
     grace_hours: float = typer.Option(24.0, "--grace-hours", min=0.0,
                                       help="keep unreferenced blobs stored less than this many hours ago"),
-    keep_environment: Optional[list[str]] = typer.Option(
+    keep_environment: list[str] | None = typer.Option(
         None, "--keep-environment",
         help="an environment still in use: its env id (or the first 8+ characters `plans list` prints), or its "
              "environment JSON / file; repeat it. When given, plan records of every other environment are deleted"),
     dry_run: bool = typer.Option(False, "--dry-run", help="report what would be deleted, delete nothing"),
-    database_url: Optional[str] = database_url_option(),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """Delete plan records of environments no longer in use, then blobs no record references."""
     from datetime import timedelta
@@ -134,6 +146,80 @@ def plans_gc(
     for env_id, n in sorted(report.records_by_env.items()):
         typer.echo(f"  environment {env_id}: {n}")
     typer.echo(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.blob_bytes_freed} bytes)")
+
+
+def _all_records(store: Store, env_id: str | None) -> list[PlanRecord]:
+    """Every stored record (of ``env_id``), read before any is replaced (a replacement reorders the listing)."""
+    records: list[PlanRecord] = []
+    while page := store.list_plans(env_id=env_id, limit=_PAGE, offset=len(records)):
+        records.extend(page)
+    return records
+
+
+def _resign(store: Store, record: PlanRecord, signer: Signer, trusted: TrustedKeys, include_unsigned: bool) -> str:
+    """Sign ``record`` again with ``signer`` (a higher revision replaces it); what happened: ``signed``,
+    ``current`` (already signed by ``signer``), ``newer`` (replaced by a newer record meanwhile), or why the
+    record was refused."""
+    from ..errors import StaleRevision, VerificationError
+    from ..protocol import PlanMeta
+    from ..verify import verify_blob
+
+    if record.signer_key_id == signer.key_id:
+        return "current"
+    if record.envelope is not None or not include_unsigned:
+        try:
+            verify_blob(record, None, what=f"plan {record.graph_key[:16]} on env {record.env_id[:12]}", trusted=trusted,
+                        require_signature=True)
+        except VerificationError as exc:
+            return exc.message
+    blob = store.get_blob(record.blob_sha256)
+    if blob is None:
+        return f"plan {record.graph_key[:16]} on env {record.env_id[:12]}: its blob is not stored"
+    meta = PlanMeta.model_validate(record.model_dump(include=set(PlanMeta.model_fields)))
+    try:
+        store.publish_plan(signer.sign(meta), blob, replace=True)
+    except StaleRevision:
+        return "newer"
+    return "signed"
+
+
+@plans_app.command("resign")
+@command
+def plans_resign(
+    signing_key: Path | None = signing_key_option("ed25519 private key that signs the records again"),
+    trusted_keys: str | None = typer.Option(
+        None, "--trusted-keys", help="public key files or folders of *.pub (, or : separated): only records whose "
+                                     "signature verifies by one of them are signed again (default: "
+                                     "PLANCACHE_TRUSTED_KEYS)"),
+    include_unsigned: bool = typer.Option(False, "--include-unsigned",
+                                          help="also sign records stored without a signature (those stored before "
+                                               "schema revision 0004): you vouch for this database's contents"),
+    env_id: str | None = typer.Option(None, "--env-id", help="only plans for this environment id (or its first "
+                                                                "8+ characters, as `plans list` prints it)"),
+    database_url: str | None = database_url_option(),
+) -> None:
+    """Sign stored plan records again with --signing-key (key rotation): every record signed by a trusted key,
+    and not by this one yet, is replaced by the same record with a higher revision and this key's signature."""
+    signer = load_signer(required(signing_key or SigningSettings().signing_key, "no signing key given",
+                                  "give --signing-key or set PLANCACHE_SIGNING_KEY (the new key's NAME.key)"))
+    trusted = load_trusted_keys(trusted_keys or TrustSettings().trusted_keys)
+    if not trusted and not include_unsigned:
+        raise Failure("no trusted keys given: no record's signature can be checked",
+                      "give --trusted-keys (the public keys of the records' current signers) or set "
+                      "PLANCACHE_TRUSTED_KEYS", ExitCode.CONFIG)
+    with open_database(database_url) as store:
+        if env_id is not None and len(env_id) < ENV_ID_LENGTH:
+            env_id = resolve_env_id(store, env_id, "--env-id")
+        outcomes = [_resign(store, r, signer, trusted, include_unsigned) for r in _all_records(store, env_id)]
+    refused = [o for o in outcomes if o not in ("signed", "current", "newer")]
+    typer.echo(f"signed {outcomes.count('signed')} plan records again with key {signer.key_id}; "
+               f"{outcomes.count('current')} were signed by it already, {outcomes.count('newer')} replaced by a "
+               f"newer record meanwhile, {len(refused)} refused")
+    if refused:
+        raise Failure(f"{len(refused)} plan records were not signed again: " + "; ".join(refused[:5])
+                      + (" …" if len(refused) > 5 else ""),
+                      "give --trusted-keys the public keys that signed them (or --include-unsigned for records "
+                      "without a signature), or tune them again", ExitCode.FAILED)
 
 
 def register(app: typer.Typer) -> None:

@@ -15,7 +15,8 @@ def _ms(x: float | None) -> str:
 def summary_table(results: list[tuple[Path, Any, Any]]) -> Table:
     """One row per tuned spec: candidates, winner vs heuristic vs worst, tuning time."""
     t = Table(title="autotune summary")
-    for col in ("spec", "graph key", "candidates", "ok", "winner ms", "heuristic ms", "worst ms", "speedup", "workspace", "tune s"):
+    for col in ("spec", "graph key", "candidates", "ok", "winner ms", "heuristic ms", "worst ms", "speedup", "workspace",
+                "tune s"):
         t.add_column(col, justify="right" if col not in ("spec", "graph key") else "left")
     for path, spec, tuned in results:
         ok = sum(c.status == "ok" for c in tuned.candidates)

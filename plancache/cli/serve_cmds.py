@@ -4,6 +4,7 @@ script may wait for it (or for ``/readyz``) before it uses the server or the dat
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 from collections.abc import Callable
@@ -79,11 +80,9 @@ def serve(
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
 
-            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)  # type: ignore[arg-type]
-            try:
+            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn has shut down cleanly, then re-raised it
                 server.run(sockets=[sock])
-            except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down cleanly, then re-raised the signal
-                pass
     finally:
         sock.close()
 

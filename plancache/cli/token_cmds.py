@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 import typer
 
@@ -12,7 +11,7 @@ from .common import command, database_url_option, open_database
 token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (stored hashed).")
 
 
-class RoleChoice(str, enum.Enum):
+class RoleChoice(enum.StrEnum):
     reader = "reader"
     worker = "worker"
     admin = "admin"
@@ -23,7 +22,7 @@ class RoleChoice(str, enum.Enum):
 def token_create(
     role: RoleChoice = typer.Option(..., "--role", help="reader: resolve/fetch; worker: claim and publish; admin: everything"),
     name: str = typer.Option(..., "--name", help="a unique name for this token, e.g. the host or team using it"),
-    database_url: Optional[str] = database_url_option(),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """Create a token and print it (stdout, once: only its hash is stored)."""
     with open_database(database_url) as store:
@@ -35,7 +34,7 @@ def token_create(
 @token_app.command("revoke")
 @command
 def token_revoke(name_or_id: str = typer.Argument(..., help="the live token's name, or its id"),
-                 database_url: Optional[str] = database_url_option()) -> None:
+                 database_url: str | None = database_url_option()) -> None:
     """Revoke a token; requests bearing it are refused from now on."""
     with open_database(database_url) as store:
         info = store.revoke_token(name_or_id)
@@ -44,7 +43,7 @@ def token_revoke(name_or_id: str = typer.Argument(..., help="the live token's na
 
 @token_app.command("list")
 @command
-def token_list(database_url: Optional[str] = database_url_option()) -> None:
+def token_list(database_url: str | None = database_url_option()) -> None:
     """List tokens (never their secrets)."""
     from rich.console import Console
     from rich.table import Table

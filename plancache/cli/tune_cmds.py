@@ -5,16 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from ..settings import AdminSettings, WorkerSettings, env_name
 from .common import (
     ExitCode,
-    build_processes_option,
     Failure,
     as_failure,
+    build_processes_option,
     command,
     load_signer,
     load_spec_file,
@@ -31,16 +31,16 @@ if TYPE_CHECKING:
 @command
 def tune(
     files: list[Path] = typer.Argument(..., help="GraphSpec JSON files"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write <name>.blob and <name>.json per spec here"),
-    server: Optional[str] = server_option("upload each plan to this server"),
-    token: Optional[str] = typer.Option(None, "--token", show_default=False,
+    out: Path | None = typer.Option(None, "--out", help="write <name>.blob and <name>.json per spec here"),
+    server: str | None = server_option("upload each plan to this server"),
+    token: str | None = typer.Option(None, "--token", show_default=False,
                                         help="admin token for --server (a worker token uploads only the plans of "
                                              "jobs it holds) (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)"),
-    signing_key: Optional[Path] = signing_key_option("ed25519 private key that signs uploaded plans"),
+    signing_key: Path | None = signing_key_option("ed25519 private key that signs uploaded plans"),
     repeats: int = typer.Option(20, "--repeats", min=3, help="timed runs per candidate (fewer for slow ones)"),
     warmup: int = typer.Option(3, "--warmup", min=0, help="untimed runs per candidate before timing"),
     device: int = typer.Option(0, "--device", min=0, help="CUDA device ordinal"),
-    build_processes: Optional[int] = build_processes_option(),
+    build_processes: int | None = build_processes_option(),
     show_candidates: bool = typer.Option(False, "--candidates", help="print every candidate's row"),
 ) -> None:
     """Autotune specs on this GPU; write the winners to --out and/or upload them to --server."""

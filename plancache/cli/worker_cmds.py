@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -23,18 +22,18 @@ from .common import (
 
 @command
 def worker(
-    server: Optional[str] = server_option("plancache server URL"),
-    token: Optional[str] = typer.Option(None, "--token", show_default=False,
+    server: str | None = server_option("plancache server URL"),
+    token: str | None = typer.Option(None, "--token", show_default=False,
                                         help="worker-role token (`plancache token create --role worker`) "
                                              "(default: PLANCACHE_TOKEN)"),
-    worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name sent with every claim (default: HOST-PID)"),
-    spool_dir: Optional[Path] = typer.Option(None, "--spool-dir", help="finished results wait here for upload "
+    worker_id: str | None = typer.Option(None, "--worker-id", help="name sent with every claim (default: HOST-PID)"),
+    spool_dir: Path | None = typer.Option(None, "--spool-dir", help="finished results wait here for upload "
                                              "(default: PLANCACHE_CACHE_DIR/worker-spool)"),
     once: bool = typer.Option(False, "--once", help="exit when no job is left for this environment instead of polling"),
     poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.05, help="seconds between claims on an empty queue"),
-    signing_key: Optional[Path] = signing_key_option("ed25519 private key file (plancache keygen)"),
+    signing_key: Path | None = signing_key_option("ed25519 private key file (plancache keygen)"),
     device: int = typer.Option(0, "--device", min=0, help="CUDA device ordinal"),
-    build_processes: Optional[int] = build_processes_option(),
+    build_processes: int | None = build_processes_option(),
     shutdown_grace: float = typer.Option(25.0, "--shutdown-grace", min=0,
                                          help="on SIGTERM, seconds a running tuning may take to finish before release"),
 ) -> None:

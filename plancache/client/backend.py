@@ -24,7 +24,7 @@ class BuiltPlanLike(Protocol):
     knobs: dict[str, int]
     plan_name: str
 
-    def execute(self, tensors: dict[str, Any], workspace: Any, handle: Any) -> None: ...
+    def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None: ...
 
 
 class Backend(Protocol):

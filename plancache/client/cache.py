@@ -1,11 +1,17 @@
 """The client's local disk cache of verified plans, so a process with no network starts from it.
 
 Layout: ``<cache_dir>/<env_id>/<graph_key>.json`` (the plan record) and
-``<cache_dir>/<env_id>/<sha256>.blob`` (the blob). Every file is written to a temporary file in
-the same folder and moved into place with ``os.replace``, so readers see a whole file or none;
-no fsync: a file damaged by a crash fails verification on its next read and is dropped.
+``<cache_dir>/<env_id>/<sha256>.blob`` (the blob). Every file is written with
+:func:`~plancache.files.atomic_write` (a temporary file in the same folder, fsynced and renamed into place), so
+readers see a whole file or none, and a crash loses no file that was written.
 Nothing read from here is trusted: the client verifies every entry exactly like a network blob,
 and writes only plans whose signature it verified.
+
+Revisions: ``<cache_dir>/<env_id>/<graph_key>.revision`` holds the highest revision of a signed record the
+client accepted for that graph key and environment (:meth:`DiskCache.accept_revision`), so that no process
+sharing the folder accepts an older record later, from the server or from disk (a replay): the client
+refuses a lower one (reason ``revision``). These files are a few bytes each and are not evicted by the size
+cap; they go with their environment's folder.
 
 Housekeeping, safe with other processes sharing the folder (each of them may evict or drop; a reader
 that loses a file to another process just misses, and the plan comes from the next rung):
@@ -24,45 +30,36 @@ that loses a file to another process just misses, and the plan comes from the ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..environment import Environment
+from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import VerificationError
-from ..protocol import PlanRecord
+from ..files import atomic_write
+from ..protocol import GRAPH_KEY_PATTERN, PlanRecord
+from ..validation import validation_message
 
 log = logging.getLogger("plancache.client")
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_ENV_DIR = re.compile(r"^[0-9a-f]{32}$")
+_GRAPH_KEY = re.compile(GRAPH_KEY_PATTERN)
+_ENV_DIR = re.compile(ENV_ID_PATTERN)
 #: In an environment folder: its modification time is when a process last opened or wrote the folder.
 USED_MARKER = ".used"
 #: A scan over the cap deletes down to this share of it, so the next scan is some writes away.
 LOW_WATER = 0.9
 #: A temporary file older than this is a crashed writer's, and is deleted by a scan.
 STALE_TEMP_SECONDS = 3600.0
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+#: Attempts of :meth:`DiskCache.accept_revision` to leave its revision (or a higher one) in place when other
+#: processes write the same file meanwhile.
+REVISION_WRITES = 3
 
 
 def _unlink(path: Path) -> int:
@@ -90,14 +87,41 @@ class DiskCache:
         self.max_age_days = max_age_days or None
         self._clock = clock
         self._estimate: int | None = None  # bytes under root as of this process's last scan, plus its writes
+        self._revisions: dict[str, int] = {}  # accepted by this process, should the folder be read-only
 
     def _record_path(self, graph_key: str) -> Path:
-        if not _HEX64.match(graph_key):
+        if not _GRAPH_KEY.match(graph_key):
             raise ValueError(f"graph key {graph_key[:80]!r} is not 64 lowercase hex characters")
         return self.dir / f"{graph_key}.json"
 
     def _blob_path(self, sha256: str) -> Path:
         return self.dir / f"{sha256}.blob"  # PlanRecord validated the pattern: no path tricks
+
+    def _stored_revision(self, path: Path) -> int:
+        try:
+            return int(path.read_bytes())
+        except (OSError, ValueError):  # none yet, unreadable or damaged
+            return 0
+
+    def revision(self, graph_key: str) -> int:
+        """The highest revision of a signed record accepted for ``graph_key`` on this environment, by this process
+        or another one sharing the folder; 0 when none was."""
+        path = self._record_path(graph_key).with_suffix(".revision")
+        return max(self._stored_revision(path), self._revisions.get(graph_key, 0))
+
+    def accept_revision(self, graph_key: str, revision: int) -> None:
+        """Remember that a signed record of ``revision`` was accepted for ``graph_key`` (a higher one remembered
+        already stays). A folder that cannot be written keeps it for this process only."""
+        self._revisions[graph_key] = max(revision, self._revisions.get(graph_key, 0))
+        path = self._record_path(graph_key).with_suffix(".revision")
+        try:
+            for _ in range(REVISION_WRITES):  # another process may write a lower one between our read and write
+                if self._stored_revision(path) >= revision:
+                    return
+                self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                atomic_write(path, str(revision).encode())
+        except OSError as exc:
+            log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
 
     def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
         """The stored record and blob for ``graph_key``, unverified; ``None`` when there is no whole entry
@@ -116,7 +140,7 @@ class DiskCache:
             record = PlanRecord.model_validate_json(text)
         except ValidationError as exc:
             raise VerificationError("malformed", f"cached record {graph_key[:12]} does not parse: "
-                                                 f"{exc.errors()[0].get('msg', exc)}") from None
+                                                 f"{validation_message(exc.errors(), 1)}") from None
         blob_path = self._blob_path(record.blob_sha256)
         try:
             blob = blob_path.read_bytes()
@@ -132,10 +156,8 @@ class DiskCache:
     def _touch(self, *paths: Path) -> None:
         """Mark files used now (least recently used eviction); a read-only cache stays as it is."""
         for path in paths:
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(path)
-            except OSError:
-                pass
 
     def save(self, record: PlanRecord, blob: bytes) -> bool:
         """Store a plan (blob first, then the record that points at it), then keep the cache under its cap.
@@ -144,15 +166,13 @@ class DiskCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             record_json = record.model_dump_json().encode()
-            _write_atomic(self._blob_path(record.blob_sha256), blob)
-            _write_atomic(self._record_path(record.graph_key), record_json)
+            atomic_write(self._blob_path(record.blob_sha256), blob)
+            atomic_write(self._record_path(record.graph_key), record_json)
         except OSError as exc:
             log.warning("plan cache: cannot write %s: %s", self.dir, exc)
             return False
-        try:
+        with contextlib.suppress(OSError):
             self._mark_used()
-        except OSError:
-            pass
         if self.max_bytes is not None:
             if self._estimate is None:
                 self._estimate = self.size()
@@ -243,10 +263,8 @@ class DiskCache:
             return []
 
     def _sweep(self) -> list[Path]:
-        try:
+        with contextlib.suppress(OSError):  # no folder for this environment yet, or a read-only cache
             self._mark_used()
-        except OSError:
-            pass  # no folder for this environment yet, or a read-only cache
         if self.max_age_days is None:
             return []
         oldest = self._clock() - self.max_age_days * 86400.0

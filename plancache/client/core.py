@@ -3,8 +3,8 @@
 The ladder is a list of :class:`Step` objects (:data:`LADDER`), tried in order for a whole batch of loads:
 memory → the local disk cache → the server (one ``POST /v1/plans/resolve`` for the batch) → a rebuild of the
 tuned record's ``(engine_id, knobs)`` → a local heuristic build. A blob from disk or server is verified first
-(size → sha256 → signature → graph key → environment, see :mod:`plancache.verify`) and only then
-deserialized; a rejected blob is counted by reason and the ladder goes on. A mode is the kinds of step it
+(size → sha256 → signature → graph key → environment → revision, see :mod:`plancache.verify`) and only
+then deserialized; a rejected blob is counted by reason and the ladder goes on. A mode is the kinds of step it
 allows (:data:`MODE_STEPS`, by :class:`Builds`):
 
 - ``normal``: the whole ladder; a plan is always returned (unless the local build itself fails).
@@ -17,7 +17,9 @@ Without trusted keys every disk or server plan is refused (reason ``no_trusted_k
 built locally — unless ``insecure_allow_unsigned`` (``PLANCACHE_INSECURE_ALLOW_UNSIGNED``) is set, which in
 normal mode only admits plans checked by size and digest alone; strict and replay-only modes ignore it. A plan
 admitted without a signature is never written to the disk cache, and only a record whose signature verified is
-rebuilt from its ``(engine_id, knobs)``.
+rebuilt from its ``(engine_id, knobs)``. The revision of every signed plan admitted is remembered in the disk
+cache (:meth:`~plancache.client.cache.DiskCache.accept_revision`), and a record older than the highest one
+remembered for its graph key is refused (reason ``revision``): an old signed record cannot be replayed.
 
 The server is asked once per load (one ``plan``/``prefetch``) and all of it — resolve, blob downloads, spec
 registrations — must be done within ``request_deadline`` seconds; every answer is read with a size limit
@@ -184,6 +186,8 @@ class Step(ABC):
         finally:
             c._stats.deserialize_seconds += time.perf_counter() - t0
         c._verified[p.key] = (record, blob)
+        if c.signatures_checked:  # the revision of a signed record only: an unsigned one may say anything
+            c.disk.accept_revision(p.key, record.revision)
         return self.wrap(p, built)
 
 
@@ -645,7 +649,7 @@ class PlanCache:
         if self._remote is not None:
             self._remote.close()
 
-    def __enter__(self) -> "PlanCache":
+    def __enter__(self) -> PlanCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -694,10 +698,11 @@ class PlanCache:
     def _verify(self, record: PlanRecord, blob: bytes | None, key: str, *, signed: bool | None = None) -> None:
         """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone. A signature
         by a trusted key is required (``signed``, default: unless unsigned plans are allowed); without trusted
-        keys that fails with ``no_trusted_keys``."""
+        keys that fails with ``no_trusted_keys``. The revision must not be below the highest one accepted."""
         verify_blob(record, blob, what=f"plan {key[:12]}", trusted=self.trusted_keys, graph_key=key,
                     environment=self.environment,
-                    require_signature=not self.insecure_allow_unsigned if signed is None else signed)
+                    require_signature=not self.insecure_allow_unsigned if signed is None else signed,
+                    min_revision=self.disk.revision(key))
 
     def _authentic(self, record: PlanRecord, key: str) -> bool:
         """The record's signature verifies by a trusted key and it is meant for this graph and GPU, whatever its

@@ -62,7 +62,7 @@ def installed(cache: PlanCache) -> Iterator[PlanCache]:
         uninstall()
 
 
-def _build(graph: Any, heuristics: Any = None, ctx: Any = None) -> None:
+def _build(graph: Any, heuristics: Any = None, ctx: Any = None) -> Any:
     cache, original = _cache, _original
     if cache is None or original is None or ctx is not None:
         return (original or type(graph).build)(graph, heuristics, ctx=ctx)

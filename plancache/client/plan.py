@@ -10,6 +10,7 @@ scalars are frozen at their captured values too: capture again to change them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from .backend import Backend, BuiltPlanLike
 
 #: Device pointers handed to cuDNN must be aligned to this many bytes (the alignment plans are built for).
 ALIGNMENT = 16
+#: The tensors of a call, by name or by canonical uid.
+Tensors = Mapping[str, Any] | Mapping[int, Any]
 
 
 def _torch() -> Any:
@@ -86,7 +89,7 @@ class Plan:
         self._built = built
         self._backend = backend
         self._lock = lock
-        self._expect: dict[str, _Expect] | None = None
+        self._expect: dict[int, _Expect] | None = None
         self._workspaces: dict[int, Any] = {}
 
     @property
@@ -138,13 +141,16 @@ class Plan:
             self._expect = expect
         return self._expect
 
-    def _bind(self, tensors: dict[str | int, Any] | None, named: dict[str, Any], torch: Any) -> dict[int, Any]:
+    def _bind(self, tensors: Tensors | None, named: dict[str, Any], torch: Any) -> dict[int, Any]:
         expect = self._expectations(torch)
         by_name = {e.name: u for u, e in expect.items() if e.name}
         listing = ", ".join(e.name or f"uid {u}" for u, e in expect.items())
         given: dict[int, Any] = {}
         for key, value in [*(tensors or {}).items(), *named.items()]:
-            uid = key if isinstance(key, int) and not isinstance(key, bool) and key in expect else by_name.get(key)
+            if isinstance(key, int) and not isinstance(key, bool) and key in expect:
+                uid: int | None = key
+            else:
+                uid = by_name.get(key) if isinstance(key, str) else None
             if uid is None:
                 raise ValueError(f"unknown tensor {key!r}: this plan takes {listing}")
             if uid in given:
@@ -180,7 +186,7 @@ class Plan:
 
     # ------------------------------------------------------------ running
 
-    def execute(self, tensors: dict[str, Any] | None = None, /, *, workspace: Any = None, stream: Any = None,
+    def execute(self, tensors: Tensors | None = None, /, *, workspace: Any = None, stream: Any = None,
                 **named: Any) -> None:
         """Launch the plan on ``stream`` (default: the caller's current torch stream) — asynchronous, like torch ops.
 
@@ -205,7 +211,7 @@ class Plan:
             self._backend.set_stream(run_on)
             self._built.execute(pack, ws, self._backend.handle)
 
-    def capture(self, tensors: dict[str, Any] | None = None, /, *, workspace: Any = None, warmup: int = 2,
+    def capture(self, tensors: Tensors | None = None, /, *, workspace: Any = None, warmup: int = 2,
                 **named: Any) -> Any:
         """Capture one execution into a ``torch.cuda.CUDAGraph`` and return it; ``graph.replay()`` re-runs it
         on the caller's current stream.

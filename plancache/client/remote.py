@@ -21,7 +21,7 @@ from ..http import CircuitBreaker, HttpClient, json_as
 from ..protocol import ResolveRequest, ResolveResponse, SpecCreated
 from ..spec import GraphSpec
 
-#: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signature,
+#: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signed envelope,
 #: environment, knobs, timings) and the JSON around it; and once per answer.
 RECORD_ALLOWANCE = 16 * 1024
 ANSWER_ALLOWANCE = 64 * 1024

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import cudnn
 import torch
@@ -17,8 +19,7 @@ from ..spec import GraphSpec
 from . import reference
 from .candidates import BuildPool, build_in_process
 from .fegraph import decode, graph_layouts
-from .runtime import (canonical, check_memory, check_pack, deserialize_plan, expected_outputs, plan_identity, prepare,
-                      require_gpu)
+from .runtime import canonical, check_memory, check_pack, deserialize_plan, expected_outputs, plan_identity, prepare, require_gpu
 from .timing import median_ms
 
 #: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
@@ -85,7 +86,7 @@ def _dedupe(graph: Any, count: int) -> list[int]:
     return keep
 
 
-def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeats: int = 20,
+def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int = 3, repeats: int = 20,
              progress: Progress | None = None, seed: int | None = None, builders: BuildPool | None = None) -> TunedPlan:
     """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
     the float32 torch reference, or for a graph no reference covers, cuDNN's FALLBACK / heuristic plan
@@ -122,7 +123,7 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
         build_s = timing_s = 0.0
         workspace = torch.empty(1, dtype=torch.uint8, device=dev)
         for n_done, b in enumerate(built):
-            cand = dict(index=b.index, engine_id=b.engine_id, knobs=b.knobs, name=b.name)
+            cand: dict[str, Any] = dict(index=b.index, engine_id=b.engine_id, knobs=b.knobs, name=b.name)
             build_s += b.build_seconds
             if b.blob is None:  # a candidate the backend declines to build is data, not a failure
                 candidates.append(Candidate(**cand, status="build_failed", error=b.error))
@@ -146,7 +147,7 @@ def autotune(spec: GraphSpec | dict, *, device: int = 0, warmup: int = 3, repeat
                                                 error=f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})"))
                 else:
                     best = min((t[0] for t in timed), default=None)
-                    ms = median_ms(lambda: plan.execute(pack, workspace, handle),
+                    ms = median_ms(partial(plan.execute, pack, workspace, handle),
                                    warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
                                    set_stream=lambda sid: cudnn.set_stream(handle, sid),
                                    give_up_above_ms=None if best is None else best * GIVE_UP_FACTOR)

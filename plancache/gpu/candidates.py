@@ -12,13 +12,13 @@ the very blob that is published.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..canonical import canonical_json
 from ..procpool import Crashed, OrderedPool
 from ..spec import GraphSpec, parse_spec
 from .runtime import plan_identity, prepare
@@ -110,7 +110,7 @@ class BuildPool:
     def build(self, spec: GraphSpec, graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
         """Submit every candidate now; yield them in ``indices`` order as they are built. ``graph`` is the
         tuning process's own prepared graph of ``spec`` (canonical), whose plan list the builders must match."""
-        document = json.dumps(spec.to_json(), sort_keys=True)
+        document = canonical_json(spec.to_json())
         key = hashlib.sha256(document.encode()).hexdigest()
         tasks = []
         for i in indices:

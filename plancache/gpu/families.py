@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +167,7 @@ def _sum_to(t: Tensor, shape: list[int] | tuple[int, ...]) -> Tensor:
 # ------------------------------------------------------------------ convolution
 
 
-def _conv_fn(spatial: int, call: NodeCall):
+def _conv_fn(spatial: int, call: NodeCall) -> Callable[..., Tensor]:
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(spatial)
     if fn is None:
         raise call.fail(f"{spatial}-D convolution has no reference (1-D, 2-D and 3-D only)")
@@ -511,7 +511,7 @@ def _norm_forward(call: NodeCall) -> dict[str, Tensor]:
     out = {"Y": y, "inv_var": inv}
     if mean is not None:
         out["mean"] = mean
-    if t == "BATCHNORM" and "in_running_mean" in call.x:
+    if t == "BATCHNORM" and "in_running_mean" in call.x and mean is not None:
         m = call.scalar("momentum", 0.1)
         n = math.prod(x.shape[i] for i in axes)
         out["next_running_mean"] = (1 - m) * call.f("in_running_mean") + m * mean
@@ -667,7 +667,8 @@ def kv_len(spec: GraphSpec, node: NodeDoc) -> int:
     """s_kv of an attention node: the paged max length, else k's dim 2."""
     k = spec.tensor(node.inputs["k"])
     if is_paged(node):
-        table = spec.tensor(node.inputs.get("paged_attention_k_table", node.inputs.get("paged_attention_v_table")))
+        port = "paged_attention_k_table" if "paged_attention_k_table" in node.inputs else "paged_attention_v_table"
+        table = spec.tensor(node.inputs[port])
         block = k.dim[2]
         max_len = decode_param(node.params.get("paged_attention_max_seq_len_kv"))
         return int(max_len) if max_len else table.dim[2] * block
@@ -753,7 +754,8 @@ def _side_lens(geo: AttentionGeometry, port: str) -> list[int] | None:
 def _attn_input(call: NodeCall, port: str, geo: AttentionGeometry) -> Tensor:
     """A q/k/v/o/dO input as a dense logical [b, h, s, d] tensor (paged and ragged layouts resolved)."""
     if port in ("k", "v") and is_paged(call.node):
-        table = call.x.get(f"paged_attention_{port}_table", call.x.get("paged_attention_k_table"))
+        own = f"paged_attention_{port}_table"
+        table = call.x[own if own in call.x else "paged_attention_k_table"]
         return paged_gather(call.f(port), table, geo.b, geo.s_kv)
     doc = call.doc(port)
     if doc.ragged_offset is not None:
@@ -786,7 +788,7 @@ def head_chunk(h: int, s_q: int, s_kv: int) -> int:
     return max(1, min(h, SCORE_CHUNK_BYTES // max(1, s_q * s_kv * 4)))
 
 
-def _chunks(geo: AttentionGeometry):
+def _chunks(geo: AttentionGeometry) -> Iterator[tuple[int, slice]]:
     hc = head_chunk(geo.h_q, geo.s_q, geo.s_kv)
     for i in range(geo.b):
         for h0 in range(0, geo.h_q, hc):
@@ -855,7 +857,7 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
     b, h, s_q = q.shape[0], q.shape[1], q.shape[2]
     o = torch.empty(b, h, s_q, v.shape[-1], dtype=torch.promote_types(q.dtype, v.dtype), device=q.device)
     m_all = torch.empty(b, h, s_q, 1, dtype=torch.float32, device=q.device) if want_stats else None
-    l_all = torch.empty_like(m_all) if want_stats else None
+    l_all = torch.empty_like(m_all) if m_all is not None else None
     amax_s = torch.zeros((), dtype=torch.float32, device=q.device)
     for i, hs in _chunks(geo):
         bias_c = None
@@ -872,7 +874,7 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
             o[i:i + 1, hs] = torch.matmul(p8, vv) * (call.x["descale_s"].reshape(()) * call.x["descale_v"].reshape(()))
         else:
             o[i:i + 1, hs] = torch.matmul(p.to(vv.dtype), vv)
-        if want_stats:
+        if m_all is not None and l_all is not None:
             m_all[i:i + 1, hs] = m
             l_all[i:i + 1, hs] = l
     out: dict[str, Tensor] = {}
@@ -881,7 +883,7 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
         out["Amax_O"] = o.abs().amax().reshape(1, 1, 1, 1).to(torch.float32)
         o = o * call.x["scale_o"].reshape(())
     out["O"] = o
-    if want_stats:
+    if m_all is not None and l_all is not None:
         lse = _lse(m_all, l_all)
         if call.params.get("stats_use_log2"):
             lse = lse * math.log2(math.e)
@@ -933,7 +935,7 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
     want_dbias = bias is not None and "dBias" in call.node.outputs
     keep = geo.keep(q.device)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dbias = torch.zeros_like(bias) if want_dbias else None
+    dbias = torch.zeros_like(bias) if bias is not None and want_dbias else None
     for i, hs in _chunks(geo):
         with torch.enable_grad():
             qi = q[i:i + 1, hs].detach().requires_grad_(True)
@@ -948,12 +950,12 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
             s = _scores(qi, ki, scale, geo, keep[i:i + 1], bias_c, hs)
             p, _, _ = _softmax(s)
             o = torch.matmul(p, vi)
-            wrt = [qi, ki, vi] + ([bias_c] if want_dbias else [])
+            wrt = [qi, ki, vi] + ([bias_c] if bias_c is not None and want_dbias else [])
             grads = torch.autograd.grad(o, wrt, d_o[i:i + 1, hs])
         dq[i:i + 1, hs] = grads[0]
         dk[i:i + 1, hs] = grads[1]
         dv[i:i + 1, hs] = grads[2]
-        if want_dbias:
+        if dbias is not None:
             dbias[bidx] += _sum_to(grads[3], list(dbias[bidx].shape))
     g = h // k0.shape[1]
     if g > 1:  # GQA / MQA: a key head's gradient sums over the query heads that read it
@@ -962,7 +964,7 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
     if g > 1:
         dv = dv.view(v0.shape[0], v0.shape[1], g, *v0.shape[2:]).sum(2)
     out = {"dQ": dq, "dK": dk, "dV": dv}
-    if want_dbias:
+    if dbias is not None:
         out["dBias"] = dbias
     return out
 

@@ -79,7 +79,8 @@ def _label(doc: TensorDoc) -> str:
 
 
 def _contiguous(dims: list[int]) -> list[int]:
-    stride, acc = [], 1
+    stride: list[int] = []
+    acc = 1
     for d in reversed(dims):
         stride.insert(0, acc)
         acc *= max(d, 1)
@@ -200,7 +201,8 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
 
     Random non-zero values in the document's dtype, dims and strides (fp8 as torch's float8 types);
     weight-like inputs scaled by 1/sqrt(fan-in); one-element float tensors (descale factors, alpha)
-    in [0.75, 1.25]; pass-by-value scalars as one-element CPU tensors (float32 for FLOAT). Inputs whose values must be valid get valid ones: sequence lengths in
+    in [0.75, 1.25]; pass-by-value scalars as one-element CPU tensors (float32 for FLOAT). Inputs whose values must
+    be valid get valid ones: sequence lengths in
     [1, s] (every other sequence shorter), page tables a permutation of the pool's blocks, ragged
     offsets the cumulative token counts (elements / ragged_offset_multiplier, the offset doc's int
     type), epsilon 1e-5, momentum 0.1, fp8 descale/scale factors around 1 with scale_s the fp8 max
@@ -237,9 +239,9 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
             if uid not in input_uids:
                 continue
             doc = spec.tensor(uid)
-            v = _scalar_role(node, port, spec)
-            if v is not None:
-                values[uid] = torch.full(list(doc.dim) or [1], v)
+            role_value = _scalar_role(node, port, spec)
+            if role_value is not None:
+                values[uid] = torch.full(list(doc.dim) or [1], role_value)
             elif port.startswith(("descale_", "scale_")) and node.type in _ATTENTION:
                 values[uid] = 0.75 + 0.5 * torch.rand(list(doc.dim) or [1], generator=gen)
             elif port in ("in_running_var",):
@@ -253,8 +255,8 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
             for side, s_max in (("q", q.dim[2]), ("kv", s_kv)):
                 chosen = None
                 for port in (f"seq_len_{side}", f"cu_seq_len_{side}"):
-                    uid = node.inputs.get(port)
-                    if uid is None or uid not in input_uids:
+                    uid = node.inputs.get(port, -1)  # uids are >= 0
+                    if uid not in input_uids:
                         continue
                     if uid not in lens:
                         lens[uid] = _lengths(gen, b, s_max)
@@ -266,8 +268,8 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
                     values[uid] = seq.reshape(list(doc.dim) or [-1])
                 side_lens[(idx, side)] = chosen
             for port in ("paged_attention_k_table", "paged_attention_v_table"):
-                uid = node.inputs.get(port)
-                if uid is None or uid not in input_uids:
+                uid = node.inputs.get(port, -1)
+                if uid not in input_uids:
                     continue
                 doc = spec.tensor(uid)
                 blocks = spec.tensor(node.inputs["k" if port.endswith("k_table") else "v"]).dim[0]
@@ -522,10 +524,8 @@ def compare_mask(spec: GraphSpec, inputs: dict[int, Tensor]) -> dict[int, Tensor
             if ms:
                 m = ms[0]
                 for other in ms[1:]:
-                    try:
+                    with contextlib.suppress(RuntimeError):
                         m = m & other
-                    except RuntimeError:
-                        pass
                 for uid in node.outputs.values():
                     masks[uid] = m
     outputs = {d.uid for d in spec.output_tensors()}
@@ -539,6 +539,8 @@ def _dense_output(spec: GraphSpec, doc: TensorDoc, t: Tensor, inputs: dict[int, 
     if inputs is None or doc.ragged_offset not in inputs:
         raise TuningError(f"output {_label(doc)} is ragged: output_errors needs inputs= (its offsets and lengths)")
     node = spec.producer(doc.uid)
+    if node is None:
+        raise TuningError(f"output {_label(doc)} is no node's output")
     port = next(p for p, u in node.outputs.items() if u == doc.uid)
     x = {p: inputs[u] for p, u in node.inputs.items() if u in inputs}
     geo = attention_geometry(spec, node, x) if node.type in _ATTENTION else None

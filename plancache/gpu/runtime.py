@@ -42,7 +42,8 @@ def create_kernel_cache() -> Any:
 
 def knobs_to_public(knobs: dict[Any, int]) -> dict[str, int]:
     """``{cudnn.knob_type: int}`` → ``{name: int}``, sorted, for JSON."""
-    return {getattr(k, "name", str(k)): int(v) for k, v in sorted(knobs.items(), key=lambda kv: getattr(kv[0], "name", str(kv[0])))}
+    named = {getattr(k, "name", str(k)): int(v) for k, v in knobs.items()}
+    return dict(sorted(named.items()))
 
 
 def knobs_from_public(knobs: dict[str, int]) -> dict[Any, int]:
@@ -85,7 +86,7 @@ def plan_identity(graph: Any, index: int) -> tuple[int | None, dict[str, int], s
     return engine_id, public, name
 
 
-def canonical(spec: GraphSpec | dict) -> GraphSpec:
+def canonical(spec: GraphSpec | dict[str, Any]) -> GraphSpec:
     """The document with canonical uids: the form every GPU path builds, feeds and checks (a graph decoded
     from it, and a user's graph after :func:`~plancache.gpu.fegraph.canonicalize_uids`, carry these uids)."""
     return parse_spec(spec).canonical_document()

@@ -69,7 +69,7 @@ def _once_ms(run: Callable[[], None], stream: torch.cuda.Stream) -> float:
     run()
     end.record(stream)
     end.synchronize()
-    return start.elapsed_time(end)
+    return float(start.elapsed_time(end))
 
 
 def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_stream: SetStream, first_ms: float,

@@ -17,6 +17,7 @@ from .bodies import install_openapi_rules
 from .docs import install_docs
 from .errors import install_error_handlers
 from .limits import ByteBudget, RateLimiter
+from .memo import BlobMemory, TtlMemory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
 from .routes import ROUTERS
@@ -87,6 +88,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.inflight = ByteBudget(settings.max_inflight_bytes, settings.inflight_wait_seconds)
     app.state.spec_writes = RateLimiter(settings.spec_writes_per_minute, settings.spec_write_burst)
     app.state.miss_writes = RateLimiter(settings.misses_per_minute, settings.miss_burst)
+    # per-process memories of the hot read path (plancache.server.memo): blob bytes, authenticated tokens
+    app.state.blob_memory = BlobMemory(settings.blob_memory_bytes)
+    app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
     install_error_handlers(app)
     for router in ROUTERS:

@@ -8,16 +8,20 @@ With ``Settings.open_reads`` reader routes need no token (a token that is sent m
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import Forbidden, Unauthorized
 from ..protocol import Role
 from .deps import SettingsDep, StoreDep
+from .memo import TtlMemory
 
 ROLE_RANK: dict[Role, int] = {"reader": 0, "worker": 1, "admin": 2}
 
@@ -57,28 +61,56 @@ def _bearer_token(request: Request) -> str | None:
     return token
 
 
+def _remembered(request: Request, token: str) -> tuple[TtlMemory[Principal] | None, str, Principal | None]:
+    """The app's memory of recently authenticated tokens (:mod:`plancache.server.memo`), the token's key in it,
+    and the principal remembered for it."""
+    memory: TtlMemory[Principal] | None = getattr(request.app.state, "principals", None)
+    key = hashlib.sha256(token.encode()).hexdigest()
+    return memory, key, memory.get(key) if memory is not None else None
+
+
 def identify(request: Request, store: Any, admin_token: str | None) -> Principal | None:
-    """The principal of the request's bearer token, None without one; :class:`Unauthorized` if it is not valid."""
+    """The principal of the request's bearer token, None without one; :class:`Unauthorized` if it is not valid.
+    A stored token authenticated in the last ``token_cache_seconds`` is not looked up again."""
     token = _bearer_token(request)
     if token is None:
         return None
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
         return Principal(role="admin", name=BOOTSTRAP_ADMIN, identity=BOOTSTRAP_ADMIN)
+    memory, key, principal = _remembered(request, token)
+    if principal is not None:
+        return principal
     info = store.authenticate(token)
     if info is None:
         raise Unauthorized("unknown or revoked token")
-    return Principal(role=info.role, name=info.name, identity=f"token:{info.id}")
+    principal = Principal(role=info.role, name=info.name, identity=f"token:{info.id}")
+    if memory is not None:
+        memory.put(key, principal)
+    return principal
+
+
+def _needs_lookup(request: Request) -> bool:
+    """Whether identifying the caller means a database lookup (a stored token not remembered)."""
+    if PRINCIPAL_SCOPE_KEY in request.scope:
+        return False
+    try:
+        token = _bearer_token(request)
+    except Unauthorized:
+        return False  # refused without a lookup
+    return token is not None and _remembered(request, token)[2] is None
 
 
 def _a(role: Role) -> str:
     return f"an {role}" if role == "admin" else f"a {role}"
 
 
-def require(role: Role, *, open_reads_apply: bool = True) -> Callable[..., Principal]:
+def require(role: Role, *, open_reads_apply: bool = True) -> Callable[..., Awaitable[Principal]]:
     """A dependency admitting callers whose token has ``role`` or a higher one (reader routes admit anonymous
     callers under ``open_reads`` unless ``open_reads_apply`` is off)."""
 
-    def dependency(request: Request, store: StoreDep, settings: SettingsDep, _: Any = Depends(_bearer)) -> Principal:
+    async def dependency(request: Request, store: StoreDep, settings: SettingsDep, _: Any = Depends(_bearer)) -> Principal:
+        if _needs_lookup(request):  # the database, off the event loop
+            return await run_in_threadpool(authorize, request, store, settings, role, open_reads_apply=open_reads_apply)
         return authorize(request, store, settings, role, open_reads_apply=open_reads_apply)
 
     dependency.plancache_role = (role, open_reads_apply)  # type: ignore[attr-defined]  # read by bodies.CheckedRoute
@@ -92,6 +124,7 @@ PRINCIPAL_SCOPE_KEY = "plancache.principal"
 def authorize(request: Request, store: Any, settings: Any, role: Role, *, open_reads_apply: bool = True) -> Principal:
     """What :func:`require`'s dependency checks. :class:`~plancache.server.bodies.CheckedRoute` calls it before
     a request body is read (a caller without the role never gets a body parsed), the dependency again after."""
+    principal: Principal | None
     if PRINCIPAL_SCOPE_KEY in request.scope:
         principal = request.scope[PRINCIPAL_SCOPE_KEY]
     else:

@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from fastapi import HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.dependencies.utils import get_dependant
 from fastapi.exceptions import RequestValidationError
@@ -313,7 +313,7 @@ def _state_no_nul(node: Any) -> None:
             _state_no_nul(value)
 
 
-def install_openapi_rules(app: Any) -> None:
+def install_openapi_rules(app: FastAPI) -> None:
     """Make the app's OpenAPI document state what this module enforces beyond the models: no NUL in any string
     (every string schema without a pattern of its own gets :data:`NO_NUL_PATTERN`, every map's keys too)."""
     generate = app.openapi
@@ -325,4 +325,4 @@ def install_openapi_rules(app: Any) -> None:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its OpenAPI document

@@ -14,18 +14,20 @@ from .metrics import Metrics
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 async def get_store(request: Request) -> Store:
-    store = request.app.state.store
+    store: Store | None = request.app.state.store
     if store is None:
         raise RuntimeError("the app's store is not open: run the app with its lifespan (uvicorn, or `with TestClient(app)`)")
     return store
 
 
 async def get_metrics(request: Request) -> Metrics:
-    return request.app.state.metrics
+    metrics: Metrics = request.app.state.metrics
+    return metrics
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

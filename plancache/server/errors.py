@@ -9,7 +9,7 @@ bug, logged with its traceback and answered 500 ``internal_error``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy.exc
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import PlanCacheError
 from ..protocol import ErrorResponse
+from ..validation import validation_message
 
 log = logging.getLogger("plancache.server")
 
@@ -37,8 +38,6 @@ _CODES_BY_STATUS = {
     429: "too_many_requests",
     503: "server_busy",
 }
-_MAX_PROBLEMS = 5
-_MAX_PART_CHARS = 300
 #: Longest error message answered (a message may quote what the request sent).
 MAX_MESSAGE_CHARS = 2000
 
@@ -66,21 +65,6 @@ def error_response(status: int, code: str, message: str, headers: Mapping[str, s
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=dict(headers or {}))
 
 
-def validation_message(problems: Sequence[Any]) -> str:
-    """``loc: msg`` for the first few pydantic/FastAPI validation problems, e.g. ``body.graph_keys: Field required``."""
-    parts = []
-    for problem in problems[:_MAX_PROBLEMS]:
-        loc = ".".join(str(p) for p in problem.get("loc", ()))
-        msg = str(problem.get("msg", "invalid value"))
-        if problem.get("type") == "json_invalid":  # loc is ("body", character position)
-            loc, msg = "body", f"invalid JSON: {(problem.get('ctx') or {}).get('error', msg)}"
-        part = f"{loc}: {msg}" if loc else msg
-        parts.append(part if len(part) <= _MAX_PART_CHARS else part[:_MAX_PART_CHARS] + "…")
-    if len(problems) > _MAX_PROBLEMS:
-        parts.append(f"and {len(problems) - _MAX_PROBLEMS} more problem(s)")
-    return "; ".join(parts) or "invalid request"
-
-
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PlanCacheError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
@@ -89,7 +73,7 @@ async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_response(422, "validation_error", validation_message(exc.errors()))
+    return error_response(422, "validation_error", validation_message(exc.errors()) or "invalid request")
 
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:

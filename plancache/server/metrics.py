@@ -95,7 +95,7 @@ def route_label(scope: Scope) -> str:
     FastAPI's routes record themselves in ``scope["route"]``; Starlette's plain routes (``/openapi.json``) do
     not, so those are found again by matching the app's routes, as its router did (a full match first, then
     one that matched the path but not the method)."""
-    path = getattr(scope.get("route"), "path", None)
+    path: str | None = getattr(scope.get("route"), "path", None)
     if path:
         return path
     partial = None
@@ -106,7 +106,7 @@ def route_label(scope: Scope) -> str:
             continue
         path = getattr(child.get("route"), "path", None) or getattr(route, "path", None)
         if match is Match.FULL and path:
-            return path
+            return str(path)
         if match is Match.PARTIAL and partial is None:
             partial = path
     return partial or UNMATCHED_ROUTE

@@ -15,6 +15,7 @@ share of the in-flight budget (:mod:`plancache.server.limits`). A body the app r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from typing import Any
@@ -124,10 +125,8 @@ def _no_delay(transport: asyncio.Transport) -> None:
     ACK: 40 ms on Linux per request."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
 
 
 def _reset(transport: asyncio.Transport) -> None:
@@ -135,10 +134,8 @@ def _reset(transport: asyncio.Transport) -> None:
     plain close leaves the kernel sending the socket's buffer out at the client's pace."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
     transport.abort()
 
 
@@ -148,7 +145,8 @@ def guarded_protocol(settings: ServerSettings) -> type[GuardedH11Protocol]:
                                                               "write_timeout": float(settings.body_timeout)})
 
 
-def uvicorn_config(app: Any, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8787, **options: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8787,
+                   **options: Any) -> uvicorn.Config:
     """The uvicorn configuration ``plancache serve`` runs ``app`` with (tests' live servers too): the guarded h11
     protocol, ``Settings.keep_alive_timeout``, a 16 KiB request head, no proxy headers; ``options`` override."""
     kwargs: dict[str, Any] = {

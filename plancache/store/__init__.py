@@ -8,8 +8,8 @@ on SQLite (embedded default) or Postgres (psycopg 3), blob bytes in the database
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
-from typing import Callable
 
 from sqlalchemy.engine import Engine
 
@@ -54,7 +54,7 @@ class Store(SpecsAndBlobs, Plans, Jobs, Tokens):
     def close(self) -> None:
         self.db.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

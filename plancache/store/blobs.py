@@ -33,9 +33,7 @@ files, its rows stay (unreferenced) and the next publish of those bytes writes t
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from pathlib import Path
@@ -46,10 +44,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..errors import BlobStoreMismatch, IntegrityError
+from ..files import atomic_write, fsync_dir
+from ..protocol import SHA256_PATTERN
 from .db import Database, lock_against_writers
 from .models import blobs, plans
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(SHA256_PATTERN)
 # The catalog row holds the bytes (database backend) rather than naming bytes kept elsewhere.
 _IN_ROW = sa.func.length(blobs.c.data) > 0
 
@@ -118,14 +118,6 @@ class DatabaseBlobs(BlobStore):
         conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha256).values(data=b""))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FileBlobs(BlobStore):
     """Bytes in files ``root/ab/cd/<sha256>``, written atomically and durably."""
 
@@ -147,19 +139,8 @@ class FileBlobs(BlobStore):
         for folder in (path.parent.parent, path.parent):
             if not folder.is_dir():
                 folder.mkdir(exist_ok=True)
-                _fsync_dir(folder.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{sha256}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fchmod(fh.fileno(), 0o644)
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+                fsync_dir(folder.parent)
+        atomic_write(path, data, mode=0o644)  # readable by every replica sharing the folder
 
     def get(self, conn: Connection, sha256: str) -> bytes | None:
         try:

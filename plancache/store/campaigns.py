@@ -37,7 +37,7 @@ def exact_env_id(target: TargetEnvironment) -> str | None:
     return None if any(fields[f] is None for f in VALIDITY_FIELDS) else environment_id(fields)
 
 
-def run_campaign(store: "Store", target: TargetEnvironment, *, priority: int = 0,
+def run_campaign(store: Store, target: TargetEnvironment, *, priority: int = 0,
                  max_attempts: int | None = None) -> CampaignResult:
     """Enqueue a tuning job on ``target`` for every stored spec (see the module docstring)."""
     env_id = exact_env_id(target)

@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import errors
-from ..spec import graph_key as compute_graph_key
 from ..spec import canonical_json, parse_spec
+from ..spec import graph_key as compute_graph_key
 from .blobs import BlobStore
 from .db import Database, upsert_insert
 from .models import blobs, specs

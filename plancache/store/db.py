@@ -7,7 +7,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from ..errors import InvalidValue, SchemaNotReady
+from ..validation import INT32_MAX, INT64_MAX
 
 Clock = Callable[[], datetime]
 
@@ -23,9 +24,6 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Any constant: serialises concurrent ``upgrade()`` calls against one Postgres database.
 _PG_MIGRATION_LOCK = 0x706C616E
 
-
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 
 
 def check_int(name: str, value: int, maximum: int = INT32_MAX, minimum: int | None = None) -> int:
@@ -47,17 +45,17 @@ def migrations_dir() -> Path:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def database_now(conn: Connection) -> datetime:
     """The database server's current time (UTC, timezone-aware), read on ``conn``."""
     if conn.dialect.name == "postgresql":
-        value = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
-        return value.astimezone(timezone.utc)
+        value: datetime = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+        return value.astimezone(UTC)
     # SQLite computes 'now' itself (millisecond resolution), from the clock of the host that has the file open.
     text = conn.exec_driver_sql("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')").scalar_one()
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=timezone.utc)
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
 
 
 def normalize_url(url: str | URL) -> URL:

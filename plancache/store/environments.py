@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
 from .db import check_int
 
-_INT_FIELDS = ("sm", "sm_count", "cudnn_version", "driver_version")
+_INT_FIELDS = tuple(f for f in VALIDITY_FIELDS if Environment.model_fields[f].annotation is int)
 
 
 def check_validity(fields: Mapping[str, Any]) -> None:
@@ -26,7 +26,8 @@ def env_columns(env: Environment) -> dict[str, Any]:
     return {"env_id": env.env_id, **env.model_dump(include=set(VALIDITY_FIELDS) | set(INFO_FIELDS))}
 
 
-def env_from_row(m: Mapping[str, Any]) -> Environment:
+def env_from_row(m: Mapping[Any, Any]) -> Environment:
+    """The environment of a row with the environment columns (a ``RowMapping``, keyed by name)."""
     return Environment(**{f: m[f] for f in VALIDITY_FIELDS + INFO_FIELDS})
 
 

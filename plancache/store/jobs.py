@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -30,10 +29,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from .. import errors
+from ..canonical import canonical_json
 from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import Job, JobStatus, TargetEnvironment
+from ..validation import INT64_MAX
 from .content import spec_exists
-from .db import INT64_MAX, Database, check_int, check_page, upsert_insert
+from .db import Database, check_int, check_page, upsert_insert
 from .environments import check_validity
 from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
 
@@ -60,7 +61,7 @@ def hash_lease_token(token: str) -> str:
 
 def target_key(target: TargetEnvironment) -> str:
     """The de-duplication key of a target: its canonical JSON, wildcards (null) included."""
-    return json.dumps(target.model_dump(), sort_keys=True, separators=(",", ":"))
+    return canonical_json(target.model_dump())
 
 
 def row_to_job(row: Row[Any]) -> Job:
@@ -292,5 +293,6 @@ class Jobs:
     def job_counts(self) -> dict[str, int]:
         """Number of jobs in each status (every status present, zeros included)."""
         with self.db.read() as conn:
-            counts = dict(conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all())
+            rows = conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all()
+        counts: dict[str, int] = {status: n for status, n in rows}
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}

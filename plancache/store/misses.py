@@ -41,9 +41,9 @@ class Misses:
             q = q.where(misses.c.env_id == env_id)
         with self.db.read() as conn:
             return [
-                Miss(graph_key=r.graph_key, env_id=r.env_id, environment=env_from_row(r._mapping), count=r.count,
-                     first_seen=r.first_seen, last_seen=r.last_seen)
-                for r in conn.execute(q)
+                Miss(graph_key=m["graph_key"], env_id=m["env_id"], environment=env_from_row(m), count=m["count"],
+                     first_seen=m["first_seen"], last_seen=m["last_seen"])
+                for m in conn.execute(q).mappings()
             ]
 
     def top_misses(self, env: Environment, n: int, *, require_spec: bool = False) -> list[str]:

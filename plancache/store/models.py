@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
+
+from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
 
 metadata = sa.MetaData(
     naming_convention={
@@ -33,32 +35,28 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
             return None
         if value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: the store only takes timezone-aware datetimes")
-        value = value.astimezone(timezone.utc)
+        value = value.astimezone(UTC)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def _validity_columns(nullable: bool, index: bool) -> list[sa.Column[Any]]:
-    """The environment validity fields as columns (``TargetEnvironment`` uses NULL for "any")."""
-    return [
-        sa.Column("sm", sa.Integer, nullable=nullable, index=index),
-        sa.Column("sm_count", sa.Integer, nullable=nullable, index=index),
-        sa.Column("cudnn_version", sa.Integer, nullable=nullable, index=index),
-        sa.Column("driver_version", sa.Integer, nullable=nullable, index=index),
-        sa.Column("frontend_version", sa.String(64), nullable=nullable, index=index),
-    ]
-
-
-def _info_columns() -> list[sa.Column[Any]]:
-    return [
-        sa.Column("device_name", sa.String(256), nullable=False),
-        sa.Column("cuda_runtime", sa.String(64), nullable=False),
-        sa.Column("torch_version", sa.String(64), nullable=False),
-    ]
+def _env_columns(names: tuple[str, ...], *, nullable: bool = False, index: bool = False) -> list[sa.Column[Any]]:
+    """Columns of these :class:`Environment` fields, typed from the model: an integer as INTEGER (each one's bounds
+    fit 32 bits), a string as VARCHAR of its ``max_length``. A job's target stores NULL for "any"."""
+    columns = []
+    for name in names:
+        field = Environment.model_fields[name]
+        if field.annotation is int:
+            column_type: sa.types.TypeEngine[Any] = sa.Integer()
+        else:
+            (length,) = (n for m in field.metadata if (n := getattr(m, "max_length", None)))
+            column_type = sa.String(length)
+        columns.append(sa.Column(name, column_type, nullable=nullable, index=index))
+    return columns
 
 
 specs = sa.Table(
@@ -84,7 +82,7 @@ jobs = sa.Table(
     metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
-    *_validity_columns(nullable=True, index=False),
+    *_env_columns(VALIDITY_FIELDS, nullable=True),
     # Canonical JSON of the target (NULLs included): the de-duplication key, since NULL never equals NULL.
     sa.Column("target_key", sa.String(256), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
@@ -120,12 +118,12 @@ plans = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
     sa.Column("env_id", sa.String(32), nullable=False, index=True),
-    *_validity_columns(nullable=False, index=True),
-    *_info_columns(),
+    *_env_columns(VALIDITY_FIELDS, index=True),
+    *_env_columns(INFO_FIELDS),
     sa.Column("blob_sha256", sa.String(64), sa.ForeignKey("blobs.sha256"), nullable=False, index=True),
     sa.Column("blob_size", sa.BigInteger, nullable=False),
-    sa.Column("signature", sa.String(512)),
-    sa.Column("signer_key_id", sa.String(128)),
+    sa.Column("envelope", sa.JSON(none_as_null=True)),  # the DSSE envelope signing the record (plancache.signing); null: unsigned
+    sa.Column("revision", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("engine_id", sa.BigInteger, nullable=False),
     sa.Column("knobs", sa.JSON, nullable=False),
     sa.Column("plan_name", sa.String(512), nullable=False),
@@ -147,8 +145,8 @@ misses = sa.Table(
     metadata,
     sa.Column("graph_key", sa.String(64), primary_key=True),
     sa.Column("env_id", sa.String(32), primary_key=True),
-    *_validity_columns(nullable=False, index=False),
-    *_info_columns(),
+    *_env_columns(VALIDITY_FIELDS),
+    *_env_columns(INFO_FIELDS),
     sa.Column("count", sa.BigInteger, nullable=False),
     sa.Column("first_seen", UTCDateTime, nullable=False),
     sa.Column("last_seen", UTCDateTime, nullable=False),

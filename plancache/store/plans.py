@@ -13,17 +13,18 @@ from sqlalchemy.engine import Row
 from .. import errors
 from ..environment import Environment
 from ..protocol import Candidate, PlanMeta, PlanRecord
+from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore
 from .content import insert_blob_row, spec_exists
-from .db import INT64_MAX, Database, check_int, check_page, upsert_insert
+from .db import Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
 from .models import plans
 
 # PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
-_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates"))
+_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates", "envelope"))
 
 
 def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[str, Any]:
@@ -34,6 +35,7 @@ def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[st
         **env_columns(meta.environment),
         # As on the wire: non-finite floats (a NaN error of a mismatching candidate) become null.
         "candidates": json.loads(meta.model_dump_json(include={"candidates"}))["candidates"],
+        "envelope": None if meta.envelope is None else meta.envelope.model_dump(),
         "job_id": job_id,
         "created_at": now,
     }
@@ -45,6 +47,7 @@ def row_to_record(row: Row[Any]) -> PlanRecord:
         **{f: m[f] for f in _META_COLUMNS},
         environment=env_from_row(m),
         candidates=[Candidate.model_validate(c) for c in m["candidates"]],
+        envelope=m["envelope"],
         env_id=m["env_id"],
         job_id=m["job_id"],
         created_at=m["created_at"],
@@ -64,9 +67,11 @@ class Plans(Misses):
         Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
         :class:`errors.NotFound` (no spec),
         :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
+        :class:`errors.StaleRevision` (``replace``, and the stored record's revision is not below ``meta``'s),
         :class:`errors.LeaseLost` / :class:`errors.NotLeaseHolder` (``worker_id``, ``lease_token`` and the API token
         ``holder`` do not hold job ``job_id``: :func:`~.jobs.held_job`).
-        Publishing the same blob again returns the stored record unchanged.
+        Publishing the same blob again returns the stored record unchanged, unless ``replace`` and a higher revision
+        (a record signed again) replace the record.
         """
         try:
             verify_blob(meta, blob, what=f"plan {meta.graph_key} on {meta.environment.describe()}")
@@ -90,11 +95,18 @@ class Plans(Misses):
                 row = conn.execute(
                     sa.select(plans).where(plans.c.graph_key == meta.graph_key, *same_env(plans, env)).with_for_update()
                 ).one()
-                if row.blob_sha256 != meta.blob_sha256:
+                same = row.blob_sha256 == meta.blob_sha256 and (not replace or row.revision == meta.revision)
+                if not same:
                     if not replace:
                         raise errors.Conflict(
                             f"a different plan (blob {row.blob_sha256}) is stored for graph key {meta.graph_key} "
                             f"on {env.describe()}; pass replace to overwrite it"
+                        )
+                    if meta.revision <= row.revision:
+                        raise errors.StaleRevision(
+                            f"the plan stored for graph key {meta.graph_key} on {env.describe()} has revision "
+                            f"{row.revision}; a replacement needs a higher revision than that, this one has "
+                            f"{meta.revision} (an older record cannot replace a newer one: sign it again)"
                         )
                     row = conn.execute(
                         sa.update(plans).where(plans.c.id == row.id).values(**values).returning(*plans.c)

@@ -43,7 +43,7 @@ class GcReport:
     blob_bytes_freed: int = 0
 
 
-def _check_keep(store: "Store", keep_env_ids: set[str]) -> None:
+def _check_keep(store: Store, keep_env_ids: set[str]) -> None:
     """Refuse an empty keep set (it would delete every record) and ids that no record has (a typo would too)."""
     if not keep_env_ids:
         raise ValueError("keep_env_ids is empty: that would delete every plan record (pass None to keep them all)")
@@ -63,7 +63,7 @@ def _unreferenced(cutoff: Any, surviving_records: Any = None) -> list[Any]:
     return [blobs.c.created_at < cutoff, ~referenced]
 
 
-def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None, dry_run: bool = False) -> GcReport:
+def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, dry_run: bool = False) -> GcReport:
     """Delete records of environments outside ``keep_env_ids`` (when given), then blobs no record references
     that are older than ``grace``. With ``dry_run`` nothing is deleted and the report says what would be."""
     if grace < timedelta(0):
@@ -96,7 +96,7 @@ def gc(store: "Store", *, grace: timedelta, keep_env_ids: set[str] | None = None
                     blobs_deleted=int(n), blob_bytes_freed=int(size))
 
 
-def _delete_blobs(store: "Store", cutoff: Any) -> tuple[int, int]:
+def _delete_blobs(store: Store, cutoff: Any) -> tuple[int, int]:
     """Delete unreferenced blobs older than ``cutoff`` in one transaction, catalog rows first, then bytes
     (under the lock, so no publish can meanwhile find them present); the count and bytes freed."""
     with store.db.write() as conn:

@@ -52,7 +52,8 @@ class Tokens:
         conflict = errors.Conflict(f"a live token named {name!r} exists; revoke it first")
         try:
             with self.db.write() as conn:
-                live = conn.execute(sa.select(api_tokens.c.id).where(api_tokens.c.name == name, api_tokens.c.revoked_at.is_(None))).first()
+                live = conn.execute(sa.select(api_tokens.c.id)
+                                    .where(api_tokens.c.name == name, api_tokens.c.revoked_at.is_(None))).first()
                 if live is not None:
                     raise conflict
                 row = conn.execute(
@@ -90,7 +91,8 @@ class Tokens:
                 raise errors.NotFound(f"no live token named {name_or_id!r} and no token with that id")
             if row.revoked_at is None:
                 row = conn.execute(
-                    sa.update(api_tokens).where(api_tokens.c.id == row.id).values(revoked_at=self.db.now()).returning(*api_tokens.c)
+                    sa.update(api_tokens).where(api_tokens.c.id == row.id).values(revoked_at=self.db.now())
+                    .returning(*api_tokens.c)
                 ).one()
         return _info(row)
 

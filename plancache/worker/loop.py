@@ -16,7 +16,7 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import FrameType
 
 from ..environment import Environment
@@ -68,7 +68,7 @@ def lease_duration(claim: ClaimResponse) -> float:
     expires, claimed = claim.lease_expires_at, claim.job.updated_at
     if (expires.tzinfo is None) == (claimed.tzinfo is None) and expires > claimed:
         return (expires - claimed).total_seconds()
-    now = datetime.now(timezone.utc) if expires.tzinfo else datetime.now(timezone.utc).replace(tzinfo=None)
+    now = datetime.now(UTC) if expires.tzinfo else datetime.now(UTC).replace(tzinfo=None)
     return max((expires - now).total_seconds(), 0.0)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import VerificationError
+from ..files import atomic_write
 from ..protocol import PlanMeta, PlanUpload, b64encode
 from ..verify import verify_blob
 
@@ -48,15 +49,6 @@ class SpoolEntry:
         return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob), spec=self.spec)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner only: it holds a lease token
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class Spool:
     """A directory of :class:`SpoolEntry` files."""
 
@@ -68,15 +60,10 @@ class Spool:
         """Persist ``entry`` durably; return the path of its JSON file."""
         blob_path = self.directory / f"{entry.name}.blob"
         json_path = self.directory / f"{entry.name}.json"
-        _write_atomic(blob_path, entry.blob)
+        atomic_write(blob_path, entry.blob)  # both files owner-only (atomic_write's 0600): the JSON holds a lease token
         doc = {"version": SPOOL_VERSION, "job_id": entry.job_id, "lease_token": entry.lease_token,
                "worker_id": entry.worker_id, "meta": entry.meta.model_dump(mode="json"), "spec": entry.spec}
-        _write_atomic(json_path, json.dumps(doc, sort_keys=True).encode())
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(json_path, json.dumps(doc, sort_keys=True).encode())
         return json_path
 
     def pending(self) -> list[SpoolEntry]:

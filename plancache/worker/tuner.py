@@ -70,7 +70,7 @@ class GpuTuner:
 
         return gpu.check_memory(spec, device=self.device)
 
-    def tune(self, spec: GraphSpec) -> "TunedPlan":
+    def tune(self, spec: GraphSpec) -> TunedPlan:
         from .. import gpu
         from ..gpu.candidates import BuildPool, default_processes
 
@@ -91,7 +91,7 @@ class GpuTuner:
             self._builders.close()
             self._builders = None
 
-    def __enter__(self) -> "GpuTuner":
+    def __enter__(self) -> GpuTuner:
         return self
 
     def __exit__(self, *exc: object) -> None:

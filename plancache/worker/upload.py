@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..environment import Environment
 from ..errors import EnvironmentMismatch, IntegrityError, VerificationError
@@ -31,7 +32,7 @@ def tuned_meta(tuned: TunedResult, graph_key: str, worker_id: str, environment: 
     return meta
 
 
-def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict, tuned: TunedResult,
+def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict[str, Any], tuned: TunedResult,
                  signer: Signer | None, worker_id: str, *, tuner: Tuner | None = None,
                  retry_for: float = UPLOAD_RETRY_SECONDS) -> PlanRecord:
     """Check ``tuned``'s blob after a deserialize round trip (with ``tuner``, default :class:`GpuTuner` on

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
+from ...environment import ENV_ID_PATTERN
 from ...errors import NotFound, PayloadTooLarge, SpecError
 from ...protocol import EnqueueMissesRequest, Job, JobList, MissList, TargetEnvironment, TuneRequest
 from ...spec import graph_key
@@ -38,7 +39,8 @@ def tune(req: TuneRequest, store: StoreDep, _: Admin) -> JobList:
             raise SpecError(f"specs[{i}]: {exc.message}") from None
     keys = list(dict.fromkeys([*req.graph_keys, *spec_keys]))
     if not keys:
-        raise RequestValidationError([{"loc": ("body",), "msg": "give at least one of graph_keys or specs", "type": "value_error"}])
+        raise RequestValidationError([{"loc": ("body",), "msg": "give at least one of graph_keys or specs",
+                                       "type": "value_error"}])
     if len(keys) * len(req.targets) > MAX_TUNE_JOBS:
         raise PayloadTooLarge(f"{len(keys)} graph keys × {len(req.targets)} targets is more than {MAX_TUNE_JOBS} jobs")
     unknown = [k for k in dict.fromkeys(req.graph_keys) if k not in spec_keys and store.get_spec(k) is None]
@@ -65,6 +67,6 @@ def tune_misses(req: EnqueueMissesRequest, store: StoreDep, _: Admin) -> JobList
 @router.get("/v1/misses", response_model=MissList, summary="Recorded misses, most counted first",
             responses=documented_errors(401, 403, 422, 503))
 def list_misses(store: StoreDep, _: Admin,
-                env_id: Annotated[str | None, Query(pattern=r"^[0-9a-f]{32}$", description="an environment id")] = None,
+                env_id: Annotated[str | None, Query(pattern=ENV_ID_PATTERN, description="an environment id")] = None,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> MissList:
     return MissList(misses=store.list_misses(env_id=env_id, limit=limit))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from ...environment import VALIDITY_FIELDS, Int
+from ...environment import VALIDITY_FIELDS
 from ...protocol import PRIORITY_MAX, TargetEnvironment
 from ...store.campaigns import run_campaign
+from ...validation import Int, StrictModel
 from ..auth import Admin
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
@@ -16,9 +17,7 @@ from ..errors import documented_errors
 router = APIRouter(route_class=CheckedRoute, tags=["admin"])
 
 
-class CampaignRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CampaignRequest(StrictModel):
     # the schema states what _target_names_something checks: at least one validity field set (not null)
     target: TargetEnvironment = Field(description="at least one field set", json_schema_extra={"anyOf": [
         {"required": [f], "properties": {f: {"type": "string" if f == "frontend_version" else "integer"}}}
@@ -27,7 +26,7 @@ class CampaignRequest(BaseModel):
     max_attempts: Int | None = Field(default=None, ge=1, le=100)
 
     @model_validator(mode="after")
-    def _target_names_something(self) -> "CampaignRequest":
+    def _target_names_something(self) -> CampaignRequest:
         if all(getattr(self.target, f) is None for f in VALIDITY_FIELDS):
             raise ValueError("target sets no field: a campaign for every environment would be finished by whichever "
                              "worker claims each job first; name at least the field that changes (e.g. cudnn_version)")

@@ -23,6 +23,7 @@ from ...protocol import (
     LeaseRequest,
     PlanRecord,
 )
+from ...validation import INT32_MAX
 from ..auth import Admin, Principal, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
@@ -33,7 +34,7 @@ from ..uploads import accept_upload, publish_job_plan
 # Allow header (not a malformed job id, 422); a job id that is not a number is 404.
 router = APIRouter(route_class=CheckedRoute, tags=["jobs"])
 
-JobId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+JobId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 _LEASE_ERRORS = documented_errors(401, 403, 404, 409, 422, 503)
 
 
@@ -41,7 +42,7 @@ _LEASE_ERRORS = documented_errors(401, 403, 404, 409, 422, 503)
 def list_jobs(store: StoreDep, _: Admin, status: JobStatus | None = None,
               graph_key: Annotated[str | None, Query(pattern=GRAPH_KEY_PATTERN)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-              offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> JobList:
+              offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> JobList:
     return JobList(jobs=store.list_jobs(status=status, graph_key=graph_key, limit=limit, offset=offset))
 
 

@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from ...environment import Environment
 from ...errors import Forbidden, NotFound, PayloadTooLarge
@@ -20,6 +21,7 @@ from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..limits import Held, rate_key
+from ..memo import BlobMemory
 from ..uploads import accept_upload, publish_job_plan
 from .specs import GraphKeyPath
 
@@ -34,7 +36,8 @@ CHUNK_BYTES = 1 << 20
 MAX_INLINE_BLOB_BYTES = 128 << 20
 
 
-@router.post("/v1/plans/resolve", response_model=ResolveResponse, summary="Records (and blobs) for many graph keys on one environment",
+@router.post("/v1/plans/resolve", response_model=ResolveResponse,
+             summary="Records (and blobs) for many graph keys on one environment",
              responses=documented_errors(401, 403, 413, 422, 503))
 def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, principal: Reader,
             request: Request) -> Response:
@@ -126,35 +129,55 @@ def _etag_matches(if_none_match: str | None, sha256: str) -> bool:
             responses={200: {"content": {"application/octet-stream": {}}, "description": "the blob"},
                        304: {"description": "If-None-Match matched: the cached copy is current"},
                        **documented_errors(401, 403, 404, 422, 503)})
-def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], store: StoreDep, metrics: MetricsDep, _: Reader,
-              if_none_match: Annotated[str | None, Header()] = None) -> Response:
+async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], request: Request, store: StoreDep,
+                    metrics: MetricsDep, _: Reader, if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    """Blobs are immutable: the answer may be cached by anyone (``ETag`` is the digest). A blob read once is kept
+    in this process's memory (``PLANCACHE_BLOB_MEMORY_BYTES``) and served from there without the database."""
     headers = {"ETag": f'"{sha256}"', "Cache-Control": IMMUTABLE}
+    memory: BlobMemory = request.app.state.blob_memory
+    data = memory.get(sha256)
     if _etag_matches(if_none_match, sha256):
-        if store.blob_size(sha256) is None:
+        if data is None and await run_in_threadpool(store.blob_size, sha256) is None:
             raise NotFound(f"no blob {sha256}")
         return Response(status_code=304, headers=headers)
-    path = store.blob_store.local_file(sha256)
-    if path is not None:  # a file blob store: stream the file
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            raise NotFound(f"no blob {sha256}") from None
-        metrics.bytes_served.labels(BLOB_ROUTE).inc(stat.st_size)
-        return FileResponse(path, stat_result=stat, media_type="application/octet-stream", headers=headers)
-    data = store.get_blob(sha256)
     if data is None:
-        raise NotFound(f"no blob {sha256}")
+        path = store.blob_store.local_file(sha256)
+        if path is not None:  # a file blob store: a small file is read (and kept), a large one streamed
+            try:
+                stat = await run_in_threadpool(os.stat, path)
+            except FileNotFoundError:
+                raise NotFound(f"no blob {sha256}") from None
+            if stat.st_size > memory.max_item:
+                metrics.bytes_served.labels(BLOB_ROUTE).inc(stat.st_size)
+                return FileResponse(path, stat_result=stat, media_type="application/octet-stream", headers=headers)
+            data = await run_in_threadpool(_read_file, path)
+        else:
+            data = await run_in_threadpool(store.get_blob, sha256)
+        if data is None:
+            raise NotFound(f"no blob {sha256}")
+        memory.put(sha256, data)
     metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-@router.put("/v1/plans", response_model=PlanRecord, status_code=201, summary="Upload a tuned plan (a worker for a job it holds, or an admin)",
+def _read_file(path: os.PathLike[str]) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+@router.put("/v1/plans", response_model=PlanRecord, status_code=201,
+            summary="Upload a tuned plan (a worker for a job it holds, or an admin)",
             responses={200: {"model": PlanRecord, "description": "this key and environment already had a plan"},
                        **documented_errors(401, 403, 404, 409, 413, 422, 503)})
 def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
                 principal: Worker) -> PlanRecord:
     """201 for a new plan; 200 when the same blob was stored already (or ``replace``, admin only, swapped it).
-    A different blob for a stored key and environment without ``replace`` is 409.
+    A different blob for a stored key and environment without ``replace`` is 409, and so is a replacement whose
+    ``revision`` is not above the stored record's (``stale_revision``: an older record cannot replace a newer one;
+    the same blob signed again with a higher revision replaces its record).
 
     A worker token publishes only the plan of a job it holds: ``job_id`` and ``lease_token`` of its claim
     (``worker_id`` the lease's; the plan must be for the job's graph key and match its target), and the

@@ -1,0 +1,39 @@
+"""Durable, atomic file writes: a reader sees the old file or the whole new one, and a crash loses neither."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Flush folder ``path``'s entries (a rename or a new name in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path | str, data: bytes, *, mode: int = 0o600, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically and durably: a temporary file ``.NAME.*.tmp`` in the same folder with
+    permissions ``mode``, fsynced, renamed over ``path``, then the folder fsynced. With ``exclusive`` the file is
+    linked into place instead and ``FileExistsError`` raised when ``path`` exists (nothing is replaced)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if exclusive:
+            os.link(tmp, path)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

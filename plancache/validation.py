@@ -1,0 +1,53 @@
+"""What the pydantic models share: the strict base model, the integer bounds and types, and the one way to
+say what a validation error found."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+#: The largest value of a signed 32-bit (an ``INTEGER`` column) and 64-bit (``BIGINT``) integer.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+class StrictModel(BaseModel):
+    """The base of every model that reads input: a field it does not declare is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def refuse_bool(value: Any) -> Any:
+    """Before an integer field is validated: pydantic's lax mode would read ``true``/``false`` as 1/0."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be an integer, not a boolean")
+    return value
+
+
+#: An integer field of the wire models: lax (``"5"`` from a query string is 5) but never a boolean.
+Int = Annotated[int, BeforeValidator(refuse_bool)]
+#: :data:`Int` within a signed 32-bit / 64-bit integer.
+Int32 = Annotated[int, Ge(-INT32_MAX - 1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
+Int64 = Annotated[int, Ge(-INT64_MAX - 1), Le(INT64_MAX), BeforeValidator(refuse_bool)]
+
+_MAX_PART_CHARS = 300
+
+
+def validation_message(problems: Sequence[Mapping[str, Any]], limit: int | None = 5) -> str:
+    """``loc: msg`` for the first ``limit`` problems (all when None) of a pydantic ``ValidationError.errors()`` or
+    FastAPI's ``RequestValidationError.errors()``, e.g. ``body.graph_keys: Field required``; ``; ``-separated,
+    each cut at 300 characters, then how many more there were ("" for none)."""
+    parts = []
+    for problem in problems[:limit]:
+        loc = ".".join(str(p) for p in problem.get("loc", ()))
+        msg = str(problem.get("msg", "invalid value"))
+        if problem.get("type") == "json_invalid":  # loc is ("body", character position)
+            loc, msg = "body", f"invalid JSON: {(problem.get('ctx') or {}).get('error', msg)}"
+        part = f"{loc}: {msg}" if loc else msg
+        parts.append(part if len(part) <= _MAX_PART_CHARS else part[:_MAX_PART_CHARS] + "…")
+    if limit is not None and len(problems) > limit:
+        parts.append(f"and {len(problems) - limit} more problem(s)")
+    return "; ".join(parts)

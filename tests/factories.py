@@ -1,0 +1,54 @@
+"""Test data defined once (no torch, no server stack): the GPU environments the tests run "on", signing keys, and
+the one factory of plan metadata (:func:`make_meta`, :func:`make_record`) that fixtures and fakes build on."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from plancache.environment import Environment
+from plancache.protocol import Candidate, PlanMeta, PlanRecord
+from plancache.signing import Signer, TrustedKeys
+
+#: The environment of the tests: an H200 with cuDNN 9.19, driver 13.0 and FE 1.32.
+H200 = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
+                   device_name="NVIDIA H200", cuda_runtime="13.0", torch_version="2.11.0")
+#: Another GPU: an H200's plans are not valid on it.
+OTHER_GPU = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
+                        device_name="NVIDIA A100")
+
+
+def new_signer() -> Signer:
+    """A fresh ed25519 :class:`~plancache.signing.Signer` (in memory)."""
+    return Signer(Ed25519PrivateKey.generate())
+
+
+def trusted(*signers: Signer) -> TrustedKeys:
+    """The :class:`~plancache.signing.TrustedKeys` of these signers' public keys."""
+    return TrustedKeys([s.private_key.public_key() for s in signers])
+
+
+def make_meta(graph_key: str, env: Environment, blob: bytes = b"serialized-plan", signer: Signer | None = None,
+              **overrides: Any) -> PlanMeta:
+    """A :class:`~plancache.protocol.PlanMeta` for ``blob`` (its digest and size), fields overridden by ``overrides``,
+    then signed by ``signer`` when given."""
+    fields: dict[str, Any] = dict(
+        graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(), blob_size=len(blob),
+        engine_id=7, knobs={"TILE_M": 2}, plan_name="eng7", workspace_bytes=1024, winner_median_ms=0.05,
+        heuristic_median_ms=0.08, worst_median_ms=1.5, tuning_seconds=1.5, worker_id="w-test",
+        candidates=[Candidate(index=0, engine_id=7, knobs={"TILE_M": 2}, median_ms=0.05, status="ok"),
+                    Candidate(index=1, engine_id=9, status="build_failed", error="unsupported")],
+    )
+    fields.update(overrides)
+    meta = PlanMeta(**fields)
+    return signer.sign(meta) if signer is not None else meta
+
+
+def make_record(graph_key: str, env: Environment, blob: bytes = b"serialized-plan", signer: Signer | None = None,
+                **overrides: Any) -> PlanRecord:
+    """:func:`make_meta` as a stored :class:`~plancache.protocol.PlanRecord` (created now)."""
+    meta = make_meta(graph_key, env, blob, signer, **overrides)
+    return PlanRecord(**meta.model_dump(), env_id=meta.environment.env_id, created_at=datetime.now(UTC))
