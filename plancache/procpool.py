@@ -20,6 +20,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _nothing() -> None:
+    """A task that makes a process start."""
+
+
 @dataclass(frozen=True)
 class Crashed(Generic[T]):
     """``item``'s task killed its process twice, the second time running alone."""
@@ -84,6 +88,12 @@ class OrderedPool:
         except BrokenProcessPool:
             self._restart()
             return Crashed(item)
+
+    def start(self) -> None:
+        """Start every process now (each runs the initializer) instead of one by one as work arrives."""
+        pool = self._pool()
+        for _ in range(self.processes):
+            pool.submit(_nothing)
 
     def close(self) -> None:
         """Stop the processes (waiting for running tasks); the pool starts again if used later."""

@@ -124,7 +124,7 @@ class TrustSettings(_Section):
 class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
     """``plancache worker`` and ``plancache tune``."""
 
-    build_processes: int | None = Field(default=None, ge=0, le=256)  # candidate builders; None: half the cores, <= 8
+    build_processes: int | None = Field(default=None, ge=0, le=256)  # None: gpu.candidates.default_processes()
 
 
 class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):

@@ -55,3 +55,12 @@ def test_closing_the_iterator_early_cancels_what_has_not_started(pool):
 def test_a_pool_needs_a_process():
     with pytest.raises(ValueError, match="at least 1 process"):
         OrderedPool(0)
+
+
+def test_start_brings_every_process_up_at_once():
+    import multiprocessing
+
+    before = len(multiprocessing.active_children())
+    with OrderedPool(3) as p:
+        p.start()
+        assert len(multiprocessing.active_children()) - before == 3

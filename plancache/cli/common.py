@@ -280,7 +280,7 @@ def signing_key_option(help: str) -> Any:
 def build_processes_option() -> Any:
     return typer.Option(None, "--build-processes", min=0, max=256, show_default=False,
                         help="processes that build candidate plans while this one times them; 0: build here "
-                             f"(default: {env_name('build_processes')}, else half the CPU cores, at most 8)")
+                             f"(default: {env_name('build_processes')}, else all CPU cores but 4, at least half, at most 16)")
 
 
 # ------------------------------------------------------------------------------------------------ the store

@@ -24,7 +24,7 @@ from ..spec import GraphSpec, parse_spec
 from .runtime import plan_identity, prepare
 
 #: Most builder processes a default pool starts (beyond this, timing on the one GPU is the bottleneck).
-MAX_DEFAULT_PROCESSES = 8
+MAX_DEFAULT_PROCESSES = 16
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,10 @@ class BuiltCandidate:
 
 
 def default_processes() -> int:
-    """Builder processes for this host: half its cores (the rest run the timing process and the system), at
-    most :data:`MAX_DEFAULT_PROCESSES`; 0 (build in the tuning process) on a host with fewer than 4 cores."""
+    """Builder processes for this host: all cores but 4 (the timing process and the system), at least half of
+    them, at most :data:`MAX_DEFAULT_PROCESSES` (16 cores: 12); 0 (build in the tuning process) below 4 cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 0 if cores < 4 else min(MAX_DEFAULT_PROCESSES, cores // 2)
+    return 0 if cores < 4 else min(MAX_DEFAULT_PROCESSES, max(cores - 4, cores // 2))
 
 
 def build_serialized(graph: Any, index: int) -> BuiltCandidate:
@@ -106,6 +106,7 @@ class BuildPool:
     def __init__(self, processes: int, *, device: int = 0) -> None:
         self.processes = processes
         self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(device,))
+        self._pool.start()  # every builder sets up (CUDA, cuDNN handle) while the first graph is prepared
 
     def build(self, spec: GraphSpec, graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
         """Submit every candidate now; yield them in ``indices`` order as they are built. ``graph`` is the
