@@ -8,15 +8,18 @@ Each run is a fresh process with ``CUDA_CACHE_DISABLE=1`` that tunes every graph
 single worker; the builder pool's start-up counts in the parallel run). Per graph it records the
 winner and every candidate's median, so winners can be compared: the same candidate, or a different one
 whose median in the in-process run is within ``--noise`` of that run's winner (a tie inside timing noise).
-Writes ``tuning_parallel.json`` and ``tuning_parallel.png`` into OUT; prints graphs per hour and
+Writes ``tuning_parallel.json``, ``tuning_parallel.png`` and the parallel run's signed plans (``plans.json``, key
+in ``keys/``, for ``bench/startup.py --plans``) into OUT; prints graphs per hour and
 GPU-hours per 10,000 graphs for both.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,9 +41,14 @@ def child(out: Path, processes: int, limit: int | None) -> None:
 
     from plancache import gpu
     from plancache.gpu.candidates import BuildPool
+    from plancache.signing import Signer, keygen
 
     torch.cuda.init()
     specs = [s.canonical_document() for s in workload()][:limit]
+    if processes:
+        shutil.rmtree(out / "keys", ignore_errors=True)
+    signer = Signer.from_file(keygen(out / "keys", "bench")[0]) if processes else None
+    plans = []
     rows = []
     t0 = time.perf_counter()
     pool = BuildPool(processes) if processes else None
@@ -52,12 +60,18 @@ def child(out: Path, processes: int, limit: int | None) -> None:
                          "winner_ms": t.winner_median_ms, "candidates": len(t.candidates),
                          "ok": sum(c.status == "ok" for c in t.candidates),
                          "medians": {str(c.index): c.median_ms for c in t.candidates}})
+            if signer is not None:  # the parallel run's plans, signed, for bench/startup.py --plans
+                meta = signer.sign(t.to_meta(spec.graph_key, worker_id="bench"))
+                plans.append({"meta": meta.model_dump(mode="json"), "spec": spec.to_json(),
+                              "blob_b64": base64.b64encode(t.blob).decode()})
             print(f"[{processes}] {spec.name}: {t.tuning_seconds:.2f} s, {len(t.candidates)} candidates, "
                   f"winner #{t.winner_index} {t.winner_median_ms:.4f} ms", flush=True)
     finally:
         if pool is not None:
             pool.close()
     total = time.perf_counter() - t0
+    if plans:
+        (out / "plans.json").write_text(json.dumps(plans))
     (out / f"run_{processes}.json").write_text(json.dumps({"processes": processes, "total_s": total, "graphs": rows}))
 
 

@@ -212,7 +212,8 @@ def test_a_loaded_plan_is_served_while_another_thread_builds(tmp_path, signer):
 
 def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(srv, tmp_path, signer):
     blob = seed(srv, CONV, signer)
-    client(srv, tmp_path, signer).plan(CONV)
+    with client(srv, tmp_path, signer) as first:  # closing finishes the disk cache's background writes
+        first.plan(CONV)
     folder = tmp_path / "cache" / H200.env_id
     blob_file = next(folder.glob("*.blob"))
     data = bytearray(blob_file.read_bytes())
@@ -221,10 +222,12 @@ def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(s
     pc = client(srv, tmp_path, signer)
     assert pc.plan(CONV).source == "server"
     assert pc.stats().rejects == {"sha256": 1} and pc._backend.deserialized == [blob]
+    pc.close()
     assert blob_file.read_bytes() == blob  # rewritten whole
     # A record file swapped in from another graph is refused by graph key.
     seed(srv, SDPA, signer)
-    client(srv, tmp_path, signer).plan(SDPA)
+    with client(srv, tmp_path, signer) as third:
+        third.plan(SDPA)
     (folder / f"{CONV.graph_key}.json").write_bytes((folder / f"{SDPA.graph_key}.json").read_bytes())
     offline = client(None, tmp_path, signer)
     assert offline.plan(CONV).source == "heuristic"
@@ -480,7 +483,8 @@ def test_without_trusted_keys_a_forged_plan_is_refused_never_cached_and_built_lo
 def test_without_trusted_keys_a_cached_entry_is_refused_but_kept(srv, tmp_path, signer):
     """A disk entry is not judged without keys: refused (no_trusted_keys), and left for a process that has them."""
     seed(srv, CONV, signer)
-    client(srv, tmp_path, signer).plan(CONV)
+    with client(srv, tmp_path, signer) as first:
+        first.plan(CONV)
     files = cached_files(tmp_path)
     assert len(files) == 2
     offline = client(None, tmp_path, signer, trusted_keys=None, settings=Settings(trusted_keys=None))
@@ -690,6 +694,7 @@ def test_an_older_signed_record_is_refused_once_a_newer_one_was_accepted(srv, tm
     assert new.revision > old.revision
     first = client(srv, tmp_path, signer)
     assert first.plan(CONV).source == "server" and first.disk.revision(key) == new.revision
+    first.disk.flush()  # the revision file is written in the background
     folder = tmp_path / "cache" / H200.env_id
     assert (folder / f"{key}.revision").read_text() == str(new.revision)
 

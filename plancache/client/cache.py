@@ -37,7 +37,9 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -88,6 +90,8 @@ class DiskCache:
         self._clock = clock
         self._estimate: int | None = None  # bytes under root as of this process's last scan, plus its writes
         self._revisions: dict[str, int] = {}  # accepted by this process, should the folder be read-only
+        self._writer: ThreadPoolExecutor | None = None  # one thread: writes in the order they were asked for
+        self._pending: list[Future[Any]] = []
 
     def _record_path(self, graph_key: str) -> Path:
         if not _GRAPH_KEY.match(graph_key):
@@ -111,8 +115,12 @@ class DiskCache:
 
     def accept_revision(self, graph_key: str, revision: int) -> None:
         """Remember that a signed record of ``revision`` was accepted for ``graph_key`` (a higher one remembered
-        already stays). A folder that cannot be written keeps it for this process only."""
+        already stays): at once in this process, in the folder by the background writer (:meth:`later`). A folder
+        that cannot be written keeps it for this process only."""
         self._revisions[graph_key] = max(revision, self._revisions.get(graph_key, 0))
+        self.later(self._write_revision, graph_key, revision)
+
+    def _write_revision(self, graph_key: str, revision: int) -> None:
         path = self._record_path(graph_key).with_suffix(".revision")
         try:
             for _ in range(REVISION_WRITES):  # another process may write a lower one between our read and write
@@ -123,11 +131,34 @@ class DiskCache:
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
 
+    def later(self, write: Callable[..., Any], *args: Any) -> None:
+        """Run ``write(*args)`` on this cache's writer thread, off the caller's path: a plan is ready before its
+        files are fsynced. :meth:`flush` (called by every read of the folder and by :meth:`close`) waits for them;
+        the interpreter also waits for them at exit."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._writer.submit(write, *args))
+
+    def flush(self) -> None:
+        """Wait for the writes asked for so far (a failed one was logged by itself)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            if (exc := f.exception()) is not None:
+                log.warning("plan cache: a background write failed: %s", exc)
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
     def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
         """The stored record and blob for ``graph_key``, unverified; ``None`` when there is no whole entry
         (one deleted under us by another process is a miss). Marks the entry used (see the size cap).
 
         Raises :class:`VerificationError` (reason ``malformed``) for a record file that does not parse."""
+        self.flush()
         path = self._record_path(graph_key)
         try:
             text = path.read_bytes()

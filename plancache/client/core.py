@@ -304,7 +304,7 @@ class ServerStep(Step):
         c, record = self.cache, answer.record
         plan = self.admit(p, record, blob)
         if plan is not None and c.signatures_checked:  # an unsigned plan is used, never kept
-            c.disk.save(record, blob)
+            c.disk.later(c.disk.save, record, blob)  # written after the plans are ready
         return plan
 
     def _remote(self) -> Remote:
@@ -646,6 +646,8 @@ class PlanCache:
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds)
 
     def close(self) -> None:
+        """Finish the disk cache's writes and close the connection to the server."""
+        self.disk.close()
         if self._remote is not None:
             self._remote.close()
 
