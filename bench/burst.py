@@ -1,0 +1,206 @@
+"""Start-up on a GPU: plancache against local builds, against the floor, and 16 processes starting at once.
+
+    python bench/burst.py --plans DIR --out DIR [--processes 16]
+
+``--plans`` is the folder ``bench/tuning.py`` wrote (``plans.json``, signed by ``keys/bench.key``). A real
+``plancache serve`` (SQLite) is seeded with those plans. Every figure is from fresh processes, timed from
+just after CUDA context creation (``torch.cuda.init()``, not plancache's to save) until every plan of the
+49-graph workload is ready to execute:
+
+- ``heuristic_cold``: cuDNN handle + heuristic build of every graph, ``CUDA_CACHE_DISABLE=1``;
+- ``heuristic_warm_jit``: the same with the driver's JIT cache already filled by an earlier process (a process
+  restarting on the same host);
+- ``floor``: cuDNN handle + device properties + deserialize of every blob from bytes, nothing else;
+- ``plancache``: ``PlanCache()`` + ``prefetch`` + ``plan`` of every graph (one resolve, blob checks, signature
+  checks, deserialize), strict mode, an empty disk cache; ``first_plan``: the same for the first graph alone;
+- ``burst``: ``--processes`` fresh processes doing ``plancache`` at the same instant (each past its imports and
+  CUDA start-up, released together): p50, p99 and max against ``plancache``.
+
+Writes ``startup_floor.json`` into OUT and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _plans(folder: Path) -> list[dict]:
+    return json.loads((folder / "plans.json").read_text())
+
+
+# ---------------------------------------------------------------- children (on the GPU)
+
+def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wait: bool) -> dict:
+    import torch
+
+    from plancache.spec import parse_spec
+
+    torch.cuda.init()
+    entries = _plans(plans_dir)
+    specs = [parse_spec(e["spec"]) for e in entries]
+    blobs = [base64.b64decode(e["blob_b64"]) for e in entries]
+    if phase.startswith("plancache") or phase == "first_plan":
+        from plancache.client import PlanCache
+        from plancache.signing import TrustedKeys
+        trusted = TrustedKeys.from_files([plans_dir / "keys" / "bench.pub"])
+        cache_dir = tempfile.mkdtemp(prefix="plancache-burst-")
+    if wait:  # released together with the other processes of a burst
+        print("ready", flush=True)
+        sys.stdin.readline()
+    t0 = time.perf_counter()
+    if phase in ("heuristic_cold", "heuristic_warm_jit"):
+        from plancache import gpu
+
+        handle = gpu.create_handle(0)
+        for spec in specs:
+            gpu.build_heuristic(spec, handle)
+    elif phase == "floor":
+        import cudnn
+
+        handle = cudnn.create_handle()
+        props = cudnn.create_device_properties(0)
+        graphs = []
+        for blob in blobs:
+            g = cudnn.pygraph(device_property=props)
+            g.deserialize(handle, blob)
+            graphs.append(g)
+    elif phase == "first_plan":
+        pc = PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache_dir, mode="strict")
+        pc.plan(specs[0])
+    else:
+        pc = PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache_dir, mode="strict")
+        pc.prefetch(specs)
+        plans = [pc.plan(s) for s in specs]
+        assert all(p.source == "server" for p in plans), [p.source for p in plans]
+    seconds = time.perf_counter() - t0
+    return {"phase": phase, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- the orchestrator
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra}
+    return env
+
+
+def _args(phase: str, plans: Path, server: str | None, token: str | None, wait: bool = False) -> list[str]:
+    args = [sys.executable, __file__, "--child", phase, "--plans", str(plans)]
+    if server:
+        args += ["--server", server, "--token", token or ""]
+    return args + (["--wait"] if wait else [])
+
+
+def run_one(phase: str, plans: Path, server: str | None = None, token: str | None = None, **env: str) -> float:
+    out = subprocess.run(_args(phase, plans, server, token), env=_env(CUDA_CACHE_DISABLE="1", **env),
+                         check=True, capture_output=True, text=True, timeout=600)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+
+
+def run_burst(n: int, plans: Path, server: str, token: str) -> list[float]:
+    procs = [subprocess.Popen(_args("plancache", plans, server, token, wait=True), env=_env(CUDA_CACHE_DISABLE="1"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    for p in procs:  # every process imported everything and created its CUDA context
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    times = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"a burst process failed ({p.returncode})")
+        times.append(float(json.loads(out.strip().splitlines()[-1])["seconds"]))
+    return times
+
+
+def serve_and_seed(plans: Path) -> tuple[subprocess.Popen, str, str]:
+    import httpx
+
+    from bench.load_server import free_port
+
+    port, admin = free_port(), "burst-admin-token"
+    db = Path(tempfile.mkdtemp(prefix="plancache-burst-db-")) / "server.db"
+    proc = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            env=_env(PLANCACHE_DATABASE_URL=f"sqlite:///{db}", PLANCACHE_ADMIN_TOKEN=admin))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(150):
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("plancache serve did not come up")
+    auth = {"Authorization": f"Bearer {admin}"}
+    for e in _plans(plans):
+        r = httpx.put(f"{url}/v1/plans", json={**e["meta"], "blob_b64": e["blob_b64"], "spec": e["spec"]},
+                      headers=auth, timeout=30)
+        r.raise_for_status()
+    return proc, url, admin
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plans", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--processes", type=int, default=16)
+    ap.add_argument("--child")
+    ap.add_argument("--server")
+    ap.add_argument("--token")
+    ap.add_argument("--wait", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.plans, args.server, args.token, args.wait)))
+        return
+    if args.out is None:
+        ap.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    n = len(_plans(args.plans))
+    res: dict = {"graphs": n}
+    res["heuristic_cold_s"] = run_one("heuristic_cold", args.plans)
+    jit = tempfile.mkdtemp(prefix="plancache-jit-")
+    warm = {"CUDA_CACHE_DISABLE": "0", "CUDA_CACHE_PATH": jit}
+    run_one("heuristic_warm_jit", args.plans, **warm)  # fills the JIT cache
+    res["heuristic_warm_jit_s"] = run_one("heuristic_warm_jit", args.plans, **warm)
+    res["floor_s"] = run_one("floor", args.plans)
+    proc, url, token = serve_and_seed(args.plans)
+    try:
+        res["plancache_s"] = run_one("plancache", args.plans, url, token)
+        res["first_plan_s"] = run_one("first_plan", args.plans, url, token)
+        burst = run_burst(args.processes, args.plans, url, token)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    res["burst"] = {"processes": args.processes, "p50_s": statistics.median(burst), "p99_s": _pct(burst, 0.99),
+                    "max_s": max(burst), "all_s": burst}
+    res["ratios"] = {"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
+                     "heuristic_warm_jit_over_plancache": res["heuristic_warm_jit_s"] / res["plancache_s"],
+                     "plancache_over_floor": res["plancache_s"] / res["floor_s"],
+                     "heuristic_cold_over_floor": res["heuristic_cold_s"] / res["floor_s"],
+                     "burst_p99_over_single": res["burst"]["p99_s"] / res["plancache_s"]}
+    (args.out / "startup_floor.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
