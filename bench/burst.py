@@ -127,31 +127,11 @@ def run_burst(n: int, plans: Path, server: str, token: str) -> list[float]:
     return times
 
 
-def serve_and_seed(plans: Path) -> tuple[subprocess.Popen, str, str]:
-    import httpx
+def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    from bench.serve import serve_seeded
 
-    from bench.load_server import free_port
-
-    port, admin = free_port(), "burst-admin-token"
     db = Path(tempfile.mkdtemp(prefix="plancache-burst-db-")) / "server.db"
-    proc = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            env=_env(PLANCACHE_DATABASE_URL=f"sqlite:///{db}", PLANCACHE_ADMIN_TOKEN=admin))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(150):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("plancache serve did not come up")
-    auth = {"Authorization": f"Bearer {admin}"}
-    for e in _plans(plans):
-        r = httpx.put(f"{url}/v1/plans", json={**e["meta"], "blob_b64": e["blob_b64"], "spec": e["spec"]},
-                      headers=auth, timeout=30)
-        r.raise_for_status()
-    return proc, url, admin
+    return serve_seeded(db, ({**e["meta"], "blob_b64": e["blob_b64"], "spec": e["spec"]} for e in _plans(plans)))
 
 
 def _pct(xs: list[float], q: float) -> float:

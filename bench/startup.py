@@ -24,12 +24,12 @@ import argparse
 import base64
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -234,39 +234,15 @@ def _child(phase: str, out: Path, limit: int | None, *extra: str, timeout: float
     print(f"[{phase}] process wall {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _serve_and_seed(out: Path, limit: int | None) -> tuple[subprocess.Popen[bytes], str, str]:
+    from bench.serve import serve_seeded
 
+    def uploads() -> Iterator[dict]:
+        for spec in _specs(limit):
+            rec = json.loads((out / "plans" / f"{spec.graph_key}.json").read_text())
+            yield {**rec["meta"], "blob_b64": rec["blob_b64"], "spec": rec["spec"]}
 
-def _serve_and_seed(out: Path, limit: int | None) -> tuple[subprocess.Popen, str, str]:
-    import httpx
-
-    port = _free_port()
-    admin = "bench-admin-token"
-    db = out / "bench-server.db"
-    db.unlink(missing_ok=True)
-    env = {**os.environ, "PLANCACHE_DATABASE_URL": f"sqlite:///{db}", "PLANCACHE_ADMIN_TOKEN": admin,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("plancache serve did not come up")
-    auth = {"Authorization": f"Bearer {admin}"}
-    for spec in _specs(limit):
-        rec = json.loads((out / "plans" / f"{spec.graph_key}.json").read_text())
-        body = {**rec["meta"], "blob_b64": rec["blob_b64"], "spec": rec["spec"]}
-        r = httpx.put(f"{url}/v1/plans", json=body, headers=auth, timeout=30)
-        r.raise_for_status()
-    return proc, url, admin
+    return serve_seeded(out / "bench-server.db", uploads())
 
 
 def _plot(out: Path, startup: dict, quality: list[dict], tuning: dict) -> None:
