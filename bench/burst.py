@@ -104,7 +104,7 @@ def _args(phase: str, plans: Path, server: str | None, token: str | None, wait: 
 
 
 def run_one(phase: str, plans: Path, server: str | None = None, token: str | None = None, **env: str) -> float:
-    out = subprocess.run(_args(phase, plans, server, token), env=_env(CUDA_CACHE_DISABLE="1", **env),
+    out = subprocess.run(_args(phase, plans, server, token), env=_env(**{"CUDA_CACHE_DISABLE": "1", **env}),
                          check=True, capture_output=True, text=True, timeout=600)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
 
