@@ -61,8 +61,18 @@ class OrderedPool:
 
         ``fn`` and the items must pickle; an exception raised by ``fn`` is re-raised here (tasks should
         return failures as data). Closing the iterator early cancels the tasks not yet started."""
-        futures = {k: self._pool().submit(fn, item) for k, item in enumerate(items)}
+        futures = {k: self._submit(fn, item) for k, item in enumerate(items)}
         return self._results(fn, items, futures)
+
+    def _submit(self, fn: Callable[[T], R], item: T) -> Future[R]:
+        """``fn(item)`` on the pool; a pool that broke meanwhile (a task killed its process while others were
+        being submitted) gives a future that fails with ``BrokenProcessPool``, handled where it is consumed."""
+        try:
+            return self._pool().submit(fn, item)
+        except BrokenProcessPool as exc:
+            failed: Future[R] = Future()
+            failed.set_exception(exc)
+            return failed
 
     def _results(self, fn: Callable[[T], R], items: Sequence[T],
                  futures: dict[int, Future[R]]) -> Iterator[R | Crashed[T]]:
@@ -74,7 +84,7 @@ class OrderedPool:
                     result = self._alone(fn, item)
                     for j, fut in list(futures.items()):  # later tasks: keep what finished, rerun the rest
                         if not (fut.done() and not fut.cancelled() and fut.exception() is None):
-                            futures[j] = self._pool().submit(fn, items[j])
+                            futures[j] = self._submit(fn, items[j])
                 yield result
         finally:
             for fut in futures.values():
@@ -84,7 +94,7 @@ class OrderedPool:
         """Run ``item`` on a fresh pool with nothing else submitted; a second death is its own."""
         self._restart()
         try:
-            return self._pool().submit(fn, item).result()
+            return self._submit(fn, item).result()
         except BrokenProcessPool:
             self._restart()
             return Crashed(item)

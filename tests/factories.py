@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -12,6 +13,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from plancache.environment import Environment
 from plancache.protocol import Candidate, PlanMeta, PlanRecord
 from plancache.signing import Signer, TrustedKeys
+from plancache.spec import parse_spec
+
+#: The conv→bias→relu example spec (examples/conv_bias_relu.json).
+CONV_SPEC = parse_spec((Path(__file__).resolve().parents[1] / "examples" / "conv_bias_relu.json").read_text())
 
 #: The environment of the tests: an H200 with cuDNN 9.19, driver 13.0 and FE 1.32.
 H200 = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",

@@ -1,4 +1,4 @@
-"""Tasks for tests/test_procpool.py: importable by the spawned processes of an OrderedPool."""
+"""Tasks for tests/unit/test_procpool.py: importable by the spawned processes of an OrderedPool."""
 
 from __future__ import annotations
 

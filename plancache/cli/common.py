@@ -75,7 +75,7 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  #: Ctrl+C
 
 
-#: One line per exit code, as docs/CLI.md lists them (tests/test_cli.py keeps the two the same).
+#: One line per exit code, as docs/CLI.md lists them (tests/integration/test_cli.py keeps the two the same).
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "success",
     ExitCode.FAILED: "the operation was refused or failed on its data: a conflict, something not found, an invalid "
@@ -242,7 +242,7 @@ def failures() -> Iterator[None]:
 
 
 def command(func: F) -> F:
-    """Decorate every command with this: it runs inside :func:`failures` (tests/test_cli.py checks that each does)."""
+    """Decorate every command with this: it runs inside :func:`failures` (tests/integration/test_cli.py checks that each does)."""
 
     @functools.wraps(func)
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,7 @@
 """The bridge to FE's Python IR: a spec document → ``cudnn.pygraph``, and a user's graph → canonical uids.
 
 This is the one module that writes FE 1.32's private IR (``graph_types.Tensor``, ``nodes.Node``,
-``pygraph._register_tensor`` / ``_nodes`` / ``_tensor_by_uid``); ``tests/test_fe_contract.py``
+``pygraph._register_tensor`` / ``_nodes`` / ``_tensor_by_uid``); ``tests/unit/test_fe_contract.py``
 fails loudly when FE changes under it. Constructing a graph needs nvidia-cudnn-frontend but no GPU.
 """
 

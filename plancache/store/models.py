@@ -1,5 +1,5 @@
 """SQLAlchemy Core tables of the store. The Alembic migrations in ``migrations/`` must match these exactly
-(``tests/test_migrations.py`` runs ``alembic check``)."""
+(``tests/integration/test_migrations.py`` runs ``alembic check``)."""
 
 from __future__ import annotations
 

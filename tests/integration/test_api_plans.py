@@ -1,0 +1,262 @@
+"""HTTP API: specs, plan uploads, resolve, record lookup and blobs, on SQLite and Postgres."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
+from plancache.server.routes import plans as plans_routes
+from plancache.spec import parse_spec
+from tests.server_util import api, env_query, open_api, sha, upload_json  # noqa: F401
+
+pytestmark = pytest.mark.both_blob_stores
+
+# ------------------------------------------------------------------ specs
+
+
+def test_spec_register_is_idempotent_and_reads_back_canonical(api, make_spec):
+    key, spec = make_spec(0)
+    r = api.client.post("/v1/specs", json=spec, headers=api.worker)
+    assert r.status_code == 201 and r.json() == {"graph_key": key, "created": True}
+    r = api.client.post("/v1/specs", json=spec, headers=api.admin)
+    assert r.status_code == 200 and r.json() == {"graph_key": key, "created": False}
+    r = api.client.get(f"/v1/specs/{key}", headers=api.reader)
+    assert r.status_code == 200 and r.json() == parse_spec(spec).canonical_document().to_json()
+
+
+def test_malformed_spec_is_422_naming_the_problem(api, make_spec):
+    _, spec = make_spec(0)
+    spec["nodes"][0]["type"] = "FROBNICATE"
+    r = api.client.post("/v1/specs", json=spec, headers=api.worker)
+    assert r.status_code == 422
+    assert r.json()["error"]["code"] == "invalid_spec" and "FROBNICATE" in r.json()["error"]["message"]
+    r = api.client.post("/v1/specs", json=[1, 2], headers=api.worker)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+
+
+def test_unknown_and_malformed_spec_keys(api):
+    r = api.client.get("/v1/specs/" + "0" * 64, headers=api.reader)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "0" * 64 in r.json()["error"]["message"]
+    r = api.client.get("/v1/specs/NOT-A-KEY", headers=api.reader)
+    assert r.status_code == 422 and "graph_key" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ uploads
+
+
+@pytest.fixture
+def published(api, make_spec, make_plan, gpu_env):
+    """Two plans on ``gpu_env`` uploaded over HTTP: ``[(key, meta, blob), ...]``."""
+    out = []
+    for i in range(2):
+        key, spec = make_spec(i)
+        meta, blob = make_plan(key, gpu_env, blob=f"plan-blob-{i}".encode() * 100)
+        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)  # uploads with no job
+        assert r.status_code == 201, r.text
+        out.append((key, meta, blob))
+    return out
+
+
+def test_put_plan_new_then_idempotent_then_conflict(api, published, make_plan, gpu_env):
+    key, meta, blob = published[0]
+    record = api.store.get_plan(key, gpu_env)
+    assert record is not None and record.blob_sha256 == sha(blob)
+    r = api.client.put("/v1/plans", json=upload_json(meta, blob), headers=api.admin)
+    assert r.status_code == 200 and r.json()["blob_sha256"] == sha(blob)
+    other_meta, other_blob = make_plan(key, gpu_env, blob=b"a different plan")
+    r = api.client.put("/v1/plans", json=upload_json(other_meta, other_blob), headers=api.admin)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
+
+
+def test_replace_needs_admin(api, published, make_plan, gpu_env):
+    key, _, _ = published[0]
+    meta, blob = make_plan(key, gpu_env, blob=b"a better plan")
+    body = upload_json(meta, blob, replace=True)
+    r = api.client.put("/v1/plans", json=body, headers=api.worker)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    r = api.client.put("/v1/plans", json=body, headers=api.admin)
+    assert r.status_code == 200 and r.json()["blob_sha256"] == sha(blob)
+    assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
+
+
+def test_an_older_record_cannot_replace_a_newer_one(api, published, make_plan, gpu_env):
+    key, meta, blob = published[0]
+    older, older_blob = make_plan(key, gpu_env, blob=b"an older plan", revision=meta.revision - 1)
+    r = api.client.put("/v1/plans", json=upload_json(older, older_blob, replace=True), headers=api.admin)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_revision"
+    assert f"has revision {meta.revision}; a replacement needs a higher revision" in r.json()["error"]["message"]
+    assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
+    newer, newer_blob = make_plan(key, gpu_env, blob=b"a newer plan")
+    r = api.client.put("/v1/plans", json=upload_json(newer, newer_blob, replace=True), headers=api.admin)
+    assert r.status_code == 200 and r.json()["revision"] == newer.revision > meta.revision
+
+
+def test_put_plan_refusals(api, make_spec, make_plan, gpu_env):
+    key, spec = make_spec(0)
+    meta, blob = make_plan(key, gpu_env)
+
+    def put(body):
+        r = api.client.put("/v1/plans", json=body, headers=api.admin)
+        return r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]
+
+    status, code, message = put(upload_json(meta, blob))  # no spec stored, none sent
+    assert (status, code) == (404, "not_found") and "spec" in message
+    _, other_spec = make_spec(1)
+    status, code, message = put(upload_json(meta, blob, other_spec))
+    assert (status, code) == (422, "integrity_error") and key in message
+    assert put(upload_json(meta, blob[:-1] + bytes([blob[-1] ^ 1]), spec))[:2] == (422, "integrity_error")  # digest
+    assert put(upload_json(meta.model_copy(update={"blob_size": len(blob) + 1}), blob, spec))[:2] == (422, "integrity_error")
+    status, code, message = put(upload_json(meta, blob, spec, blob_b64="not base64!"))
+    assert (status, code) == (422, "validation_error") and "blob_b64" in message
+    body = upload_json(meta, blob, spec)
+    del body["environment"]["cudnn_version"]
+    status, code, message = put(body)
+    assert (status, code) == (422, "validation_error") and "environment.cudnn_version" in message
+    assert api.store.get_plan(key, gpu_env) is None
+
+
+def test_blob_over_the_limit_is_413(store, make_spec, make_plan, gpu_env):
+    key, spec = make_spec(0)
+    with open_api(store, max_blob_bytes=1000) as api:
+        meta, blob = make_plan(key, gpu_env, blob=b"x" * 1001)
+        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        # a lying blob_size does not get a large blob past the limit
+        r = api.client.put("/v1/plans", json=upload_json(meta.model_copy(update={"blob_size": 10}), blob, spec),
+                           headers=api.admin)
+        assert r.status_code == 413
+        meta, blob = make_plan(key, gpu_env, blob=b"x" * 1000)
+        assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
+
+
+def test_request_body_over_the_limit_is_413_declared_or_streamed(store, gpu_env):
+    body = json.dumps({"environment": gpu_env.model_dump(), "graph_keys": ["0" * 64] * 100}).encode()
+    with open_api(store, max_request_bytes=1000) as api:
+        r = api.client.post("/v1/plans/resolve", content=body, headers={**api.reader, "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+        def chunks():  # no Content-Length: sent chunked
+            for i in range(0, len(body), 100):
+                yield body[i:i + 100]
+
+        r = api.client.post("/v1/plans/resolve", content=chunks(), headers={**api.reader, "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        small = {"environment": gpu_env.model_dump(), "graph_keys": ["0" * 64]}
+        assert api.client.post("/v1/plans/resolve", json=small, headers=api.reader).status_code == 200
+
+
+# ------------------------------------------------------------------ resolve and lookup
+
+
+def test_resolve_returns_records_blobs_and_records_misses(api, published, make_spec, gpu_env):
+    (k0, _, b0), (k1, _, b1) = published
+    missing_key, _ = make_spec(5)
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [k0, missing_key, k1, k0]}
+    r = api.client.post("/v1/plans/resolve", json=body, headers=api.reader)
+    assert r.status_code == 200
+    out = r.json()
+    assert set(out["plans"]) == {k0, k1} and out["missing"] == [missing_key]
+    assert all(p["blob_b64"] is None for p in out["plans"].values())
+    assert out["plans"][k0]["record"]["blob_sha256"] == sha(b0)
+
+    r = api.client.post("/v1/plans/resolve", json={**body, "include_blobs": True}, headers=api.reader)
+    assert r.headers["content-type"] == "application/json"
+    plans = r.json()["plans"]
+    assert base64.b64decode(plans[k0]["blob_b64"]) == b0 and base64.b64decode(plans[k1]["blob_b64"]) == b1
+    expected = ResolveResponse(plans={k: ResolvedPlan(record=api.store.get_plan(k, gpu_env), blob_b64=b64encode(b))
+                                      for k, b in ((k0, b0), (k1, b1))}, missing=[missing_key])
+    assert ResolveResponse.model_validate_json(r.content) == expected
+
+    misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
+    assert [(m["graph_key"], m["env_id"], m["count"]) for m in misses] == [(missing_key, gpu_env.env_id, 2)]
+    metrics = api.client.get("/metrics").text
+    assert 'plancache_resolve_keys_total{result="hit"} 4.0' in metrics
+    assert 'plancache_resolve_keys_total{result="miss"} 2.0' in metrics
+    assert f'plancache_blob_bytes_served_total{{route="/v1/plans/resolve"}} {float(len(b0) + len(b1))}' in metrics
+
+
+def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypatch):
+    monkeypatch.setattr(plans_routes, "CHUNK_BYTES", 1)
+    for include_blobs in (True, False):
+        found, missing = api.store.resolve(gpu_env, [k for k, _, _ in published] + ["f" * 64], include_blobs=include_blobs)
+        chunks = list(plans_routes.resolve_json(found, missing))
+        assert len(chunks) == 3  # one per plan, then the end
+        expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b))
+                                          for k, (r, b) in found.items()}, missing=missing)
+        assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
+
+
+def test_resolve_inlines_blobs_up_to_the_budget(api, published, gpu_env, monkeypatch):
+    (k0, _, b0), (k1, _, b1) = published
+    monkeypatch.setattr(plans_routes, "MAX_INLINE_BLOB_BYTES", len(b0) + len(b1) - 1)
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [k1, k0], "include_blobs": True}
+    plans = api.client.post("/v1/plans/resolve", json=body, headers=api.reader).json()["plans"]
+    assert base64.b64decode(plans[k1]["blob_b64"]) == b1 and plans[k0]["blob_b64"] is None
+    assert plans[k0]["record"]["blob_sha256"] == sha(b0)
+    assert api.store.list_misses() == []  # looking the blobs up again records no miss
+
+
+def test_resolve_matches_the_environment_exactly(api, published, gpu_env):
+    keys = [k for k, _, _ in published]
+    other = gpu_env.model_copy(update={"cudnn_version": gpu_env.cudnn_version + 1})
+    r = api.client.post("/v1/plans/resolve", json={"environment": other.model_dump(), "graph_keys": keys}, headers=api.reader)
+    assert r.json() == {"plans": {}, "missing": keys}
+
+
+def test_resolve_limits_and_validation(store, gpu_env):
+    with open_api(store, max_resolve_keys=3) as api:
+        env = gpu_env.model_dump()
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": ["0" * 64] * 4}, headers=api.reader)
+        assert r.status_code == 413 and "limit is 3" in r.json()["error"]["message"]
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": ["xyz"]}, headers=api.reader)
+        assert r.status_code == 422 and "graph_keys" in r.json()["error"]["message"]
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": []}, headers=api.reader)
+        assert r.status_code == 422
+        r = api.client.post("/v1/plans/resolve", json={"graph_keys": ["0" * 64]}, headers=api.reader)
+        assert r.status_code == 422 and "body.environment" in r.json()["error"]["message"]
+
+
+def test_plan_lookup_by_environment_query(api, published, gpu_env):
+    key, meta, _ = published[0]
+    r = api.client.get(f"/v1/plans/{key}", params=env_query(gpu_env), headers=api.reader)
+    assert r.status_code == 200 and r.json()["blob_sha256"] == meta.blob_sha256 and r.json()["env_id"] == gpu_env.env_id
+    other = {**env_query(gpu_env), "sm_count": 114}
+    r = api.client.get(f"/v1/plans/{key}", params=other, headers=api.reader)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    partial = env_query(gpu_env)
+    del partial["driver_version"]
+    r = api.client.get(f"/v1/plans/{key}", params=partial, headers=api.reader)
+    assert r.status_code == 422 and "driver_version" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ blobs
+
+
+def test_blob_get_etag_and_immutable_caching(api, published):
+    _, _, blob = published[0]
+    digest = sha(blob)
+    r = api.client.get(f"/v1/blobs/{digest}", headers=api.reader)
+    assert r.status_code == 200 and r.content == blob
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert r.headers["etag"] == f'"{digest}"'
+    assert r.headers["cache-control"] == "public, max-age=31536000, immutable"
+    for inm in (f'"{digest}"', f'W/"{digest}"', f'"{"0" * 64}", "{digest}"', "*"):
+        r = api.client.get(f"/v1/blobs/{digest}", headers={**api.reader, "If-None-Match": inm})
+        assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == f'"{digest}"', inm
+    r = api.client.get(f"/v1/blobs/{digest}", headers={**api.reader, "If-None-Match": '"something-else"'})
+    assert r.status_code == 200 and r.content == blob
+    served = f'plancache_blob_bytes_served_total{{route="/v1/blobs/{{sha256}}"}} {float(2 * len(blob))}'
+    assert served in api.client.get("/metrics").text
+
+
+def test_blob_unknown_or_malformed(api):
+    unknown = "ab" * 32
+    assert api.client.get(f"/v1/blobs/{unknown}", headers=api.reader).status_code == 404
+    r = api.client.get(f"/v1/blobs/{unknown}", headers={**api.reader, "If-None-Match": "*"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = api.client.get("/v1/blobs/ABC", headers=api.reader)
+    assert r.status_code == 422 and "sha256" in r.json()["error"]["message"]

@@ -1,0 +1,347 @@
+"""Bundles: export → file → verify → import round trips; any tampering refuses the whole bundle."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from plancache.bundle import export_bundle, import_bundle, load_bundle
+from plancache.cli import app
+from plancache.environment import Environment
+from plancache.errors import Conflict, NotFound, VerificationError
+from plancache.signing import Signer, TrustedKeys, keygen
+from plancache.store import open_store
+
+pytestmark = pytest.mark.both_blob_stores
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Any]:
+    priv, pub, _ = keygen(tmp_path / "keys", "ops")
+    other_priv, other_pub, _ = keygen(tmp_path / "keys", "stranger")
+    return {"signer": Signer.from_file(priv), "trusted": TrustedKeys.from_files([pub]), "priv": priv, "pub": pub,
+            "stranger": Signer.from_file(other_priv), "stranger_pub": other_pub}
+
+
+@pytest.fixture
+def other_env(gpu_env: Environment) -> Environment:
+    return gpu_env.model_copy(update={"cudnn_version": 92000})
+
+
+def _seed(store: Any, make_spec: Any, make_plan: Any, env: Environment, signer: Signer, n: int = 3,
+          first: int = 0) -> list[str]:
+    keys = []
+    for i in range(first, first + n):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, env, blob=f"plan-{i}-{env.cudnn_version}".encode() * (i + 1))
+        store.publish_plan(signer.sign(meta), blob)
+        keys.append(key)
+    return keys
+
+
+@pytest.fixture
+def dest(tmp_path: Path, blob_store_url: str) -> Any:
+    """A second store, on the same kind of blob store as ``store``."""
+    blob_store = "database" if blob_store_url == "database" else (tmp_path / "dest-blobs").as_uri()
+    s = open_store(f"sqlite:///{tmp_path / 'dest.db'}", create=True, blob_store=blob_store)
+    yield s
+    s.close()
+
+
+def _plan_count(store: Any) -> int:
+    return len(store.list_plans(limit=10_000))
+
+
+def test_round_trip_signed(store, dest, make_spec, make_plan, gpu_env, other_env, keys, tmp_path):
+    wanted = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=3)
+    _seed(store, make_spec, make_plan, other_env, keys["signer"], n=2)  # another environment: not exported
+    out = tmp_path / "b.json"
+    assert export_bundle(store, gpu_env, wanted[:2], out, keys["signer"]) == 2
+
+    plans = load_bundle(out, keys["trusted"])
+    assert sorted(p.record.graph_key for p in plans) == sorted(wanted[:2])
+    for p in plans:
+        assert p.record == store.get_plan(p.record.graph_key, gpu_env)
+        assert p.blob == store.get_blob(p.record.blob_sha256)
+        assert p.spec == store.get_spec(p.record.graph_key)
+
+    report = import_bundle(dest, out, keys["trusted"])
+    assert (report.imported, report.unchanged, report.signature_checked) == (2, 0, True)
+    for p in plans:
+        got = dest.get_plan(p.record.graph_key, gpu_env)
+        assert got is not None
+        assert got.model_dump(exclude={"created_at", "job_id"}) == p.record.model_dump(exclude={"created_at", "job_id"})
+        assert dest.get_blob(got.blob_sha256) == p.blob
+        keys["trusted"].verify(got)  # the worker's plan signature survives the trip
+    assert _plan_count(dest) == 2
+
+    again = import_bundle(dest, out, keys["trusted"])
+    assert (again.imported, again.unchanged) == (0, 2)
+    assert _plan_count(dest) == 2
+
+
+def test_export_all_and_import_into_either_backend(store, make_spec, make_plan, gpu_env, keys, tmp_path):
+    src = open_store(f"sqlite:///{tmp_path / 'src.db'}", create=True)
+    try:
+        wanted = _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=4)
+        out = tmp_path / "all.json"
+        assert export_bundle(src, gpu_env, None, out, keys["signer"]) == 4
+    finally:
+        src.close()
+    report = import_bundle(store, out, keys["trusted"])
+    assert report.imported == 4
+    assert {r.graph_key for r in store.list_plans(env_id=gpu_env.env_id)} == set(wanted)
+
+
+def test_export_refuses_missing_keys_and_empty_environments(store, make_spec, make_plan, gpu_env, other_env,
+                                                            keys, tmp_path):
+    have = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    absent = "f" * 64
+    with pytest.raises(NotFound, match=absent):
+        export_bundle(store, gpu_env, [*have, absent], tmp_path / "x.json")
+    with pytest.raises(NotFound, match="no plans are stored"):
+        export_bundle(store, other_env, None, tmp_path / "y.json")
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "y.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- tampering
+
+
+@pytest.fixture
+def bundle_file(store, make_spec, make_plan, gpu_env, keys, tmp_path) -> Path:
+    keys_ = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=3)
+    out = tmp_path / "bundle.json"
+    export_bundle(store, gpu_env, keys_, out, keys["signer"])
+    return out
+
+
+def _edit(path: Path, change: Any, dest: Path | None = None) -> Path:
+    doc = json.loads(path.read_text())
+    change(doc)
+    target = dest or path.with_name("tampered.json")
+    target.write_text(json.dumps(doc))
+    return target
+
+
+def _set_blob(doc: dict[str, Any], i: int, blob: bytes) -> None:
+    doc["entries"][i]["blob_b64"] = base64.b64encode(blob).decode()
+
+
+@pytest.mark.parametrize("change, trusted, reason, needle", [
+    # Any edit breaks the bundle signature when trusted keys are configured.
+    (lambda d: d["entries"][1]["record"].update(winner_median_ms=0.001), True, "bad_signature",
+     "bundle: its header or entries do not match its signed statement"),
+    (lambda d: d["header"].update(created_at="2020-01-01T00:00:00Z"), True, "bad_signature", "bundle: its header"),
+    (lambda d: d["entries"].pop(), True, "malformed", "counts 3 entries"),
+    # Without trusted keys every entry is still checked on its own.
+    (lambda d: _set_blob(d, 1, b"evil" * 10), False, "size", "bundle entry 1"),
+    (lambda d: _set_blob(d, 2, bytes(reversed(base64.b64decode(d["entries"][2]["blob_b64"])))), False, "sha256",
+     "bundle entry 2"),
+    (lambda d: d["entries"][0]["spec"]["nodes"][0].__setitem__("type", "FROBNICATE"), False, "malformed", "bundle entry 0"),
+    (lambda d: d["entries"][0]["spec"]["tuning"].update(deterministic_only=True), False, "graph_key", "bundle entry 0"),
+    (lambda d: d["entries"][0]["record"]["environment"].update(sm=80), False, "environment", "bundle entry 0"),
+    (lambda d: d["entries"].append(d["entries"][0]) or d["header"].update(entries=4), False, "malformed",
+     "repeats entry 0"),
+    (lambda d: d["entries"][1].update(blob_b64="not base64!"), False, "malformed", "bundle entry 1"),
+    (lambda d: d["header"].update(env_id="0" * 32), False, "environment", "env_id"),
+])
+def test_tampered_bundle_is_refused_whole(bundle_file, dest, keys, change, trusted, reason, needle):
+    bad = _edit(bundle_file, change)
+    trust = keys["trusted"] if trusted else None
+    with pytest.raises(VerificationError, match=needle) as err:
+        import_bundle(dest, bad, trust)
+    assert err.value.reason == reason
+    with pytest.raises(VerificationError):
+        load_bundle(bad, trust)
+    assert _plan_count(dest) == 0, "a refused bundle must not be imported in part"
+
+
+def test_unsigned_or_foreign_signed_bundle_refused_with_trusted_keys(store, make_spec, make_plan, gpu_env, keys,
+                                                                     dest, tmp_path):
+    k = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    unsigned, foreign = tmp_path / "unsigned.json", tmp_path / "foreign.json"
+    export_bundle(store, gpu_env, k, unsigned)
+    export_bundle(store, gpu_env, k, foreign, keys["stranger"])
+    with pytest.raises(VerificationError, match="unsigned") as err:
+        import_bundle(dest, unsigned, keys["trusted"])
+    assert err.value.reason == "unsigned"
+    with pytest.raises(VerificationError, match="unknown key") as err:
+        import_bundle(dest, foreign, keys["trusted"])
+    assert err.value.reason == "unknown_signer"
+    assert len(load_bundle(unsigned, None)) == 1  # no trusted keys configured: integrity checks only
+    assert _plan_count(dest) == 0
+
+
+def test_record_signature_checked_inside_a_trusted_bundle(store, make_spec, make_plan, gpu_env, keys, dest, tmp_path):
+    """The bundle signer vouching for a record does not excuse a record signature that fails."""
+    _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    key, spec = make_spec(9)
+    store.put_spec(key, spec)
+    meta, blob = make_plan(key, gpu_env, blob=b"stranger-plan")
+    store.publish_plan(keys["stranger"].sign(meta), blob)
+    out = tmp_path / "mixed.json"
+    export_bundle(store, gpu_env, None, out, keys["signer"])
+    with pytest.raises(VerificationError, match=f"graph key {key[:16]}.*unknown key"):
+        import_bundle(dest, out, keys["trusted"])
+    assert _plan_count(dest) == 0
+    both = TrustedKeys.from_files([keys["pub"], keys["stranger_pub"]])
+    assert import_bundle(dest, out, both).imported == 2
+
+
+def test_conflicting_stored_plan_refuses_import_before_writing(bundle_file, dest, make_plan, gpu_env, keys):
+    plans = load_bundle(bundle_file, keys["trusted"])
+    victim = plans[2]
+    dest.put_spec(victim.record.graph_key, victim.spec)
+    meta, blob = make_plan(victim.record.graph_key, gpu_env, blob=b"a different plan")
+    dest.publish_plan(meta, blob)
+    with pytest.raises(Conflict, match="bundle entry 2"):
+        import_bundle(dest, bundle_file, keys["trusted"])
+    assert _plan_count(dest) == 1
+
+
+def test_a_version_1_bundle_is_refused_with_a_clear_error(bundle_file, dest, keys):
+    """Bundles signed with the retired statement-v1 signature are not read: export them again."""
+    def version_1(doc: dict[str, Any]) -> None:
+        doc["header"].update(version=1, signer_key_id=keys["signer"].key_id)
+        doc["signature"] = doc.pop("envelope")["signatures"][0]["sig"]
+
+    old = _edit(bundle_file, version_1)
+    for trust in (keys["trusted"], None):
+        with pytest.raises(VerificationError, match="a version 1 bundle, signed with the retired statement-v1 "
+                                                    "signature.*export it again") as err:
+            import_bundle(dest, old, trust)
+        assert err.value.reason == "malformed"
+    assert _plan_count(dest) == 0
+
+
+def test_not_a_bundle(tmp_path, dest):
+    junk = tmp_path / "junk.json"
+    for content in (b"\xff\xfe not json", b"[1, 2]", json.dumps({"format": "plancache-bundle"}).encode()):
+        junk.write_bytes(content)
+        with pytest.raises(VerificationError) as err:
+            import_bundle(dest, junk, None)
+        assert err.value.reason == "malformed"
+        assert str(junk) in err.value.message
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def cli() -> Any:
+    runner = CliRunner()
+    return lambda *args, **env: runner.invoke(app, list(args), env={"PLANCACHE_TRUSTED_KEYS": None,
+                                                                   "PLANCACHE_SIGNING_KEY": None, **env})
+
+
+def test_cli_export_import_and_tamper(tmp_path, make_spec, make_plan, gpu_env, keys, cli):
+    src_url, dst_url = f"sqlite:///{tmp_path / 'src.db'}", f"sqlite:///{tmp_path / 'dst.db'}"
+    with open_store(src_url, create=True) as src:
+        wanted = _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=3)
+    open_store(dst_url, create=True).close()
+    env_file = tmp_path / "env.json"
+    env_file.write_text(gpu_env.model_dump_json())
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"# the app's graphs\n{wanted[0]}\n\n{wanted[2]}  # sdpa\n")
+    out = tmp_path / "b.json"
+
+    r = cli("bundle", "export", "--environment", str(env_file), "--keys", str(keys_file), "--out", str(out),
+            "--database-url", src_url, PLANCACHE_SIGNING_KEY=str(keys["priv"]))
+    assert r.exit_code == 0, r.output
+    assert "2 plans" in r.output and keys["signer"].key_id in r.output
+
+    r = cli("bundle", "import", str(out), "--trusted-keys", str(keys["pub"]), "--database-url", dst_url)
+    assert r.exit_code == 0, r.output
+    assert "2 new plans" in r.output
+    with open_store(dst_url) as dst:
+        assert {p.graph_key for p in dst.list_plans()} == {wanted[0], wanted[2]}
+
+    bad = _edit(out, lambda d: _set_blob(d, 0, b"x" * 40))
+    r = cli("bundle", "import", str(bad), "--database-url", dst_url, PLANCACHE_TRUSTED_KEYS=str(keys["pub"]))
+    assert r.exit_code == 1
+    assert "refused" in r.output and "do not match its signed statement" in r.output
+
+
+def test_cli_argument_errors(tmp_path, gpu_env, cli):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    open_store(url, create=True).close()
+    inline = gpu_env.model_dump_json()
+    r = cli("bundle", "export", "--environment", inline, "--out", str(tmp_path / "o.json"), "--database-url", url)
+    assert r.exit_code == 2 and "exactly one of --keys" in r.output
+    bad_keys = tmp_path / "k.txt"
+    bad_keys.write_text("abc\n")
+    r = cli("bundle", "export", "--environment", inline, "--keys", str(bad_keys), "--out", str(tmp_path / "o.json"),
+            "--database-url", url)
+    assert r.exit_code == 2 and "item 1" in r.output
+    r = cli("bundle", "export", "--environment", '{"sm": 90}', "--all", "--out", str(tmp_path / "o.json"),
+            "--database-url", url)
+    assert r.exit_code == 2 and "not an environment" in r.output
+    r = cli("bundle", "export", "--environment", inline, "--all", "--out", str(tmp_path / "o.json"), "--database-url", url)
+    assert r.exit_code == 1 and "no plans are stored" in r.output
+    empty = tmp_path / "nokeys"
+    empty.mkdir()
+    r = cli("bundle", "import", str(tmp_path / "o.json"), "--trusted-keys", str(empty), "--database-url", url)
+    assert r.exit_code == 1 and "names no public key" in r.output
+
+
+def test_bundle_is_deterministic_in_content(store, make_spec, make_plan, gpu_env, keys, tmp_path):
+    """Entries are ordered by graph key, so two exports of the same plans differ only in their timestamp."""
+    k = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=3)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    export_bundle(store, gpu_env, list(reversed(k)), a, keys["signer"])
+    export_bundle(store, gpu_env, k, b, keys["signer"])
+    da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    assert da["entries"] == db["entries"]
+    assert [e["record"]["graph_key"] for e in da["entries"]] == sorted(k)
+
+
+def test_trusted_keys_require_every_record_signed(store, make_spec, make_plan, gpu_env, keys, dest, tmp_path):
+    """A client with trusted keys rejects unsigned plans, so a trusted bundle may not carry any."""
+    _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    key, spec = make_spec(5)
+    store.put_spec(key, spec)
+    meta, blob = make_plan(key, gpu_env, blob=b"unsigned plan")
+    store.publish_plan(meta, blob)
+    out = tmp_path / "u.json"
+    export_bundle(store, gpu_env, None, out, keys["signer"])
+    with pytest.raises(VerificationError, match=f"graph key {key[:16]}.*unsigned") as err:
+        import_bundle(dest, out, keys["trusted"])
+    assert err.value.reason == "unsigned"
+    assert len(load_bundle(out, None)) == 2
+
+
+def test_client_starts_from_a_seeded_cache_with_no_server(tmp_path, make_spec, make_plan, gpu_env, keys, cli,
+                                                          monkeypatch):
+    from plancache.client import PlanCache
+    from plancache.spec import parse_spec
+
+    from tests.client_fakes import RecordingBackend
+
+    with open_store(f"sqlite:///{tmp_path / 'src.db'}", create=True) as src:
+        wanted = _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=2)
+        out = tmp_path / "image.bundle"
+        export_bundle(src, gpu_env, None, out, keys["signer"])
+        specs = {k: src.get_spec(k) for k in wanted}
+        blobs = {k: src.get_blob(src.get_plan(k, gpu_env).blob_sha256) for k in wanted}
+    cache = tmp_path / "cache"
+    r = cli("bundle", "import", str(out), "--cache-dir", str(cache), "--trusted-keys", str(keys["pub"]))
+    assert r.exit_code == 0, r.output
+    assert f"seeded {cache / gpu_env.env_id}: 2 plans" in r.output
+
+    monkeypatch.delenv("PLANCACHE_SERVER_URL", raising=False)
+    backend = RecordingBackend(gpu_env)
+    with PlanCache(None, backend=backend, cache_dir=cache, trusted_keys=[keys["pub"]], mode="strict") as pc:
+        for k in wanted:
+            plan = pc.plan(parse_spec(specs[k]))
+            assert plan.source == "disk"
+    assert sorted(backend.deserialized) == sorted(blobs.values())
+
+    bad = _edit(out, lambda d: _set_blob(d, 0, b"y" * 30))
+    r = cli("bundle", "import", str(bad), "--cache-dir", str(tmp_path / "cache2"), "--trusted-keys", str(keys["pub"]))
+    assert r.exit_code == 1 and "refused" in r.output
+    assert not (tmp_path / "cache2").exists()

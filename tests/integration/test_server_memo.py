@@ -1,0 +1,89 @@
+"""The server's per-process memories: blob bytes (byte-bounded LRU) and authenticated tokens (time-bounded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plancache.server.memo import BlobMemory, TtlMemory
+from tests.server_util import api, bearer, open_api, upload_json  # noqa: F401
+
+
+def test_blob_memory_drops_the_least_recently_used_past_its_size():
+    m = BlobMemory(16 * 100)  # 16 items of 100 bytes
+    for name in "abcdefghijklmnop":
+        m.put(name, name.encode() * 100)
+    assert m.bytes == 1600 and len(m) == 16
+    assert m.get("a") == b"a" * 100  # a is now the most recent
+    m.put("q", b"q" * 100)
+    assert m.get("b") is None and m.get("a") == b"a" * 100 and m.bytes == 1600
+
+
+def test_blob_memory_never_keeps_a_blob_over_a_sixteenth_of_its_size():
+    m = BlobMemory(1600)
+    m.put("big", b"x" * 101)
+    assert m.get("big") is None and m.bytes == 0
+    off = BlobMemory(0)
+    off.put("a", b"a")
+    assert off.get("a") is None
+    with pytest.raises(ValueError):
+        BlobMemory(-1)
+
+
+def test_ttl_memory_forgets_after_its_time():
+    now = [0.0]
+    m: TtlMemory[str] = TtlMemory(5.0, max_items=2, clock=lambda: now[0])
+    m.put("k", "v")
+    now[0] = 4.9
+    assert m.get("k") == "v"
+    now[0] = 5.0
+    assert m.get("k") is None
+    m.put("a", "1"), m.put("b", "2"), m.put("c", "3")
+    assert m.get("a") is None and m.get("c") == "3"  # at most max_items
+    zero: TtlMemory[str] = TtlMemory(0)
+    zero.put("k", "v")
+    assert zero.get("k") is None
+
+
+def _publish(api, make_spec, make_plan, gpu_env, blob: bytes) -> str:
+    key, spec = make_spec(0)
+    meta, _ = make_plan(key, gpu_env, blob)
+    assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
+    return meta.blob_sha256
+
+
+def test_a_blob_read_once_is_served_from_memory(api, make_spec, make_plan, gpu_env, monkeypatch):
+    sha = _publish(api, make_spec, make_plan, gpu_env, b"plan-bytes" * 100)
+    first = api.client.get(f"/v1/blobs/{sha}", headers=api.reader)
+    assert first.status_code == 200 and first.content == b"plan-bytes" * 100
+    assert api.app.state.blob_memory.get(sha) == first.content
+    assert api.client.get(f"/v1/blobs/{'0' * 64}", headers=api.reader).status_code == 404  # unknown: looked up
+
+    def no_database(*a, **k):
+        raise AssertionError("the blob store was read again")
+
+    monkeypatch.setattr(api.store, "get_blob", no_database)
+    monkeypatch.setattr(api.store, "blob_size", no_database)
+    again = api.client.get(f"/v1/blobs/{sha}", headers=api.reader)
+    assert again.status_code == 200 and again.content == first.content
+    assert again.headers["etag"] == f'"{sha}"' and "immutable" in again.headers["cache-control"]
+    assert api.client.get(f"/v1/blobs/{sha}", headers={**api.reader, "If-None-Match": f'"{sha}"'}).status_code == 304
+
+
+def test_a_revoked_token_is_refused_once_its_memory_expires(store):
+    with open_api(store, token_cache_seconds=0) as api:
+        token, _ = store.create_token("short-lived", "reader")
+        assert api.client.get("/v1/misses", headers=bearer(token)).status_code == 403  # known: a reader
+        store.revoke_token("short-lived")
+        assert api.client.get("/v1/misses", headers=bearer(token)).status_code == 401  # no memory: refused at once
+
+
+def test_a_token_is_looked_up_once_within_its_time(store, monkeypatch):
+    with open_api(store, token_cache_seconds=60) as api:
+        token, _ = store.create_token("remembered", "reader")
+        calls = []
+        real = store.authenticate
+        monkeypatch.setattr(store, "authenticate", lambda t: calls.append(t) or real(t))
+        for _ in range(5):
+            assert api.client.get(f"/v1/blobs/{'1' * 64}", headers=bearer(token)).status_code == 404
+        assert len(calls) == 1
+        assert api.client.get(f"/v1/blobs/{'1' * 64}", headers=bearer("pct_unknown")).status_code == 401

@@ -1,0 +1,363 @@
+"""The worker loop against a real server (LiveServer, SQLite, loopback), its GPU step replaced by the
+FakeTuner test double: publishing, environment filtering, failure reporting, heartbeats, fencing,
+server outages, crash recovery (SIGKILL), pause past the lease (SIGSTOP) and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from plancache.client.remote import Remote
+from plancache.environment import Environment
+from plancache.errors import Forbidden, TuningError
+from plancache.http import Backoff, Retry
+from plancache.protocol import Job, PlanRecord, TargetEnvironment, TuneRequest
+from plancache.signing import Signer, TrustedKeys, keygen
+from plancache.spec import GraphSpec, parse_spec
+from plancache.worker import JobsApi, Spool, Worker, upload_tuned
+from tests.live_server import LiveServer
+from tests.worker_fakes import FAKE_ENV, FakeTuner, fake_blob
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDS = ["conv_bias_relu", "matmul_scale_bias_gelu_amax", "sdpa_causal"]
+LEASE = 1.0
+FAST = Backoff(initial=0.05, cap=0.3)
+
+
+def spec(name: str = "conv_bias_relu") -> GraphSpec:
+    return parse_spec((ROOT / "examples" / f"{name}.json").read_text())
+
+
+def wait_for(pred: Callable[[], object], what: str, timeout: float = 15.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> tuple[Path, TrustedKeys]:
+    priv, pub, _ = keygen(tmp_path / "keys", "worker")
+    return priv, TrustedKeys.from_files([pub])
+
+
+@pytest.fixture
+def srv(tmp_path: Path):
+    with LiveServer(tmp_path, lease_seconds=LEASE) as server:
+        yield server
+
+
+def admin(srv: LiveServer) -> JobsApi:
+    return JobsApi.open(srv.url, srv.admin_token, retry=Retry(FAST, within=5))
+
+
+def enqueue(srv: LiveServer, names: list[str], target: TargetEnvironment | None = None, **kw) -> list[Job]:
+    with admin(srv) as c:
+        for n in names:
+            Remote(c.http).register_spec(spec(n))
+        return c.enqueue(TuneRequest(graph_keys=[spec(n).graph_key for n in names],
+                                     targets=[target or TargetEnvironment()], **kw))
+
+
+def job(srv: LiveServer, job_id: int) -> Job:
+    with admin(srv) as c:
+        return c.job(job_id)
+
+
+def plan(srv: LiveServer, graph_key: str, env: Environment = FAKE_ENV) -> PlanRecord | None:
+    r = httpx.get(f"{srv.url}/v1/plans/{graph_key}", params=env.validity(),
+                  headers={"Authorization": f"Bearer {srv.token('reader')}"})
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return PlanRecord.model_validate(r.json())
+
+
+def make_worker(srv: LiveServer, tmp_path: Path, key: Path, tuner: FakeTuner, worker_id: str = "w-a",
+                **kw) -> Worker:
+    kw.setdefault("poll_interval", 0.05)
+    return Worker(JobsApi.open(srv.url, srv.token("worker"), retry=Retry(FAST)), tuner, Signer.from_file(key),
+                  Spool(tmp_path / f"spool-{worker_id}"), worker_id=worker_id, **kw)
+
+
+def in_thread(worker: Worker) -> tuple[threading.Thread, threading.Event, dict]:
+    stop, box = threading.Event(), {}
+    t = threading.Thread(target=lambda: box.update(stats=worker.run(stop)), daemon=True)
+    t.start()
+    return t, stop, box
+
+
+def child(srv: LiveServer, tmp_path: Path, key: Path, worker_id: str, *args: str) -> subprocess.Popen:
+    """A real worker process (FakeTuner GPU step) — ``python -m tests.worker_fakes``."""
+    with open(tmp_path / f"{worker_id}.log", "w") as log:  # the child has its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.worker_fakes", "--server", srv.url, "--token", srv.token("worker"),
+             "--worker-id", worker_id, "--spool-dir", str(tmp_path / f"spool-{worker_id}"), "--signing-key", str(key),
+             *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def running_by(srv: LiveServer, job_id: int, worker_id: str) -> Callable[[], bool]:
+    return lambda: (j := job(srv, job_id)).status == "running" and j.lease_owner == worker_id
+
+
+# ---------------------------------------------------------------- publishing
+
+
+def test_worker_publishes_signed_plans_that_passed_the_round_trip(srv, tmp_path, keys):
+    key, trusted = keys
+    jobs = enqueue(srv, SEEDS)
+    tuner = FakeTuner()
+    stats = make_worker(srv, tmp_path, key, tuner, once=True).run(threading.Event())
+    assert (stats.claimed, stats.succeeded, stats.failed) == (3, 3, 0)
+    assert sorted(tuner.verified) == sorted(tuner.tuned) == sorted(spec(n).graph_key for n in SEEDS)
+    for j in jobs:
+        assert job(srv, j.id).status == "succeeded"
+        rec = plan(srv, j.graph_key)
+        assert rec is not None and rec.worker_id == "w-a" and rec.job_id == j.id
+        trusted.verify(rec)
+        assert rec.environment.validity() == FAKE_ENV.validity() and rec.engine_id == 7
+        blob = httpx.get(f"{srv.url}/v1/blobs/{rec.blob_sha256}",
+                         headers={"Authorization": f"Bearer {srv.token('reader')}"}).content
+        assert blob == fake_blob(j.graph_key)
+    assert list((tmp_path / "spool-w-a").iterdir()) == []
+
+
+def test_worker_claims_only_jobs_for_its_environment(srv, tmp_path, keys):
+    (other,) = enqueue(srv, ["conv_bias_relu"], TargetEnvironment(sm=80))
+    (mine,) = enqueue(srv, ["sdpa_causal"], TargetEnvironment(sm=90, cudnn_version=91900))
+    stats = make_worker(srv, tmp_path, keys[0], FakeTuner(), once=True).run(threading.Event())
+    assert stats.claimed == 1
+    assert job(srv, other.id).status == "queued" and job(srv, mine.id).status == "succeeded"
+
+
+def test_a_plan_failing_the_round_trip_is_reported_and_never_published(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=2)
+    stats = make_worker(srv, tmp_path, keys[0], FakeTuner(fail_numerics=True), once=True).run(threading.Event())
+    assert (stats.claimed, stats.failed, stats.succeeded) == (2, 2, 0)
+    done = job(srv, j.id)
+    assert done.status == "failed" and done.attempts == 2
+    assert "tuning_failed" in done.error and "differs from the reference" in done.error
+    assert plan(srv, j.graph_key) is None
+
+
+def test_a_blob_not_matching_its_digest_is_never_published(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
+    make_worker(srv, tmp_path, keys[0], FakeTuner(corrupt_digest=True), once=True).run(threading.Event())
+    assert "integrity_error" in job(srv, j.id).error and plan(srv, j.graph_key) is None
+
+
+def test_a_spec_too_big_for_the_device_is_refused_before_tuning(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])  # 3 attempts allowed, but the refusal is permanent
+    tuner = FakeTuner(memory_bytes=1024)
+    stats = make_worker(srv, tmp_path, keys[0], tuner, once=True).run(threading.Event())
+    assert tuner.tuned == [] and stats.failed == 1
+    done = job(srv, j.id)
+    assert done.status == "failed" and done.attempts == 1 and "insufficient_gpu_memory" in done.error
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_heartbeats_keep_a_tuning_longer_than_the_lease(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    a = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=3 * LEASE), worker_id="w-a")
+    b = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b")
+    ta, stop_a, _ = in_thread(a)
+    wait_for(running_by(srv, j.id, "w-a"), "w-a to claim")
+    tb, stop_b, box_b = in_thread(b)  # polls all along; must never get the job
+    wait_for(lambda: job(srv, j.id).status == "succeeded", "the job to succeed")
+    stop_a.set(), stop_b.set()
+    ta.join(5), tb.join(5)
+    done = job(srv, j.id)
+    assert done.attempts == 1 and plan(srv, j.graph_key).worker_id == "w-a"
+    assert box_b["stats"].claimed == 0
+
+
+def test_a_worker_killed_mid_job_leaves_it_to_be_reclaimed_after_the_lease(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    a = child(srv, tmp_path, keys[0], "w-killed", "--tune-seconds", "30")
+    try:
+        wait_for(running_by(srv, j.id, "w-killed"), "the child worker to claim")
+        a.send_signal(signal.SIGKILL)
+        assert a.wait(5) == -signal.SIGKILL
+    finally:
+        a.kill()
+    killed_at = time.monotonic()
+    b = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b")
+    tb, stop_b, _ = in_thread(b)
+    wait_for(lambda: job(srv, j.id).status == "succeeded", "w-b to complete the job")
+    assert time.monotonic() - killed_at >= LEASE * 0.5  # not before the lease ran out
+    stop_b.set()
+    tb.join(5)
+    done = job(srv, j.id)
+    assert done.attempts == 2 and done.lease_owner == "w-b"
+    assert plan(srv, j.graph_key).worker_id == "w-b"
+
+
+def test_a_worker_paused_past_its_lease_is_fenced(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    a = child(srv, tmp_path, keys[0], "w-paused", "--tune-seconds", "1.0", "--once")
+    try:
+        wait_for(running_by(srv, j.id, "w-paused"), "the child worker to claim")
+        a.send_signal(signal.SIGSTOP)
+        time.sleep(LEASE * 1.5)
+        b = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True)
+        assert b.run(threading.Event()).succeeded == 1
+        a.send_signal(signal.SIGCONT)
+        out, _ = a.communicate(timeout=15)
+    finally:
+        a.kill()
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["succeeded"] == 0 and stats["dropped"] == 1, (tmp_path / "w-paused.log").read_text()
+    assert plan(srv, j.graph_key).worker_id == "w-b" and job(srv, j.id).attempts == 2
+    assert "lease" in (tmp_path / "w-paused.log").read_text()
+
+
+# ---------------------------------------------------------------- server outages
+
+
+def test_server_down_the_worker_backs_off_keeps_the_result_and_uploads_it_later(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    w = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.5))
+    t, stop, box = in_thread(w)
+    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
+    srv.stop()
+    spool = tmp_path / "spool-w-a"
+    wait_for(lambda: list(spool.glob("job-*.json")), "the finished result to be spooled")
+    time.sleep(1.0)  # the worker retries against a dead server meanwhile
+    assert t.is_alive()
+    srv.start()
+    wait_for(lambda: job(srv, j.id).status == "succeeded", "the spooled result to be delivered")
+    wait_for(lambda: not list(spool.iterdir()), "the spool to be emptied")
+    stop.set()
+    t.join(5)
+    assert box["stats"].succeeded == 1 and plan(srv, j.graph_key).worker_id == "w-a"
+
+
+def test_a_spooled_result_survives_a_worker_restart(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
+    t, stop, box = in_thread(first)
+    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
+    srv.stop()
+    wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
+    stop.set()
+    t.join(5)
+    assert not t.is_alive() and box["stats"].succeeded == 0
+    srv.start()
+    tuner = FakeTuner()
+    again = make_worker(srv, tmp_path, keys[0], tuner, once=True)
+    assert again.run(threading.Event()).succeeded == 1
+    assert tuner.tuned == [] and job(srv, j.id).status == "succeeded"
+
+
+def test_a_completion_whose_lease_was_taken_over_is_dropped_from_the_spool(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
+    t, stop, _ = in_thread(first)
+    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
+    srv.stop()
+    wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
+    stop.set()
+    t.join(5)
+    srv.start()
+    time.sleep(LEASE * 1.2)
+    b = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True)
+    assert b.run(threading.Event()).succeeded == 1
+    again = make_worker(srv, tmp_path, keys[0], FakeTuner(), once=True)
+    stats = again.run(threading.Event())
+    assert stats.dropped == 1 and stats.succeeded == 0
+    assert list((tmp_path / "spool-w-a").iterdir()) == [] and plan(srv, j.graph_key).worker_id == "w-b"
+
+
+# ---------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_releases_a_job_that_cannot_finish_in_the_grace_period(srv, tmp_path, keys):
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2")
+    try:
+        wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim")
+        a.send_signal(signal.SIGTERM)
+        out, _ = a.communicate(timeout=10)
+    finally:
+        a.kill()
+    assert a.returncode == 0 and json.loads(out.strip().splitlines()[-1])["released"] == 1
+    released = job(srv, j.id)
+    assert released.status == "queued" and released.error == "worker shutting down" and released.lease_owner is None
+
+
+def test_sigterm_lets_a_short_tuning_finish_and_publish(srv, tmp_path, keys):
+    first, second = enqueue(srv, ["conv_bias_relu", "sdpa_causal"])
+    a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "1.0", "--shutdown-grace", "20")
+    try:
+        wait_for(lambda: any(job(srv, x.id).lease_owner == "w-term" for x in (first, second)), "a claim")
+        a.send_signal(signal.SIGTERM)
+        out, _ = a.communicate(timeout=15)
+    finally:
+        a.kill()
+    assert a.returncode == 0 and json.loads(out.strip().splitlines()[-1])["succeeded"] == 1
+    assert sorted(job(srv, x.id).status for x in (first, second)) == ["queued", "succeeded"]
+
+
+# ---------------------------------------------------------------- enqueue and direct upload
+
+
+def worker_cli() -> typer.Typer:
+    from plancache.cli import make_app
+
+    return make_app()
+
+
+def test_enqueue_cli_registers_specs_and_queues_jobs_for_the_target(srv):
+    files = [str(ROOT / "examples" / f"{n}.json") for n in SEEDS[:2]]
+    res = CliRunner().invoke(worker_cli(), ["enqueue", *files, "--server", srv.url, "--token", srv.admin_token,
+                                            "--sm", "90", "--cudnn-version", "91900", "--priority", "5"])
+    assert res.exit_code == 0, res.output
+    with admin(srv) as c:
+        jobs = c.http.request("GET", "/v1/jobs").json()["jobs"]
+    assert sorted(j["graph_key"] for j in jobs) == sorted(spec(n).graph_key for n in SEEDS[:2])
+    for j in map(Job.model_validate, jobs):
+        assert j.priority == 5 and j.target == TargetEnvironment(sm=90, cudnn_version=91900)
+    refused = CliRunner().invoke(worker_cli(), ["enqueue", files[0], "--server", srv.url, "--token", srv.token("worker")])
+    assert refused.exit_code == 8 and "forbidden" in refused.output and "admin token" in refused.output  # AUTH
+
+
+def test_upload_tuned_publishes_a_signed_plan_without_the_queue(srv, keys):
+    """Outside the queue takes an admin token: a worker token publishes only the plans of jobs it holds."""
+    key, trusted = keys
+    s = spec("sdpa_causal")
+    tuner = FakeTuner()
+    with pytest.raises(Forbidden, match="only for a job it holds"):
+        upload_tuned(srv.url, srv.token("worker"), s, tuner.tune(s), Signer.from_file(key), "plancache-tune",
+                     tuner=tuner)
+    assert plan(srv, s.graph_key) is None
+    rec = upload_tuned(srv.url, srv.admin_token, s, tuner.tune(s), Signer.from_file(key), "plancache-tune",
+                       tuner=tuner)
+    assert tuner.verified == [s.graph_key] * 2 and rec.job_id is None and rec.worker_id == "plancache-tune"
+    trusted.verify(rec)
+    assert plan(srv, s.graph_key) == rec
+
+
+def test_upload_tuned_refuses_a_plan_failing_the_round_trip(srv, keys):
+    s = spec("sdpa_causal")
+    bad = FakeTuner(fail_numerics=True)
+    with pytest.raises(TuningError):
+        upload_tuned(srv.url, srv.token("worker"), s, bad.tune(s), Signer.from_file(keys[0]), "t", tuner=bad)
+    assert plan(srv, s.graph_key) is None

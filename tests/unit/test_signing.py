@@ -1,0 +1,164 @@
+"""Signed records and bundles are plain DSSE envelopes carrying in-toto statements: checked here with an
+independent DSSE implementation (PAE written from the specification, ed25519 from ``cryptography``), then every
+way an envelope can lie is refused with its reason, and revisions only grow."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from plancache import signing
+from plancache.bundle import BundlePlan, build_bundle
+from plancache.errors import SignatureError
+from plancache.protocol import DsseSignature, Envelope
+from plancache.signing import BUNDLE_PREDICATE, PAYLOAD_TYPE, next_revision, statement
+from tests.factories import CONV_SPEC as SPEC
+from tests.factories import H200, OTHER_GPU, make_meta, make_record, new_signer, trusted
+
+KEY = "c" * 64
+BLOB = b"\x01serialized plan\xfe" * 16
+
+
+def dsse_pae(payload_type: str, body: bytes) -> bytes:
+    """PAE as https://github.com/secure-systems-lab/dsse/blob/master/protocol.md defines it, written apart from
+    :func:`plancache.signing.pae`."""
+    kind = payload_type.encode("utf-8")
+    return b" ".join([b"DSSEv1", str(len(kind)).encode(), kind, str(len(body)).encode(), body])
+
+
+def dsse_verify(envelope: dict[str, Any], public_key: Ed25519PublicKey) -> dict[str, Any]:
+    """A standalone DSSE verifier: the statement, if one of the envelope's signatures verifies with ``public_key``."""
+    assert set(envelope) == {"payloadType", "payload", "signatures"}
+    body = base64.b64decode(envelope["payload"])
+    for signature in envelope["signatures"]:
+        assert set(signature) == {"keyid", "sig"}
+        try:
+            public_key.verify(base64.b64decode(signature["sig"]), dsse_pae(envelope["payloadType"], body))
+        except InvalidSignature:
+            continue
+        return json.loads(body)
+    raise AssertionError("no signature verifies")
+
+
+@pytest.fixture(scope="module")
+def signer() -> Any:
+    return new_signer()
+
+
+def reason_of(meta: Any, keys: Any) -> str:
+    with pytest.raises(SignatureError) as err:
+        keys.verify(meta, what="plan")
+    return err.value.reason
+
+
+def with_envelope(meta: Any, **changes: Any) -> Any:
+    return meta.model_copy(update={"envelope": meta.envelope.model_copy(update=changes)})
+
+
+def repacked(meta: Any, edit: Any) -> Any:
+    """``meta`` whose envelope payload (the statement) was edited by ``edit``, its signature left as it was."""
+    signed = json.loads(base64.b64decode(meta.envelope.payload))
+    edit(signed)
+    return with_envelope(meta, payload=base64.b64encode(json.dumps(signed).encode()).decode())
+
+
+def test_a_signed_record_is_a_standard_dsse_envelope_of_an_in_toto_statement(signer):
+    meta = make_record(KEY, H200, BLOB, signer, heuristic_median_ms=0.08, numerics_check="cross-check:fallback")
+    wire = json.loads(meta.model_dump_json())["envelope"]  # what the server stores and serves
+    assert wire["payloadType"] == "application/vnd.in-toto+json"
+    assert [s["keyid"] for s in wire["signatures"]] == [signer.key_id]
+    signed = dsse_verify(wire, signer.private_key.public_key())
+    assert signed["_type"] == "https://in-toto.io/Statement/v1"
+    assert signed["subject"] == [{"name": "plan blob", "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
+    assert signed["predicateType"] == "https://plancache.dev/plan/v1"
+    predicate = signed["predicate"]
+    assert predicate == {
+        "graph_key": KEY, "environment": H200.validity(), "blob_size": len(BLOB), "engine_id": 7,
+        "knobs": {"TILE_M": 2}, "winner_median_ms": 0.05, "heuristic_median_ms": 0.08,
+        "numerics_check": "cross-check:fallback", "worker_id": "w-test", "revision": meta.revision,
+        "signed_at": predicate["signed_at"],
+    }
+    signed_at = datetime.fromisoformat(predicate["signed_at"].replace("Z", "+00:00"))
+    assert abs(signed_at.timestamp() * 1000 - meta.revision) < 60_000  # the revision is the signing time in ms
+    trusted(signer).verify(meta)
+
+
+def test_a_signed_bundle_is_a_standard_dsse_envelope_naming_every_blob(signer):
+    plans = [BundlePlan(make_record(SPEC.graph_key, H200, BLOB, signer), BLOB, SPEC.to_json())]
+    doc = json.loads(json.dumps(build_bundle(H200, plans, signer)))
+    signed = dsse_verify(doc["envelope"], signer.private_key.public_key())
+    assert signed["predicateType"] == BUNDLE_PREDICATE
+    assert signed["subject"] == [{"name": SPEC.graph_key, "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
+    entries = json.dumps(doc["entries"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert signed["predicate"] == {"header": doc["header"], "entries_sha256": hashlib.sha256(entries).hexdigest()}
+
+
+def test_a_tampered_payload_is_refused(signer):
+    keys, meta = trusted(signer), make_meta(KEY, H200, BLOB, signer)
+    # The statement rewritten to match a rewritten record: the signature no longer covers it.
+    forged = repacked(meta, lambda s: s["predicate"].update(engine_id=666)).model_copy(update={"engine_id": 666})
+    assert reason_of(forged, keys) == "bad_signature"
+    # The payload type is signed too.
+    assert reason_of(with_envelope(meta, payloadType="application/json"), keys) == "bad_signature"
+    assert reason_of(with_envelope(meta, payload="not base64!"), keys) == "malformed"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("graph_key", "d" * 64), ("environment", OTHER_GPU), ("blob_sha256", "0" * 64), ("blob_size", 1),
+    ("engine_id", 8), ("knobs", {"TILE_M": 4}), ("winner_median_ms", 0.01), ("heuristic_median_ms", 1.0),
+    ("numerics_check", "cross-check:heuristic"), ("worker_id", "mallory"), ("revision", 2**40),
+])
+def test_a_record_is_authentic_only_if_its_fields_equal_the_signed_predicate(signer, field, value):
+    """The envelope verifies, but the record around it says something else: refused, naming the field."""
+    meta = make_meta(KEY, H200, BLOB, signer).model_copy(update={field: value})
+    with pytest.raises(SignatureError, match=rf"does not match its signed statement \({field}\)") as err:
+        trusted(signer).verify(meta, what="plan")
+    assert err.value.reason == "bad_signature"
+
+
+def test_a_wrong_or_unknown_keyid_is_refused(signer):
+    other = new_signer()
+    meta = make_meta(KEY, H200, BLOB, signer)
+    relabelled = meta.envelope.signatures[0].model_copy(update={"keyid": other.key_id})
+    # Signed by one key, labelled as another trusted key: that key's check fails.
+    assert reason_of(with_envelope(meta, signatures=[relabelled]), trusted(signer, other)) == "bad_signature"
+    # Labelled with a key id no trusted key has.
+    assert reason_of(meta, trusted(other)) == "unknown_signer"
+    unknown = meta.envelope.signatures[0].model_copy(update={"keyid": "0" * 16})
+    with pytest.raises(SignatureError, match="unknown key 0000000000000000"):
+        trusted(signer).verify(with_envelope(meta, signatures=[unknown]), what="plan")
+    # One good signature among others suffices (DSSE allows several signers).
+    extra = DsseSignature(keyid=other.key_id, sig=base64.b64encode(b"\0" * 64).decode())
+    trusted(signer, other).verify(with_envelope(meta, signatures=[extra, *meta.envelope.signatures]))
+
+
+def test_a_verified_payload_that_is_not_a_plan_statement_is_malformed(signer):
+    meta = make_meta(KEY, H200, BLOB, signer)
+    bundle_statement = signer.envelope(statement([("x", "0" * 64)], BUNDLE_PREDICATE, {}))
+    assert reason_of(meta.model_copy(update={"envelope": bundle_statement}), trusted(signer)) == "malformed"
+    sig = base64.b64encode(signer.private_key.sign(dsse_pae(PAYLOAD_TYPE, b"{oops"))).decode()
+    not_json = Envelope(payloadType=PAYLOAD_TYPE, payload=base64.b64encode(b"{oops").decode(),
+                        signatures=[DsseSignature(keyid=signer.key_id, sig=sig)])
+    assert reason_of(meta.model_copy(update={"envelope": not_json}), trusted(signer)) == "malformed"
+    assert reason_of(meta.model_copy(update={"envelope": None}), trusted(signer)) == "unsigned"
+
+
+def test_revisions_only_grow(signer, monkeypatch):
+    monkeypatch.setattr(signing, "_REVISIONS", signing._Revisions())  # the far-ahead revision below stays here
+    first = make_meta(KEY, H200, BLOB, signer)
+    again = signer.sign(first)
+    assert again.revision > first.revision and again.envelope != first.envelope
+    trusted(signer).verify(again)
+    ahead = make_meta(KEY, H200, BLOB, revision=2**50)  # a record from a signer whose clock runs far ahead
+    assert signer.sign(ahead).revision == 2**50 + 1
+    made = [next_revision() for _ in range(1000)]
+    assert made == sorted(set(made)) and made[0] > 2**50 + 1  # strictly increasing within the process
+    now_ms = datetime.now(UTC).timestamp() * 1000
+    assert first.revision <= now_ms + 1000

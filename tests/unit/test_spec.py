@@ -1,0 +1,223 @@
+"""The graph document (schema 2): validation, canonical form and graph-key stability (no GPU).
+
+Graphs are written with FE's own ``cudnn.pygraph`` (its IR is pure Python: no GPU needed) and read
+with :func:`plancache.spec.from_pygraph`; schema-1 documents and the SpecBuilder convert into the same format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples.generate import EXAMPLES, conv_bias_relu
+from plancache.errors import SpecError, UnsupportedGraph
+from plancache.spec import from_pygraph, graph_key, parse_spec
+
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (pip install -e '.[gpu]')")
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
+NHWC = [200704, 1, 3584, 64]
+
+
+def fe_conv(*, explicit_defaults: bool = False, weights_first: bool = False, names: tuple[str, str] = ("X", "W"),
+            padding: tuple[int, int] = (1, 1), x_stride: list[int] | None = None, out_stride: bool = False,
+            dtype: str = "HALF") -> object:
+    """conv(8x64x56x56, 32 3x3) + bias + relu, written the ordinary FE way."""
+    dt = cudnn.data_type.__members__[dtype]
+    g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    make_x = lambda: g.tensor(name=names[0], dim=[8, 64, 56, 56], stride=x_stride or NHWC)  # noqa: E731
+    make_w = lambda: g.tensor(name=names[1], dim=[32, 64, 3, 3], stride=[576, 1, 192, 64])  # noqa: E731
+    if weights_first:
+        W, X = make_w(), make_x()
+    else:
+        X, W = make_x(), make_w()
+    B = g.tensor(name="B", dim=[1, 32, 1, 1], stride=[32, 1, 32, 32])
+    kw = {"padding": list(padding)}
+    if explicit_defaults:
+        kw.update(stride=[1, 1], dilation=[1, 1])
+    Y = g.relu(g.bias(g.conv_fprop(X, W, **kw), B))
+    Y.set_output(True)
+    if out_stride:
+        Y.set_stride([100352, 3136, 56, 1])
+    return g
+
+
+def fe_sdpa(**kw: object) -> object:
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    dims, strides = [2, 8, 256, 64], [131072, 64, 512, 1]
+    q, k, v = (g.tensor(name=n, dim=dims, stride=strides) for n in "qkv")
+    o, _ = g.sdpa(q, k, v, generate_stats=False, **kw)
+    o.set_output(True).set_dim(dims).set_stride(strides)
+    return g
+
+
+def _reorder(obj):
+    if isinstance(obj, dict):
+        return {k: _reorder(obj[k]) for k in reversed(list(obj))}
+    if isinstance(obj, list):
+        return [_reorder(v) for v in obj]
+    return obj
+
+
+def test_example_files_match_the_generator():
+    for name, spec in EXAMPLES.items():
+        on_disk = json.loads((ROOT / "examples" / f"{name}.json").read_text())
+        assert on_disk == spec.to_json(), f"examples/{name}.json is stale: run python examples/generate.py"
+        assert on_disk["schema"] == 2
+        assert graph_key(on_disk) == spec.graph_key
+
+
+def test_schema_1_documents_still_parse_into_the_same_graph_as_the_builder():
+    legacy = json.loads((DATA / "legacy_conv_bias_relu.json").read_text())
+    assert legacy["schema"] == 1
+    spec = parse_spec(legacy)
+    assert spec.schema_version == 2 and [n.type for n in spec.nodes] == ["CONV_FPROP", "POINTWISE", "POINTWISE"]
+    assert spec.graph_key == EXAMPLES["conv_bias_relu"].graph_key
+    sdpa = parse_spec((DATA / "legacy_sdpa_causal.json").read_text())
+    assert sdpa.nodes[0].params["diagonal_alignment"] == {"$enum": "diagonal_alignment", "name": "TOP_LEFT"}
+    bad = copy.deepcopy(legacy)
+    bad["nodes"][0]["op"] = "conv_wibble"
+    with pytest.raises(SpecError, match="unknown op 'conv_wibble'"):
+        parse_spec(bad)
+
+
+def test_builder_defaults_and_explicit_defaults_get_one_key():
+    spelled = parse_spec(_with(conv_bias_relu(n=2, c=8, hw=8, k=16).to_json(), lambda d: None))
+    implicit = conv_bias_relu(n=2, c=8, hw=8, k=16)
+    assert spelled.graph_key == implicit.graph_key
+    doc = implicit.to_json()
+    conv = doc["nodes"][0]
+    assert conv["params"]["stride"] == [1, 1] and conv["params"]["dilation"] == [1, 1]
+    del conv["params"]["stride"], conv["params"]["dilation"]
+    assert graph_key(doc) == implicit.graph_key
+
+
+def test_same_computation_same_key_however_it_was_written():
+    base = from_pygraph(fe_conv()).graph_key
+    assert from_pygraph(fe_conv(explicit_defaults=True)).graph_key == base       # stride=[1,1], dilation=[1,1]
+    assert from_pygraph(fe_conv(weights_first=True)).graph_key == base           # other creation order: other auto uids
+    assert from_pygraph(fe_conv(names=("image", "filter"))).graph_key == base    # other tensor names
+    doc = from_pygraph(fe_conv()).canonical_document().to_json()
+    assert graph_key(_reorder(doc)) == base                                      # JSON key order
+    for t in doc["tensors"]:
+        t["name"], t["uid_assigned"] = "", True                                  # no names; the same uids set by hand
+    doc["name"] = "renamed"
+    assert graph_key(doc) == base
+    user_uids = from_pygraph(fe_conv()).to_json()
+    for t in user_uids["tensors"]:
+        t["uid"] += 100 * t["uid_assigned"] or 100                               # uids the user's code binds: kept
+        t["uid_assigned"] = True
+    for n in user_uids["nodes"]:
+        n["inputs"] = {p: u + 100 for p, u in n["inputs"].items()}
+        n["outputs"] = {p: u + 100 for p, u in n["outputs"].items()}
+    assert graph_key(user_uids) != base
+
+
+def test_key_is_the_same_in_another_process():
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.unit.test_spec import fe_conv; "
+            "from plancache.spec import from_pygraph; print(from_pygraph(fe_conv(weights_first=True)).graph_key)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == from_pygraph(fe_conv()).graph_key
+
+
+@pytest.mark.parametrize("other", [
+    lambda: fe_conv(padding=(0, 0)),
+    lambda: fe_conv(x_stride=[200704, 3136, 56, 1]),
+    lambda: fe_conv(dtype="BFLOAT16"),
+    lambda: fe_conv(out_stride=True),
+    lambda: fe_sdpa(attn_scale=0.1),
+    lambda: fe_sdpa(attn_scale=0.125, use_causal_mask=True),
+    lambda: fe_sdpa(attn_scale=0.125, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+                    diagonal_band_right_bound=0),
+], ids=["padding", "input_layout", "dtype", "output_layout", "scale", "causal", "bottom_right"])
+def test_anything_that_changes_the_computation_changes_the_key(other):
+    base = {from_pygraph(fe_conv()).graph_key, from_pygraph(fe_sdpa(attn_scale=0.125)).graph_key}
+    assert from_pygraph(other()).graph_key not in base
+
+
+def test_tuning_constraints_are_part_of_the_key():
+    doc = from_pygraph(fe_conv()).to_json()
+    keys = {graph_key(doc)}
+    for tuning in ({"deterministic_only": True}, {"max_workspace_bytes": 0}, {"heuristic_modes": ["A"]}):
+        keys.add(graph_key({**doc, "tuning": tuning}))
+    assert len(keys) == 4
+
+
+def test_canonical_document_has_canonical_uids_and_the_same_key():
+    spec = from_pygraph(fe_conv(weights_first=True))
+    canon = spec.canonical_document()
+    assert canon.graph_key == spec.graph_key
+    assert [t.uid for t in canon.tensors] == sorted(t.uid for t in canon.tensors)
+    x = next(t for t in canon.tensors if t.name == "X")
+    assert x.uid == 1  # the conv's image port is visited first
+
+
+def _with(doc: dict, mutate) -> dict:
+    mutate(doc)
+    return doc
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d["nodes"][0].__setitem__("type", "CONV_WIBBLE"), "unknown node type 'CONV_WIBBLE'"),
+    (lambda d: d["tensors"][0].__setitem__("data_type", "FLOAT128"), "unknown data type 'FLOAT128'"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("mode", {"$enum": "os_system", "name": "X"}),
+     "'os_system' is not a cudnn enum"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("cb", {"$call": "x"}), "unknown value form"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("alpha", float("nan")), "not a finite number"),
+    (lambda d: d["nodes"][0]["inputs"].__setitem__("image", 999), "uid 999"),
+    (lambda d: d["tensors"][1].__setitem__("uid", d["tensors"][0]["uid"]), "used twice"),
+    (lambda d: d.__setitem__("schema", 99), "schema version 99"),
+    (lambda d: d.__setitem__("extra_field", 1), "extra_field"),
+    (lambda d: d["tensors"][0].__setitem__("secret", 1), "secret"),
+    (lambda d: d["tensors"][0].__setitem__("dim", [10 ** 50] * 4), "out of range"),
+    (lambda d: d["tensors"][0].__setitem__("stride", [1]), "4 dims but 1 strides"),
+    (lambda d: d["nodes"].reverse(), "not produced by an earlier node"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("deep", [[[[[[[[1]]]]]]]]), "nested deeper"),
+    (lambda d: d["nodes"][0]["params"].__setitem__("bad key", 1), "not an identifier"),
+], ids=["node_type", "dtype", "enum_type", "value_form", "nan", "dangling", "dup_uid", "schema", "extra", "tensor_field",
+        "huge_dim", "rank", "order", "depth", "param_name"])
+def test_bad_documents_are_refused_naming_the_problem(mutate, needle):
+    doc = from_pygraph(fe_conv()).to_json()
+    mutate(doc)
+    with pytest.raises(SpecError) as exc:
+        parse_spec(json.dumps(doc, allow_nan=True))
+    assert needle in str(exc.value)
+
+
+def test_parse_spec_refuses_non_objects_and_bad_json():
+    for bad, needle in (("[1, 2]", "JSON object"), ("{", "not valid JSON"), ("[" * 100_000, "nested too deeply|not valid JSON")):
+        with pytest.raises(SpecError, match=needle):
+            parse_spec(bad)
+
+
+def test_graphs_that_cannot_be_represented_are_refused():
+    g = fe_sdpa(attn_scale=0.125)
+    g._nodes[0].params["score_mod"] = lambda graph, score: score
+    with pytest.raises(UnsupportedGraph, match="score_mod"):
+        from_pygraph(g)
+    built = fe_conv()
+    built._planning_done = True
+    with pytest.raises(UnsupportedGraph, match="before build"):
+        from_pygraph(built)
+    with pytest.raises(UnsupportedGraph, match="not a cudnn.pygraph"):
+        from_pygraph(object())
+
+
+def test_documents_are_keyed_without_cudnn():
+    """The server's path: parse and key a document in a process where cudnn cannot be imported."""
+    doc = from_pygraph(fe_conv()).to_json()
+    code = ("import sys, json; sys.modules['cudnn'] = None; sys.modules['torch'] = None; "
+            "from plancache.spec import graph_key; print(graph_key(sys.stdin.read()))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(doc), capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == graph_key(doc)

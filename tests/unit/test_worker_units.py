@@ -1,0 +1,185 @@
+"""Worker pieces that need no server: the job calls, the spool, lease arithmetic, CLI keygen (the HTTP layer under
+the job calls: tests/unit/test_http.py)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from plancache.errors import LeaseLost, ServerUnavailable
+from plancache.http import Backoff, HttpClient, Retry
+from plancache.protocol import ClaimResponse, FailRequest, Job, LeaseRequest, TargetEnvironment
+from plancache.signing import Signer, TrustedKeys, keygen
+from plancache.spec import parse_spec
+from plancache.worker import JobsApi, Spool, SpoolEntry, Worker
+from plancache.worker.loop import lease_duration
+from tests.gpu_util import gpu_skip_reason
+from tests.worker_fakes import FAKE_ENV, FakeTuner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_cli() -> typer.Typer:
+    """A fresh app with every command (``worker``, ``keygen`` …)."""
+    from plancache.cli import make_app
+
+    return make_app()
+
+
+def example_spec(name: str = "conv_bias_relu"):
+    return parse_spec((ROOT / "examples" / f"{name}.json").read_text())
+
+
+def _jobs(handler) -> JobsApi:
+    retry = Retry(Backoff(initial=0.01, cap=0.02), within=5)
+    return JobsApi(HttpClient("http://plancache.test", "tok", policies=[retry], transport=httpx.MockTransport(handler)))
+
+
+def test_claim_204_is_none():
+    assert _jobs(lambda r: httpx.Response(204)).claim(FAKE_ENV, "w1") is None
+
+
+def test_a_lease_lost_answer_is_raised_as_lease_lost():
+    answer = httpx.Response(409, json={"error": {"code": "lease_lost", "message": "fenced by token 2"}})
+    with pytest.raises(LeaseLost, match="fenced by token 2"):
+        _jobs(lambda r: answer).fail(1, FailRequest(worker_id="w1", lease_token="tok", error="x", retryable=True))
+
+
+def test_a_heartbeat_is_one_attempt():
+    calls = []
+
+    def down(req: httpx.Request) -> httpx.Response:
+        calls.append(req)
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(ServerUnavailable, match="connection refused"):
+        _jobs(down).heartbeat(3, LeaseRequest(worker_id="w1", lease_token="tok"), timeout=0.5)
+    assert len(calls) == 1 and calls[0].url.path == "/v1/jobs/3/heartbeat"
+
+
+def _entry(tmp_path: Path, job_id: int = 3) -> SpoolEntry:
+    spec = example_spec()
+    tuned = FakeTuner().tune(spec)
+    priv, _, _ = keygen(tmp_path / "keys", "w")
+    meta = Signer.from_file(priv).sign(tuned.to_meta(spec.graph_key, "w1"))
+    return SpoolEntry(job_id, "secret-lease-token", "w1", meta, spec.to_json(), tuned.blob)
+
+
+def test_spool_round_trip_and_remove(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    assert sorted(p.name for p in spool.directory.iterdir()) == [f"{entry.name}.blob", f"{entry.name}.json"]
+    assert entry.name.startswith("job-3-") and "secret" not in entry.name and "secret" not in repr(entry)
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in spool.directory.iterdir())  # they hold the lease token
+    (loaded,) = spool.pending()
+    assert loaded == entry
+    up = loaded.upload()
+    assert up.blob_bytes() == entry.blob and up.spec == entry.spec and up.envelope == entry.meta.envelope
+    TrustedKeys.from_files([tmp_path / "keys" / "w.pub"]).verify(up)
+    spool.remove(loaded)
+    assert spool.pending() == [] and list(spool.directory.iterdir()) == []
+
+
+def test_spool_sets_aside_a_corrupt_entry(tmp_path, caplog):
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    blob = spool.directory / f"{entry.name}.blob"
+    blob.write_bytes(b"x" + blob.read_bytes()[1:])
+    (spool.directory / "job-4-1.json").write_text("{not json")
+    assert spool.pending() == []
+    assert sorted(p.name for p in spool.directory.iterdir()) == [
+        f"{entry.name}.blob.corrupt", f"{entry.name}.json.corrupt", "job-4-1.json.corrupt"]
+    assert "does not match" in caplog.text
+
+
+def test_lease_duration_uses_the_servers_clock():
+    now = datetime.now(UTC) - timedelta(hours=3)  # a skewed server clock does not matter
+    job = Job(id=1, graph_key="a" * 64, target=TargetEnvironment(), status="running", priority=0, attempts=1,
+              max_attempts=3, lease_owner="w", lease_expires_at=now + timedelta(seconds=90),
+              created_at=now, updated_at=now)
+    claim = ClaimResponse(job=job, spec={}, lease_token="tok", lease_expires_at=now + timedelta(seconds=90))
+    assert lease_duration(claim) == pytest.approx(90)
+
+
+class _CompletionRacesHeartbeat:
+    """A fake :class:`JobsApi` whose completion commits while a heartbeat is on its way: the completion's answer
+    comes only after a heartbeat reached the server and was refused, as it is then (409, the job succeeded)."""
+
+    def __init__(self) -> None:
+        self.http = SimpleNamespace(stop=None)
+        self.completed = threading.Event()
+        self.refused_beat = threading.Event()
+
+    def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
+        if self.completed.is_set():
+            self.refused_beat.set()
+            raise LeaseLost(f"job {job_id} is succeeded, not running")
+
+    def complete(self, job_id: int, req) -> None:
+        self.completed.set()
+        assert self.refused_beat.wait(5), "no heartbeat raced the completion"
+
+    def fail(self, job_id: int, req) -> None:
+        raise AssertionError(f"job {job_id} failed: {req.error}")
+
+
+def test_a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="plancache.worker")
+    spec = example_spec()
+    priv, _, _ = keygen(tmp_path / "keys", "w")
+    now = datetime.now(UTC)
+    job = Job(id=1, graph_key=spec.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
+              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=0.3), created_at=now,
+              updated_at=now)
+    claim = ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at)
+    jobs = _CompletionRacesHeartbeat()
+    worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1")  # type: ignore[arg-type]
+    worker.environment = FAKE_ENV
+    worker.process(claim, threading.Event())
+    assert jobs.refused_beat.is_set() and (worker.stats.succeeded, worker.stats.dropped) == (1, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not any("lease lost" in m for m in warnings), warnings
+    assert "heartbeat after the job was finished" in caplog.text
+
+
+def test_cli_keygen_writes_a_usable_pair_and_never_overwrites(tmp_path):
+    app = worker_cli()
+    runner = CliRunner()
+    res = runner.invoke(app, ["keygen", "--out", str(tmp_path), "--name", "fleet"])
+    assert res.exit_code == 0, res.output
+    signer = Signer.from_file(tmp_path / "fleet.key")
+    assert signer.key_id in res.output
+    assert TrustedKeys.from_files([tmp_path / "fleet.pub"]).key_ids == [signer.key_id]
+    assert (tmp_path / "fleet.key").stat().st_mode & 0o777 == 0o600
+    again = runner.invoke(app, ["keygen", "--out", str(tmp_path), "--name", "fleet"])
+    assert again.exit_code == 1 and "refusing to overwrite" in again.output
+    assert Signer.from_file(tmp_path / "fleet.key").key_id == signer.key_id
+    bad = runner.invoke(app, ["keygen", "--out", str(tmp_path), "--name", "../x"])
+    assert bad.exit_code == 2
+
+
+def test_cli_worker_requires_a_signing_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("PLANCACHE_SIGNING_KEY", raising=False)
+    res = CliRunner().invoke(worker_cli(), ["worker", "--server", "http://127.0.0.1:9"])
+    assert res.exit_code == 3 and "signing" in res.output  # ExitCode.CONFIG
+
+
+@pytest.mark.skipif(gpu_skip_reason() is None, reason="a GPU is present: the worker would start")
+def test_cli_worker_without_a_gpu_exits_with_a_message(tmp_path):
+    priv, _, _ = keygen(tmp_path, "w")
+    proc = subprocess.run([sys.executable, "-m", "plancache", "worker", "--server", "http://127.0.0.1:9",
+                           "--token", "t", "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--once"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
