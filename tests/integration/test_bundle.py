@@ -319,7 +319,6 @@ def test_client_starts_from_a_seeded_cache_with_no_server(tmp_path, make_spec, m
                                                           monkeypatch):
     from plancache.client import PlanCache
     from plancache.spec import parse_spec
-
     from tests.client_fakes import RecordingBackend
 
     with open_store(f"sqlite:///{tmp_path / 'src.db'}", create=True) as src:
