@@ -250,7 +250,9 @@ def test_server_down_the_worker_backs_off_keeps_the_result_and_uploads_it_later(
     assert box["stats"].succeeded == 1 and plan(srv, j.graph_key).worker_id == "w-a"
 
 
-def test_a_spooled_result_survives_a_worker_restart(srv, tmp_path, keys):
+def spool_a_result(srv, tmp_path, keys):
+    """Worker w-a claims a job and tunes it while the server is down, so the result waits in its spool; the
+    worker is then stopped. Returns the job, whether the worker thread ended, and its stats."""
     (j,) = enqueue(srv, ["conv_bias_relu"])
     first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
     t, stop, box = in_thread(first)
@@ -259,7 +261,12 @@ def test_a_spooled_result_survives_a_worker_restart(srv, tmp_path, keys):
     wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
     stop.set()
     t.join(5)
-    assert not t.is_alive() and box["stats"].succeeded == 0
+    return j, not t.is_alive(), box.get("stats")
+
+
+def test_a_spooled_result_survives_a_worker_restart(srv, tmp_path, keys):
+    j, ended, stats = spool_a_result(srv, tmp_path, keys)
+    assert ended and stats.succeeded == 0
     srv.start()
     tuner = FakeTuner()
     again = make_worker(srv, tmp_path, keys[0], tuner, once=True)
@@ -268,14 +275,7 @@ def test_a_spooled_result_survives_a_worker_restart(srv, tmp_path, keys):
 
 
 def test_a_completion_whose_lease_was_taken_over_is_dropped_from_the_spool(srv, tmp_path, keys):
-    (j,) = enqueue(srv, ["conv_bias_relu"])
-    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
-    t, stop, _ = in_thread(first)
-    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
-    srv.stop()
-    wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
-    stop.set()
-    t.join(5)
+    j, _, _ = spool_a_result(srv, tmp_path, keys)
     srv.start()
     time.sleep(LEASE * 1.2)
     b = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True)

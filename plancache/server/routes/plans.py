@@ -142,7 +142,7 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
         return Response(status_code=304, headers=headers)
     if data is None:
         path = store.blob_store.local_file(sha256)
-        if path is not None:  # a file blob store: a small file is read (and kept), a large one streamed
+        if path is not None:  # a file blob store: a file too large to keep in memory is streamed
             try:
                 stat = await run_in_threadpool(os.stat, path)
             except FileNotFoundError:
@@ -150,22 +150,12 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
             if stat.st_size > memory.max_item:
                 metrics.bytes_served.labels(BLOB_ROUTE).inc(stat.st_size)
                 return FileResponse(path, stat_result=stat, media_type="application/octet-stream", headers=headers)
-            data = await run_in_threadpool(_read_file, path)
-        else:
-            data = await run_in_threadpool(store.get_blob, sha256)
+        data = await run_in_threadpool(store.get_blob, sha256)
         if data is None:
             raise NotFound(f"no blob {sha256}")
         memory.put(sha256, data)
     metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers)
-
-
-def _read_file(path: os.PathLike[str]) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
 
 
 @router.put("/v1/plans", response_model=PlanRecord, status_code=201,
