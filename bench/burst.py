@@ -14,9 +14,11 @@ just after CUDA context creation (``torch.cuda.init()``, not plancache's to save
 - ``plancache``: ``PlanCache()`` + ``prefetch`` + ``plan`` of every graph (one resolve, blob checks, signature
   checks, deserialize), strict mode, an empty disk cache; ``first_plan``: the same for the first graph alone;
 - ``burst``: ``--processes`` fresh processes doing ``plancache`` at the same instant (each past its imports and
-  CUDA start-up, released together): p50, p99 and max against ``plancache``.
+  CUDA start-up, released together): p50, p99 and max against ``plancache``; ``floor_burst``: the same for
+  ``floor``, which bounds what any client can do when that many processes load plans at once.
 
-Writes ``startup_floor.json`` into OUT and prints the ratios.
+``--profile`` also writes a cProfile summary of one ``plancache`` process alone and of the first process of a
+second burst (``profile_*.txt``). Writes ``startup_floor.json`` into OUT and prints the ratios.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _plans(folder: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- children (on the GPU)
 
-def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wait: bool) -> dict:
+def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wait: bool, profile: bool = False) -> dict:
     import torch
 
     from plancache.spec import parse_spec
@@ -59,6 +61,12 @@ def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wa
     if wait:  # released together with the other processes of a burst
         print("ready", flush=True)
         sys.stdin.readline()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     if phase in ("heuristic_cold", "heuristic_warm_jit"):
         from plancache import gpu
@@ -85,7 +93,18 @@ def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wa
         plans = [pc.plan(s) for s in specs]
         assert all(p.source == "server" for p in plans), [p.source for p in plans]
     seconds = time.perf_counter() - t0
-    return {"phase": phase, "seconds": seconds}
+    result: dict = {"phase": phase, "seconds": seconds}
+    if phase.startswith("plancache") or phase == "first_plan":
+        result["client_stats"] = pc.stats().as_dict()
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        result["profile"] = text.getvalue()
+    return result
 
 
 # ---------------------------------------------------------------- the orchestrator
@@ -96,35 +115,42 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _args(phase: str, plans: Path, server: str | None, token: str | None, wait: bool = False) -> list[str]:
+def _args(phase: str, plans: Path, server: str | None, token: str | None, wait: bool = False,
+          profile: bool = False) -> list[str]:
     args = [sys.executable, __file__, "--child", phase, "--plans", str(plans)]
     if server:
         args += ["--server", server, "--token", token or ""]
-    return args + (["--wait"] if wait else [])
+    return args + (["--wait"] if wait else []) + (["--profile"] if profile else [])
 
 
-def run_one(phase: str, plans: Path, server: str | None = None, token: str | None = None, **env: str) -> float:
-    out = subprocess.run(_args(phase, plans, server, token), env=_env(**{"CUDA_CACHE_DISABLE": "1", **env}),
-                         check=True, capture_output=True, text=True, timeout=600)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+def run_one(phase: str, plans: Path, server: str | None = None, token: str | None = None, profile: bool = False,
+            **env: str) -> dict:
+    """One fresh process doing ``phase``; its result (``seconds``, client counters, a profile when asked)."""
+    out = subprocess.run(_args(phase, plans, server, token, profile=profile),
+                         env=_env(**{"CUDA_CACHE_DISABLE": "1", **env}), check=True, capture_output=True, text=True,
+                         timeout=600)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def run_burst(n: int, plans: Path, server: str, token: str) -> list[float]:
-    procs = [subprocess.Popen(_args("plancache", plans, server, token, wait=True), env=_env(CUDA_CACHE_DISABLE="1"),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+def run_burst(n: int, phase: str, plans: Path, server: str | None = None, token: str | None = None,
+              profile_first: bool = False) -> list[dict]:
+    """``n`` fresh processes doing ``phase``, released at the same instant once all have started CUDA."""
+    procs = [subprocess.Popen(_args(phase, plans, server, token, wait=True, profile=profile_first and i == 0),
+                              env=_env(CUDA_CACHE_DISABLE="1"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
     for p in procs:  # every process imported everything and created its CUDA context
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
-    times = []
+    results = []
     for p in procs:
         out, _ = p.communicate(timeout=600)
         if p.returncode:
             raise RuntimeError(f"a burst process failed ({p.returncode})")
-        times.append(float(json.loads(out.strip().splitlines()[-1])["seconds"]))
-    return times
+        results.append(dict(json.loads(out.strip().splitlines()[-1])))
+    return results
 
 
 def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -148,37 +174,54 @@ def main() -> None:
     ap.add_argument("--server")
     ap.add_argument("--token")
     ap.add_argument("--wait", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one plancache process alone and the first of a burst (profile_*.txt in OUT)")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.plans, args.server, args.token, args.wait)))
+        print(json.dumps(child(args.child, args.plans, args.server, args.token, args.wait, args.profile)))
         return
+    profiles: dict[str, str] = {}
     if args.out is None:
         ap.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     n = len(_plans(args.plans))
     res: dict = {"graphs": n}
-    res["heuristic_cold_s"] = run_one("heuristic_cold", args.plans)
+    res["heuristic_cold_s"] = run_one("heuristic_cold", args.plans)["seconds"]
     jit = tempfile.mkdtemp(prefix="plancache-jit-")
     warm = {"CUDA_CACHE_DISABLE": "0", "CUDA_CACHE_PATH": jit}
     run_one("heuristic_warm_jit", args.plans, **warm)  # fills the JIT cache
-    res["heuristic_warm_jit_s"] = run_one("heuristic_warm_jit", args.plans, **warm)
-    res["floor_s"] = run_one("floor", args.plans)
+    res["heuristic_warm_jit_s"] = run_one("heuristic_warm_jit", args.plans, **warm)["seconds"]
+    res["floor_s"] = run_one("floor", args.plans)["seconds"]
+    floor_burst = [r["seconds"] for r in run_burst(args.processes, "floor", args.plans)]
     proc, url, token = serve_and_seed(args.plans)
     try:
-        res["plancache_s"] = run_one("plancache", args.plans, url, token)
-        res["first_plan_s"] = run_one("first_plan", args.plans, url, token)
-        burst = run_burst(args.processes, args.plans, url, token)
+        single = run_one("plancache", args.plans, url, token)
+        res["plancache_s"] = single["seconds"]
+        res["plancache_client_stats"] = single["client_stats"]
+        res["first_plan_s"] = run_one("first_plan", args.plans, url, token)["seconds"]
+        burst_runs = run_burst(args.processes, "plancache", args.plans, url, token)
+        if args.profile:
+            profiles["plancache"] = run_one("plancache", args.plans, url, token, profile=True)["profile"]
+            profiles["burst_first_process"] = run_burst(args.processes, "plancache", args.plans, url, token,
+                                                        profile_first=True)[0]["profile"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    burst = [r["seconds"] for r in burst_runs]
     res["burst"] = {"processes": args.processes, "p50_s": statistics.median(burst), "p99_s": _pct(burst, 0.99),
-                    "max_s": max(burst), "all_s": burst}
+                    "max_s": max(burst), "all_s": burst,
+                    "deserialize_s": [r["client_stats"]["deserialize_seconds"] for r in burst_runs]}
+    res["floor_burst"] = {"p50_s": statistics.median(floor_burst), "p99_s": _pct(floor_burst, 0.99),
+                          "max_s": max(floor_burst), "all_s": floor_burst}
     res["ratios"] = {"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
                      "heuristic_warm_jit_over_plancache": res["heuristic_warm_jit_s"] / res["plancache_s"],
                      "plancache_over_floor": res["plancache_s"] / res["floor_s"],
                      "heuristic_cold_over_floor": res["heuristic_cold_s"] / res["floor_s"],
-                     "burst_p99_over_single": res["burst"]["p99_s"] / res["plancache_s"]}
+                     "burst_p99_over_single": res["burst"]["p99_s"] / res["plancache_s"],
+                     "floor_burst_p99_over_floor": res["floor_burst"]["p99_s"] / res["floor_s"]}
     (args.out / "startup_floor.json").write_text(json.dumps(res, indent=1))
+    for name, text in profiles.items():
+        (args.out / f"profile_{name}.txt").write_text(text)
     print(json.dumps(res, indent=1))
 
 
