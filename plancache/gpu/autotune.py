@@ -26,8 +26,9 @@ from .timing import median_ms
 CANDIDATE_BUDGET_S = 0.25
 #: Two medians within this relative distance are a tie, broken by the smaller workspace.
 TIE_TOLERANCE = 0.01
-#: A candidate of at least 0.5 ms whose run after one warm-up takes this many times the best median so far
-#: cannot win: that one timing is its figure (slow candidates otherwise cost most of a graph's timing budget).
+#: A candidate whose run takes this many times the best median so far cannot win: that one timing is its figure
+#: (slow candidates otherwise cost most of a graph's timing budget). A run of 0.5 ms or more is judged by one
+#: eager run after a warm-up, a shorter one by one replay of its CUDA graph (:func:`plancache.gpu.timing.timings_ms`).
 GIVE_UP_FACTOR = 2.0
 
 Progress = Callable[[int, int, Candidate], None]

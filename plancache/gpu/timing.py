@@ -36,8 +36,10 @@ def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, b
     With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3). With ``set_stream``
     (called with a stream id to point the caller's cuDNN handle at it; pass ``lambda s: None`` for
     plain torch work) runs shorter than ``graph_below_ms`` are timed by CUDA-graph replay. With
-    ``give_up_above_ms``, a run of at least ``graph_below_ms`` (where launch overhead is noise) that
-    takes longer than that after one warm-up is timed no further: its one timing is returned."""
+    ``give_up_above_ms``, a run that takes longer than that is timed no further and its one timing is
+    returned: a run of at least ``graph_below_ms`` (where launch overhead is noise) after one warm-up, a
+    shorter one after one replay of its CUDA graph (about 1 ms of GPU work; launches excluded). A short run
+    that cannot be captured is never given up: one eager timing of it measures the launch, not the GPU."""
     stream = torch.cuda.current_stream()
     for _ in range(min(warmup, 1)):
         run()
@@ -50,7 +52,7 @@ def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, b
     first = _once_ms(run, stream)
     if set_stream is not None and first < graph_below_ms:
         try:
-            return _graph_timings(run, stream, set_stream, first, repeats, budget_s)
+            return _graph_timings(run, stream, set_stream, first, repeats, budget_s, give_up_above_ms)
         except Exception as exc:  # noqa: BLE001 - not capturable: time it eagerly
             log.info("CUDA-graph timing unavailable (%s); timing eagerly", exc)
     n = repeats if budget_s is None else max(3, min(repeats, int(budget_s * 1000 / max(first, 1e-3))))
@@ -73,8 +75,9 @@ def _once_ms(run: Callable[[], None], stream: torch.cuda.Stream) -> float:
 
 
 def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_stream: SetStream, first_ms: float,
-                   repeats: int, budget_s: float | None) -> list[float]:
-    """Per-run milliseconds from replays of a CUDA graph holding ``per`` runs (about 1 ms of work)."""
+                   repeats: int, budget_s: float | None, give_up_above_ms: float | None = None) -> list[float]:
+    """Per-run milliseconds from replays of a CUDA graph holding ``per`` runs (about 1 ms of work); after a
+    warm-up replay, a first replay slower than ``give_up_above_ms`` per run is the only one."""
     per = max(2, min(50, int(1.0 / max(first_ms, 1e-3))))
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -88,6 +91,10 @@ def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_strea
         set_stream(caller.cuda_stream)
     caller.wait_stream(side)
     graph.replay()
+    if give_up_above_ms is not None:
+        once = _once_ms(graph.replay, caller) / per
+        if once >= give_up_above_ms:
+            return [once]
     n = repeats if budget_s is None else max(3, min(repeats, int(budget_s * 1000 / max(first_ms * per, 1e-3))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for s, e in events:

@@ -332,3 +332,22 @@ def test_a_deadline_shortens_the_timeouts_of_the_call():
     http.request("GET", "/x")
     assert seen[0]["read"] <= 2.0 and seen[0]["connect"] == 1.0
     assert (seen[1]["read"], seen[1]["connect"]) == (5.0, 1.0)
+
+
+def test_plain_http_loads_no_ca_bundle_and_could_not_speak_tls_while_https_verifies():
+    import ssl
+
+    from plancache.http import HttpClient, tls_verification
+
+    assert tls_verification("https://plans.example") is True  # httpx's default: the CA bundle, hostname checked
+    ctx = tls_verification("http://127.0.0.1:8787")
+    assert isinstance(ctx, ssl.SSLContext)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.cert_store_stats()["x509_ca"] == 0  # trusts no certificate: fails closed
+    client = HttpClient("https://plans.example", connect_timeout=1, read_timeout=1)
+    try:
+        pool = client._http._transport._pool  # type: ignore[attr-defined]
+        assert pool._ssl_context.verify_mode == ssl.CERT_REQUIRED
+        assert pool._ssl_context.cert_store_stats()["x509_ca"] > 0
+    finally:
+        client.close()
