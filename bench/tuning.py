@@ -4,8 +4,9 @@ then by one process timing while builder processes build.
     python bench/tuning.py --out bench/results [--processes N] [--limit N]
 
 Each run is a fresh process with ``CUDA_CACHE_DISABLE=1`` that tunes every graph of
-``bench/workload.py`` one after another, as a worker does its jobs (``--processes 0`` is today's
-single worker; the builder pool's start-up counts in the parallel run). Per graph it records the
+``bench/workload.py`` one after another, as a worker does its jobs (``--processes 0``: every candidate built in
+the tuning process; the builder pool's start-up counts in the parallel run, and there each graph's builds are
+queued while the graph before it is timed, as a worker claiming ahead does). Per graph it records the
 winner and every candidate's median, so winners can be compared: the same candidate, or a different one
 whose median in the in-process run is within ``--noise`` of that run's winner (a tie inside timing noise).
 Writes ``tuning_parallel.json``, ``tuning_parallel.png`` and the parallel run's signed plans (``plans.json``, key
@@ -53,8 +54,9 @@ def child(out: Path, processes: int, limit: int | None) -> None:
     t0 = time.perf_counter()
     pool = BuildPool(processes) if processes else None
     try:
-        for spec in specs:
-            t = gpu.autotune(spec, repeats=20, builders=pool, seed=7)
+        for n, spec in enumerate(specs):  # as a worker does: the next graph's builds queued behind this one's
+            following = specs[n + 1] if n + 1 < len(specs) else None
+            t = gpu.autotune(spec, repeats=20, builders=pool, seed=7, following=following)
             rows.append({"name": spec.name, "family": _family(spec.name), "tuning_s": t.tuning_seconds,
                          "build_s": t.build_seconds, "timing_s": t.timing_seconds, "winner": t.winner_index,
                          "winner_ms": t.winner_median_ms, "candidates": len(t.candidates),

@@ -4,14 +4,16 @@ Building a cuDNN plan is CPU work inside native code: it does not run in paralle
 bug in it can kill the process. :class:`OrderedPool` runs such tasks in ``spawn``-ed processes. When a
 process dies, the pool is restarted, the task being waited for is retried alone (so the crash is pinned
 on the task that caused it: a second death reports it as :class:`Crashed`), and the later tasks are
-resubmitted; the caller never sees ``BrokenProcessPool``.
+resubmitted; the caller never sees ``BrokenProcessPool``. Several batches may be outstanding at once (tasks run
+first in, first out): a restart for one batch's crash resubmits the other batches' unfinished tasks too, as each
+is consumed.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -78,17 +80,28 @@ class OrderedPool:
                  futures: dict[int, Future[R]]) -> Iterator[R | Crashed[T]]:
         try:
             for k, item in enumerate(items):
-                try:
-                    result: R | Crashed[T] = futures.pop(k).result()
-                except BrokenProcessPool:
-                    result = self._alone(fn, item)
-                    for j, fut in list(futures.items()):  # later tasks: keep what finished, rerun the rest
-                        if not (fut.done() and not fut.cancelled() and fut.exception() is None):
-                            futures[j] = self._submit(fn, items[j])
+                result: R | Crashed[T]
+                while True:
+                    try:
+                        result = futures.pop(k).result()
+                    except CancelledError:  # a restart for another batch's crash cancelled it before it ran
+                        futures[k] = self._submit(fn, item)
+                        self._resubmit_unfinished(fn, items, futures)
+                        continue
+                    except BrokenProcessPool:
+                        result = self._alone(fn, item)
+                        self._resubmit_unfinished(fn, items, futures)
+                    break
                 yield result
         finally:
             for fut in futures.values():
                 fut.cancel()
+
+    def _resubmit_unfinished(self, fn: Callable[[T], R], items: Sequence[T], futures: dict[int, Future[R]]) -> None:
+        """The batch's later tasks after a restart: keep what finished, run the rest again."""
+        for j, fut in list(futures.items()):
+            if not (fut.done() and not fut.cancelled() and fut.exception() is None):
+                futures[j] = self._submit(fn, items[j])
 
     def _alone(self, fn: Callable[[T], R], item: T) -> R | Crashed[T]:
         """Run ``item`` on a fresh pool with nothing else submitted; a second death is its own."""

@@ -40,3 +40,10 @@ def pid(item: int) -> int:
     """This process's id, after a pause long enough for the other processes to take the next items."""
     time.sleep(0.1)
     return os.getpid()
+
+
+def finished_at(item: tuple[int, float]) -> tuple[int, float]:
+    """``(n, the wall-clock time it finished)`` after sleeping ``delay`` seconds."""
+    n, delay = item
+    time.sleep(delay)
+    return n, time.time()

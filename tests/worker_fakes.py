@@ -63,13 +63,16 @@ class FakeTuner:
     """Test double of :class:`plancache.worker.Tuner` (no GPU, no cuDNN)."""
 
     def __init__(self, environment: Environment = FAKE_ENV, *, tune_seconds: float = 0.0, fail_numerics: bool = False,
-                 memory_bytes: int = 1 << 40, corrupt_digest: bool = False, blob_size: int = 4096) -> None:
+                 memory_bytes: int = 1 << 40, corrupt_digest: bool = False, blob_size: int = 4096,
+                 pipelined: bool = False) -> None:
         self.env = environment
         self.tune_seconds = tune_seconds
         self.fail_numerics = fail_numerics
         self.memory_bytes = memory_bytes
         self.corrupt_digest = corrupt_digest
         self.blob_size = blob_size
+        self.pipelined = pipelined
+        self.followings: list[str | None] = []  # per tuning, the graph key it was told comes next
         self.tuned: list[str] = []
         self.verified: list[str] = []
 
@@ -82,7 +85,11 @@ class FakeTuner:
             raise InsufficientGpuMemory(f"FakeTuner: spec needs {need} bytes, the fake device has {self.memory_bytes}")
         return need
 
-    def tune(self, spec: GraphSpec) -> FakeTunedPlan:
+    def pipelines(self) -> bool:
+        return self.pipelined
+
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> FakeTunedPlan:
+        self.followings.append(following.graph_key if following else None)
         time.sleep(self.tune_seconds)
         self.tuned.append(spec.graph_key)
         blob = fake_blob(spec.graph_key, self.blob_size)
@@ -114,12 +121,14 @@ def main() -> None:
     p.add_argument("--poll-interval", type=float, default=0.1)
     p.add_argument("--shutdown-grace", type=float, default=25.0)
     p.add_argument("--once", action="store_true")
+    p.add_argument("--pipelined", action="store_true", help="claim the next job ahead, as with builder processes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     stop_on_signals(stop)
     with JobsApi.open(args.server, args.token) as client:
-        worker = Worker(client, FakeTuner(tune_seconds=args.tune_seconds), Signer.from_file(args.signing_key),
+        tuner = FakeTuner(tune_seconds=args.tune_seconds, pipelined=args.pipelined)
+        worker = Worker(client, tuner, Signer.from_file(args.signing_key),
                         Spool(args.spool_dir), worker_id=args.worker_id, poll_interval=args.poll_interval,
                         once=args.once, shutdown_grace=args.shutdown_grace)
         stats = worker.run(stop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -17,9 +18,9 @@ from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
 from ..spec import GraphSpec
 from . import reference
-from .candidates import BuildPool, build_in_process
-from .fegraph import decode, graph_layouts
-from .runtime import canonical, check_memory, check_pack, deserialize_plan, expected_outputs, plan_identity, prepare, require_gpu
+from .candidates import BuildPool, CandidateSet, build_in_process, list_candidates
+from .fegraph import graph_layouts
+from .runtime import canonical, check_memory, check_pack, deserialize_plan, expected_outputs, require_gpu
 from .timing import median_ms
 
 #: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
@@ -75,40 +76,34 @@ class TunedPlan:
         )
 
 
-def _dedupe(graph: Any, count: int) -> list[int]:
-    """Indices of distinct (engine_id, knobs) configs, first occurrence kept (modes A, B, FALLBACK overlap)."""
-    seen, keep = set(), []
-    for i in range(count):
-        eid, knobs, name = plan_identity(graph, i)
-        ident = (eid, tuple(sorted(knobs.items()))) if eid is not None else ("name", name, i)
-        if ident not in seen:
-            seen.add(ident)
-            keep.append(i)
-    return keep
-
-
 def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int = 3, repeats: int = 20,
-             progress: Progress | None = None, seed: int | None = None, builders: BuildPool | None = None) -> TunedPlan:
+             progress: Progress | None = None, seed: int | None = None, builders: BuildPool | None = None,
+             following: GraphSpec | None = None) -> TunedPlan:
     """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
     the float32 torch reference, or for a graph no reference covers, cuDNN's FALLBACK / heuristic plan
     (ties → smaller workspace; :func:`plancache.gpu.runtime.expected_outputs`).
 
     Each candidate is built and serialized (by ``builders``' processes while earlier ones are timed, or
     here one after another), then its blob is deserialized, checked and timed in this process alone: the
-    published blob is the one that was checked and timed."""
+    published blob is the one that was checked and timed. With ``builders``, the builds of ``following`` (the
+    graph to be tuned next) are queued as soon as this graph's are (:meth:`BuildPool.ahead`)."""
     spec = canonical(spec)
     dev = require_gpu(device)
     t0 = time.perf_counter()
     check_memory(spec, device=device)
     env = detect(device)
     seed = int(time.time_ns() % 2**31) if seed is None else seed
-    with torch.cuda.device(dev):
+    with torch.cuda.device(dev), contextlib.ExitStack() as cleanup:
         handle = cudnn.create_handle()
         cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
-        g = decode(spec, handle=handle)
-        prepare(g, spec, list(spec.tuning.heuristic_modes))
-        indices = _dedupe(g, g.get_execution_plan_count())
-        built = builders.build(spec, g, indices) if builders else build_in_process(g, indices)
+        ahead = builders.take(spec) if builders else None
+        if ahead is None:
+            g, indices = list_candidates(spec, handle)
+            ahead = CandidateSet(g, indices, builders.build(spec, g, indices) if builders else build_in_process(g, indices))
+        cleanup.callback(ahead.close)  # a tuning that stops early cancels the builds not started
+        g, indices, built = ahead.graph, ahead.indices, ahead.built
+        if builders and following is not None:
+            builders.ahead(canonical(following))
         device_property = cudnn.create_device_properties(device)
 
         inputs = reference.make_inputs(spec, dev, seed=seed)

@@ -7,11 +7,15 @@ own cuDNN handle and the prepared graph of the spec it is working on; a built ca
 its serialized plan (``serialize`` holds the plan built last), which the tuning process deserializes and
 times. Only the tuning process runs anything on the GPU, so no two timings overlap, and the timed plan is
 the very blob that is published.
+
+Builds are queued first in, first out, so a graph's builds may be submitted while the graph before it is still
+being timed (:meth:`BuildPool.ahead`): the builders then never wait for the timing, nor the timing for them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -21,7 +25,9 @@ from typing import Any
 from ..canonical import canonical_json
 from ..procpool import Crashed, OrderedPool
 from ..spec import GraphSpec, parse_spec
-from .runtime import plan_identity, prepare
+from .runtime import create_handle, plan_identity, prepare
+
+log = logging.getLogger(__name__)
 
 #: Most builder processes a default pool starts (beyond this, timing on the one GPU is the bottleneck).
 MAX_DEFAULT_PROCESSES = 16
@@ -61,9 +67,51 @@ def build_serialized(graph: Any, index: int) -> BuiltCandidate:
     return BuiltCandidate(index, engine_id, knobs, name, blob, workspace, time.perf_counter() - t0)
 
 
+@dataclass
+class CandidateSet:
+    """A spec's prepared graph, the indices of its distinct candidate plans, and their builds (yielded in order)."""
+
+    graph: Any
+    indices: list[int]
+    built: Iterator[BuiltCandidate]
+
+    def close(self) -> None:
+        """Cancel the builds not started yet (a tuning that stopped early)."""
+        close = getattr(self.built, "close", None)
+        if close is not None:
+            close()
+
+
+def distinct_candidates(graph: Any, count: int) -> list[int]:
+    """Indices of distinct (engine_id, knobs) configs, first occurrence kept (modes A, B, FALLBACK overlap)."""
+    seen, keep = set(), []
+    for i in range(count):
+        eid, knobs, name = plan_identity(graph, i)
+        ident = (eid, tuple(sorted(knobs.items()))) if eid is not None else ("name", name, i)
+        if ident not in seen:
+            seen.add(ident)
+            keep.append(i)
+    return keep
+
+
+def list_candidates(spec: GraphSpec, handle: Any) -> tuple[Any, list[int]]:
+    """``spec`` (canonical) decoded and prepared on ``handle``, and the indices of its distinct candidates."""
+    from .fegraph import decode
+
+    graph = decode(spec, handle=handle)
+    prepare(graph, spec, list(spec.tuning.heuristic_modes))
+    return graph, distinct_candidates(graph, graph.get_execution_plan_count())
+
+
 def build_in_process(graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
     """Build ``indices`` of ``graph`` one after another, as they are consumed."""
     return (build_serialized(graph, i) for i in indices)
+
+
+def _document_key(spec: GraphSpec) -> tuple[str, str]:
+    """The sha256 of ``spec``'s canonical JSON, and that JSON (what builders are sent)."""
+    document = canonical_json(spec.to_json())
+    return hashlib.sha256(document.encode()).hexdigest(), document
 
 
 # ---------------------------------------------------------------- inside a builder process
@@ -105,14 +153,44 @@ class BuildPool:
 
     def __init__(self, processes: int, *, device: int = 0) -> None:
         self.processes = processes
+        self.device = device
         self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(device,))
         self._pool.start()  # every builder sets up (CUDA, cuDNN handle) while the first graph is prepared
+        self._ahead: dict[str, CandidateSet] = {}
+        self._handle: Any = None
+
+    def ahead(self, spec: GraphSpec) -> bool:
+        """Prepare ``spec`` (canonical) here and queue its builds now, behind those already queued, for a later
+        :meth:`take` (the next graph's builds run while this one is timed). One graph is ahead at a time: one
+        queued earlier and not taken is cancelled. False, logged, when it cannot be prepared: its tuning will
+        meet the error itself."""
+        key = _document_key(spec)[0]
+        if key in self._ahead:
+            return True
+        self._cancel_ahead()
+        try:
+            if self._handle is None:
+                self._handle = create_handle(self.device)
+            graph, indices = list_candidates(spec, self._handle)
+        except Exception as exc:  # noqa: BLE001 - only a head start; autotune reports the error properly
+            log.info("not building %s ahead: %s", spec.name or key[:12], exc)
+            return False
+        self._ahead[key] = CandidateSet(graph, indices, self.build(spec, graph, indices))
+        return True
+
+    def take(self, spec: GraphSpec) -> CandidateSet | None:
+        """The candidates queued by :meth:`ahead` for ``spec``, if any (each set is taken once)."""
+        return self._ahead.pop(_document_key(spec)[0], None)
+
+    def _cancel_ahead(self) -> None:
+        for ahead in self._ahead.values():
+            ahead.close()
+        self._ahead.clear()
 
     def build(self, spec: GraphSpec, graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
         """Submit every candidate now; yield them in ``indices`` order as they are built. ``graph`` is the
         tuning process's own prepared graph of ``spec`` (canonical), whose plan list the builders must match."""
-        document = canonical_json(spec.to_json())
-        key = hashlib.sha256(document.encode()).hexdigest()
+        key, document = _document_key(spec)
         tasks = []
         for i in indices:
             engine_id, knobs, _ = plan_identity(graph, i)
@@ -121,15 +199,21 @@ class BuildPool:
 
     @staticmethod
     def _collect(results: Iterator[BuiltCandidate | Crashed[Any]]) -> Iterator[BuiltCandidate]:
-        for r in results:
-            if isinstance(r, Crashed):
-                _, _, index, (engine_id, knobs) = r.item
-                yield BuiltCandidate(index, engine_id, dict(knobs), "", None, 0, 0.0,
-                                     "building this candidate killed its builder process twice (native crash)")
-            else:
-                yield r
+        try:
+            for r in results:
+                if isinstance(r, Crashed):
+                    _, _, index, (engine_id, knobs) = r.item
+                    yield BuiltCandidate(index, engine_id, dict(knobs), "", None, 0, 0.0,
+                                         "building this candidate killed its builder process twice (native crash)")
+                else:
+                    yield r
+        finally:  # closed early: the tasks not started are cancelled
+            close = getattr(results, "close", None)
+            if close is not None:
+                close()
 
     def close(self) -> None:
+        self._cancel_ahead()
         self._pool.close()
 
     def __enter__(self) -> BuildPool:

@@ -6,6 +6,10 @@ server as a failed attempt with its reason. A finished result is written to the 
 before it is sent, so neither the server being down nor the worker restarting loses it.
 On stop (SIGTERM), a tuning in progress gets ``shutdown_grace`` seconds to finish and be
 published; otherwise the job is released for another worker.
+
+When the tuner builds candidates in other processes (:meth:`Tuner.pipelines`), the worker claims the next job
+before it tunes the current one, and heartbeats both: the next graph's candidates are built while the current
+one is timed. A job claimed ahead and not started when the worker stops is released at once.
 """
 
 from __future__ import annotations
@@ -111,6 +115,16 @@ class _Heartbeat(threading.Thread):
 
 
 @dataclass
+class _Held:
+    """A claimed job: its lease, the heartbeat keeping it, and its spec (None when it fails the job's checks)."""
+
+    claim: ClaimResponse
+    lease: LeaseRequest
+    beat: _Heartbeat
+    spec: GraphSpec | None
+
+
+@dataclass
 class _Tuning:
     """The outcome of the tuning thread."""
 
@@ -146,32 +160,45 @@ class Worker:
         env = self.environment = self.tuner.environment()
         log.info("worker %s: environment %s (env_id %s), signing key %s, spool %s",
                  self.worker_id, env.describe(), env.env_id, self.signer.key_id, self.spool.directory)
-        while not stop.is_set():
-            if not self.flush_spool():
-                break
-            try:
-                claim = self.client.claim(env, self.worker_id)
-            except ServerUnavailable:
-                break  # only raised once stopping
-            if claim is None:
-                if self.once:
-                    log.info("worker %s: no job for this environment; exiting (--once)", self.worker_id)
+        ahead = self.tuner.pipelines()
+        following: _Held | None = None
+        try:
+            while not stop.is_set():
+                if not self.flush_spool():
                     break
-                stop.wait(self.poll_interval)
-                continue
-            self.process(claim, stop)
+                current, following = following, None
+                if current is None:
+                    try:
+                        current = self._claim()
+                    except ServerUnavailable:
+                        break  # only raised once stopping
+                if current is None:
+                    if self.once:
+                        log.info("worker %s: no job for this environment; exiting (--once)", self.worker_id)
+                        break
+                    stop.wait(self.poll_interval)
+                    continue
+                if ahead:
+                    try:
+                        following = self._claim()
+                    except ServerUnavailable:
+                        following = None
+                self.process(current, stop, following=following.spec if following else None)
+        finally:
+            if following is not None:  # claimed ahead, never started: another worker may take it now
+                following.beat.finishing()
+                following.beat.halt()
+                self._fail(following.claim.job.id, following.lease, "worker shutting down", retryable=True)
+                self.stats.released += 1
         log.info("worker %s: stopped (%s)", self.worker_id, self.stats)
         return self.stats
 
-    def flush_spool(self) -> bool:
-        """Deliver every spooled result; False when stopped before all were delivered."""
-        return all(self._deliver(entry) for entry in self.spool.pending())
-
-    # ------------------------------------------------------------ one job
-
-    def process(self, claim: ClaimResponse, stop: threading.Event) -> None:
-        """Tune one claimed job and publish or fail it, heartbeating all along."""
-        assert self.environment is not None, "run() sets the environment"
+    def _claim(self) -> _Held | None:
+        """The next job for this environment, its lease heartbeating from now on; None when there is none."""
+        assert self.environment is not None
+        claim = self.client.claim(self.environment, self.worker_id)
+        if claim is None:
+            return None
         job = claim.job
         lease = LeaseRequest(worker_id=self.worker_id, lease_token=claim.lease_token)
         duration = lease_duration(claim)
@@ -181,7 +208,24 @@ class Worker:
         beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.05))
         beat.start()
         try:
-            entry = self._tune_job(claim, lease, beat, stop)
+            spec = self._check_job(claim)
+        except PlanCacheError:
+            spec = None  # failed, with its reason, when it is processed
+        return _Held(claim, lease, beat, spec)
+
+    def flush_spool(self) -> bool:
+        """Deliver every spooled result; False when stopped before all were delivered."""
+        return all(self._deliver(entry) for entry in self.spool.pending())
+
+    # ------------------------------------------------------------ one job
+
+    def process(self, held: _Held, stop: threading.Event, *, following: GraphSpec | None = None) -> None:
+        """Tune one claimed job (``following``: the one to tune next) and publish or fail it; its heartbeat, started
+        by the claim, stops here."""
+        assert self.environment is not None, "run() sets the environment"
+        claim, lease, beat, job = held.claim, held.lease, held.beat, held.claim.job
+        try:
+            entry = self._tune_job(claim, lease, beat, stop, following)
             beat.finishing()  # the job was failed or released, or is delivered now
             if entry is not None:
                 try:
@@ -192,8 +236,8 @@ class Worker:
         finally:
             beat.halt()
 
-    def _tune_job(self, claim: ClaimResponse, lease: LeaseRequest, beat: _Heartbeat,
-                  stop: threading.Event) -> SpoolEntry | None:
+    def _tune_job(self, claim: ClaimResponse, lease: LeaseRequest, beat: _Heartbeat, stop: threading.Event,
+                  following: GraphSpec | None) -> SpoolEntry | None:
         """Run the GPU step in a thread; the signed result, or None when the job was failed, released or lost."""
         job = claim.job
         try:
@@ -206,7 +250,7 @@ class Worker:
         log.info("job %d: tuning (needs ~%.1f MiB of device memory)", job.id, need / 2**20)
         outcome = _Tuning()
         done = threading.Event()
-        thread = threading.Thread(target=self._tune_and_verify, args=(spec, outcome, done), daemon=True,
+        thread = threading.Thread(target=self._tune_and_verify, args=(spec, following, outcome, done), daemon=True,
                                   name=f"tune-job-{job.id}")
         thread.start()
         while not done.wait(0.05):
@@ -243,10 +287,11 @@ class Worker:
                                       f"not this worker's environment {self.environment.env_id}")
         return spec
 
-    def _tune_and_verify(self, spec: GraphSpec, outcome: _Tuning, done: threading.Event) -> None:
+    def _tune_and_verify(self, spec: GraphSpec, following: GraphSpec | None, outcome: _Tuning,
+                         done: threading.Event) -> None:
         """Thread body: autotune, then check the blob (:func:`tuned_meta`) and its numerics after a round trip."""
         try:
-            tuned = self.tuner.tune(spec)
+            tuned = self.tuner.tune(spec, following=following)
             assert self.environment is not None
             meta = tuned_meta(tuned, spec.graph_key, self.worker_id, self.environment)
             outcome.round_trip_error = self.tuner.verify(spec, tuned.blob)

@@ -35,8 +35,13 @@ class Tuner(Protocol):
         """Bytes ``spec`` needs; raise :class:`~plancache.errors.InsufficientGpuMemory` before allocating."""
         ...
 
-    def tune(self, spec: GraphSpec) -> TunedResult:
-        """Autotune ``spec``; the winner has already matched the reference in this process."""
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> TunedResult:
+        """Autotune ``spec``; the winner has already matched the reference in this process. ``following``: the spec
+        to be tuned next, whose work may start meanwhile."""
+        ...
+
+    def pipelines(self) -> bool:
+        """Whether a ``following`` spec is worth claiming ahead (its work overlaps the current tuning)."""
         ...
 
     def verify(self, spec: GraphSpec, blob: bytes) -> float:
@@ -70,15 +75,25 @@ class GpuTuner:
 
         return gpu.check_memory(spec, device=self.device)
 
-    def tune(self, spec: GraphSpec) -> TunedPlan:
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> TunedPlan:
         from .. import gpu
-        from ..gpu.candidates import BuildPool, default_processes
+        from ..gpu.candidates import BuildPool
 
+        if self.pipelines() and self._builders is None:
+            self._builders = BuildPool(self._processes(), device=self.device)
+        return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats, builders=self._builders,
+                            following=following)
+
+    def pipelines(self) -> bool:
+        """True with builder processes: the next graph's candidates are built while this one is timed."""
+        return self._processes() > 0
+
+    def _processes(self) -> int:
         if self.build_processes is None:
+            from ..gpu.candidates import default_processes
+
             self.build_processes = default_processes()
-        if self.build_processes and self._builders is None:
-            self._builders = BuildPool(self.build_processes, device=self.device)
-        return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats, builders=self._builders)
+        return self.build_processes
 
     def verify(self, spec: GraphSpec, blob: bytes) -> float:
         from .. import gpu

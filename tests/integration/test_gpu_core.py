@@ -114,6 +114,28 @@ def test_builder_processes_find_the_same_candidates_and_winner(tuned, name):
           f"(first use: process start included); winner #{serial.winner_index} / #{parallel.winner_index}")
 
 
+def test_builds_queued_ahead_are_the_ones_the_next_tuning_takes(tuned):
+    """A worker's pipeline: each tuning queues the next graph's builds behind its own; the next tuning takes them
+    and finds the in-process candidates. A graph queued ahead but not tuned next is cancelled by the next one."""
+    from plancache import gpu
+    from plancache.gpu.candidates import BuildPool, _document_key
+
+    specs = [tuned[name][0] for name in SEEDS]
+    with BuildPool(4) as pool:
+        assert pool.ahead(specs[2]) and pool.ahead(specs[1])  # the first is cancelled: one graph ahead at a time
+        assert pool.take(specs[2]) is None
+        results = []
+        for n, spec in enumerate(specs):
+            following = specs[n + 1] if n + 1 < len(specs) else None
+            results.append(gpu.autotune(spec, repeats=10, builders=pool, following=following))
+            queued = list(pool._ahead)
+            assert queued == ([_document_key(following)[0]] if following is not None else [])
+    for name, result in zip(SEEDS, results):
+        serial = tuned[name][1]
+        assert [(c.index, c.engine_id, c.knobs, c.status) for c in result.candidates] == \
+               [(c.index, c.engine_id, c.knobs, c.status) for c in serial.candidates]
+
+
 def test_verify_plan_refuses_a_plan_of_another_graph(tuned):
     """A blob deserialized against the wrong spec must not pass the numerics check."""
     from plancache import gpu

@@ -138,6 +138,38 @@ def test_worker_publishes_signed_plans_that_passed_the_round_trip(srv, tmp_path,
     assert list((tmp_path / "spool-w-a").iterdir()) == []
 
 
+def test_a_pipelined_worker_claims_the_next_job_ahead_and_tells_the_tuner(srv, tmp_path, keys):
+    jobs = enqueue(srv, SEEDS)
+    tuner = FakeTuner(pipelined=True, tune_seconds=0.4)
+    worker = make_worker(srv, tmp_path, keys[0], tuner, once=True)
+    t, _, box = in_thread(worker)
+    wait_for(lambda: tuner.followings, "the first tuning to start")
+    second_held_during_first = running_by(srv, sorted(x.id for x in jobs)[1], "w-a")()
+    t.join(30)
+    keys_in_order = [job(srv, x.id).graph_key for x in sorted(jobs, key=lambda x: x.id)]
+    assert (box["stats"].claimed, box["stats"].succeeded) == (3, 3)
+    assert tuner.tuned == keys_in_order and tuner.followings == [*keys_in_order[1:], None]
+    assert second_held_during_first  # while the first job was tuned, the next was already leased to this worker
+    assert all(job(srv, x.id).status == "succeeded" for x in jobs)
+
+
+def test_sigterm_releases_the_job_claimed_ahead_too(srv, tmp_path, keys):
+    first, second = enqueue(srv, ["conv_bias_relu", "sdpa_causal"])
+    a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2", "--pipelined")
+    try:
+        wait_for(lambda: all(running_by(srv, x.id, "w-term")() for x in (first, second)), "both claims")
+        time.sleep(3 * LEASE)  # both leases outlive their first term: the one claimed ahead heartbeats too
+        assert all(running_by(srv, x.id, "w-term")() for x in (first, second))
+        a.send_signal(signal.SIGTERM)
+        out, _ = a.communicate(timeout=10)
+    finally:
+        a.kill()
+    assert a.returncode == 0 and json.loads(out.strip().splitlines()[-1])["released"] == 2
+    for x in (first, second):
+        released = job(srv, x.id)
+        assert released.status == "queued" and released.error == "worker shutting down" and released.lease_owner is None
+
+
 def test_worker_claims_only_jobs_for_its_environment(srv, tmp_path, keys):
     (other,) = enqueue(srv, ["conv_bias_relu"], TargetEnvironment(sm=80))
     (mine,) = enqueue(srv, ["sdpa_causal"], TargetEnvironment(sm=90, cudnn_version=91900))

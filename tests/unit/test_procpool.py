@@ -52,6 +52,22 @@ def test_closing_the_iterator_early_cancels_what_has_not_started(pool):
     assert list(pool.map_ordered(tasks.square_after, [(3, 0.0)])) == [9]
 
 
+def test_a_second_batch_submitted_early_runs_after_the_first_and_both_complete(pool):
+    first = pool.map_ordered(tasks.finished_at, [(n, 0.2) for n in range(3)])
+    second = pool.map_ordered(tasks.finished_at, [(n, 0.0) for n in range(3, 6)])
+    a, b = list(first), list(second)
+    assert [n for n, _ in a] == [0, 1, 2] and [n for n, _ in b] == [3, 4, 5]
+    assert min(t for _, t in b) >= max(t for _, t in a) - 0.05  # first in, first out: nothing overtakes the first
+
+
+def test_a_crash_in_one_batch_leaves_the_other_outstanding_batch_whole(pool):
+    first = pool.map_ordered(tasks.crash_on, [(0, "ok"), (1, "crash"), (2, "ok")])
+    second = pool.map_ordered(tasks.square_after, [(n, 0.3) for n in range(6)])  # queued behind, cancelled by a restart
+    assert list(first) == [1, Crashed((1, "crash")), 3]
+    assert pool.restarts >= 1
+    assert list(second) == [n * n for n in range(6)]
+
+
 def test_a_pool_needs_a_process():
     with pytest.raises(ValueError, match="at least 1 process"):
         OrderedPool(0)

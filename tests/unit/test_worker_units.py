@@ -117,10 +117,14 @@ class _CompletionRacesHeartbeat:
     """A fake :class:`JobsApi` whose completion commits while a heartbeat is on its way: the completion's answer
     comes only after a heartbeat reached the server and was refused, as it is then (409, the job succeeded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, claim: ClaimResponse) -> None:
         self.http = SimpleNamespace(stop=None)
+        self._claim = claim
         self.completed = threading.Event()
         self.refused_beat = threading.Event()
+
+    def claim(self, env, worker_id: str) -> ClaimResponse:
+        return self._claim
 
     def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
         if self.completed.is_set():
@@ -144,10 +148,12 @@ def test_a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease(tmp_p
               max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=0.3), created_at=now,
               updated_at=now)
     claim = ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at)
-    jobs = _CompletionRacesHeartbeat()
+    jobs = _CompletionRacesHeartbeat(claim)
     worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1")  # type: ignore[arg-type]
     worker.environment = FAKE_ENV
-    worker.process(claim, threading.Event())
+    held = worker._claim()
+    assert held is not None
+    worker.process(held, threading.Event())
     assert jobs.refused_beat.is_set() and (worker.stats.succeeded, worker.stats.dropped) == (1, 0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not any("lease lost" in m for m in warnings), warnings
