@@ -81,7 +81,8 @@ def tune(
     processes = default_processes() if processes is None else processes
     builders = BuildPool(processes, device=device) if processes else None
     with Progress(console=console, transient=True) as bar, builders or contextlib.nullcontext():
-        for path, spec in specs:
+        for n, (path, spec) in enumerate(specs):
+            following = specs[n + 1][1] if n + 1 < len(specs) else None  # its builds queued behind this one's
             task = bar.add_task(f"tuning {path.name}", total=None)
 
             def progress(done: int, total: int, cand: Any, task: Any = task) -> None:
@@ -89,7 +90,7 @@ def tune(
 
             try:
                 tuned = gpu.autotune(spec, device=device, warmup=warmup, repeats=repeats, progress=progress,
-                                     builders=builders)
+                                     builders=builders, following=following)
             except PlanCacheError as exc:
                 raise failure_of_spec(path, exc) from None
             bar.remove_task(task)
