@@ -27,10 +27,6 @@ from .timing import median_ms
 CANDIDATE_BUDGET_S = 0.25
 #: Two medians within this relative distance are a tie, broken by the smaller workspace.
 TIE_TOLERANCE = 0.01
-#: A candidate whose run takes this many times the best median so far cannot win: that one timing is its figure
-#: (slow candidates otherwise cost most of a graph's timing budget). A run of 0.5 ms or more is judged by one
-#: eager run after a warm-up, a shorter one by one replay of its CUDA graph (:func:`plancache.gpu.timing.timings_ms`).
-GIVE_UP_FACTOR = 2.0
 
 Progress = Callable[[int, int, Candidate], None]
 
@@ -111,7 +107,7 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
         ref, check = expected_outputs(spec, inputs, handle, dev)
         pack = {**inputs, **outputs}
         check_pack(spec, pack)
-        tolerance = {t.uid: reference.TOLERANCE[spec.data_type_of(t)] for t in spec.output_tensors()}
+        tolerance = {t.uid: reference.tolerance(spec, t) for t in spec.output_tensors()}
 
         candidates: list[Candidate] = []
         timed: list[tuple[float, int, int]] = []  # (median ms, workspace, index)
@@ -142,11 +138,11 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
                     candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
                                                 error=f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})"))
                 else:
-                    best = min((t[0] for t in timed), default=None)
+                    # a candidate that cannot beat the best so far gets one timing (plancache.gpu.timing)
                     ms = median_ms(partial(plan.execute, pack, workspace, handle),
                                    warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
                                    set_stream=lambda sid: cudnn.set_stream(handle, sid),
-                                   give_up_above_ms=None if best is None else best * GIVE_UP_FACTOR)
+                                   best_ms=min((t[0] for t in timed), default=None))
                     candidates.append(Candidate(**cand, workspace_bytes=ws, median_ms=ms, max_abs_err=err, status="ok"))
                     timed.append((ms, ws, b.index))
                     blobs[b.index] = b.blob

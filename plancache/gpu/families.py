@@ -151,6 +151,10 @@ class Family:
     modes: tuple[str, ...] = ()
     #: names what of a node the reference does not cover (dropout, a callback, ...), or None.
     unsupported: Check | None = None
+    #: output ports summarising another output before its quantization (an fp8 attention's ``Amax_O``), each
+    #: mapped to that output's port: they are compared at its data type's tolerance, since the kernel's own
+    #: rounding of the quantized intermediate reaches both alike.
+    tolerance_of: dict[str, str] = field(default_factory=dict)
 
 
 
@@ -1033,7 +1037,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("sdpa_bwd", ("SDPA_BWD",), _sdpa_backward, False, ("sdpa_bwd",),
            "attention backward by autograd of the float32 forward", unsupported=_sdpa_unsupported),
     Family("sdpa_fp8", ("SDPA_FP8",), attention_forward, False, ("fp8_sdpa",),
-           "fp8 attention forward with descale/scale factors and amax outputs", unsupported=_sdpa_unsupported),
+           "fp8 attention forward with descale/scale factors and amax outputs", unsupported=_sdpa_unsupported,
+           tolerance_of={"Amax_O": "O"}),
 )
 
 _BY_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.node_types}

@@ -43,6 +43,7 @@ Tensor = torch.Tensor
 
 __all__ = [
     "TOLERANCE", "TORCH_DTYPES", "allocate_outputs", "compare_mask", "compare_outputs", "evaluate", "make_inputs",
+    "tolerance",
     "output_errors", "reference_outputs", "required_bytes", "storage_elements", "tensor_bytes", "torch_dtype",
 ]
 
@@ -592,15 +593,29 @@ def output_errors(spec: GraphSpec, outputs: dict[int, Tensor], reference: dict[i
     return errs
 
 
+def tolerance(spec: GraphSpec, doc: TensorDoc) -> float:
+    """The normalised error an output may have: :data:`TOLERANCE` of its data type, or of the output its node's
+    family says it summarises (:attr:`Family.tolerance_of`)."""
+    for node in spec.nodes:
+        for port, uid in node.outputs.items():
+            if uid == doc.uid:
+                family = fam.family_of(node)
+                source = family.tolerance_of.get(port) if family else None
+                if source is not None and source in node.outputs:
+                    doc = spec.tensor(node.outputs[source])
+                break
+    return TOLERANCE.get(spec.data_type_of(doc), 2e-2)
+
+
 def compare_outputs(spec: GraphSpec, outputs: dict[int, Tensor], reference: dict[int, Tensor], *,
                     valid: dict[int, Tensor] | None = None, inputs: dict[int, Tensor] | None = None) -> float:
-    """The worst normalised error over the outputs; raise :class:`TuningError` when any exceeds the
-    tolerance of its data type (:data:`TOLERANCE`)."""
+    """The worst normalised error over the outputs; raise :class:`TuningError` when any exceeds its
+    :func:`tolerance`."""
     errs = output_errors(spec, outputs, reference, valid=valid, inputs=inputs)
     for uid, err in errs.items():
         doc = spec.tensor(uid)
         dtype = spec.data_type_of(doc)
-        tol = TOLERANCE.get(dtype, 2e-2)
+        tol = tolerance(spec, doc)
         if not err <= tol:
             raise TuningError(f"output {_label(doc)} ({dtype}): normalised max error {err:.3g} exceeds tolerance {tol:g}")
     return max(errs.values(), default=0.0)

@@ -666,3 +666,15 @@ def test_eager_attention_agrees_with_the_reference(params):
     ref = R.reference_outputs(spec, x)[n["o"]]
     assert eager.dtype == torch.bfloat16
     close(eager, ref, R.TOLERANCE["BFLOAT16"])
+
+
+def test_an_fp8_attentions_amax_of_o_is_held_to_os_tolerance_and_the_rest_to_their_own():
+    spec, n, _, _ = build(G.fp8_sdpa, b=1, h=2, s=8, d=8)
+    node = next(nd for nd in spec.nodes if nd.type == "SDPA_FP8")
+    o, amax_o = spec.tensor(node.outputs["O"]), spec.tensor(node.outputs["Amax_O"])
+    assert spec.data_type_of(amax_o) == "FLOAT" and spec.data_type_of(o) == "FP8_E4M3"
+    assert R.tolerance(spec, amax_o) == R.TOLERANCE["FP8_E4M3"] == R.tolerance(spec, o)
+    stats = spec.tensor(node.outputs["Stats"])
+    assert R.tolerance(spec, stats) == R.TOLERANCE["FLOAT"]  # not a summary of a quantized output
+    mm, _, _, _ = build(G.fp8_matmul)
+    assert {R.tolerance(mm, t) for t in mm.output_tensors()} == {R.TOLERANCE[mm.data_type_of(t)] for t in mm.output_tensors()}
