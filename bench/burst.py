@@ -18,7 +18,7 @@ just after CUDA context creation (``torch.cuda.init()``, not plancache's to save
   ``floor``, which bounds what any client can do when that many processes load plans at once.
 
 ``--profile`` also writes a cProfile summary of one ``plancache`` process alone and of the first process of a
-second burst (``profile_*.txt``). Writes ``startup_floor.json`` into OUT and prints the ratios.
+second burst (``profile_*.txt``). Writes ``startup_floor.json`` and ``startup_floor.png`` into OUT and prints the ratios.
 """
 
 from __future__ import annotations
@@ -165,6 +165,37 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def plot(out: Path, res: dict) -> None:
+    """``startup_floor.png``: time until every plan is ready, alone and in a burst, against the floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    bars = [("heuristic, cold", res["heuristic_cold_s"], "tab:orange"),
+            ("heuristic, warm JIT cache", res["heuristic_warm_jit_s"], "tab:orange"),
+            ("floor (deserialize only)", res["floor_s"], "tab:gray"),
+            ("plancache", res["plancache_s"], "tab:green")]
+    left.barh([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
+    left.set_xscale("log")
+    left.set_xlabel(f"seconds until {res['graphs']} plans are ready (log)")
+    left.set_title("one fresh process")
+    n = res["burst"]["processes"]
+    right.boxplot([res["floor_burst"]["all_s"], res["burst"]["all_s"]])
+    right.set_xticks([1, 2], ["floor", "plancache"])
+    right.axhline(res["floor_s"], color="tab:gray", ls=":", label="floor, alone")
+    right.axhline(res["plancache_s"], color="tab:green", ls=":", label="plancache, alone")
+    right.set_ylabel("seconds")
+    right.set_title(f"{n} processes at once")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "startup_floor.png", dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plans", type=Path, required=True)
@@ -220,6 +251,7 @@ def main() -> None:
                      "burst_p99_over_single": res["burst"]["p99_s"] / res["plancache_s"],
                      "floor_burst_p99_over_floor": res["floor_burst"]["p99_s"] / res["floor_s"]}
     (args.out / "startup_floor.json").write_text(json.dumps(res, indent=1))
+    plot(args.out, res)
     for name, text in profiles.items():
         (args.out / f"profile_{name}.txt").write_text(text)
     print(json.dumps(res, indent=1))
