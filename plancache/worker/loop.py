@@ -116,12 +116,20 @@ class _Heartbeat(threading.Thread):
 
 @dataclass
 class _Held:
-    """A claimed job: its lease, the heartbeat keeping it, and its spec (None when it fails the job's checks)."""
+    """A claimed job: its lease, the heartbeat keeping it, and its checked spec or why it failed the checks."""
 
     claim: ClaimResponse
     lease: LeaseRequest
     beat: _Heartbeat
     spec: GraphSpec | None
+    error: PlanCacheError | None = None
+
+    def checked_spec(self) -> GraphSpec:
+        """The spec; raises why the job failed its checks."""
+        if self.spec is None:
+            assert self.error is not None
+            raise self.error
+        return self.spec
 
 
 @dataclass
@@ -208,10 +216,9 @@ class Worker:
         beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.05))
         beat.start()
         try:
-            spec = self._check_job(claim)
-        except PlanCacheError:
-            spec = None  # failed, with its reason, when it is processed
-        return _Held(claim, lease, beat, spec)
+            return _Held(claim, lease, beat, self._check_job(claim))
+        except PlanCacheError as exc:  # the job is failed with this reason when it is processed
+            return _Held(claim, lease, beat, None, exc)
 
     def flush_spool(self) -> bool:
         """Deliver every spooled result; False when stopped before all were delivered."""
@@ -223,9 +230,9 @@ class Worker:
         """Tune one claimed job (``following``: the one to tune next) and publish or fail it; its heartbeat, started
         by the claim, stops here."""
         assert self.environment is not None, "run() sets the environment"
-        claim, lease, beat, job = held.claim, held.lease, held.beat, held.claim.job
+        beat, job = held.beat, held.claim.job
         try:
-            entry = self._tune_job(claim, lease, beat, stop, following)
+            entry = self._tune_job(held, stop, following)
             beat.finishing()  # the job was failed or released, or is delivered now
             if entry is not None:
                 try:
@@ -236,12 +243,11 @@ class Worker:
         finally:
             beat.halt()
 
-    def _tune_job(self, claim: ClaimResponse, lease: LeaseRequest, beat: _Heartbeat, stop: threading.Event,
-                  following: GraphSpec | None) -> SpoolEntry | None:
+    def _tune_job(self, held: _Held, stop: threading.Event, following: GraphSpec | None) -> SpoolEntry | None:
         """Run the GPU step in a thread; the signed result, or None when the job was failed, released or lost."""
-        job = claim.job
+        claim, lease, beat, job = held.claim, held.lease, held.beat, held.claim.job
         try:
-            spec = self._check_job(claim)
+            spec = held.checked_spec()
             need = self.tuner.check_memory(spec)
         except PlanCacheError as exc:
             beat.finishing()

@@ -160,6 +160,42 @@ def test_a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease(tmp_p
     assert "heartbeat after the job was finished" in caplog.text
 
 
+class _OneJob:
+    """A fake :class:`JobsApi` handing out one claim, then none; it records failures."""
+
+    def __init__(self, claim: ClaimResponse) -> None:
+        self.http = SimpleNamespace(stop=None)
+        self._claims = [claim]
+        self.failed: list[tuple[int, FailRequest]] = []
+
+    def claim(self, env, worker_id: str) -> ClaimResponse | None:
+        return self._claims.pop() if self._claims else None
+
+    def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
+        pass
+
+    def fail(self, job_id: int, req: FailRequest) -> None:
+        self.failed.append((job_id, req))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_job_whose_spec_is_not_its_graph_key_is_failed_for_good_and_never_tuned(tmp_path, pipelined):
+    spec, other = example_spec(), example_spec("sdpa_causal")
+    priv, _, _ = keygen(tmp_path / "keys", "w")
+    now = datetime.now(UTC)
+    job = Job(id=7, graph_key=other.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
+              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=30), created_at=now,
+              updated_at=now)
+    jobs = _OneJob(ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at))
+    tuner = FakeTuner(pipelined=pipelined)
+    worker = Worker(jobs, tuner, Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
+                    once=True)
+    stats = worker.run(threading.Event())
+    assert (stats.claimed, stats.failed, tuner.tuned) == (1, 1, [])
+    ((job_id, req),) = jobs.failed
+    assert job_id == 7 and not req.retryable and "hashes to" in req.error
+
+
 def test_cli_keygen_writes_a_usable_pair_and_never_overwrites(tmp_path):
     app = worker_cli()
     runner = CliRunner()
