@@ -12,7 +12,7 @@ is consumed.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -58,7 +58,7 @@ class OrderedPool:
         self._executor = None
         self.restarts += 1
 
-    def map_ordered(self, fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R | Crashed[T]]:
+    def map_ordered(self, fn: Callable[[T], R], items: Sequence[T]) -> Generator[R | Crashed[T], None, None]:
         """Submit ``fn(item)`` for every item now; the iterator yields results in ``items`` order.
 
         ``fn`` and the items must pickle; an exception raised by ``fn`` is re-raised here (tasks should
@@ -77,7 +77,7 @@ class OrderedPool:
             return failed
 
     def _results(self, fn: Callable[[T], R], items: Sequence[T],
-                 futures: dict[int, Future[R]]) -> Iterator[R | Crashed[T]]:
+                 futures: dict[int, Future[R]]) -> Generator[R | Crashed[T], None, None]:
         try:
             for k, item in enumerate(items):
                 result: R | Crashed[T]

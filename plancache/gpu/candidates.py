@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +73,11 @@ class CandidateSet:
 
     graph: Any
     indices: list[int]
-    built: Iterator[BuiltCandidate]
+    built: Generator[BuiltCandidate, None, None]
 
     def close(self) -> None:
         """Cancel the builds not started yet (a tuning that stopped early)."""
-        close = getattr(self.built, "close", None)
-        if close is not None:
-            close()
+        self.built.close()
 
 
 def distinct_candidates(graph: Any, count: int) -> list[int]:
@@ -103,7 +101,7 @@ def list_candidates(spec: GraphSpec, handle: Any) -> tuple[Any, list[int]]:
     return graph, distinct_candidates(graph, graph.get_execution_plan_count())
 
 
-def build_in_process(graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
+def build_in_process(graph: Any, indices: list[int]) -> Generator[BuiltCandidate, None, None]:
     """Build ``indices`` of ``graph`` one after another, as they are consumed."""
     return (build_serialized(graph, i) for i in indices)
 
@@ -187,7 +185,7 @@ class BuildPool:
             ahead.close()
         self._ahead.clear()
 
-    def build(self, spec: GraphSpec, graph: Any, indices: list[int]) -> Iterator[BuiltCandidate]:
+    def build(self, spec: GraphSpec, graph: Any, indices: list[int]) -> Generator[BuiltCandidate, None, None]:
         """Submit every candidate now; yield them in ``indices`` order as they are built. ``graph`` is the
         tuning process's own prepared graph of ``spec`` (canonical), whose plan list the builders must match."""
         key, document = _document_key(spec)
@@ -198,7 +196,7 @@ class BuildPool:
         return self._collect(self._pool.map_ordered(_build_task, tasks))
 
     @staticmethod
-    def _collect(results: Iterator[BuiltCandidate | Crashed[Any]]) -> Iterator[BuiltCandidate]:
+    def _collect(results: Generator[BuiltCandidate | Crashed[Any], None, None]) -> Generator[BuiltCandidate, None, None]:
         try:
             for r in results:
                 if isinstance(r, Crashed):
@@ -208,9 +206,7 @@ class BuildPool:
                 else:
                     yield r
         finally:  # closed early: the tasks not started are cancelled
-            close = getattr(results, "close", None)
-            if close is not None:
-                close()
+            results.close()
 
     def close(self) -> None:
         self._cancel_ahead()
