@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import percentile, pyplot  # noqa: E402
+
 
 def _plans(folder: Path) -> list[dict]:
     return json.loads((folder / "plans.json").read_text())
@@ -160,20 +162,10 @@ def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     return serve_seeded(db, ({**e["meta"], "blob_b64": e["blob_b64"], "spec": e["spec"]} for e in _plans(plans)))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def plot(out: Path, res: dict) -> None:
     """``startup_floor.png``: time until every plan is ready, alone and in a burst, against the floor."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
     bars = [("heuristic, cold", res["heuristic_cold_s"], "tab:orange"),
@@ -239,10 +231,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     burst = [r["seconds"] for r in burst_runs]
-    res["burst"] = {"processes": args.processes, "p50_s": statistics.median(burst), "p99_s": _pct(burst, 0.99),
+    res["burst"] = {"processes": args.processes, "p50_s": statistics.median(burst), "p99_s": percentile(burst, 0.99),
                     "max_s": max(burst), "all_s": burst,
                     "deserialize_s": [r["client_stats"]["deserialize_seconds"] for r in burst_runs]}
-    res["floor_burst"] = {"p50_s": statistics.median(floor_burst), "p99_s": _pct(floor_burst, 0.99),
+    res["floor_burst"] = {"p50_s": statistics.median(floor_burst), "p99_s": percentile(floor_burst, 0.99),
                           "max_s": max(floor_burst), "all_s": floor_burst}
     res["ratios"] = {"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
                      "heuristic_warm_jit_over_plancache": res["heuristic_warm_jit_s"] / res["plancache_s"],

@@ -36,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import workload  # noqa: E402
+from bench.report import percentile, pyplot  # noqa: E402
+from bench.workload import family, workload  # noqa: E402
 from plancache.spec import GraphSpec  # noqa: E402
 
 
@@ -44,15 +45,6 @@ def _specs(limit: int | None) -> list[GraphSpec]:
     """The workload's canonical documents: the uids every GPU helper and ``Plan.execute`` key tensors by."""
     specs = [spec.canonical_document() for spec in workload()]
     return specs[:limit] if limit else specs
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def _family(name: str) -> str:
-    return "conv" if name.startswith("resnet") else "matmul" if name.startswith("mlp") else "sdpa"
 
 
 # ---------------------------------------------------------------- children (on the GPU)
@@ -74,14 +66,14 @@ def child_tune(out: Path, limit: int | None, parallel_probe: bool = True) -> Non
         (out / "plans" / f"{spec.graph_key}.json").write_text(json.dumps({
             "meta": meta.model_dump(mode="json"), "spec": spec.to_json(),
             "blob_b64": base64.b64encode(tuned.blob).decode(), "heuristic_index": tuned.heuristic_index}))
-        rows.append({"name": spec.name, "family": _family(spec.name), "candidates": len(tuned.candidates),
+        rows.append({"name": spec.name, "family": family(spec.name), "candidates": len(tuned.candidates),
                      "ok": sum(c.status == "ok" for c in tuned.candidates), "tuning_s": tuned.tuning_seconds,
                      "build_s": tuned.build_seconds, "timing_s": tuned.timing_seconds,
                      "winner_ms": tuned.winner_median_ms, "heuristic_ms": tuned.heuristic_median_ms})
         print(f"tuned {spec.name}: {tuned.tuning_seconds:.2f} s, {len(tuned.candidates)} candidates", flush=True)
     total = time.perf_counter() - t_all
     specs = _specs(limit)
-    sample = list({_family(sp.name): sp for sp in specs}.values())  # one graph per family
+    sample = list({family(sp.name): sp for sp in specs}.values())  # one graph per family
     parallel = [_parallel_build(spec) for spec in sample] if parallel_probe else []
     (out / "tuning.json").write_text(json.dumps({"total_s": total, "graphs": rows, "parallel_build": parallel}, indent=1))
 
@@ -142,7 +134,7 @@ def child_heuristic(out: Path, limit: int | None) -> None:
     for spec in _specs(limit):
         t = time.perf_counter()
         gpu.build_heuristic(spec, handle)
-        per.append({"name": spec.name, "family": _family(spec.name), "ms": (time.perf_counter() - t) * 1000})
+        per.append({"name": spec.name, "family": family(spec.name), "ms": (time.perf_counter() - t) * 1000})
     total = time.perf_counter() - t_all
     (out / "heuristic.json").write_text(json.dumps({"init_s": init_s, "total_s": total, "graphs": per}))
 
@@ -201,21 +193,21 @@ def child_quality(out: Path, limit: int | None) -> None:
         tuned = gpu.deserialize_plan(spec, base64.b64decode(rec["blob_b64"]), handle)
         heur = gpu.build_heuristic(spec, handle)
         inputs = gpu.make_inputs(spec, dev, seed=5)
-        row = {"name": spec.name, "family": _family(spec.name)}
+        row = {"name": spec.name, "family": family(spec.name)}
         for label, plan in (("tuned", tuned), ("heuristic", heur)):
             outs = gpu.allocate_outputs(spec, dev)
             ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device=dev)
             tensors = {**inputs, **outs}
             ts = timings_ms(partial(plan.execute, tensors, ws, handle), warmup=10, repeats=100, budget_s=1.0,
                             set_stream=lambda sid: cudnn.set_stream(handle, sid))
-            row[label] = {"median": statistics.median(ts), "p10": _pct(ts, 0.1), "p90": _pct(ts, 0.9)}
+            row[label] = {"median": statistics.median(ts), "p10": percentile(ts, 0.1), "p90": percentile(ts, 0.9)}
         torch.backends.cudnn.benchmark = True
 
         def run(spec=spec, inputs=inputs) -> None:
             evaluate(spec, inputs, exact_float32=False)
 
         ts = timings_ms(run, warmup=10, repeats=100, budget_s=1.0, set_stream=lambda sid: None)
-        row["torch"] = {"median": statistics.median(ts), "p10": _pct(ts, 0.1), "p90": _pct(ts, 0.9)}
+        row["torch"] = {"median": statistics.median(ts), "p10": percentile(ts, 0.1), "p90": percentile(ts, 0.9)}
         rows.append(row)
         print(f"quality {spec.name}: tuned {row['tuned']['median']:.4f} heuristic {row['heuristic']['median']:.4f} "
               f"torch {row['torch']['median']:.4f} ms", flush=True)
@@ -246,13 +238,8 @@ def _serve_and_seed(out: Path, limit: int | None) -> tuple[subprocess.Popen[byte
 
 
 def _plot(out: Path, startup: dict, quality: list[dict], tuning: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plots")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = ["heuristic build (a)", "autotune (b)", "plancache fetch (c)"]

@@ -29,11 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import workload  # noqa: E402
-
-
-def _family(name: str) -> str:
-    return "conv" if name.startswith("resnet") else "matmul" if name.startswith("mlp") else "sdpa"
+from bench.report import pyplot  # noqa: E402
+from bench.workload import family, workload  # noqa: E402
 
 
 def child(out: Path, processes: int, limit: int | None) -> None:
@@ -57,7 +54,7 @@ def child(out: Path, processes: int, limit: int | None) -> None:
         for n, spec in enumerate(specs):  # as a worker does: the next graph's builds queued behind this one's
             following = specs[n + 1] if n + 1 < len(specs) else None
             t = gpu.autotune(spec, repeats=20, builders=pool, seed=7, following=following)
-            rows.append({"name": spec.name, "family": _family(spec.name), "tuning_s": t.tuning_seconds,
+            rows.append({"name": spec.name, "family": family(spec.name), "tuning_s": t.tuning_seconds,
                          "build_s": t.build_seconds, "timing_s": t.timing_seconds, "winner": t.winner_index,
                          "winner_ms": t.winner_median_ms, "candidates": len(t.candidates),
                          "ok": sum(c.status == "ok" for c in t.candidates),
@@ -110,13 +107,8 @@ def _per_family(run: dict) -> dict:
 
 
 def _plot(out: Path, serial: dict, parallel: dict, speedup: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fams = ["conv", "matmul", "sdpa"]
     a, b = _per_family(serial), _per_family(parallel)

@@ -60,3 +60,8 @@ def workload() -> list[GraphSpec]:
 if __name__ == "__main__":
     for s in workload():
         print(s.graph_key[:12], s.name)
+
+
+def family(name: str) -> str:
+    """``conv``, ``matmul`` or ``sdpa``: the family of a workload graph, by its name."""
+    return "conv" if name.startswith("resnet") else "matmul" if name.startswith("mlp") else "sdpa"
