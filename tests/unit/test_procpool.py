@@ -80,3 +80,15 @@ def test_start_brings_every_process_up_at_once():
     with OrderedPool(3) as p:
         p.start()
         assert len(multiprocessing.active_children()) - before == 3
+
+
+def test_closing_a_candidate_set_early_cancels_its_pool_batch(pool):
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed")
+    from plancache.gpu.candidates import BuildPool, CandidateSet
+
+    batch = pool.map_ordered(tasks.square_after, [(n, 0.2) for n in range(12)])
+    built = BuildPool._collect(batch)  # what a BuildPool's candidate set consumes
+    assert next(built) == 0
+    CandidateSet(graph=None, indices=list(range(12)), built=built).close()
+    assert batch.gi_frame is None  # the batch's generator ran its clean-up: the tasks not started are cancelled
+    assert list(pool.map_ordered(tasks.square_after, [(3, 0.0)])) == [9]
