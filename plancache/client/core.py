@@ -115,6 +115,8 @@ MODE_STEPS: dict[Mode, frozenset[Builds]] = {
     "replay_only": frozenset({Builds.NOTHING}),
 }
 MODES: tuple[str, ...] = tuple(MODE_STEPS)
+#: The kinds of steps :meth:`PlanCache.serve` takes in each mode: never a heuristic build (the caller's FE builds).
+SERVING_STEPS: dict[Mode, frozenset[Builds]] = {m: s - {Builds.HEURISTIC} for m, s in MODE_STEPS.items()}
 
 
 @dataclass(eq=False)
@@ -471,8 +473,10 @@ class ClientStats:
     blobs refused (never deserialized; ``deserialize`` counts verified blobs cuDNN refused to load).
     ``fallbacks[step]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
     ``remote_errors``: failed server requests; ``remote_skipped``: requests not sent because the
-    remote was off after a failure. Seconds: ``load`` (inside ``plan``/``prefetch``), ``deserialize``,
-    ``build`` (rebuilds and heuristic builds)."""
+    remote was off after a failure. ``fe_builds[reason]``: graphs of the process that the hook
+    (:mod:`plancache.client.hook`) left to FE to build, by why (``miss``: normal mode, no tuned plan; the
+    others: FE.md's "built by FE" table). Seconds: ``load`` (inside ``plan``/``prefetch``/``serve``),
+    ``deserialize``, ``build`` (rebuilds and heuristic builds)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -483,6 +487,7 @@ class ClientStats:
     load_seconds: float = 0.0
     deserialize_seconds: float = 0.0
     build_seconds: float = 0.0
+    fe_builds: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -627,6 +632,25 @@ class PlanCache:
                            f"{self.environment.describe()} ({self.mode} mode): {names}")
         return {p.key: r for p, r in zip(batch, results) if isinstance(r, Plan)}
 
+    def serve(self, graph: Any, spec: GraphSpec) -> Plan | None:
+        """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its
+        ``spec`` read before lowering and its auto-assigned uids already canonical): the ladder without local
+        builds. On a miss: None in normal mode (the caller's own FE pipeline builds it, as it asked), or
+        :class:`PlanMiss` in strict and replay-only mode. This is what :mod:`plancache.client.hook` calls."""
+        p = Pending(graph_key(spec), spec, graph)
+        result = self._load_many([p], SERVING_STEPS[self.mode])[0]
+        if isinstance(result, Plan):
+            return result
+        if self.mode != "normal":
+            raise result
+        log.info("plancache: %s", result.message)
+        return None
+
+    def count_fe_build(self, reason: str) -> None:
+        """Count a graph of the process that FE built itself, by why (``stats().fe_builds``)."""
+        with self._lock:
+            _bump(self._stats.fe_builds, reason)
+
     def _pending(self, obj: SpecLike) -> Pending:
         if is_pygraph(obj):
             spec = from_pygraph(obj)
@@ -643,7 +667,8 @@ class PlanCache:
             if self._memory_hits:
                 _bump(hits, StepName.MEMORY.value, self._memory_hits)
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
-                               s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds)
+                               s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds,
+                               dict(s.fe_builds))
 
     def close(self) -> None:
         """Finish the disk cache's writes and close the connection to the server."""
@@ -659,14 +684,17 @@ class PlanCache:
 
     # ------------------------------------------------------------ the ladder
 
-    def _load_many(self, batch: list[Pending]) -> list[Plan | PlanMiss]:
-        """Each step in turn for the loads still pending; results in the order of ``batch``."""
+    def _load_many(self, batch: list[Pending], builds: frozenset[Builds] | None = None) -> list[Plan | PlanMiss]:
+        """Each step in turn (those that build what ``builds`` allows, default all) for the loads still pending;
+        results in the order of ``batch``."""
         t0 = time.perf_counter()
         with self._lock:
             try:
                 plans: dict[Pending, Plan] = {}
                 left = batch
                 for step in self.steps:
+                    if builds is not None and step.builds not in builds:
+                        continue
                     if not left:
                         break
                     name, found = str(step.name), step.resolve(left)

@@ -1,74 +1,288 @@
-"""Opt-in: route FE's own ``pygraph.build()`` (and so ``@cudnn.jit`` and ``@cudnn.graph_cache`` code) through a
-:class:`~plancache.client.PlanCache`.
+"""Opt-in: every ``cudnn.pygraph`` the process builds, by any route, takes a :class:`~plancache.client.PlanCache`'s
+tuned plan first.
 
 ::
 
     cache = PlanCache()
     with plancache.client.hook.installed(cache):   # or hook.install(cache) for the whole process
-        g, uids = my_jit_graph(...)                 # @cudnn.jit calls g.build(); plancache serves it
+        out = cudnn.sdpa_torch(q, k, v, ...)        # FE's own ops, cudnn.Graph, @cudnn.jit, g.build(): served
 
-While installed, ``pygraph.build(heuristics)`` calls ``cache.build(graph)`` instead. A graph the spec
-cannot represent (a score_mod callback, say) is built by FE as usual, with a log line saying why.
+FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` → ``create_execution_plans(modes)``
+→ ``check_support()`` → ``build_plans(policy)``; ``build()``, ``@cudnn.jit``, ``@cudnn.graph_cache``,
+``cudnn.Graph``, ``cudnn.sdpa_torch`` and ``cudnn.ops.norm`` all run these. While installed:
+
+- ``validate()`` first reads the graph's spec (FE's IR, before lowering) and renumbers its auto-assigned uids to
+  the canonical ones; uids the caller set never change.
+- ``create_execution_plans(modes)`` records ``modes`` and defers: the heuristic query is what a served graph
+  skips. ``check_support()`` of a deferred graph is answered by ``build_plans``.
+- ``build_plans()`` asks the cache (:meth:`PlanCache.serve`: memory, disk, server, the rebuild of a tuned
+  record; never a local heuristic build) and loads the tuned plan into the caller's graph, which then runs
+  with its own ``execute`` (Tensor handles, names or uids), ``get_workspace_size`` and CUDA-graph capture.
+  On a miss in normal mode FE runs the deferred steps exactly as the caller asked them (same heuristic modes,
+  filters and policy); in strict and replay-only mode :class:`~plancache.errors.PlanMiss` is raised.
+- A call that chooses among FE's own candidates (``build_plans(ALL)``, the plan-index APIs, engine and note
+  filters, ``create_execution_plan``), a graph the spec cannot represent (a ``score_mod`` callback), an
+  override-shape graph and a graph validated before the hook was installed are built by FE unchanged, with
+  one log line saying why, and counted in ``stats().fe_builds`` -- never a plan the caller did not ask for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsupportedGraph
+from ..spec import GraphSpec, from_pygraph
 from .core import PlanCache
 
 log = logging.getLogger("plancache.client")
 
+__all__ = ["FE_BUILD_REASONS", "PLAN_LIST_CALLS", "install", "installed", "uninstall"]
+
+#: ``stats().fe_builds`` keys: why the hook left a graph to FE.
+FE_BUILD_REASONS = {
+    "miss": "no tuned plan for this environment (normal mode)",
+    "unsupported": "the spec cannot represent the graph",
+    "override_shape": "an override-shape graph executes with shapes other than the ones a plan was tuned for",
+    "validated_early": "the graph was validated before the hook was installed, so its spec could not be read",
+    "fe_candidates": "the caller chooses among FE's own candidate plans",
+}
+
+#: Methods that choose among, or read, FE's candidate list: on a deferred graph they make FE plan it first.
+PLAN_LIST_CALLS = (
+    "build_plan_at_index", "create_execution_plan", "deselect_behavior_notes", "deselect_engines",
+    "deselect_numeric_notes", "deselect_workspace_greater_than", "execute_plan_at_index",
+    "get_behavior_notes_for_plan_at_index", "get_engine_and_knobs_at_index", "get_plan_name_at_index",
+    "get_workspace_size_plan_at_index", "select_behavior_notes", "select_numeric_notes", "select_plan",
+)
+_PIPELINE = ("validate", "create_execution_plans", "check_support", "build_plans", "get_execution_plan_count")
+
+
+@dataclass
+class _Graph:
+    """What the hook knows of one graph."""
+
+    spec: GraphSpec | None
+    why_not: str | None = None   # a FE_BUILD_REASONS key when the cache cannot serve it
+    detail: str = ""
+    deferred: bool = False       # create_execution_plans was recorded, not run
+    heuristics: Any = None
+    served: bool = False
+    fe: bool = False             # FE planned it (the hook no longer steps in)
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+
+
 _lock = threading.Lock()
-_original: Any = None
+_local = threading.local()       # .inside: the hook's own calls into FE (the ladder building in a graph)
 _cache: PlanCache | None = None
+_originals: dict[type, dict[str, Any]] = {}  # per patched class, what its own __dict__ held
+_graphs: weakref.WeakKeyDictionary[Any, _Graph] = weakref.WeakKeyDictionary()
 
 
-def install(cache: PlanCache) -> None:
-    """Route every ``cudnn.pygraph.build()`` in this process through ``cache`` until :func:`uninstall`."""
-    import cudnn
+def install(cache: PlanCache, *, graph_class: type | None = None) -> None:
+    """Route every build of a ``graph_class`` (default ``cudnn.pygraph``) in this process through ``cache`` until
+    :func:`uninstall`. Installing again switches the cache."""
+    global _cache
+    if graph_class is None:
+        import cudnn
 
-    global _original, _cache
+        graph_class = cudnn.pygraph
     with _lock:
-        if _original is None:
-            _original = cudnn.pygraph.build
-            cudnn.pygraph.build = _build
+        if graph_class not in _originals:
+            _originals[graph_class] = {name: graph_class.__dict__[name] for name in (*_PIPELINE, *PLAN_LIST_CALLS)
+                                       if name in graph_class.__dict__}
+            for name in _PIPELINE:
+                setattr(graph_class, name, _wrap(name, _find(graph_class, name), _HANDLERS[name]))
+            for name in PLAN_LIST_CALLS:
+                if hasattr(graph_class, name):
+                    setattr(graph_class, name, _wrap(name, _find(graph_class, name), _plan_list_call))
         _cache = cache
 
 
 def uninstall() -> None:
-    """Give ``cudnn.pygraph.build`` back to FE."""
-    import cudnn
-
-    global _original, _cache
+    """Give FE its methods back (graphs already served stay served)."""
+    global _cache
     with _lock:
-        if _original is not None:
-            cudnn.pygraph.build = _original
-        _original, _cache = None, None
+        for cls, methods in _originals.items():
+            for name in (*_PIPELINE, *PLAN_LIST_CALLS):
+                if name in methods:
+                    setattr(cls, name, methods[name])
+                elif name in cls.__dict__:
+                    delattr(cls, name)
+        _originals.clear()
+        _cache = None
 
 
 @contextlib.contextmanager
-def installed(cache: PlanCache) -> Iterator[PlanCache]:
+def installed(cache: PlanCache, *, graph_class: type | None = None) -> Iterator[PlanCache]:
     """:func:`install` for the duration of a ``with`` block."""
-    install(cache)
+    install(cache, graph_class=graph_class)
     try:
         yield cache
     finally:
         uninstall()
 
 
-def _build(graph: Any, heuristics: Any = None, ctx: Any = None) -> Any:
-    cache, original = _cache, _original
-    if cache is None or original is None or ctx is not None:
-        return (original or type(graph).build)(graph, heuristics, ctx=ctx)
+@contextlib.contextmanager
+def _inside() -> Iterator[None]:
+    """The ladder's own FE calls (a rebuild in the caller's graph) go straight to FE."""
+    before = getattr(_local, "inside", False)
+    _local.inside = True
     try:
-        cache.build(graph)
+        yield
+    finally:
+        _local.inside = before
+
+
+def _find(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    raise AttributeError(f"{cls.__name__} has no {name}")
+
+
+Handler = Callable[[Callable[..., Any], str, Any, PlanCache, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _wrap(name: str, original: Callable[..., Any], handler: Handler) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = _cache
+        if cache is None or getattr(_local, "inside", False):
+            return original(graph, *args, **kwargs)
+        return handler(original, name, graph, cache, args, kwargs)
+
+    return method
+
+
+def _leave_to_fe(cache: PlanCache, state: _Graph, reason: str, detail: str) -> None:
+    if not state.fe:
+        state.fe = True
+        cache.count_fe_build(reason)
+        log.info("plancache: FE builds %s itself: %s%s", _name(state), FE_BUILD_REASONS[reason],
+                 f" ({detail})" if detail else "")
+
+
+def _name(state: _Graph) -> str:
+    if state.spec is None:
+        return "a graph"
+    return f"{state.spec.name or 'graph'} ({state.spec.graph_key[:12]})"
+
+
+def _validate(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if graph._lowered_graph is None and not graph._planning_done:  # FE's IR is still readable
+        _graphs[graph] = _capture(graph, cache)
+    return original(graph, *args, **kwargs)
+
+
+def _capture(graph: Any, cache: PlanCache) -> _Graph:
+    try:
+        spec = from_pygraph(graph)
     except UnsupportedGraph as exc:
-        log.info("plancache: building %s with FE directly: %s", getattr(graph, "_cpp_graph_kwargs", {}).get("name"), exc)
-        original(graph, heuristics)
+        return _Graph(None, "unsupported", exc.message)
+    if spec.graph.is_override_shape_enabled:
+        return _Graph(spec, "override_shape")
+    cache._backend.prepare_graph(graph, spec)
+    return _Graph(spec)
+
+
+def _state(graph: Any) -> _Graph:
+    state = _graphs.get(graph)
+    if state is None:
+        state = _graphs[graph] = _Graph(None, "validated_early")
+    return state
+
+
+def _create_execution_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+                            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not graph._is_validated:
+        graph.validate()
+    state = _state(graph)
+    if state.why_not is not None or state.deferred or state.fe or graph._planning_done:
+        if state.why_not is not None:
+            _leave_to_fe(cache, state, state.why_not, state.detail)
+        return original(graph, *args, **kwargs)
+    state.deferred = True
+    state.heuristics = (args, kwargs)
     return None
+
+
+def _check_support(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _graphs.get(graph)
+    if state is not None and (state.served or (state.deferred and not state.fe)):
+        return None  # answered by build_plans (a served plan is supported: it loaded)
+    return original(graph, *args, **kwargs)
+
+
+def _build_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _graphs.get(graph)
+    if state is None or state.fe:
+        return original(graph, *args, **kwargs)
+    if state.served:
+        return None
+    if not state.deferred:  # FE plans first (build_plans would call create_execution_plans itself)
+        graph.create_execution_plans()
+        if state.fe:
+            return original(graph, *args, **kwargs)
+    if _builds_all(args, kwargs):
+        _plan_with_fe(graph, cache, state, "fe_candidates", "build_plans(ALL)")
+        return original(graph, *args, **kwargs)
+    if state.spec is None:  # unreachable: a graph without a spec has a why_not, so FE planned it
+        raise RuntimeError("plancache hook: a deferred graph without a spec")
+    with _inside():
+        plan = cache.serve(graph, state.spec)
+    if plan is not None:
+        state.served = True
+        return None
+    _plan_with_fe(graph, cache, state, "miss", "")
+    return original(graph, *args, **kwargs)
+
+
+def _builds_all(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    import cudnn
+
+    policy = cudnn.build_plan_policy.ALL
+    return any(a == policy for a in args) or kwargs.get("policy") == policy
+
+
+def _plan_with_fe(graph: Any, cache: PlanCache, state: _Graph, reason: str, detail: str) -> None:
+    """Run what was deferred, as the caller asked: FE's heuristic query, then its support check."""
+    _leave_to_fe(cache, state, reason, detail)
+    args, kwargs = state.heuristics
+    state.deferred = False
+    with _inside():
+        graph.create_execution_plans(*args, **kwargs)
+        graph.check_support()
+
+
+def _get_execution_plan_count(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+                              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _graphs.get(graph)
+    if state is not None and state.served:
+        return max(1, int(original(graph, *args, **kwargs)))  # a loaded plan is one plan
+    if state is not None and state.deferred and not state.fe:
+        _plan_with_fe(graph, cache, state, "fe_candidates", "get_execution_plan_count()")
+    return original(graph, *args, **kwargs)
+
+
+def _plan_list_call(original: Callable[..., Any], name: str, graph: Any, cache: PlanCache,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _graphs.get(graph)
+    if state is not None and state.deferred and not state.fe:
+        _plan_with_fe(graph, cache, state, "fe_candidates", f"{name}()")
+    return original(graph, *args, **kwargs)
+
+
+_HANDLERS: dict[str, Handler] = {
+    "validate": _validate, "create_execution_plans": _create_execution_plans, "check_support": _check_support,
+    "build_plans": _build_plans, "get_execution_plan_count": _get_execution_plan_count,
+}

@@ -188,7 +188,8 @@ def build_engine_config(spec: GraphSpec, handle: Any, engine_id: int, knobs: dic
     """Rebuild exactly one recorded ``(engine_id, knobs)`` (milliseconds instead of a heuristic walk)."""
     spec = canonical(spec)
     g = graph if graph is not None else decode(spec, handle=handle)
-    g.validate()
+    if not g._is_validated:  # a caller's graph may come part-way through FE's pipeline (plancache.client.hook)
+        g.validate()
     g.build_operation_graph()
     g.create_execution_plan(int(engine_id), knobs_from_public(knobs))
     index = g.get_execution_plan_count() - 1

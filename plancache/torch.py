@@ -1,0 +1,116 @@
+"""One line for PyTorch code: FE's PyTorch ops and PyTorch's cuDNN attention get fleet-tuned plans.
+
+::
+
+    import plancache.torch
+    cache = plancache.torch.install()      # or install(PlanCache(...)); uninstall() undoes it
+
+Installs :mod:`plancache.client.hook` (every ``cudnn.pygraph`` build of the process: ``cudnn.sdpa_torch`` and
+``torch.ops.cudnn.sdpa_fwd``/``sdpa_bwd``, ``cudnn.ops.norm``, ``cudnn.Graph``, ``@cudnn.jit``, ``g.build()``) and,
+where the installed torch has a way to take it, FE's SDPA provider, which serves the ``CUDNN_ATTENTION`` backend of
+``F.scaled_dot_product_attention`` from ``torch.ops.cudnn.sdpa_fwd``/``sdpa_bwd`` (see :data:`SDPA_ROUTES`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .client import hook
+from .client.core import PlanCache
+
+log = logging.getLogger("plancache.client")
+
+__all__ = ["SDPA_ROUTES", "install", "installed_route", "sdpa_route", "uninstall"]
+
+#: How FE's SDPA provider reaches ``F.scaled_dot_product_attention``, by torch version.
+SDPA_ROUTES = {
+    "torch_switch": "torch.backends.cuda.enable_cudnn_sdp_python(True) (torch versions with the switch)",
+    "flash_registry": 'torch.nn.attention.activate_flash_attention_impl("CUDNN") (torch 2.13 without the switch)',
+    "overrides": "cudnn.torch.install_sdpa_overrides() (torch < 2.13: no registry)",
+}
+
+_lock = threading.Lock()
+_route: str | None = None
+_overrides: Any = None
+
+
+def sdpa_route() -> str:
+    """The :data:`SDPA_ROUTES` key the installed torch takes."""
+    import torch
+
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp_python"):
+        return "torch_switch"
+    import torch.nn.attention as attention
+
+    if hasattr(attention, "activate_flash_attention_impl"):
+        return "flash_registry"
+    return "overrides"
+
+
+def install(cache: PlanCache | None = None, *, sdpa_provider: bool = True) -> PlanCache:
+    """Serve every cuDNN FE build of this process from ``cache`` (default ``PlanCache()`` from the
+    ``PLANCACHE_*`` settings) and, with ``sdpa_provider``, route PyTorch's cuDNN SDPA backend through FE's ops.
+    Returns the cache."""
+    global _route, _overrides
+    cache = cache if cache is not None else PlanCache()
+    import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
+
+    hook.install(cache)
+    with _lock:
+        if sdpa_provider and _route is None:
+            _route, _overrides = _install_provider()
+            log.info("plancache: F.scaled_dot_product_attention's cuDNN backend goes through FE's ops via %s",
+                     SDPA_ROUTES[_route])
+    return cache
+
+
+def _install_provider() -> tuple[str, Any]:
+    import torch
+
+    route = sdpa_route()
+    if route == "torch_switch":
+        torch.backends.cuda.enable_cudnn_sdp_python(True)
+        return route, None
+    import cudnn.torch
+
+    if route == "flash_registry":
+        import torch.nn.attention as attention
+
+        attention.activate_flash_attention_impl("CUDNN")
+        return route, None
+    try:
+        return route, cudnn.torch.install_sdpa_overrides()
+    except (AttributeError, RuntimeError, ImportError) as exc:  # this torch has no varlen ops to override
+        log.info("plancache: FE's varlen overrides do not apply to torch %s (%s); overriding SDPA alone",
+                 torch.__version__, exc)
+        lib = torch.library.Library("aten", "IMPL")
+        from cudnn.torch import sdpa_provider
+
+        lib.impl("_scaled_dot_product_cudnn_attention", sdpa_provider._fwd, "CUDA")
+        lib.impl("_scaled_dot_product_cudnn_attention_backward", sdpa_provider._bwd, "CUDA")
+        return route, cudnn.torch.SdpaOverrides(lib)
+
+
+def installed_route() -> str | None:
+    """The :data:`SDPA_ROUTES` key :func:`install` took, or None when the provider is not installed."""
+    return _route
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: FE's SDPA provider off (where this module turned it on) and the hook removed."""
+    global _route, _overrides
+    with _lock:
+        if _route == "torch_switch":
+            import torch
+
+            torch.backends.cuda.enable_cudnn_sdp_python(False)
+        elif _route == "flash_registry":
+            import torch.nn.attention as attention
+
+            attention.restore_flash_attention_impl()
+        elif _overrides is not None:
+            _overrides.remove()
+        _route, _overrides = None, None
+    hook.uninstall()

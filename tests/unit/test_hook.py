@@ -1,0 +1,212 @@
+"""The hook's interception of FE's five-step build pipeline, on the CPU: a pygraph subclass whose C++ stages only
+record their calls stands in for FE's backend, and a recording backend for the GPU. Real FE ops on a GPU:
+tests/integration/test_fe_ops_gpu.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+
+from plancache.client import PlanCache, hook  # noqa: E402
+from plancache.errors import PlanMiss  # noqa: E402
+from plancache.spec import from_pygraph  # noqa: E402
+from tests.client_fakes import RecordingBackend  # noqa: E402
+from tests.factories import H200, make_record, new_signer, trusted  # noqa: E402
+
+BLOB = b"tuned-rmsnorm-plan"
+
+
+class StageGraph(cudnn.pygraph):
+    """``cudnn.pygraph`` with its backend stages replaced by recorders (FE's own ``build()`` is kept)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stages: list[tuple[Any, ...]] = []
+
+    def validate(self) -> None:
+        self.stages.append(("validate",))
+        self._lowered_graph, self._is_validated = "lowered", True
+        self._freeze()
+
+    def build_operation_graph(self) -> None:
+        self.stages.append(("build_operation_graph",))
+
+    def create_execution_plans(self, heuristics: Any = None) -> None:
+        self.stages.append(("create_execution_plans", heuristics))
+        self._planning_done = True
+
+    def check_support(self) -> None:
+        self.stages.append(("check_support",))
+
+    def build_plans(self, *args: Any, ctx: Any = None, **kwargs: Any) -> None:
+        self.stages.append(("build_plans", args))
+        self._is_built = True
+
+    def get_execution_plan_count(self) -> int:
+        return 3 if self._planning_done else 0
+
+    def deselect_workspace_greater_than(self, limit: int) -> StageGraph:
+        self.stages.append(("deselect_workspace_greater_than", limit))
+        return self
+
+
+def rmsnorm(uid_x: int | None = 1) -> tuple[StageGraph, dict[str, Any]]:
+    """FE's rms_norm forward graph as ``cudnn.ops.norm`` writes it (explicit uids on the I/O tensors)."""
+    f32, bf16 = cudnn.data_type.FLOAT, cudnn.data_type.BFLOAT16
+    g = StageGraph(intermediate_data_type=f32, compute_data_type=f32)
+    x = g.tensor(name="X", dim=[8, 64, 1, 1], stride=[64, 1, 1, 1], data_type=bf16, uid=uid_x)
+    scale = g.tensor(name="scale", dim=[1, 64, 1, 1], stride=[64, 1, 1, 1], data_type=f32, uid=2)
+    eps = g.tensor(name="epsilon", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32, uid=3, is_pass_by_value=True)
+    y, inv_rms = g.rmsnorm(name="rmsnorm", norm_forward_phase=cudnn.norm_forward_phase.TRAINING, input=x, scale=scale,
+                           epsilon=eps)
+    y.set_uid(10).set_output(True).set_data_type(bf16)
+    inv_rms.set_output(True).set_data_type(f32)  # an auto-assigned uid
+    return g, {"X": x, "Y": y, "inv_rms": inv_rms}
+
+
+@pytest.fixture
+def signer():
+    return new_signer()
+
+
+def make_cache(tmp_path, signer, *, mode: str = "normal", seeded: bool = True) -> PlanCache:
+    cache = PlanCache("", backend=RecordingBackend(), cache_dir=tmp_path, trusted_keys=trusted(signer), mode=mode)
+    if seeded:
+        key = from_pygraph(rmsnorm()[0]).graph_key
+        cache.disk.save(make_record(key, H200, BLOB, signer), BLOB)
+    return cache
+
+
+def five_steps(g: Any) -> None:
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+
+
+def test_the_five_steps_of_fes_ops_load_the_tuned_plan_and_skip_fes_planning(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, t = rmsnorm()
+    auto = t["inv_rms"].uid
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(g)
+        assert g.get_execution_plan_count() >= 1  # cudnn.Graph's __call__ asks for it before running
+    assert g.stages == [("validate",), ("build_operation_graph",)]  # no heuristic query, no FE build
+    assert cache.stats().hits == {"disk": 1} and cache.stats().fe_builds == {}
+    assert cache._backend.deserialized == [BLOB]
+    assert (t["X"].uid, t["Y"].uid) == (1, 10)  # uids the caller set are kept
+    assert t["inv_rms"].uid == from_pygraph(rmsnorm()[0]).canonical_uids()[auto]  # auto uids made canonical
+
+
+def test_build_goes_through_the_same_interception(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        g.build([cudnn.heur_mode.B])
+    assert ("create_execution_plans", [cudnn.heur_mode.B]) not in g.stages
+    assert cache.stats().hits == {"disk": 1}
+
+
+def test_a_miss_in_normal_mode_runs_fes_steps_exactly_as_the_caller_asked(tmp_path, signer):
+    cache = make_cache(tmp_path, signer, seeded=False)
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.B])
+        assert g.stages[-1] == ("build_operation_graph",)  # deferred until build_plans
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    assert g.stages[2:] == [("create_execution_plans", [cudnn.heur_mode.B]), ("check_support",),
+                            ("build_plans", (cudnn.build_plan_policy.HEURISTICS_CHOICE,))]
+    stats = cache.stats()
+    assert stats.misses == 1 and stats.fe_builds == {"miss": 1} and stats.hits == {}
+
+
+@pytest.mark.parametrize("mode", ["strict", "replay_only"])
+def test_strict_modes_raise_plan_miss_instead_of_building(tmp_path, signer, mode):
+    cache = make_cache(tmp_path, signer, mode=mode, seeded=False)
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph), pytest.raises(PlanMiss, match="no verified tuned plan"):
+        five_steps(g)
+    assert [s[0] for s in g.stages] == ["validate", "build_operation_graph"]
+
+
+def test_build_plans_all_is_left_to_fe(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        g.validate()
+        g.create_execution_plans([cudnn.heur_mode.A])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.ALL)
+    assert [s[0] for s in g.stages] == ["validate", "create_execution_plans", "check_support", "build_plans"]
+    assert cache.stats().fe_builds == {"fe_candidates": 1} and cache._backend.deserialized == []
+
+
+def test_a_filter_on_fes_candidates_makes_fe_plan_first(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        g.validate()
+        g.create_execution_plans([cudnn.heur_mode.A])
+        g.deselect_workspace_greater_than(0)
+        g.check_support()
+        g.build_plans()
+    assert [s[0] for s in g.stages] == ["validate", "create_execution_plans", "check_support",
+                                        "deselect_workspace_greater_than", "check_support", "build_plans"]
+    assert cache.stats().fe_builds == {"fe_candidates": 1} and cache._backend.deserialized == []
+
+
+def test_a_graph_validated_before_the_hook_is_left_to_fe(tmp_path, signer):
+    cache = make_cache(tmp_path, signer, mode="strict")
+    g, _ = rmsnorm()
+    g.validate()
+    with hook.installed(cache, graph_class=StageGraph):
+        g.create_execution_plans()
+        g.build_plans()
+    assert cache.stats().fe_builds == {"validated_early": 1}
+
+
+def test_a_graph_the_spec_cannot_represent_is_left_to_fe(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, _ = rmsnorm()
+    g._nodes[0].params["score_mod"] = lambda graph, score: score  # a callback: no document can hold it
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(g)
+    assert cache.stats().fe_builds == {"unsupported": 1}
+    assert ("create_execution_plans", [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]) in g.stages
+
+
+def test_an_override_shape_graph_is_left_to_fe(tmp_path, signer):
+    cache = make_cache(tmp_path, signer)
+    g, _ = rmsnorm()
+    g._cpp_graph_kwargs["is_override_shape_enabled"] = True
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(g)
+    assert cache.stats().fe_builds == {"override_shape": 1}
+
+
+def test_uninstall_gives_fe_its_methods_back(tmp_path, signer):
+    before = {n: StageGraph.__dict__.get(n) for n in ("validate", "build_plans", "select_plan")}
+    with hook.installed(make_cache(tmp_path, signer), graph_class=StageGraph):
+        assert StageGraph.__dict__["validate"] is not before["validate"]
+        assert "select_plan" in StageGraph.__dict__  # FE's plan-list calls are watched on the class
+    assert {n: StageGraph.__dict__.get(n) for n in before} == before
+    g, _ = rmsnorm()
+    five_steps(g)
+    assert [s[0] for s in g.stages] == ["validate", "build_operation_graph", "create_execution_plans",
+                                        "check_support", "build_plans"]
+
+
+def test_the_real_pygraph_is_patched_and_restored():
+    cache = PlanCache("", backend=RecordingBackend(), cache_dir=None)
+    original = cudnn.pygraph.create_execution_plans
+    with hook.installed(cache):
+        assert cudnn.pygraph.create_execution_plans is not original
+        assert cudnn.pygraph.create_execution_plans.__wrapped__ is original
+    assert cudnn.pygraph.create_execution_plans is original
