@@ -40,7 +40,7 @@ def sdpa_route() -> str:
     """The :data:`SDPA_ROUTES` key the installed torch takes."""
     import torch
 
-    if hasattr(torch.backends.cuda, "enable_cudnn_sdp_python"):
+    if _switch() is not None:
         return "torch_switch"
     import torch.nn.attention as attention
 
@@ -71,7 +71,7 @@ def _install_provider() -> tuple[str, Any]:
 
     route = sdpa_route()
     if route == "torch_switch":
-        torch.backends.cuda.enable_cudnn_sdp_python(True)
+        _switch()(True)
         return route, None
     import cudnn.torch
 
@@ -93,6 +93,13 @@ def _install_provider() -> tuple[str, Any]:
         return route, cudnn.torch.SdpaOverrides(lib)
 
 
+def _switch() -> Any:
+    """torch's own switch for FE's provider (``torch.backends.cuda.enable_cudnn_sdp_python``)."""
+    import torch
+
+    return getattr(torch.backends.cuda, "enable_cudnn_sdp_python", None)
+
+
 def installed_route() -> str | None:
     """The :data:`SDPA_ROUTES` key :func:`install` took, or None when the provider is not installed."""
     return _route
@@ -103,9 +110,7 @@ def uninstall() -> None:
     global _route, _overrides
     with _lock:
         if _route == "torch_switch":
-            import torch
-
-            torch.backends.cuda.enable_cudnn_sdp_python(False)
+            _switch()(False)
         elif _route == "flash_registry":
             import torch.nn.attention as attention
 

@@ -231,7 +231,7 @@ LAYERS = (
     ("verify",),
     ("bundle", "store", "gpu"),
     ("server", "worker", "client"),
-    ("cli",),
+    ("cli", "torch"),
 )
 #: Modules that belong to another part (legacy_spec converts into spec, which imports it lazily; __main__ runs cli).
 SAME_PART = {"legacy_spec": "spec", "__main__": "cli"}

@@ -1,0 +1,26 @@
+"""Each public module's ``__all__`` is sorted and names exactly its public, module-defined members (as httpx pins its
+surface): what is exported is a decision, not an accident of imports."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+MODULES = ["plancache.client.hook", "plancache.torch"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_all_is_sorted_and_complete(name):
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+    module = importlib.import_module(name)
+    defined = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v)
+                     and getattr(v, "__module__", name) == name and n.upper() != n or n in _constants(module))
+    assert module.__all__ == sorted(module.__all__) == defined
+
+
+def _constants(module):
+    """Module-level UPPER_CASE tables the module defines (not imported ones)."""
+    source = inspect.getsource(module)
+    return {n for n in vars(module) if n.isupper() and f"\n{n}" in source and not n.startswith("_")}
