@@ -38,8 +38,6 @@ _overrides: Any = None
 
 def sdpa_route() -> str:
     """The :data:`SDPA_ROUTES` key the installed torch takes."""
-    import torch
-
     if _switch() is not None:
         return "torch_switch"
     import torch.nn.attention as attention
