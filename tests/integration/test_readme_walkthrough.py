@@ -1,11 +1,11 @@
 """The README's HTTP walkthrough ("The HTTP service") runs as written, so the docs cannot drift.
 
-The shell block after the ``<!-- walkthrough`` marker is run with ``bash`` (``set -euo pipefail``) in a
+The shell block after the ``<!-- walkthrough`` marker is run verbatim with ``bash`` (``set -euo pipefail``) in a
 temporary folder that looks like a fresh checkout (``examples/`` and ``.venv`` linked in), on a free port
-(``PORT``, which the block reads). Exactly one line is replaced: the ``plancache worker … --once`` step
-needs a GPU, so the test runs a real :class:`~plancache.worker.Worker` with the FakeTuner test double
-(``python -m tests.worker_fakes``) in its place, with the same server, worker token and signing key.
-Everything else runs verbatim: a real ``plancache serve``, real tokens, keys, bundle and gc commands.
+(``PORT``, which the block reads): a real ``plancache serve``, real tokens, keys, bundle and gc commands. On a
+machine without a GPU the block itself picks the worker's test stand-in (``python -m tests.worker_fakes``: a real
+:class:`~plancache.worker.Worker` with the FakeTuner test double). The graph keys its comments show are the real
+ones, and it stops at once, saying why, when the port is taken or the server exits.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- walkthrough"
-GPU_LINE = ("PLANCACHE_SIGNING_KEY=keys/fleet.key plancache worker --server $API --token $WORKER --once"
-            "   # on the GPU: claim, tune, verify, sign, complete")
-STAND_IN = ("python -m tests.worker_fakes --server $API --token $WORKER --worker-id gpu-1 "
-            "--spool-dir worker-spool --signing-key keys/fleet.key --once   # test stand-in for the GPU worker")
+GPU_LINE = "PLANCACHE_SIGNING_KEY=keys/fleet.key plancache worker --server $API --token $WORKER --once"
+STAND_IN = "python -m tests.worker_fakes --server $API --token $WORKER --worker-id gpu-1 --spool-dir worker-spool"
 
 pytestmark = pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq") and shutil.which("bash")),
                                 reason="the walkthrough needs bash, curl and jq")
@@ -66,17 +64,19 @@ def alive(pid: int) -> bool:
 
 def test_block_is_found_and_has_the_gpu_line() -> None:
     block = walkthrough_block()
-    assert block.count(GPU_LINE) == 1, "the walkthrough's GPU worker line changed: update GPU_LINE and the stand-in"
+    assert block.count(GPU_LINE) == 1, "the walkthrough's GPU worker line changed: update GPU_LINE"
+    assert block.count(STAND_IN) == 1, "the walkthrough's CPU stand-in line changed: update STAND_IN"
     for step in ("plancache serve --port $PORT &", "trap ", "until curl -sf $API/readyz", "plancache token create",
                  "plancache keygen", "/v1/specs", "/v1/admin/tune", "/v1/plans/resolve", "/v1/blobs/",
                  "plancache bundle export", "plancache bundle import", "plancache plans gc"):
         assert step in block, step
 
 
-def test_readme_walkthrough_runs(tmp_path: Path) -> None:
+def run_block(tmp_path: Path, *, port: int | None = None, extra_env: dict[str, str] | None = None,
+              timeout: float = 60) -> tuple[subprocess.Popen[str], str, str, int]:
+    """The walkthrough block in a fresh-checkout-like folder; returns the process, its stdout and stderr, the port."""
     block = walkthrough_block()
-    assert block.count(GPU_LINE) == 1
-    script = ("set -euo pipefail\n" + block.replace(GPU_LINE, STAND_IN)
+    script = ("set -euo pipefail\n" + block
               + "\necho \"WALKTHROUGH_TOKENS=${#WORKER} ${#READER} ${#PLANCACHE_ADMIN_TOKEN}\""
               + "\necho \"WALKTHROUGH_SERVER_PID=$SERVER\"\n")
     (tmp_path / "walkthrough.sh").write_text(script)
@@ -84,23 +84,58 @@ def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     if not (Path(sys.prefix) / "bin" / "activate").is_file():
         pytest.skip("the walkthrough sources .venv/bin/activate: run pytest from the virtual environment")
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    port = free_port()
+    port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
     env.update(PORT=str(port), HOME=str(tmp_path), PLANCACHE_CACHE_DIR=str(tmp_path / "cache"),
                PATH=f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONPATH=str(ROOT))  # for the stand-in's ``tests.worker_fakes``
-    start = time.monotonic()
+               PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", **(extra_env or {}))  # no GPU: the stand-in runs
     proc = subprocess.Popen(["bash", "walkthrough.sh"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"the walkthrough ran over 60 s\nstdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(f"the walkthrough ran over {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, out, err, port
+
+
+def test_the_walkthrough_stops_at_once_when_the_port_is_taken(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    first = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # "Set up and run"
+    threading.Thread(target=first.serve_forever, daemon=True).start()
+    try:
+        start = time.monotonic()
+        proc, out, err, _ = run_block(tmp_path, port=first.server_address[1], timeout=30)
+    finally:
+        first.shutdown()
+    assert proc.returncode == 1 and f"port {first.server_address[1]} is taken: stop the server there first" in err, \
+        (out, err)
+    assert time.monotonic() - start < 20 and "listening on" not in err
+
+
+def test_the_walkthrough_stops_at_once_when_the_server_exits(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc, out, err, _ = run_block(tmp_path, extra_env={"PLANCACHE_DATABASE_URL": "nosuchdb://x"}, timeout=30)
+    assert proc.returncode == 1 and "plancache serve exited: its error is above" in err, (out, err)
+    assert "PLANCACHE_DATABASE_URL" in err and time.monotonic() - start < 25, err
+
+
+def test_the_comments_show_the_real_graph_key() -> None:
+    key = subprocess.run([sys.executable, "-m", "plancache", "spec", "key", str(ROOT / "examples" / "conv_bias_relu.json")],
+                         capture_output=True, text=True, check=True).stdout.split()[0]
+    shown = re.findall(r'"([0-9a-f]{8})…"', walkthrough_block())
+    assert shown and set(shown) == {key[:8]}, f"the walkthrough's comments show {set(shown)}, the key is {key[:8]}"
+
+
+def test_readme_walkthrough_runs(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc, out, err, port = run_block(tmp_path)
     report = f"rc={proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
     assert proc.returncode == 0, report
     assert time.monotonic() - start < 60
@@ -116,7 +151,7 @@ def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     lines = [x for x in out.splitlines() if not x.startswith("INFO:")]  # uvicorn's access log shares stdout
     report = "\n".join(lines) + "\n" + report
     key = (tmp_path / "examples" / "conv_bias_relu.json").resolve()
-    graph_key = subprocess.run([Path(sys.prefix) / "bin" / "plancache", "spec", "key", str(key)], env=env,
+    graph_key = subprocess.run([Path(sys.prefix) / "bin" / "plancache", "spec", "key", str(key)],
                                capture_output=True, text=True, check=True).stdout.split()[0]
 
     def line(prefix: str) -> str:
@@ -152,3 +187,10 @@ def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     # the tokens the block captured are not empty
     lengths = [int(n) for n in re.search(r"WALKTHROUGH_TOKENS=(\d+) (\d+) (\d+)", out).groups()]
     assert all(n >= 20 for n in lengths), report
+    # everything the block wrote into the checkout is ignored by git (keys/fleet.key above all)
+    written = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
+                     if p.name not in {"walkthrough.sh", "examples", ".venv", "cache"})
+    assert "keys/" in written
+    kept = [name for name in written
+            if subprocess.run(["git", "check-ignore", "-q", "--no-index", name], cwd=ROOT).returncode != 0]
+    assert not kept, f"the walkthrough leaves files git would commit: {kept} (add them to .gitignore)"
