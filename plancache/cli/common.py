@@ -22,7 +22,9 @@ import enum
 import functools
 import logging
 import os
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -315,6 +317,30 @@ def database_failure(url: str | None, exc: BaseException) -> Failure:
     return Failure(f"cannot use {where}: {detail}", fix, ExitCode.DATABASE)
 
 
+#: How long a command waits for a schema that is missing or behind (a ``plancache serve`` starting beside it
+#: migrates it) before it says to run ``plancache db upgrade``.
+SCHEMA_WAIT_SECONDS = 5.0
+
+
+def _open_when_migrated(url: str, create: bool, check_blobs: bool, settings: StoreSettings) -> Store:
+    from ..store import open_store
+
+    deadline = time.monotonic() + (0.0 if create else SCHEMA_WAIT_SECONDS)
+    told = False
+    while True:
+        try:
+            return open_store(url, create=create, check_blobs=check_blobs, blob_store=settings.blob_store,
+                              job_max_attempts=settings.job_max_attempts)
+        except SchemaNotReady:
+            if time.monotonic() >= deadline:
+                raise
+            if not told:
+                print(f"waiting up to {SCHEMA_WAIT_SECONDS:.0f} s for the database schema (a `plancache serve` "
+                      "starting now migrates it)", file=sys.stderr)
+                told = True
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def open_database(url: str | None = None, *, create: bool = False, check_blobs: bool = True,
                   settings: StoreSettings | None = None) -> Iterator[Store]:
@@ -324,11 +350,8 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
     url = url or settings.database_url
     import sqlalchemy as sa  # the server extra: without it, MISSING_EXTRA
 
-    from ..store import open_store
-
     try:
-        store = open_store(url, create=create, check_blobs=check_blobs, blob_store=settings.blob_store,
-                           job_max_attempts=settings.job_max_attempts)
+        store = _open_when_migrated(url, create, check_blobs, settings)
     except PlanCacheError:
         raise
     except (ValueError, sa.exc.ArgumentError) as exc:  # an unsupported or unparseable URL

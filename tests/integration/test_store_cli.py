@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -25,10 +29,13 @@ def cli():
     return run
 
 
-def test_commands_need_an_upgraded_database(cli, tmp_path):
+def test_commands_need_an_upgraded_database(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
     url = f"sqlite:///{tmp_path / 'x.db'}"
+    t0 = time.monotonic()
     result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
     assert "plancache db upgrade" in result.stderr and "Traceback" not in result.output
+    assert "waiting up to" in result.stderr and 0.5 <= time.monotonic() - t0 < 5
     assert "(head)" in cli("db", "upgrade", "--database-url", url).stdout
 
 
@@ -119,3 +126,22 @@ def test_plans_resign_refusals_and_unsigned_records(cli, store, db_url, make_spe
     TrustedKeys.from_files([pub]).verify(signed)
     assert "1 were signed by it already" in cli(*args, "--signing-key", str(priv), "--trusted-keys", str(pub)).stdout
     assert Signer.from_file(priv).key_id in cli("plans", "list", "--database-url", db_url).stdout
+
+
+def test_a_command_right_after_serve_waits_for_its_migrations(tmp_path):
+    """``plancache serve &`` then ``plancache token create`` at once: the command waits for the schema that the
+    starting server applies, instead of failing with "run db upgrade first"."""
+    from tests.live_server import free_port
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")},
+           "PLANCACHE_DATABASE_URL": f"sqlite:///{tmp_path / 'fresh.db'}"}
+    server = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--port", str(free_port())], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        token = subprocess.run([sys.executable, "-m", "plancache", "token", "create", "--role", "reader", "--name",
+                                "app"], env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.terminate()
+        server.wait(15)
+    assert token.returncode == 0, token.stderr
+    assert token.stdout.strip().startswith("pct_")
