@@ -310,6 +310,16 @@ def run_one(name: str, handle) -> bool:
 
 
 def main(argv) -> int:
+    unknown = [n for n in argv if n not in graphs.EXAMPLES]
+    if unknown:
+        print(f"error: no example named {', '.join(unknown)}\nhint: choose from {', '.join(graphs.EXAMPLES)}",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: these examples run on an NVIDIA GPU, and torch sees none here\n"
+              "hint: run them on a GPU machine with torch (CUDA) and nvidia-cudnn-frontend: pip install 'plancache[gpu]'",
+              file=sys.stderr)
+        return 9  # the CLI's GPU exit code (docs/CLI.md)
     names = argv or list(graphs.EXAMPLES)
     print(f"cudnn frontend {cudnn.__version__}, backend {cudnn.backend_version_string()}, {torch.cuda.get_device_name()}",
           flush=True)

@@ -21,6 +21,8 @@ command                    module
 
 from __future__ import annotations
 
+import warnings
+
 import importlib
 
 import typer
@@ -50,7 +52,7 @@ def _version(value: bool) -> None:
 
 def make_app() -> typer.Typer:
     """A new app with every command (tests build their own)."""
-    app = typer.Typer(no_args_is_help=True, add_completion=False,
+    app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False,
                       help="plancache: a plan cache for cuDNN Frontend graphs. Exit codes: docs/CLI.md.")
 
     @app.callback()
@@ -69,4 +71,7 @@ app = make_app()
 
 
 def main() -> None:
+    # torch warns at import when numpy is absent; plancache never hands torch a numpy array, so the warning at the
+    # top of every tune and worker run says nothing to its users
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     app(prog_name="plancache")

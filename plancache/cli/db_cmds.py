@@ -14,7 +14,7 @@ from .common import (
     open_database,
 )
 
-db_app = typer.Typer(no_args_is_help=True, help="Manage the plancache database.")
+db_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage the plancache database.")
 
 
 @db_app.command("upgrade")

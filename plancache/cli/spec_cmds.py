@@ -8,7 +8,7 @@ import typer
 
 from .common import command, load_spec_file
 
-spec_app = typer.Typer(no_args_is_help=True, help="Inspect GraphSpec files.")
+spec_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect GraphSpec files.")
 
 
 @spec_app.command("key")

@@ -8,7 +8,7 @@ import typer
 
 from .common import command, database_url_option, open_database
 
-token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (stored hashed).")
+token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage API tokens (stored hashed).")
 
 
 class RoleChoice(enum.StrEnum):

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ..environment import Environment
+from ..errors import GpuUnavailable
 from ..spec import GraphSpec
 
 log = logging.getLogger("plancache.client")
@@ -72,8 +73,12 @@ class GpuBackend:
     for it (and raises what it raised)."""
 
     def __init__(self, device: int = 0) -> None:
-        import cudnn
-        import torch
+        try:
+            import cudnn
+            import torch
+        except ModuleNotFoundError as exc:
+            raise GpuUnavailable(f"PlanCache runs plans on the GPU with torch and nvidia-cudnn-frontend, and {exc.name} "
+                                 "is not installed: pip install 'plancache[gpu]'") from None
 
         from .. import gpu
         from ..environment import detect

@@ -119,6 +119,26 @@ def test_every_command_runs_inside_the_failure_handler_and_every_parameter_has_h
                 f"`plancache {name}`: {param.name} reads {param.envvar} itself; take the default from the settings"
 
 
+def test_help_shows_flags_as_flags():
+    """A boolean flag takes no value (``--once true`` is an error), so ``--help`` shows no ``<bool>`` after it."""
+    root = typer.main.get_command(make_app())
+    runner = CliRunner()
+    for name, cmd in _commands(root):
+        if getattr(cmd, "commands", None):
+            continue
+        result = runner.invoke(make_app(), [*name.split(), "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (name, result.output)
+        assert "<bool>" not in result.output, f"`plancache {name} --help` shows a flag as <bool>"
+
+
+def test_the_fe_examples_say_they_need_a_gpu(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "examples/fe/run_gpu.py"], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == ExitCode.GPU and "Traceback" not in proc.stderr, proc.stderr
+    assert "torch sees none here" in proc.stderr and "hint: " in proc.stderr
+
+
 def test_commands_live_in_modules_named_after_them():
     for name, cmd in _commands(typer.main.get_command(make_app())):
         if getattr(cmd, "commands", None):
@@ -212,6 +232,14 @@ def test_the_signing_key_setting_is_the_workers_default(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ missing extras
+
+
+def test_tune_without_a_gpu_says_so_in_two_lines(tmp_path):
+    """torch is installed but sees no device: the GPU failure alone (no torch warning about numpy before it)."""
+    pytest.importorskip("torch")
+    proc = plancache("tune", str(EXAMPLE), "--out", str(tmp_path / "tuned"), cwd=tmp_path,
+                     env={"CUDA_VISIBLE_DEVICES": ""})
+    expected_failure(proc, ExitCode.GPU, "torch sees no CUDA device")
 
 
 def test_tune_without_the_gpu_extra(tmp_path):

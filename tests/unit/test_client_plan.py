@@ -159,3 +159,14 @@ def test_describes_itself():
     assert plan.tensor_names() == ["A", "B", "alpha", "bias", "Y"]
     assert plan.workspace_size == 4096 and plan.source == "server"
     assert "tiny_matmul" in repr(plan)
+
+
+def test_a_cache_without_the_gpu_extra_names_it(monkeypatch, tmp_path):
+    import sys
+
+    from plancache.client import PlanCache
+    from plancache.errors import GpuUnavailable
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # as on the base install: ``import cudnn`` fails
+    with pytest.raises(GpuUnavailable, match=r"pip install 'plancache\[gpu\]'"):
+        PlanCache("", cache_dir=tmp_path)
