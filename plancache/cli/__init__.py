@@ -21,9 +21,8 @@ command                    module
 
 from __future__ import annotations
 
-import warnings
-
 import importlib
+import warnings
 
 import typer
 

@@ -22,7 +22,8 @@ from .common import (
     writable_folder,
 )
 
-bundle_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Signed single-file plan bundles for hosts without a server.")
+bundle_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="Signed single-file plan bundles for hosts without a server.")
 
 def _read_keys(path: Path) -> list[str]:
     """Graph keys from a file: a JSON list, or one key per line (blank lines and ``#`` comments ignored)."""

@@ -133,8 +133,10 @@ _ERROR_CLASSES: list[tuple[type[PlanCacheError], ExitCode, str | None]] = [
     (GpuUnavailable, ExitCode.GPU,
      ("run it on a host with an NVIDIA GPU and driver and the gpu extra (pip install 'plancache[gpu]'), "
       "or choose another --device")),
-    (InsufficientGpuMemory, ExitCode.GPU, None),
-    (SignatureError, ExitCode.FAILED, None),
+    (InsufficientGpuMemory, ExitCode.GPU,
+     "free memory on that device (other processes hold it: nvidia-smi), or tune on a GPU with more memory"),
+    (SignatureError, ExitCode.FAILED,
+     f"check that the signing key's public half is among the trusted keys (--trusted-keys / {env_name('trusted_keys')})"),
 ]
 
 
@@ -207,7 +209,7 @@ def as_failure(exc: BaseException) -> Failure | None:
     if type(exc).__module__.startswith("sqlalchemy."):
         return database_failure(None, exc)
     if isinstance(exc, OSError):
-        return Failure(describe_os_error(exc), None, ExitCode.OS_ERROR)
+        return Failure(describe_os_error(exc), "check the path and its permissions", ExitCode.OS_ERROR)
     return None
 
 
@@ -395,9 +397,11 @@ def load_spec_file(path: Path) -> GraphSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise Failure(f"cannot read the spec file {path}: {exc.strerror or exc}",
-                      "check the path (spec files are GraphSpec JSON, e.g. examples/*.json)", ExitCode.USAGE) from None
+                      "check the path (spec files are GraphSpec JSON, e.g. examples/*.json)", ExitCode.OS_ERROR) from None
     except UnicodeDecodeError:
-        raise Failure(f"{path} is not a GraphSpec JSON file (not UTF-8 text)", None, ExitCode.USAGE) from None
+        raise Failure(f"{path} is not a GraphSpec JSON file (not UTF-8 text)",
+                      "give a GraphSpec JSON document (docs/SPEC.md), e.g. examples/conv_bias_relu.json",
+                      ExitCode.USAGE) from None
     try:
         return parse_spec(text)
     except PlanCacheError as exc:

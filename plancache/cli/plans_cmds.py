@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from ..signing import Signer, TrustedKeys
     from ..store import Store
 
-plans_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect stored plans; delete those no longer used; sign them "
+plans_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Inspect stored plans; delete those no longer used; sign them "
                                                    "again with another key.")
 #: Records read per query by ``plans resign``.
 _PAGE = 1000

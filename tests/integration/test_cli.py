@@ -248,11 +248,18 @@ def test_tune_without_the_gpu_extra(tmp_path):
     assert not (tmp_path / "tuned").exists()
 
 
+def test_a_spec_file_that_is_not_there_is_an_os_error_with_a_hint(tmp_path):
+    expected_failure(plancache("spec", "key", "missing.json", cwd=tmp_path), ExitCode.OS_ERROR, "missing.json",
+                     "hint: check the path")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    expected_failure(plancache("spec", "key", "binary.json", cwd=tmp_path), ExitCode.USAGE, "not UTF-8", "hint: ")
+
+
 def test_tune_checks_its_arguments_before_it_needs_the_gpu_extra(tmp_path):
     proc = plancache("tune", str(EXAMPLE), cwd=tmp_path, without=GPU_EXTRA)
     expected_failure(proc, ExitCode.USAGE, "--out DIR, --server URL")
     proc = plancache("tune", str(tmp_path / "missing.json"), "--out", "x", cwd=tmp_path, without=GPU_EXTRA)
-    expected_failure(proc, ExitCode.USAGE, "missing.json")
+    expected_failure(proc, ExitCode.OS_ERROR, "missing.json")
 
 
 @pytest.mark.parametrize("args", [["serve"], ["token", "list"], ["db", "upgrade"]], ids=" ".join)
