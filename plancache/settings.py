@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PLANCACHE_"
@@ -60,10 +60,22 @@ class StoreSettings(_Section):
     job_max_attempts: int = 3
 
 
+#: The shortest bootstrap admin token accepted: a guessable one would hand out the admin role.
+MIN_ADMIN_TOKEN_LENGTH = 16
+
+
 class AdminTokenSettings(_Section):
     """The bootstrap admin token: the server accepts it, admin commands send it."""
 
     admin_token: str | None = Field(default=None, repr=False)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _long_enough(cls, value: str | None) -> str | None:
+        if value is not None and len(value) < MIN_ADMIN_TOKEN_LENGTH:
+            raise ValueError(f"is {len(value)} characters; use at least {MIN_ADMIN_TOKEN_LENGTH}, e.g. "
+                             "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
+        return value
 
 
 class ServerSettings(StoreSettings, AdminTokenSettings):

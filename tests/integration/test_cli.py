@@ -248,6 +248,12 @@ def test_tune_without_the_gpu_extra(tmp_path):
     assert not (tmp_path / "tuned").exists()
 
 
+def test_a_short_admin_token_is_refused_before_serving(tmp_path, sqlite_url):
+    proc = plancache("serve", "--port", str(free_port()), cwd=tmp_path,
+                     env={"PLANCACHE_DATABASE_URL": sqlite_url, "PLANCACHE_ADMIN_TOKEN": "x"})
+    expected_failure(proc, ExitCode.CONFIG, "PLANCACHE_ADMIN_TOKEN", "is 1 characters; use at least 16")
+
+
 def test_a_spec_file_that_is_not_there_is_an_os_error_with_a_hint(tmp_path):
     expected_failure(plancache("spec", "key", "missing.json", cwd=tmp_path), ExitCode.OS_ERROR, "missing.json",
                      "hint: check the path")
