@@ -352,6 +352,14 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
     url = url or settings.database_url
     import sqlalchemy as sa  # the server extra: without it, MISSING_EXTRA
 
+    from ..store.blobs import open_blob_store
+
+    try:
+        open_blob_store(settings.blob_store)
+    except ValueError as exc:
+        raise Failure(f"{env_name('blob_store')}: {_one_line(exc)}",
+                      f"set {env_name('blob_store')} to 'database' or file:///absolute/path (docs/DEPLOYMENT.md)",
+                      ExitCode.CONFIG) from None
     try:
         store = _open_when_migrated(url, create, check_blobs, settings)
     except PlanCacheError:

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from ..settings import ServerSettings
-from .common import ExitCode, Failure, command, open_database
+from .common import ExitCode, Failure, command, database_url_option, open_database
 
 #: uvicorn's default listen backlog.
 BACKLOG = 2048
@@ -57,9 +57,12 @@ def _announcing_server(config: Any, announce: Callable[[], None]) -> Any:
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8787, "--port", min=1, max=65535, help="TCP port"),
+    database_url: str | None = database_url_option(),
 ) -> None:
     """Serve the plancache API (OpenAPI at /docs). Configuration: PLANCACHE_* environment variables."""
     settings = ServerSettings()
+    if database_url is not None:
+        settings = settings.model_copy(update={"database_url": database_url})
     # the server extra (FastAPI, uvicorn, SQLAlchemy): without it, MISSING_EXTRA, before anything is touched
     import uvicorn  # noqa: F401
 

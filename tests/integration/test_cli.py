@@ -248,6 +248,30 @@ def test_tune_without_the_gpu_extra(tmp_path):
     assert not (tmp_path / "tuned").exists()
 
 
+def test_serve_takes_the_database_url_as_an_option(tmp_path):
+    db = tmp_path / "given.db"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "plancache", "serve", "--port", str(port), "--database-url",
+                             f"sqlite:///{db}"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")})
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "listening on" not in line and proc.poll() is None:  # uvicorn's own INFO lines come first
+            line = proc.stderr.readline()
+        assert str(db) in line and f"listening on http://127.0.0.1:{port}" in line, line
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_a_bad_blob_store_setting_is_named(tmp_path, sqlite_url):
+    proc = plancache("token", "list", cwd=tmp_path,
+                     env={"PLANCACHE_DATABASE_URL": sqlite_url, "PLANCACHE_BLOB_STORE": "bogus:/x"})
+    out = expected_failure(proc, ExitCode.CONFIG, "PLANCACHE_BLOB_STORE", "file:///absolute/path")
+    assert "PLANCACHE_DATABASE_URL" not in out
+
+
 def test_a_short_admin_token_is_refused_before_serving(tmp_path, sqlite_url):
     proc = plancache("serve", "--port", str(free_port()), cwd=tmp_path,
                      env={"PLANCACHE_DATABASE_URL": sqlite_url, "PLANCACHE_ADMIN_TOKEN": "x"})
