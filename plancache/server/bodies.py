@@ -258,7 +258,7 @@ class CheckedRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         if get_dependant(path=compile_path(path)[1], call=endpoint).body_params:  # what reading a body may answer
-            kwargs["responses"] = {**documented_errors(408, 413, 503), **(kwargs.get("responses") or {})}
+            kwargs["responses"] = {**documented_errors(408, 413, 415, 503), **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -286,7 +286,11 @@ class CheckedRoute(APIRoute):
                     store = await get_store(req)
                     await run_in_threadpool(authorize, req, store, settings, role[0], open_reads_apply=role[1])
                 body = await req.body()
-                if body and _is_json(req.headers.get("content-type")):
+                content_type = req.headers.get("content-type")
+                if body and not _is_json(content_type):
+                    raise HTTPException(415, "the body must be JSON sent with Content-Type: application/json "
+                                             f"(this request says {content_type or 'no Content-Type'})")
+                if body:
                     req._json = await run_parser(request.app, _parse_and_validate, body, body_field)
                 return await handler(req)
             finally:

@@ -48,6 +48,7 @@ _DOCUMENTED = {
     409: "conflicts with stored state",
     408: "the request body did not arrive in time",
     413: "request or blob too large",
+    415: "the body is not JSON sent with Content-Type: application/json",
     422: "invalid request (the message names the field)",
     429: "this token's budget for the operation is spent; retry after Retry-After seconds",
     503: "database unavailable, or the server is busy; retry after Retry-After seconds",

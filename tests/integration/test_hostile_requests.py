@@ -494,3 +494,13 @@ def test_openapi_states_the_rules_the_server_enforces(api):
     responses = doc["paths"]["/v1/jobs/claim"]["post"]["responses"]
     assert {"408", "413", "503"} <= set(responses)
     assert "429" in doc["paths"]["/v1/specs"]["post"]["responses"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_json_body_without_its_content_type_is_415_naming_it(api, content_type):
+    """Before: "Input should be a valid dictionary" (422), which names nothing the caller did wrong."""
+    headers = {**api.reader, **({"Content-Type": content_type} if content_type else {})}
+    r = api.client.post("/v1/specs", content=json.dumps(_example()), headers=headers)
+    assert r.status_code == 415, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and (content_type or "no Content-Type") in message
