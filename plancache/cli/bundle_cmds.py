@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from ..settings import SigningSettings, TrustSettings
+from ..settings import SigningSettings, TrustSettings, env_name
 from .common import (
     ExitCode,
     Failure,
@@ -68,7 +68,9 @@ def bundle_export(
     keys: Path | None = typer.Option(None, "--keys", help="file of graph keys (one per line, or a JSON list)"),
     all_plans: bool = typer.Option(False, "--all", help="every plan stored for the environment"),
     out: Path = typer.Option(..., "--out", help="bundle file to write"),
-    signing_key: Path | None = signing_key_option("ed25519 private key that signs the bundle (unsigned without)"),
+    signing_key: Path | None = signing_key_option("ed25519 private key that signs the bundle"),
+    unsigned: bool = typer.Option(False, "--unsigned", help="write the bundle unsigned (hosts with trusted keys "
+                                                            "refuse it); without it a signing key is required"),
     database_url: str | None = database_url_option(),
 ) -> None:
     """Write the plans (records, blobs, specs) of a set of graph keys on one environment to a signed file."""
@@ -80,6 +82,12 @@ def bundle_export(
     env = load_environment(environment, "--environment")
     graph_keys = _read_keys(keys) if keys is not None else None
     key_file = signing_key or SigningSettings().signing_key
+    if key_file is None and not unsigned:
+        raise Failure("no signing key: a bundle is signed unless you ask for an unsigned one",
+                      f"give --signing-key FILE (or {env_name('signing_key')}), or --unsigned", ExitCode.CONFIG)
+    if key_file is not None and unsigned:
+        raise Failure("--unsigned and a signing key contradict each other",
+                      f"drop --unsigned, or --signing-key / {env_name('signing_key')}", ExitCode.USAGE)
     signer = load_signer(key_file) if key_file else None
     with open_database(database_url) as store:
         try:
@@ -102,6 +110,10 @@ def bundle_import(
     cache_dir: Path | None = typer.Option(None, "--cache-dir",
                                              help="seed this client plan cache folder (the PLANCACHE_CACHE_DIR of "
                                                   "the processes that will use it) instead of the database"),
+    insecure_no_verify: bool = typer.Option(False, "--insecure-no-verify",
+                                            help="store the bundle without checking its signatures when no trusted "
+                                                 "keys are configured (anyone who could alter it chooses the code "
+                                                 "your GPUs load); without it trusted keys are required"),
     database_url: str | None = database_url_option(),
 ) -> None:
     """Verify every entry of a bundle, then store its specs and plans in the database, or its plans in a
@@ -110,6 +122,10 @@ def bundle_import(
     from ..errors import PlanCacheError
 
     trusted = load_trusted_keys(trusted_keys or TrustSettings().trusted_keys)
+    if not trusted and not insecure_no_verify:
+        raise Failure("no trusted keys: a bundle's signatures are checked before anything is stored",
+                      f"give --trusted-keys (or {env_name('trusted_keys')}), or --insecure-no-verify to store an "
+                      "unchecked bundle knowingly", ExitCode.CONFIG)
     unchecked = "warning: the bundle signature was not checked (no --trusted-keys / PLANCACHE_TRUSTED_KEYS)"
     if cache_dir is not None:
         from ..client.cache import DiskCache

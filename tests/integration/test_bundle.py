@@ -267,6 +267,23 @@ def test_cli_export_import_and_tamper(tmp_path, make_spec, make_plan, gpu_env, k
     assert "refused" in r.output and "do not match its signed statement" in r.output
 
 
+def test_cli_unsigned_bundles_only_when_asked_for(tmp_path, make_spec, make_plan, gpu_env, keys, cli):
+    src_url, dst_url = f"sqlite:///{tmp_path / 'src.db'}", f"sqlite:///{tmp_path / 'dst.db'}"
+    with open_store(src_url, create=True) as src:
+        _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=2)
+    open_store(dst_url, create=True).close()
+    out, env = tmp_path / "u.bundle", gpu_env.model_dump_json()
+    r = cli("bundle", "export", "--environment", env, "--all", "--out", str(out), "--database-url", src_url,
+            "--unsigned", PLANCACHE_SIGNING_KEY=str(keys["priv"]))
+    assert r.exit_code == 2 and "contradict" in r.output and not out.exists()
+    r = cli("bundle", "export", "--environment", env, "--all", "--out", str(out), "--database-url", src_url, "--unsigned")
+    assert r.exit_code == 0 and "UNSIGNED" in r.output, r.output
+    r = cli("bundle", "import", str(out), "--trusted-keys", str(keys["pub"]), "--database-url", dst_url)
+    assert r.exit_code == 1 and "refused" in r.output  # trusted keys: an unsigned bundle is refused
+    r = cli("bundle", "import", str(out), "--database-url", dst_url, "--insecure-no-verify")
+    assert r.exit_code == 0 and "2 new plans" in r.output and "was not checked" in r.output, r.output
+
+
 def test_cli_argument_errors(tmp_path, gpu_env, cli):
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     open_store(url, create=True).close()
@@ -282,11 +299,16 @@ def test_cli_argument_errors(tmp_path, gpu_env, cli):
             "--database-url", url)
     assert r.exit_code == 2 and "not an environment" in r.output
     r = cli("bundle", "export", "--environment", inline, "--all", "--out", str(tmp_path / "o.json"), "--database-url", url)
+    assert r.exit_code == 3 and "no signing key" in r.output and "--unsigned" in r.output
+    r = cli("bundle", "export", "--environment", inline, "--all", "--out", str(tmp_path / "o.json"), "--database-url", url,
+            "--unsigned")
     assert r.exit_code == 1 and "no plans are stored" in r.output
     empty = tmp_path / "nokeys"
     empty.mkdir()
     r = cli("bundle", "import", str(tmp_path / "o.json"), "--trusted-keys", str(empty), "--database-url", url)
     assert r.exit_code == 1 and "names no public key" in r.output
+    r = cli("bundle", "import", str(tmp_path / "o.json"), "--database-url", url)
+    assert r.exit_code == 3 and "no trusted keys" in r.output and "--insecure-no-verify" in r.output
 
 
 def test_bundle_is_deterministic_in_content(store, make_spec, make_plan, gpu_env, keys, tmp_path):
