@@ -18,7 +18,7 @@ from plancache.settings import Settings
 from plancache.store import open_store
 from tests.server_util import Api, bearer, open_api
 
-ADMIN = "app-test-admin"
+ADMIN = "app-test-admin-token"
 
 
 @pytest.fixture
