@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import torch
 
 from plancache.environment import Environment
 from plancache.spec import GraphSpec
@@ -49,6 +48,15 @@ class FakeStream:
         self.cuda_stream = sid
 
 
+def _cpu() -> Any:
+    """torch's CPU device, or the name of it on an install without torch (the ladder never touches it)."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return "cpu"
+    return torch.device("cpu")
+
+
 class RecordingBackend:
     """A :class:`plancache.client.backend.Backend` double on the CPU that records every call.
 
@@ -57,7 +65,7 @@ class RecordingBackend:
     ``dynamic`` — heuristic builds with a kernel cache — or ``heuristic``)."""
 
     def __init__(self, env: Environment = H200, *, fail: tuple[str, ...] = ()) -> None:
-        self.device = torch.device("cpu")
+        self.device = _cpu()
         self.handle = object()
         self._env = env
         self.fail = set(fail)

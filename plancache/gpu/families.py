@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..errors import TuningError
 from ..spec import GraphSpec, NodeDoc, TensorDoc
 
-Tensor = torch.Tensor
+Tensor: TypeAlias = torch.Tensor
 
 __all__ = [
     "FAMILIES", "POINTWISE_MODES", "REDUCTION_MODES", "AttentionGeometry", "Family", "NodeCall", "attention_geometry",
@@ -172,7 +172,7 @@ def _sum_to(t: Tensor, shape: list[int] | tuple[int, ...]) -> Tensor:
 
 
 def _conv_fn(spatial: int, call: NodeCall) -> Callable[..., Tensor]:
-    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(spatial)
+    fn: Callable[..., Tensor] | None = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(spatial)
     if fn is None:
         raise call.fail(f"{spatial}-D convolution has no reference (1-D, 2-D and 3-D only)")
     return fn
@@ -908,7 +908,7 @@ def _fused_attention(call: NodeCall) -> dict[str, Tensor] | None:
     k = _attn_input(call, "k", geo)
     v = _attn_input(call, "v", geo)
     scale = _attn_scale(call)
-    if isinstance(scale, Tensor):
+    if isinstance(scale, torch.Tensor):
         scale = float(scale)
     gqa = q.shape[1] != k.shape[1]
     plain = not geo.padding and geo.left is None

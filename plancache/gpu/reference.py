@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import TypeAlias
 
 import torch
 
@@ -39,7 +40,7 @@ from .families import (  # noqa: F401  (re-exported: the family registry beside 
     uncovered,
 )
 
-Tensor = torch.Tensor
+Tensor: TypeAlias = torch.Tensor
 
 __all__ = [
     "TOLERANCE", "TORCH_DTYPES", "allocate_outputs", "compare_mask", "compare_outputs", "evaluate", "make_inputs",

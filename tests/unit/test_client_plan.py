@@ -6,11 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-from plancache.client.plan import Plan
-from plancache.spec import SpecBuilder, channels_last_strides
-from tests.client_fakes import FakeBuiltPlan, FakeStream, RecordingBackend
+torch = pytest.importorskip("torch", reason="torch is not installed (the gpu extra)")
+
+from plancache.client.plan import Plan  # noqa: E402
+from plancache.spec import SpecBuilder, channels_last_strides  # noqa: E402
+from tests.client_fakes import FakeBuiltPlan, FakeStream, RecordingBackend  # noqa: E402
 
 
 def matmul_spec():
