@@ -2,7 +2,7 @@
 
 A signed record carries a DSSE envelope (https://github.com/secure-systems-lab/dsse) of payload type
 :data:`PAYLOAD_TYPE`, whose payload is an in-toto Statement v1 (https://in-toto.io/Statement/v1): its subject
-is the plan blob (``{"name": "plan blob", "digest": {"sha256": …}}``), its predicate (:data:`PLAN_PREDICATE`)
+is the plan blob, named by its graph key (``{"name": GRAPH_KEY, "digest": {"sha256": …}}``), its predicate
 the record's graph key, environment validity fields, blob size, ``(engine_id, knobs)``, timings, numerics
 check, worker id and ``revision`` (:func:`plan_predicate`), plus the signing time. Each signature is ed25519
 over DSSE's pre-authentication encoding (:func:`pae`), so any DSSE verifier holding the public key checks it;
@@ -44,8 +44,9 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 #: The predicate types of a plan record's and of a bundle's statement.
 PLAN_PREDICATE = "https://plancache.dev/plan/v1"
 BUNDLE_PREDICATE = "https://plancache.dev/bundle/v1"
-#: The name of a plan statement's one subject.
-PLAN_SUBJECT = "plan blob"
+#: The name records signed by earlier releases gave every plan statement's subject (still verified); a plan's
+#: subject is named by its graph key now.
+LEGACY_PLAN_SUBJECT = "plan blob"
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -85,7 +86,7 @@ def plan_predicate(meta: PlanMeta) -> dict[str, Any]:
 def plan_statement(meta: PlanMeta, signed_at: datetime) -> dict[str, Any]:
     """The statement a signed ``meta`` carries."""
     stamp = signed_at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return statement([(PLAN_SUBJECT, meta.blob_sha256)], PLAN_PREDICATE, {**plan_predicate(meta), "signed_at": stamp})
+    return statement([(meta.graph_key, meta.blob_sha256)], PLAN_PREDICATE, {**plan_predicate(meta), "signed_at": stamp})
 
 
 class _Revisions:
@@ -235,8 +236,13 @@ class TrustedKeys:
         expected = plan_predicate(meta)
         differ = sorted(k for k in expected.keys() | predicate.keys() if k not in expected or k not in predicate
                         or expected[k] != predicate[k])
-        if signed["subject"] != subjects([(PLAN_SUBJECT, meta.blob_sha256)]):
-            differ.insert(0, "blob_sha256")
+        subject = signed["subject"]
+        if subject not in [subjects([(name, meta.blob_sha256)]) for name in (meta.graph_key, LEGACY_PLAN_SUBJECT)]:
+            one = subject[0] if len(subject) == 1 and isinstance(subject[0], dict) else {}
+            if one.get("digest") == {"sha256": meta.blob_sha256}:  # the blob is right, its name is another graph's
+                differ = sorted({*differ, "graph_key"})
+            else:
+                differ.insert(0, "blob_sha256")
         if differ:
             raise SignatureError("bad_signature", f"{what}: the record does not match its signed statement "
                                                   f"({', '.join(differ)})")

@@ -76,7 +76,7 @@ def test_a_signed_record_is_a_standard_dsse_envelope_of_an_in_toto_statement(sig
     assert [s["keyid"] for s in wire["signatures"]] == [signer.key_id]
     signed = dsse_verify(wire, signer.private_key.public_key())
     assert signed["_type"] == "https://in-toto.io/Statement/v1"
-    assert signed["subject"] == [{"name": "plan blob", "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
+    assert signed["subject"] == [{"name": KEY, "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
     assert signed["predicateType"] == "https://plancache.dev/plan/v1"
     predicate = signed["predicate"]
     assert predicate == {
@@ -88,6 +88,44 @@ def test_a_signed_record_is_a_standard_dsse_envelope_of_an_in_toto_statement(sig
     signed_at = datetime.fromisoformat(predicate["signed_at"].replace("Z", "+00:00"))
     assert abs(signed_at.timestamp() * 1000 - meta.revision) < 60_000  # the revision is the signing time in ms
     trusted(signer).verify(meta)
+
+
+def test_standard_tools_verify_a_record(signer):
+    """securesystemslib's DSSE verifier accepts the envelope with the signer's public key, and in-toto's own
+    Statement v1 parser accepts its payload, subject named by the graph key."""
+    dsse = pytest.importorskip("securesystemslib.dsse", reason="securesystemslib is not installed (the dev extra)")
+    sslib_signer = pytest.importorskip("securesystemslib.signer")
+    statement_mod = pytest.importorskip("in_toto_attestation.v1.statement",
+                                        reason="in-toto-attestation is not installed (the dev extra)")
+    from google.protobuf import json_format
+    from in_toto_attestation.v1 import statement_pb2
+
+    meta = make_record(KEY, H200, BLOB, signer)
+    envelope = dsse.Envelope.from_dict(json.loads(meta.model_dump_json())["envelope"])
+    key = sslib_signer.SSlibKey.from_crypto(signer.private_key.public_key(), keyid=signer.key_id)
+    assert set(envelope.verify([key], threshold=1)) == {signer.key_id}
+    proto = json_format.Parse(envelope.pae().split(b" ", 4)[4], statement_pb2.Statement())  # the signed payload
+    parsed = statement_mod.Statement.copy_from_pb(proto)
+    parsed.validate()
+    assert [(s.name, dict(s.digest)) for s in parsed.pb.subject] == [(KEY, {"sha256": hashlib.sha256(BLOB).hexdigest()})]
+    other = sslib_signer.SSlibKey.from_crypto(new_signer().private_key.public_key(), keyid=signer.key_id)
+    with pytest.raises(Exception, match="(?i)verif|threshold"):
+        envelope.verify([other], threshold=1)  # the same key id with another key: refused
+
+
+def test_records_signed_with_the_earlier_subject_name_still_verify(signer):
+    def legacy(statement):
+        statement["subject"][0]["name"] = "plan blob"
+
+    meta = make_record(KEY, H200, BLOB, signer)
+    signed = json.loads(base64.b64decode(meta.envelope.payload))
+    legacy(signed)
+    resigned = meta.model_copy(update={"envelope": signer.envelope(signed)})
+    trusted(signer).verify(resigned)
+    wrong = json.loads(base64.b64decode(meta.envelope.payload))
+    wrong["subject"][0]["name"] = "f" * 64  # another graph's name: refused
+    with pytest.raises(SignatureError, match=r"signed statement \(graph_key\)"):
+        trusted(signer).verify(meta.model_copy(update={"envelope": signer.envelope(wrong)}))
 
 
 def test_a_signed_bundle_is_a_standard_dsse_envelope_naming_every_blob(signer):
