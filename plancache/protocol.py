@@ -194,6 +194,31 @@ class ResolveResponse(StrictModel):
     missing: list[GraphKey]
 
 
+#: Why a graph key has no plan on an environment, most actionable first (:class:`MissReason`).
+MissReasonCode = Literal["planned", "running", "queued", "failed", "other_environments", "not_queued",
+                         "not_registered"]
+
+
+class MissReason(StrictModel):
+    """Why ``graph_key`` has no plan on the environment asked about, in words a user acts on. ``planned``: it has
+    one now. ``differs``: for ``other_environments``, the validity fields in which the nearest environment that has
+    a plan differs from the one asked about."""
+
+    reason: MissReasonCode
+    message: str = Field(max_length=2000)
+    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    differs: list[str] = Field(default_factory=list, max_length=len(VALIDITY_FIELDS))
+
+
+class ExplainRequest(StrictModel):
+    environment: Environment
+    graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)
+
+
+class ExplainResponse(StrictModel):
+    reasons: dict[GraphKey, MissReason]
+
+
 class SpecCreated(StrictModel):
     graph_key: GraphKey
     created: bool

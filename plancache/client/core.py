@@ -54,7 +54,7 @@ from .. import SPEC_SCHEMA_VERSION
 from ..environment import Environment
 from ..errors import PlanCacheError, PlanMiss, ServerUnavailable, VerificationError
 from ..http import CircuitBreaker, HttpClient
-from ..protocol import PlanRecord, ResolvedPlan, b64decode
+from ..protocol import MissReason, PlanRecord, ResolvedPlan, b64decode
 from ..settings import Settings, get_settings
 from ..signing import TrustedKeys
 from ..spec import GraphSpec, canonical_json, from_pygraph, graph_key, is_pygraph, parse_spec
@@ -262,13 +262,16 @@ class ServerStep(Step):
         deadline = time.monotonic() + self.cache.request_deadline
         specs = {p.key: p.spec for p in batch}
         answers, missing = self._ask(specs, deadline)
+        reasons = self._explain([k for k in missing if k in specs], deadline)
         blobs = {p: self._blob(p, answers[p.key], deadline) for p in batch if answers and p.key in answers}
         found: dict[Pending, Plan] = {}
         for p in batch:
             if answers is None:
                 p.note(self.name, "unavailable")
             elif p.key not in answers:
-                p.note(self.name, "no plan for this environment")
+                reason = reasons.get(p.key)
+                p.note(self.name, f"no plan: {reason.message}" if reason else "no plan for this environment")
+                _bump(self.cache._stats.miss_reasons, reason.reason if reason else "unexplained")
             elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
                 found[p] = plan
         for key in missing:
@@ -332,6 +335,16 @@ class ServerStep(Step):
             self._count_failure(exc)
             return None, []
         return resp.plans, resp.missing
+
+    def _explain(self, keys: list[str], deadline: float) -> dict[str, MissReason]:
+        """Why the server has no plan for ``keys`` (empty when it cannot say in time, or has no explain route)."""
+        if not keys or time.monotonic() >= deadline:
+            return {}
+        try:
+            return self._remote().explain(self.cache.environment, keys, deadline=deadline)
+        except PlanCacheError as exc:
+            log.debug("plancache: the server did not explain its misses: %s", exc.message)
+            return {}
 
     def _report_miss(self, key: str, spec: GraphSpec, deadline: float) -> None:
         """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it.
@@ -475,8 +488,10 @@ class ClientStats:
     ``remote_errors``: failed server requests; ``remote_skipped``: requests not sent because the
     remote was off after a failure. ``fe_builds[reason]``: graphs of the process that the hook
     (:mod:`plancache.client.hook`) left to FE to build, by why (``miss``: normal mode, no tuned plan; the
-    others: FE.md's "built by FE" table). Seconds: ``load`` (inside ``plan``/``prefetch``/``serve``),
-    ``deserialize``, ``build`` (rebuilds and heuristic builds)."""
+    others: FE.md's "built by FE" table). ``miss_reasons[reason]``: keys the server had no plan for, by the
+    reason it gave (:class:`~plancache.protocol.MissReason`: ``not_registered``, ``not_queued``, ``queued``,
+    ``running``, ``failed``, ``other_environments``; ``unexplained`` when it gave none). Seconds: ``load``
+    (inside ``plan``/``prefetch``/``serve``), ``deserialize``, ``build`` (rebuilds and heuristic builds)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -488,6 +503,7 @@ class ClientStats:
     deserialize_seconds: float = 0.0
     build_seconds: float = 0.0
     fe_builds: dict[str, int] = field(default_factory=dict)
+    miss_reasons: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -668,7 +684,7 @@ class PlanCache:
                 _bump(hits, StepName.MEMORY.value, self._memory_hits)
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds,
-                               dict(s.fe_builds))
+                               dict(s.fe_builds), dict(s.miss_reasons))
 
     def close(self) -> None:
         """Finish the disk cache's writes and close the connection to the server."""

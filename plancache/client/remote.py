@@ -1,4 +1,4 @@
-"""The plancache server as the client sees it: resolve plans, fetch blobs, register specs.
+"""The plancache server as the client sees it: resolve plans, fetch blobs, register specs, explain misses.
 
 Calls go through a :class:`~plancache.http.HttpClient`; the :class:`~plancache.client.PlanCache` gives its
 own short timeouts (``Settings.connect_timeout`` / ``read_timeout``) and a
@@ -18,13 +18,15 @@ from typing import Any
 
 from ..environment import Environment
 from ..http import CircuitBreaker, HttpClient, json_as
-from ..protocol import ResolveRequest, ResolveResponse, SpecCreated
+from ..protocol import ExplainRequest, ExplainResponse, MissReason, ResolveRequest, ResolveResponse, SpecCreated
 from ..spec import GraphSpec
 
 #: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signed envelope,
 #: environment, knobs, timings) and the JSON around it; and once per answer.
 RECORD_ALLOWANCE = 16 * 1024
 ANSWER_ALLOWANCE = 64 * 1024
+#: Bytes allowed per key of an explain answer (a reason of at most 2,000 characters and the JSON around it).
+EXPLAIN_ALLOWANCE = 4 * 1024
 #: The largest answer to ``POST /v1/specs`` (a graph key and a flag).
 SPEC_ANSWER_LIMIT = 64 * 1024
 
@@ -76,6 +78,20 @@ class Remote:
             plans.update(part.plans)
             missing.extend(part.missing)
         return ResolveResponse(plans=plans, missing=missing)
+
+    def explain(self, environment: Environment, graph_keys: list[str], *,
+                deadline: float | None = None) -> dict[str, MissReason]:
+        """``POST /v1/plans/explain``: why each of ``graph_keys`` has no plan for ``environment`` (a server without
+        the route answers 404: the caller goes without). A refusal does not trip a circuit breaker."""
+        reasons: dict[str, MissReason] = {}
+        keys = list(dict.fromkeys(graph_keys))
+        for start in range(0, len(keys), self.max_keys_per_request):
+            req = ExplainRequest(environment=environment, graph_keys=keys[start:start + self.max_keys_per_request])
+            part = self.http.read("POST", "/v1/plans/explain", json_as(ExplainResponse),
+                                  body=req.model_dump(mode="json"), deadline=deadline, trips_on_auth=False,
+                                  max_bytes=ANSWER_ALLOWANCE + len(req.graph_keys) * EXPLAIN_ALLOWANCE)
+            reasons.update(part.reasons)
+        return reasons
 
     def fetch_blob(self, sha256: str, *, size: int | None = None, deadline: float | None = None) -> bytes:
         """``GET /v1/blobs/{sha256}`` (unverified bytes), read up to ``size`` bytes (the record's ``blob_size``;

@@ -34,22 +34,14 @@ class Status:
 
 def gather(store: Any) -> Status:
     """Read the page's data: the newest plans, the most missed keys (with why each has no plan), recent jobs."""
-    plans = store.list_plans(limit=PLANS_SHOWN)
     misses = store.list_misses(limit=MISSES_SHOWN)
-    status = Status(plans, misses, store.list_jobs(limit=JOBS_SHOWN), store.job_counts())
-    planned = {(p.graph_key, p.env_id) for p in plans}
+    status = Status(store.list_plans(limit=PLANS_SHOWN), misses, store.list_jobs(limit=JOBS_SHOWN), store.job_counts())
+    by_env: dict[str, list[Miss]] = defaultdict(list)
     for m in misses:
-        if (m.graph_key, m.env_id) in planned:
-            status.miss_reasons[m.graph_key] = "tuned since"
-            continue
-        jobs = store.list_jobs(graph_key=m.graph_key, limit=1)
-        if jobs:
-            job = jobs[0]
-            status.miss_reasons[m.graph_key] = f"job {job.id} {job.status}" + (f": {job.error}" if job.error else "")
-        elif store.get_spec(m.graph_key) is not None:
-            status.miss_reasons[m.graph_key] = "spec registered, never queued"
-        else:
-            status.miss_reasons[m.graph_key] = "spec never registered"
+        by_env[m.env_id].append(m)
+    for group in by_env.values():
+        for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group]).items():
+            status.miss_reasons[key] = reason.message
     return status
 
 

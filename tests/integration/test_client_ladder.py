@@ -385,6 +385,34 @@ def test_strict_mode_serves_tuned_plans_only(srv, tmp_path, signer, wire):
         client(srv, tmp_path / "p", signer, mode="strict").prefetch([CONV, SDPA, SPECS["conv_bias_relu_n16"]])
 
 
+def test_a_miss_says_why_the_server_has_no_plan(srv, tmp_path, signer, wire):
+    from plancache.protocol import TargetEnvironment
+
+    srv.store.put_spec(SDPA.graph_key, SDPA.to_json())
+    srv.store.enqueue(SDPA.graph_key, TargetEnvironment(sm=H200.sm))
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    with pytest.raises(PlanMiss, match=r"server: no plan: the server has never seen this graph's spec"):
+        pc.plan(CONV)
+    with pytest.raises(PlanMiss, match=r"server: no plan: queued for tuning \(job \d+\)"):
+        pc.plan(SDPA)
+    assert pc.stats().miss_reasons == {"not_registered": 1, "queued": 1}
+    assert wire.paths["/v1/plans/explain"] == 2 and not pc._remote.is_off
+
+
+def test_a_server_without_the_explain_route_leaves_the_miss_unexplained(srv, tmp_path, signer):
+    from plancache.errors import NotFound
+
+    pc = client(srv, tmp_path, signer, mode="strict")
+
+    def older_server(*args, **kwargs):
+        raise NotFound("no such route")
+
+    pc._remote.explain = older_server
+    with pytest.raises(PlanMiss, match="server: no plan for this environment"):
+        pc.plan(CONV)
+    assert pc.stats().miss_reasons == {"unexplained": 1} and not pc._remote.is_off
+
+
 def test_replay_only_mode_never_builds(srv, tmp_path, signer, wire):
     seed(srv, CONV, signer)
     seed(srv, MATMUL, signer)

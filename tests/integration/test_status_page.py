@@ -47,8 +47,9 @@ def test_the_page_shows_coverage_misses_with_reasons_jobs_and_gains(store, make_
                     "Tuned versus heuristic"):
         assert heading in page
     assert gpu_env.describe() in page and "2 / 6" in page  # 2 graphs planned of 6 planned or missed
-    assert "spec registered, never queued" in page and "spec never registered" in page
-    assert "queued" in page and "failed: no candidate passed &lt;script&gt;" in page  # stored text is escaped
+    assert "the spec is registered but was never queued" in page and "never seen this graph&#x27;s spec" in page
+    assert "queued for tuning (job" in page  # the reasons of POST /v1/plans/explain
+    assert "attempts): no candidate passed &lt;script&gt;" in page  # stored text is escaped
     assert "2.00x" in page and "3.00x" in page  # heuristic / tuned
     assert keys["unknown"][:12] in page and page.count("<svg") == 2
 

@@ -15,7 +15,15 @@ from starlette.concurrency import run_in_threadpool
 
 from ...environment import Environment
 from ...errors import Forbidden, NotFound, PayloadTooLarge
-from ...protocol import SHA256_PATTERN, PlanPut, PlanRecord, ResolveRequest, ResolveResponse
+from ...protocol import (
+    SHA256_PATTERN,
+    ExplainRequest,
+    ExplainResponse,
+    PlanPut,
+    PlanRecord,
+    ResolveRequest,
+    ResolveResponse,
+)
 from ..auth import Reader, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
@@ -88,6 +96,18 @@ def _releasing(chunks: Iterator[bytes], hold: Held) -> Iterator[bytes]:
         yield from chunks
     finally:
         hold.release()
+
+
+@router.post("/v1/plans/explain", response_model=ExplainResponse, summary="Why graph keys have no plan here",
+             responses=documented_errors(401, 403, 413, 422, 503))
+def explain(req: ExplainRequest, store: StoreDep, settings: SettingsDep, _: Reader) -> ExplainResponse:
+    """Per graph key, why it has no plan on the environment: never registered; registered, never queued; queued
+    or running (the job); failed (the job's error); tuned only for other environments (the validity fields in
+    which the nearest differs); or ``planned`` when it has one. Nothing is recorded. Clients ask it for the keys
+    a resolve missed; ``plancache explain`` asks it for a spec file or key."""
+    if len(req.graph_keys) > settings.max_resolve_keys:
+        raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one explain; the limit is {settings.max_resolve_keys}")
+    return ExplainResponse(reasons=store.explain_misses(req.environment, req.graph_keys))
 
 
 def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str]) -> Iterator[bytes]:

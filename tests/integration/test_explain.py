@@ -1,0 +1,99 @@
+"""Every miss explained: ``Store.explain_misses`` and ``POST /v1/plans/explain`` give each reason a graph key can
+have no plan on an environment, in words a user acts on; the client notes them in its ``PlanMiss``."""
+
+from __future__ import annotations
+
+import json
+
+from plancache.protocol import ExplainResponse, TargetEnvironment
+from tests.server_util import api, open_api  # noqa: F401
+
+
+def seed(store, make_spec, make_plan, gpu_env, other_env) -> dict[str, str]:
+    keys = {}
+    for i, name in enumerate(["planned", "running", "queued", "failed", "elsewhere", "registered"]):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        keys[name] = key
+    meta, blob = make_plan(keys["planned"], gpu_env)
+    store.publish_plan(meta, blob)
+    meta, blob = make_plan(keys["elsewhere"], other_env, blob=b"other-plan")
+    store.publish_plan(meta, blob)
+    target = TargetEnvironment.exactly(gpu_env)
+    failed, _ = store.enqueue(keys["failed"], target, max_attempts=1)
+    claim = store.claim(gpu_env, "w1", lease_seconds=60)
+    assert claim is not None and claim.job.id == failed.id
+    store.fail(failed.id, "w1", claim.lease_token, "no candidate passed the numerics check", retryable=False)
+    running, _ = store.enqueue(keys["running"], target)
+    assert store.claim(gpu_env, "w1", lease_seconds=60).job.id == running.id
+    store.enqueue(keys["queued"], target)
+    store.enqueue(keys["elsewhere"], TargetEnvironment.exactly(other_env))  # for the other environment only
+    keys["unknown"] = "e" * 64
+    return keys
+
+
+def other(gpu_env):
+    return gpu_env.model_copy(update={"cudnn_version": gpu_env.cudnn_version + 100, "driver_version": 12080})
+
+
+def test_each_reason(store, make_spec, make_plan, gpu_env):
+    keys = seed(store, make_spec, make_plan, gpu_env, other(gpu_env))
+    reasons = store.explain_misses(gpu_env, list(keys.values()) + [keys["queued"]])
+    got = {name: reasons[key] for name, key in keys.items()}
+    assert {name: r.reason for name, r in got.items()} == {
+        "planned": "planned", "running": "running", "queued": "queued", "failed": "failed",
+        "elsewhere": "other_environments", "registered": "not_queued", "unknown": "not_registered"}
+    assert "no candidate passed the numerics check" in got["failed"].message and got["failed"].job_id
+    assert "1 of 1 attempts" in got["failed"].message
+    assert got["elsewhere"].differs == ["cudnn_version", "driver_version"]
+    assert f"cudnn_version {gpu_env.cudnn_version}" in got["elsewhere"].message
+    assert "POST /v1/admin/tune/misses" in got["registered"].message
+    assert "never seen this graph's spec" in got["unknown"].message
+    assert got["running"].job_id and "being tuned" in got["running"].message
+    assert store.explain_misses(gpu_env, []) == {}
+
+
+def test_the_route_answers_reasons_and_records_nothing(api, make_spec, make_plan, gpu_env):  # noqa: F811
+    keys = seed(api.store, make_spec, make_plan, gpu_env, other(gpu_env))
+    body = {"environment": json.loads(gpu_env.model_dump_json()), "graph_keys": [keys["unknown"], keys["failed"]]}
+    r = api.client.post("/v1/plans/explain", json=body, headers=api.reader)
+    assert r.status_code == 200, r.text
+    reasons = ExplainResponse.model_validate(r.json()).reasons
+    assert reasons[keys["unknown"]].reason == "not_registered" and reasons[keys["failed"]].reason == "failed"
+    assert api.store.list_misses() == []  # explaining is not missing
+    assert api.client.post("/v1/plans/explain", json=body).status_code == 401
+    body["graph_keys"] = ["not-a-key"]
+    assert api.client.post("/v1/plans/explain", json=body, headers=api.reader).status_code == 422
+
+
+def test_the_explain_command_says_why_in_one_line_per_graph(tmp_path, make_spec, make_plan, gpu_env):
+    from typer.testing import CliRunner
+
+    from plancache.cli import make_app
+    from plancache.store import open_store
+    from tests.live_server import LiveServer
+
+    store = open_store(f"sqlite:///{tmp_path / 'x.db'}", create=True)
+    keys = seed(store, make_spec, make_plan, gpu_env, other(gpu_env))
+    spec_file = tmp_path / "failed.json"
+    spec_file.write_text(json.dumps(make_spec(3)[1]))
+    with LiveServer(tmp_path / "srv", store=store, open_reads=True) as srv:
+        result = CliRunner().invoke(make_app(), ["explain", str(spec_file), keys["unknown"], keys["elsewhere"],
+                                                 "--environment", gpu_env.model_dump_json(), "--server", srv.url])
+    store.close()
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"on {gpu_env.describe()}:"
+    assert lines[1].startswith(f"{keys['failed'][:12]}  failed.json  failed: tuning failed (job ")
+    assert lines[2].startswith(f"{keys['unknown'][:12]}  not_registered: the server has never seen")
+    assert lines[3].startswith(f"{keys['elsewhere'][:12]}  other_environments: tuned only for other environments")
+
+
+def test_explain_without_a_gpu_asks_for_the_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "plancache", "explain", "e" * 64, "--server", "http://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "give --environment FILE" in proc.stderr and "Traceback" not in proc.stderr
