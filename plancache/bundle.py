@@ -95,6 +95,7 @@ class ImportReport:
     imported: int
     unchanged: int
     signature_checked: bool
+    older: int = 0  # entries skipped: the store already holds a newer revision for their key and environment
 
 
 def bundle_statement(doc: dict[str, Any]) -> dict[str, Any]:
@@ -239,24 +240,28 @@ def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | No
     """Verify a bundle whole, then publish its specs and plans into ``store`` (idempotent).
 
     Nothing is written when any entry fails verification, or when the store already holds a different
-    plan for an entry's graph key and environment (:class:`Conflict` naming the entry).
+    plan of the same or an older revision for an entry's graph key and environment (:class:`Conflict` naming the
+    entry). An entry older than the stored record is skipped and counted (``older``).
     """
     raw, doc = read_bundle(path)
     plans = verify_bundle(raw, doc, trusted_keys)
     environment = doc.header.environment
-    unchanged = 0
+    unchanged, older, fresh = 0, 0, []
     for index, plan in enumerate(plans):
         stored = store.get_plan(plan.record.graph_key, plan.record.environment)
-        if stored is None:
+        if stored is not None and stored.revision > plan.record.revision:
+            older += 1  # an older record never replaces a newer one: skipped, counted
             continue
-        if stored.blob_sha256 != plan.record.blob_sha256:
+        if stored is not None and stored.blob_sha256 != plan.record.blob_sha256:
             raise Conflict(f"bundle entry {index} (graph key {plan.record.graph_key[:16]}): the store holds another "
                            f"plan (blob {stored.blob_sha256[:16]}) for this graph key on {environment.describe()}")
-        unchanged += 1
+        unchanged += stored is not None
+        fresh.append(plan)
+    plans = fresh
     for done, plan in enumerate(plans, 1):
         store.put_spec(plan.record.graph_key, plan.spec)
         meta = PlanMeta.model_validate(plan.record.model_dump(include=set(PlanMeta.model_fields)))
         store.publish_plan(meta, plan.blob)
         if progress:
             progress(done, len(plans))
-    return ImportReport(environment, len(plans) - unchanged, unchanged, bool(trusted_keys))
+    return ImportReport(environment, len(plans) - unchanged, unchanged, bool(trusted_keys), older)

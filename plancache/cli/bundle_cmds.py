@@ -137,12 +137,14 @@ def bundle_import(
             raise _refused(file, exc) from None
         writable_folder(cache_dir, "the plan cache folder", "give --cache-dir a folder you can write")
         disk = DiskCache(cache_dir, doc.header.environment)
-        if not all(disk.save(p.record, p.blob) for p in plans):
+        newer = [p for p in plans if p.record.revision >= disk.newest_revision(p.record.graph_key)]
+        if not all(disk.save(p.record, p.blob) for p in newer):
             raise Failure(f"cannot write the plan cache at {disk.dir}", "give --cache-dir a folder you can write",
                           ExitCode.OS_ERROR)
         if not trusted:
             typer.echo(unchecked, err=True)
-        typer.echo(f"seeded {disk.dir}: {len(plans)} plans for {doc.header.environment.describe()}")
+        typer.echo(f"seeded {disk.dir}: {len(newer)} plans for {doc.header.environment.describe()}"
+                   + _older(len(plans) - len(newer)))
         return
     with open_database(database_url) as store:
         try:
@@ -152,7 +154,11 @@ def bundle_import(
     if not report.signature_checked:
         typer.echo(unchecked, err=True)
     typer.echo(f"imported {file}: {report.imported} new plans, {report.unchanged} already stored, "
-               f"for {report.environment.describe()}")
+               f"for {report.environment.describe()}" + _older(report.older))
+
+
+def _older(n: int) -> str:
+    return f"; {n} older than the plans already there, skipped (an older revision never replaces a newer)" if n else ""
 
 
 def register(app: typer.Typer) -> None:

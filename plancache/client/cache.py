@@ -113,6 +113,15 @@ class DiskCache:
         path = self._record_path(graph_key).with_suffix(".revision")
         return max(self._stored_revision(path), self._revisions.get(graph_key, 0))
 
+    def newest_revision(self, graph_key: str) -> int:
+        """The highest revision this folder knows for ``graph_key``: accepted (:meth:`revision`) or of the record
+        it holds; 0 for none."""
+        try:
+            entry = self.load(graph_key)
+        except VerificationError:
+            entry = None
+        return max(self.revision(graph_key), entry[0].revision if entry else 0)
+
     def accept_revision(self, graph_key: str, revision: int) -> None:
         """Remember that a signed record of ``revision`` was accepted for ``graph_key`` (a higher one remembered
         already stays): at once in this process, in the folder by the background writer (:meth:`later`). A folder

@@ -366,3 +366,37 @@ def test_client_starts_from_a_seeded_cache_with_no_server(tmp_path, make_spec, m
     r = cli("bundle", "import", str(bad), "--cache-dir", str(tmp_path / "cache2"), "--trusted-keys", str(keys["pub"]))
     assert r.exit_code == 1 and "refused" in r.output
     assert not (tmp_path / "cache2").exists()
+
+
+def test_an_older_bundle_never_replaces_newer_plans(tmp_path, make_spec, make_plan, gpu_env, keys, cli):
+    """Before: importing an older bundle into a seeded cache overwrote its newer records and exited 0, and the
+    offline client then refused them all (revision). After: the older entries are skipped and counted, in the
+    cache and in a store alike."""
+    old_url, new_url, dst_url = (f"sqlite:///{tmp_path / n}" for n in ("old.db", "new.db", "dst.db"))
+    with open_store(old_url, create=True) as old:
+        (key,) = _seed(old, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+        export_bundle(old, gpu_env, None, tmp_path / "old.bundle", keys["signer"])
+    with open_store(new_url, create=True) as new:
+        new.put_spec(*make_spec(0))
+        meta, blob = make_plan(key, gpu_env, blob=b"the re-tuned plan", revision=10**13)
+        new.publish_plan(keys["signer"].sign(meta), blob)
+        export_bundle(new, gpu_env, None, tmp_path / "new.bundle", keys["signer"])
+        newest = new.get_plan(key, gpu_env)
+    cache = tmp_path / "cache"
+    for name in ("new", "old"):
+        r = cli("bundle", "import", str(tmp_path / f"{name}.bundle"), "--cache-dir", str(cache),
+                "--trusted-keys", str(keys["pub"]))
+        assert r.exit_code == 0, r.output
+    assert "seeded" in r.output and ": 0 plans" in r.output and "1 older than the plans already there" in r.output
+    from plancache.client.cache import DiskCache
+
+    entry = DiskCache(cache, gpu_env).load(key)
+    assert entry is not None and entry[0].revision == newest.revision and entry[1] == b"the re-tuned plan"
+    open_store(dst_url, create=True).close()
+    for name in ("new", "old"):
+        r = cli("bundle", "import", str(tmp_path / f"{name}.bundle"), "--trusted-keys", str(keys["pub"]),
+                "--database-url", dst_url)
+        assert r.exit_code == 0, r.output
+    assert "0 new plans, 0 already stored" in r.output and "1 older" in r.output
+    with open_store(dst_url) as dst:
+        assert dst.get_plan(key, gpu_env).revision == newest.revision
