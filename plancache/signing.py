@@ -208,9 +208,9 @@ class TrustedKeys:
         if not any(self._verifies(self._keys[s.keyid], s.sig, message) for s in ours):
             raise SignatureError("bad_signature", f"{what}: signature does not verify")
         try:
-            signed = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SignatureError("malformed", f"{what}: the signed payload is not JSON: {exc}") from None
+            signed = json.loads(payload, object_pairs_hook=_unique_keys)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            raise SignatureError("malformed", f"{what}: the signed payload is not JSON with unique keys: {exc}") from None
         if (envelope.payloadType != PAYLOAD_TYPE or not isinstance(signed, dict) or signed.get("_type") != STATEMENT_TYPE
                 or signed.get("predicateType") != predicate_type or not isinstance(signed.get("predicate"), dict)
                 or not isinstance(signed.get("subject"), list)):
@@ -246,6 +246,17 @@ class TrustedKeys:
         if differ:
             raise SignatureError("bad_signature", f"{what}: the record does not match its signed statement "
                                                   f"({', '.join(differ)})")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a consumer that keeps the first of a repeated key would read another
+    statement than one that keeps the last, so a signed payload with one is refused."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
 
 
 def keygen(directory: Path | str, name: str = "plancache") -> tuple[Path, Path, str]:

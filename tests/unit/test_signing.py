@@ -200,3 +200,20 @@ def test_revisions_only_grow(signer, monkeypatch):
     assert made == sorted(set(made)) and made[0] > 2**50 + 1  # strictly increasing within the process
     now_ms = datetime.now(UTC).timestamp() * 1000
     assert first.revision <= now_ms + 1000
+
+
+def test_a_signed_payload_with_a_repeated_key_is_refused(signer):
+    """Before: a validly signed statement with "graph_key" twice in its predicate verified (Python keeps the last
+    value; a first-key-wins DSSE consumer reads the other). After: refused as malformed."""
+    meta = make_record(KEY, H200, BLOB, signer)
+    text = base64.b64decode(meta.envelope.payload).decode()
+    twice = text.replace('"graph_key":', f'"graph_key":"{"0" * 64}","graph_key":', 1)
+    assert twice != text
+    forged = meta.model_copy(update={"envelope": signer.envelope(json.loads(text))})
+    payload = base64.b64encode(twice.encode()).decode()
+    sig = base64.b64encode(signer.private_key.sign(signing.pae(PAYLOAD_TYPE, twice.encode()))).decode()
+    forged = forged.model_copy(update={"envelope": Envelope(payloadType=PAYLOAD_TYPE, payload=payload,
+                                                            signatures=[DsseSignature(keyid=signer.key_id, sig=sig)])})
+    with pytest.raises(SignatureError, match="'graph_key' appears twice") as err:
+        trusted(signer).verify(forged)
+    assert err.value.reason == "malformed"
