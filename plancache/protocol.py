@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from .environment import VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
-from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, StrictModel
+from .validation import INT32_MAX, INT64_MAX, Error, Int, Int32, Int64, Millis, Seconds, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
@@ -83,8 +83,8 @@ class Candidate(StrictModel):
     knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     name: str = Field(default="", max_length=512)
     workspace_bytes: Int | None = Field(default=None, ge=0, le=INT64_MAX)
-    median_ms: float | None = Field(default=None, ge=0)
-    max_abs_err: float | None = None
+    median_ms: Millis | None = None
+    max_abs_err: Error | None = None
     status: CandidateStatus
     error: str | None = Field(default=None, max_length=4000)
 
@@ -126,11 +126,11 @@ class PlanMeta(StrictModel):
     knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     plan_name: str = Field(default="", max_length=512)
     workspace_bytes: Int = Field(ge=0, le=INT64_MAX)
-    winner_median_ms: float = Field(ge=0)
-    heuristic_median_ms: float | None = Field(default=None, ge=0)
-    worst_median_ms: float | None = Field(default=None, ge=0)
+    winner_median_ms: Millis
+    heuristic_median_ms: Millis | None = None
+    worst_median_ms: Millis | None = None
     candidates: list[Candidate] = Field(default_factory=list, max_length=10_000)
-    tuning_seconds: float = Field(ge=0)
+    tuning_seconds: Seconds
     worker_id: str = Field(min_length=1, max_length=256)
     numerics_check: str = Field(
         default="reference", pattern=r"^(reference|cross-check:fallback|cross-check:heuristic)$",

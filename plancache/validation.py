@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from annotated_types import Ge, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 #: The largest value of a signed 32-bit (an ``INTEGER`` column) and 64-bit (``BIGINT``) integer.
 INT32_MAX = 2**31 - 1
@@ -32,6 +32,17 @@ Int = Annotated[int, BeforeValidator(refuse_bool)]
 #: :data:`Int` within a signed 32-bit / 64-bit integer.
 Int32 = Annotated[int, Ge(-INT32_MAX - 1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
 Int64 = Annotated[int, Ge(-INT64_MAX - 1), Le(INT64_MAX), BeforeValidator(refuse_bool)]
+
+#: The longest time a record may state: a day, in milliseconds (a candidate or tuning run past it is not a
+#: measurement plancache makes) and in seconds.
+MAX_MS = 86_400_000.0
+MAX_SECONDS = 86_400.0
+#: A time of a record: finite, not negative, at most a day.
+Millis = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+#: A normalised numerics error: finite, not negative, at most MAX_ERROR.
+MAX_ERROR = 1e30
+Error = Annotated[float, Field(ge=0, le=MAX_ERROR, allow_inf_nan=False)]
 
 _MAX_PART_CHARS = 300
 

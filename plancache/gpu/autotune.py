@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from ..environment import Environment, detect
 from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
 from ..spec import GraphSpec
+from ..validation import MAX_ERROR
 from . import reference
 from .candidates import BuildPool, CandidateSet, build_in_process, list_candidates
 from .fegraph import graph_layouts
@@ -175,7 +177,8 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
 
 
 def _finite(x: float) -> float | None:
-    return x if x == x and x not in (float("inf"), float("-inf")) else None
+    """The error as a record states it: None where it is not a finite number a record can hold (``Error``)."""
+    return x if math.isfinite(x) and 0 <= x <= MAX_ERROR else None
 
 
 def _report(progress: Progress | None, done: int, total: int, cand: Candidate) -> None:

@@ -21,6 +21,8 @@ ROUTES = [
     ("POST", "/v1/specs", "/v1/specs", "reader"),
     ("GET", "/v1/specs/{graph_key}", f"/v1/specs/{KEY}", "reader"),
     ("POST", "/v1/plans/resolve", "/v1/plans/resolve", "reader"),
+    ("POST", "/v1/plans/explain", "/v1/plans/explain", "reader"),
+    ("GET", "/ui", "/ui", "reader"),
     ("GET", "/v1/plans/{graph_key}", f"/v1/plans/{KEY}", "reader"),
     ("GET", "/v1/blobs/{sha256}", f"/v1/blobs/{KEY}", "reader"),
     ("PUT", "/v1/plans", "/v1/plans", "worker"),

@@ -299,6 +299,25 @@ def test_absurd_integers_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_
     assert api.store.get_plan(key, gpu_env) is None
 
 
+@pytest.mark.parametrize("field, value", [
+    ("winner_median_ms", 1e308),
+    ("heuristic_median_ms", 1e300),
+    ("worst_median_ms", -1.0),
+    ("tuning_seconds", 1e12),
+    ("candidates", [{"index": 0, "status": "ok", "median_ms": 1e308}]),
+    ("candidates", [{"index": 0, "status": "mismatch", "max_abs_err": 1e300}]),
+])
+def test_absurd_floats_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_env, field, value):
+    """Before: winner_median_ms 1e308 was stored. After: every time of a record is finite and at most a day, every
+    error finite and bounded: 422, nothing stored."""
+    key, spec = make_spec(0)
+    meta, blob = make_plan(key, gpu_env)
+    body = json.dumps(upload_json(meta, blob, spec, **{field: value}))
+    r = api.client.put("/v1/plans", content=body, headers={**api.admin, "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert api.store.get_plan(key, gpu_env) is None
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/admin/tune", {"graph_keys": ["0" * 64], "targets": [{"sm": 90}], "priority": 10**30}),
     ("/v1/admin/tune", {"graph_keys": ["0" * 64], "targets": [{"sm_count": 10**25}]}),
