@@ -278,6 +278,16 @@ def test_absurd_integers_in_specs_are_422(api, where):
     assert api.store.list_jobs() == [] and api.client.get("/v1/misses", headers=api.admin).json()["misses"] == []
 
 
+def assert_upload_refused(api, make_spec, make_plan, gpu_env, field, value):
+    """A plan upload whose record has ``field`` set to ``value`` is 422 and stores nothing."""
+    key, spec = make_spec(0)
+    meta, blob = make_plan(key, gpu_env)
+    body = json.dumps(upload_json(meta, blob, spec, **{field: value}))
+    r = api.client.put("/v1/plans", content=body, headers={**api.admin, "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert api.store.get_plan(key, gpu_env) is None
+
+
 @pytest.mark.parametrize("field, value", [
     ("knobs", {"SPLIT_K": 10**4199}),
     ("knobs", {"SPLIT_K": 2**63}),
@@ -291,12 +301,7 @@ def test_absurd_integers_in_specs_are_422(api, where):
 ])
 def test_absurd_integers_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_env, field, value):
     """Before: knobs and candidate figures of 4,200 digits were stored (201, SQLite and Postgres). After: 422."""
-    key, spec = make_spec(0)
-    meta, blob = make_plan(key, gpu_env)
-    body = json.dumps(upload_json(meta, blob, spec, **{field: value}))
-    r = api.client.put("/v1/plans", content=body, headers={**api.admin, "Content-Type": "application/json"})
-    assert r.status_code == 422, r.text
-    assert api.store.get_plan(key, gpu_env) is None
+    assert_upload_refused(api, make_spec, make_plan, gpu_env, field, value)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -310,12 +315,7 @@ def test_absurd_integers_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_
 def test_absurd_floats_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_env, field, value):
     """Before: winner_median_ms 1e308 was stored. After: every time of a record is finite and at most a day, every
     error finite and bounded: 422, nothing stored."""
-    key, spec = make_spec(0)
-    meta, blob = make_plan(key, gpu_env)
-    body = json.dumps(upload_json(meta, blob, spec, **{field: value}))
-    r = api.client.put("/v1/plans", content=body, headers={**api.admin, "Content-Type": "application/json"})
-    assert r.status_code == 422, r.text
-    assert api.store.get_plan(key, gpu_env) is None
+    assert_upload_refused(api, make_spec, make_plan, gpu_env, field, value)
 
 
 @pytest.mark.parametrize("path, body", [
