@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from .environment import VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
-from .validation import INT32_MAX, INT64_MAX, Error, Int, Int32, Int64, Millis, Seconds, StrictModel
+from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
@@ -83,8 +83,8 @@ class Candidate(StrictModel):
     knobs: Knobs = Field(default_factory=dict, max_length=MAX_KNOBS)
     name: str = Field(default="", max_length=512)
     workspace_bytes: Int | None = Field(default=None, ge=0, le=INT64_MAX)
-    median_ms: Millis | None = None
-    max_abs_err: Error | None = None
+    median_ms: MaybeMillis = None
+    max_abs_err: MaybeError = None
     status: CandidateStatus
     error: str | None = Field(default=None, max_length=4000)
 

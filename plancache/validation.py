@@ -3,6 +3,7 @@ say what a validation error found."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -43,6 +44,19 @@ Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 #: A normalised numerics error: finite, not negative, at most MAX_ERROR.
 MAX_ERROR = 1e30
 Error = Annotated[float, Field(ge=0, le=MAX_ERROR, allow_inf_nan=False)]
+
+
+def nonfinite_as_none(value: Any) -> Any:
+    """Before an optional figure is validated: NaN or infinity (a candidate that never ran, a diverged error)
+    is stored as unknown (None); a finite value is then bounded as usual."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+#: Optional figures of a tuning candidate: unknown when not finite, else bounded.
+MaybeMillis = Annotated[Millis | None, BeforeValidator(nonfinite_as_none)]
+MaybeError = Annotated[Error | None, BeforeValidator(nonfinite_as_none)]
 
 _MAX_PART_CHARS = 300
 

@@ -378,7 +378,7 @@ def test_an_older_bundle_never_replaces_newer_plans(tmp_path, make_spec, make_pl
         export_bundle(old, gpu_env, None, tmp_path / "old.bundle", keys["signer"])
     with open_store(new_url, create=True) as new:
         new.put_spec(*make_spec(0))
-        meta, blob = make_plan(key, gpu_env, blob=b"the re-tuned plan", revision=10**13)
+        meta, blob = make_plan(key, gpu_env, blob=b"the re-tuned plan")  # signed later: a higher revision
         new.publish_plan(keys["signer"].sign(meta), blob)
         export_bundle(new, gpu_env, None, tmp_path / "new.bundle", keys["signer"])
         newest = new.get_plan(key, gpu_env)
