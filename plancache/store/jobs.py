@@ -141,11 +141,14 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
 
 
 def _claim_statements() -> tuple[Any, Any]:
-    """The two statements of a claim, built once (bound parameters: now, expires, worker, token_hash, holder,
-    env_<field>)."""
+    """The two statements of a claim, built once (bound parameters: now, expires, stale, worker, token_hash,
+    holder, env_<field>)."""
     cand = jobs.alias("candidate")
     now = sa.bindparam("now", type_=UTCDateTime)
-    expired = sa.and_(cand.c.status == "running", cand.c.lease_expires_at < now)
+    # A lease that ends more than two lease lengths ahead was granted by a clock that has since been stepped back
+    # (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the step.
+    stale = sa.bindparam("stale", type_=UTCDateTime)
+    expired = sa.and_(cand.c.status == "running", sa.or_(cand.c.lease_expires_at < now, cand.c.lease_expires_at > stale))
     exhausted = sa.select(cand.c.id).where(expired, cand.c.attempts >= cand.c.max_attempts).with_for_update(skip_locked=True)
     fail_exhausted = (
         sa.update(jobs).where(jobs.c.id.in_(exhausted))
@@ -224,7 +227,7 @@ class Jobs:
         token = secrets.token_urlsafe(LEASE_TOKEN_BYTES)
         with self.db.write() as conn:
             now = self.db.now(conn)
-            params = {"now": now, "expires": now + duration, "worker": worker_id,
+            params = {"now": now, "expires": now + duration, "stale": now + 2 * duration, "worker": worker_id,
                       "token_hash": hash_lease_token(token), "holder": holder,
                       **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
             conn.execute(_FAIL_EXHAUSTED, params)

@@ -184,6 +184,20 @@ def test_expired_lease_not_yet_taken_over_is_still_held(store, key, gpu_env, clo
     assert store.heartbeat(claim.job.id, "w1", claim.lease_token, lease_seconds=10).status == "running"
 
 
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_dead_workers_lease_is_reclaimed_when_the_clock_is_stepped(store, key, gpu_env, clock, step):
+    """Before: a server clock stepped back 1 h (SQLite's clock is the server host's) stranded a dead worker's lease
+    for that hour. After: a lease ending more than two lease lengths ahead counts as expired; a step forward
+    expires it as before. A live lease within its length is not taken."""
+    store.enqueue(key, ANY)
+    first = store.claim(gpu_env, "w1", lease_seconds=120)
+    assert store.claim(gpu_env, "w2", lease_seconds=120) is None  # held, within its lease
+    clock.advance(step)
+    second = store.claim(gpu_env, "w2", lease_seconds=120)
+    assert second is not None and second.job.id == first.job.id and second.job.attempts == 2
+    assert store.claim(gpu_env, "w3", lease_seconds=120) is None  # the new lease is held again
+
+
 def test_stopped_worker_loses_its_job_and_only_the_new_holder_completes(store, key, gpu_env, clock, make_plan):
     store.enqueue(key, ANY)
     first = store.claim(gpu_env, "w1", lease_seconds=10)
