@@ -352,10 +352,10 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
     url = url or settings.database_url
     import sqlalchemy as sa  # the server extra: without it, MISSING_EXTRA
 
-    from ..store.blobs import open_blob_store
+    from ..store.blobs import blob_folder
 
     try:
-        open_blob_store(settings.blob_store)
+        blob_folder(settings.blob_store)  # the setting is named when wrong, before the database is
     except ValueError as exc:
         raise Failure(f"{env_name('blob_store')}: {_one_line(exc)}",
                       f"set {env_name('blob_store')} to 'database' or file:///absolute/path (docs/DEPLOYMENT.md)",

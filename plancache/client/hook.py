@@ -34,7 +34,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedGraph
@@ -74,8 +74,7 @@ class _Graph:
     deferred: bool = False       # create_execution_plans was recorded, not run
     heuristics: Any = None
     served: bool = False
-    fe: bool = False             # FE planned it (the hook no longer steps in)
-    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    fe: bool = False             # FE planned it (the hook no longer steps in); never while deferred
 
 
 _lock = threading.Lock()
@@ -217,7 +216,7 @@ def _create_execution_plans(original: Callable[..., Any], _: str, graph: Any, ca
 def _check_support(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     state = _graphs.get(graph)
-    if state is not None and (state.served or (state.deferred and not state.fe)):
+    if state is not None and (state.served or state.deferred):
         return None  # answered by build_plans (a served plan is supported: it loaded)
     return original(graph, *args, **kwargs)
 
@@ -256,30 +255,28 @@ def _builds_all(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _plan_with_fe(graph: Any, cache: PlanCache, state: _Graph, reason: str, detail: str) -> None:
     """Run what was deferred, as the caller asked: FE's heuristic query, then its support check."""
-    _leave_to_fe(cache, state, reason, detail)
     args, kwargs = state.heuristics
     state.deferred = False
+    _leave_to_fe(cache, state, reason, detail)
     with _inside():
         graph.create_execution_plans(*args, **kwargs)
         graph.check_support()
 
 
-def _get_execution_plan_count(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
+def _plan_list_call(original: Callable[..., Any], name: str, graph: Any, cache: PlanCache,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _graphs.get(graph)
+    if state is not None and state.deferred:
+        _plan_with_fe(graph, cache, state, "fe_candidates", f"{name}()")
+    return original(graph, *args, **kwargs)
+
+
+def _get_execution_plan_count(original: Callable[..., Any], name: str, graph: Any, cache: PlanCache,
                               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     state = _graphs.get(graph)
     if state is not None and state.served:
         return max(1, int(original(graph, *args, **kwargs)))  # a loaded plan is one plan
-    if state is not None and state.deferred and not state.fe:
-        _plan_with_fe(graph, cache, state, "fe_candidates", "get_execution_plan_count()")
-    return original(graph, *args, **kwargs)
-
-
-def _plan_list_call(original: Callable[..., Any], name: str, graph: Any, cache: PlanCache,
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    state = _graphs.get(graph)
-    if state is not None and state.deferred and not state.fe:
-        _plan_with_fe(graph, cache, state, "fe_candidates", f"{name}()")
-    return original(graph, *args, **kwargs)
+    return _plan_list_call(original, name, graph, cache, args, kwargs)
 
 
 _HANDLERS: dict[str, Handler] = {

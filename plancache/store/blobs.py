@@ -161,15 +161,22 @@ class FileBlobs(BlobStore):
         return self._path(sha256)
 
 
-def open_blob_store(url: str) -> BlobStore:
-    """The blob store a ``PLANCACHE_BLOB_STORE`` value names: ``database`` or ``file:///absolute/path``."""
+def blob_folder(url: str) -> Path | None:
+    """The folder a ``PLANCACHE_BLOB_STORE`` value names (None for ``database``); ValueError for any other value.
+    Nothing is touched on disk."""
     if url == "database":
-        return DatabaseBlobs()
+        return None
     parts = urlsplit(url)
     if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path.startswith("/") \
             and not (parts.query or parts.fragment):
-        return FileBlobs(Path(url2pathname(parts.path)))
+        return Path(url2pathname(parts.path))
     raise ValueError(f"blob store {url!r}: use 'database' or a folder as file:///absolute/path")
+
+
+def open_blob_store(url: str) -> BlobStore:
+    """The blob store a ``PLANCACHE_BLOB_STORE`` value names: ``database`` or ``file:///absolute/path``."""
+    folder = blob_folder(url)
+    return DatabaseBlobs() if folder is None else FileBlobs(folder)
 
 
 def check_blob_store(db: Database, blob_store: BlobStore) -> None:
