@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -50,7 +50,7 @@ from ..settings import ConnectionSettings, StoreSettings, env_name
 
 if TYPE_CHECKING:
     from ..environment import Environment
-    from ..http import Retry
+    from ..http import HttpClient, Policy, Retry
     from ..signing import Signer, TrustedKeys
     from ..spec import GraphSpec
     from ..store import Store
@@ -474,18 +474,25 @@ def load_trusted_keys(value: str | None, option: str = "--trusted-keys") -> Trus
 # ------------------------------------------------------------------------------------------------ the server
 
 
-def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSettings, *, retry: Retry) -> JobsApi:
-    """The job and admin calls to ``server_url``, with ``connection``'s connect timeout and ``retry``."""
+def http_client(server_url: str, token: str | None, *, connect_timeout: float, read_timeout: float,
+                policies: Sequence[Policy] = ()) -> HttpClient:
+    """An HTTP client of ``server_url``; a URL it refuses is a configuration failure naming ``--server``."""
     from ..http import HttpClient
-    from ..worker.jobs_api import READ_TIMEOUT, JobsApi
 
     try:
-        http = HttpClient(server_url, token, policies=[retry], connect_timeout=connection.connect_timeout,
-                          read_timeout=READ_TIMEOUT)
+        return HttpClient(server_url, token, policies=policies, connect_timeout=connect_timeout,
+                          read_timeout=read_timeout)
     except ValueError as exc:
         raise Failure(f"--server {server_url}: {exc}",
                       f"give --server / {env_name('server_url')} as http(s)://HOST:PORT", ExitCode.CONFIG) from None
-    return JobsApi(http)
+
+
+def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSettings, *, retry: Retry) -> JobsApi:
+    """The job and admin calls to ``server_url``, with ``connection``'s connect timeout and ``retry``."""
+    from ..worker.jobs_api import READ_TIMEOUT, JobsApi
+
+    return JobsApi(http_client(server_url, token, connect_timeout=connection.connect_timeout,
+                               read_timeout=READ_TIMEOUT, policies=[retry]))
 
 
 @contextlib.contextmanager

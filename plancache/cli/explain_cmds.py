@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..settings import ClientSettings, env_name
-from .common import ExitCode, Failure, command, load_environment, load_spec_file, required, server_option
+from .common import ExitCode, Failure, command, http_client, load_environment, load_spec_file, required, server_option
 
 
 def _graph_key(item: str) -> tuple[str, str]:
@@ -33,7 +33,6 @@ def explain(
     never queued, queued, running, failed (with the job's error), tuned only for other environments (and in
     which validity fields the nearest differs), or that it has one."""
     from ..client.remote import Remote
-    from ..http import HttpClient
 
     keys = [_graph_key(item) for item in items]
     settings = ClientSettings()
@@ -51,13 +50,8 @@ def explain(
             raise Failure(f"no GPU here to take the environment from ({exc})",
                           "give --environment FILE (the environment JSON of a plan, e.g. from `plancache plans list "
                           "--json`)", ExitCode.USAGE) from None
-    try:
-        http = HttpClient(server, token or settings.token, connect_timeout=settings.connect_timeout,
-                          read_timeout=settings.read_timeout)
-    except ValueError as exc:
-        raise Failure(f"--server {server}: {exc}", f"give --server / {env_name('server_url')} as http(s)://HOST:PORT",
-                      ExitCode.CONFIG) from None
-    remote = Remote(http)
+    remote = Remote(http_client(server, token or settings.token, connect_timeout=settings.connect_timeout,
+                                read_timeout=settings.read_timeout))
     try:
         reasons = remote.explain(env, [k for k, _ in keys])
     finally:
