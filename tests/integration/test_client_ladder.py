@@ -357,6 +357,7 @@ def test_prefetch_resolves_everything_in_one_round_trip(srv, tmp_path, signer, w
     before = sum(wire.paths.values())
     assert all(pc.plan(s) is plans[s.graph_key] for s in specs)
     assert sum(wire.paths.values()) == before and pc.stats().hits["memory"] == len(specs)
+    pc.close()  # the process exits: its background disk writes are finished (the interpreter waits for them too)
     # A second process finds the three tuned plans on disk and asks the server only for the others.
     wire2 = Wire()
     again = client(srv, tmp_path, signer, wire=wire2).prefetch(specs)
