@@ -177,6 +177,32 @@ class PlanRecord(PlanMeta):
     created_at: datetime
 
 
+#: Longest reason a withdrawal may give.
+MAX_WITHDRAWAL_REASON = 1000
+
+
+class Withdrawal(StrictModel):
+    """A plan an admin withdrew: the plan of ``graph_key`` on ``environment`` whose record had ``withdrawn_revision``
+    (and blob ``blob_sha256``) is no longer served, and clients drop it, for ``reason``. Signed like a plan record
+    (``envelope``, :mod:`plancache.signing`); its ``revision`` is above the withdrawn record's, and only a plan of a
+    higher revision than the withdrawal's takes its place."""
+
+    graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
+    environment: Environment
+    blob_sha256: str = Field(pattern=SHA256_PATTERN)
+    withdrawn_revision: Int = Field(ge=0, le=INT64_MAX)
+    revision: Int = Field(default=0, ge=0, le=INT64_MAX, description="set by the signer, above withdrawn_revision")
+    reason: str = Field(min_length=1, max_length=MAX_WITHDRAWAL_REASON)
+    envelope: Envelope | None = Field(default=None, description="DSSE envelope of the signed in-toto statement")
+
+
+class WithdrawalRecord(Withdrawal):
+    """A stored withdrawal."""
+
+    env_id: str
+    created_at: datetime
+
+
 class ResolveRequest(StrictModel):
     environment: Environment
     graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST,
@@ -195,19 +221,21 @@ class ResolveResponse(StrictModel):
 
 
 #: Why a graph key has no plan on an environment, most actionable first (:class:`MissReason`).
-MissReasonCode = Literal["planned", "running", "queued", "failed", "other_environments", "not_queued",
+MissReasonCode = Literal["planned", "withdrawn", "running", "queued", "failed", "other_environments", "not_queued",
                          "not_registered"]
 
 
 class MissReason(StrictModel):
     """Why ``graph_key`` has no plan on the environment asked about, in words a user acts on. ``planned``: it has
     one now. ``differs``: for ``other_environments``, the validity fields in which the nearest environment that has
-    a plan differs from the one asked about."""
+    a plan differs from the one asked about. ``withdrawal``: for ``withdrawn``, the signed withdrawal (a client that
+    verifies it drops its copy of the plan)."""
 
     reason: MissReasonCode
     message: str = Field(max_length=2000)
     job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     differs: list[str] = Field(default_factory=list, max_length=len(VALIDITY_FIELDS))
+    withdrawal: Withdrawal | None = None
 
 
 class ExplainRequest(StrictModel):

@@ -8,7 +8,9 @@ check, worker id and ``revision`` (:func:`plan_predicate`), plus the signing tim
 over DSSE's pre-authentication encoding (:func:`pae`), so any DSSE verifier holding the public key checks it;
 ``keyid`` is the key id (the first 16 hex characters of the sha256 of the raw public key). A record is
 authentic only when a trusted key's signature verifies and the record's fields equal the statement's
-(:meth:`TrustedKeys.verify`). Bundles are signed the same way (:mod:`plancache.bundle`).
+(:meth:`TrustedKeys.verify`). Bundles are signed the same way (:mod:`plancache.bundle`), and so are withdrawals
+(:class:`~plancache.protocol.Withdrawal`, predicate :data:`WITHDRAWAL_PREDICATE`: the same subject, the graph key,
+environment, withdrawn revision, reason and the withdrawal's own revision, :func:`withdrawal_predicate`).
 
 The server stores envelopes but holds no private key; clients verify against trusted public keys, and several
 trusted keys at once allow rotation (docs/DESIGN.md, "Signatures, revisions and key rotation").
@@ -36,14 +38,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .canonical import canonical_json
 from .errors import SignatureError
 from .files import atomic_write
-from .protocol import DsseSignature, Envelope, PlanMeta
+from .protocol import DsseSignature, Envelope, PlanMeta, Withdrawal
 
 #: The DSSE payload type of an in-toto statement.
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-#: The predicate types of a plan record's and of a bundle's statement.
+#: The predicate types of a plan record's, a bundle's and a withdrawal's statement.
 PLAN_PREDICATE = "https://plancache.dev/plan/v1"
 BUNDLE_PREDICATE = "https://plancache.dev/bundle/v1"
+WITHDRAWAL_PREDICATE = "https://plancache.dev/withdrawal/v1"
 #: The name records signed by earlier releases gave every plan statement's subject (still verified); a plan's
 #: subject is named by its graph key now.
 LEGACY_PLAN_SUBJECT = "plan blob"
@@ -83,10 +86,31 @@ def plan_predicate(meta: PlanMeta) -> dict[str, Any]:
     }
 
 
+def _stamp(signed_at: datetime) -> str:
+    return signed_at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def plan_statement(meta: PlanMeta, signed_at: datetime) -> dict[str, Any]:
     """The statement a signed ``meta`` carries."""
-    stamp = signed_at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return statement([(meta.graph_key, meta.blob_sha256)], PLAN_PREDICATE, {**plan_predicate(meta), "signed_at": stamp})
+    return statement([(meta.graph_key, meta.blob_sha256)], PLAN_PREDICATE,
+                     {**plan_predicate(meta), "signed_at": _stamp(signed_at)})
+
+
+def withdrawal_predicate(w: Withdrawal) -> dict[str, Any]:
+    """The fields of ``w`` its statement's predicate signs (plus ``signed_at``); the subject is the withdrawn blob."""
+    return {
+        "graph_key": w.graph_key,
+        "environment": w.environment.validity(),
+        "withdrawn_revision": w.withdrawn_revision,
+        "reason": w.reason,
+        "revision": w.revision,
+    }
+
+
+def withdrawal_statement(w: Withdrawal, signed_at: datetime) -> dict[str, Any]:
+    """The statement a signed withdrawal carries."""
+    return statement([(w.graph_key, w.blob_sha256)], WITHDRAWAL_PREDICATE,
+                     {**withdrawal_predicate(w), "signed_at": _stamp(signed_at)})
 
 
 class _Revisions:
@@ -128,6 +152,12 @@ class Signer:
         """``meta`` with a new ``revision`` (:func:`next_revision`: above its own) and the ``envelope`` signing it."""
         meta = meta.model_copy(update={"revision": next_revision(meta.revision), "envelope": None})
         return meta.model_copy(update={"envelope": self.envelope(plan_statement(meta, now or datetime.now(UTC)))})
+
+    def sign_withdrawal(self, w: Withdrawal, *, now: datetime | None = None) -> Withdrawal:
+        """``w`` with a new ``revision`` (:func:`next_revision`: above the withdrawn one's) and the ``envelope``
+        signing it."""
+        w = w.model_copy(update={"revision": next_revision(w.withdrawn_revision), "envelope": None})
+        return w.model_copy(update={"envelope": self.envelope(withdrawal_statement(w, now or datetime.now(UTC)))})
 
     def envelope(self, signed: dict[str, Any]) -> Envelope:
         """The DSSE envelope of the in-toto statement ``signed``, signed by this key."""
@@ -230,16 +260,27 @@ class TrustedKeys:
         """Raise :class:`SignatureError` (naming ``what``, default the plan) unless ``meta``'s envelope verifies by
         a trusted key (:meth:`open`) and its statement says what ``meta`` says: subject the blob's sha256,
         predicate equal to :func:`plan_predicate` (``bad_signature`` naming the fields that differ)."""
-        what = what or f"plan {meta.graph_key[:12]}"
-        signed = self.open(meta.envelope, PLAN_PREDICATE, what=what)
+        self._check(meta.envelope, PLAN_PREDICATE, plan_predicate(meta), meta.blob_sha256,
+                    (meta.graph_key, LEGACY_PLAN_SUBJECT), what=what or f"plan {meta.graph_key[:12]}")
+
+    def verify_withdrawal(self, w: Withdrawal, *, what: str) -> None:
+        """As :meth:`verify`, for a withdrawal: its envelope verifies by a trusted key and its statement says what
+        ``w`` says (subject the withdrawn blob, predicate :func:`withdrawal_predicate`)."""
+        self._check(w.envelope, WITHDRAWAL_PREDICATE, withdrawal_predicate(w), w.blob_sha256, (w.graph_key,),
+                    what=what)
+
+    def _check(self, envelope: Envelope | None, predicate_type: str, expected: dict[str, Any], blob_sha256: str,
+               names: tuple[str, ...], *, what: str) -> None:
+        """Open ``envelope`` (:meth:`open`) and compare its predicate (less ``signed_at``) with ``expected`` and its
+        subject with the blob ``blob_sha256`` under one of ``names`` (the first is the graph key)."""
+        signed = self.open(envelope, predicate_type, what=what)
         predicate = {k: v for k, v in signed["predicate"].items() if k != "signed_at"}
-        expected = plan_predicate(meta)
         differ = sorted(k for k in expected.keys() | predicate.keys() if k not in expected or k not in predicate
                         or expected[k] != predicate[k])
         subject = signed["subject"]
-        if subject not in [subjects([(name, meta.blob_sha256)]) for name in (meta.graph_key, LEGACY_PLAN_SUBJECT)]:
+        if subject not in [subjects([(name, blob_sha256)]) for name in names]:
             one = subject[0] if len(subject) == 1 and isinstance(subject[0], dict) else {}
-            if one.get("digest") == {"sha256": meta.blob_sha256}:  # the blob is right, its name is another graph's
+            if one.get("digest") == {"sha256": blob_sha256}:  # the blob is right, its name is another graph's
                 differ = sorted({*differ, "graph_key"})
             else:
                 differ.insert(0, "blob_sha256")

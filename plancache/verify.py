@@ -4,7 +4,8 @@ The order is fixed: size → sha256 → signature → graph key → environment 
 for the steps that apply to it: the client all of them; a bundle entry all but the revision, against its
 header's environment and its enclosed spec's key; the worker a tuned blob's size, sha256 and environment; the
 server's publish and the worker spool size and sha256 only. The first failing step raises
-:class:`~plancache.errors.VerificationError` whose ``reason`` is one of :data:`REASONS`.
+:class:`~plancache.errors.VerificationError` whose ``reason`` is one of :data:`REASONS`. A withdrawal is checked
+the same way, less the blob and the revision (:func:`verify_withdrawal`; its caller compares the revision).
 Needs neither torch nor the server stack.
 """
 
@@ -14,7 +15,7 @@ import hashlib
 
 from .environment import Environment
 from .errors import VerificationError
-from .protocol import PlanMeta, PlanRecord
+from .protocol import PlanMeta, PlanRecord, Withdrawal
 from .signing import TrustedKeys
 
 #: A signature is required but no key is trusted to check it with (the client without trusted keys).
@@ -50,15 +51,31 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
     elif require_signature:
         raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
                                                  f"so its signature cannot be verified")
-    if graph_key is not None and record.graph_key != graph_key:
-        raise VerificationError("graph_key", f"{what}: its record is for graph key {record.graph_key}, "
-                                             f"expected {graph_key}")
-    if environment is not None:
-        env_id = record.env_id if isinstance(record, PlanRecord) else record.environment.env_id
-        if env_id != environment.env_id or record.environment.validity() != environment.validity():
-            raise VerificationError("environment", f"{what}: its record is for {record.environment.describe()} "
-                                                   f"(env id {env_id}), expected {environment.describe()} "
-                                                   f"(env id {environment.env_id})")
+    env_id = record.env_id if isinstance(record, PlanRecord) else record.environment.env_id
+    _check_target(what, record.graph_key, record.environment, env_id, graph_key, environment)
     if min_revision is not None and record.revision < min_revision:
         raise VerificationError(STALE_REVISION, f"{what}: its record has revision {record.revision}, older than "
                                                 f"revision {min_revision} accepted before for this graph and GPU")
+
+
+def verify_withdrawal(withdrawal: Withdrawal, *, what: str, trusted: TrustedKeys, graph_key: str,
+                      environment: Environment) -> None:
+    """Raise :class:`VerificationError` unless ``withdrawal`` is signed by a trusted key (none trusted:
+    :data:`NO_TRUSTED_KEYS`; an unsigned withdrawal is never acted on) and names ``graph_key`` on ``environment``."""
+    if not trusted:
+        raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
+                                                 f"so its signature cannot be verified")
+    trusted.verify_withdrawal(withdrawal, what=what)
+    _check_target(what, withdrawal.graph_key, withdrawal.environment, withdrawal.environment.env_id, graph_key,
+                  environment)
+
+
+def _check_target(what: str, key: str, env: Environment, env_id: str, graph_key: str | None,
+                  environment: Environment | None) -> None:
+    """The graph key and environment steps: a record (or withdrawal) for ``key`` on ``env`` must be for ``graph_key``
+    on ``environment`` (a step whose expected value is None is skipped)."""
+    if graph_key is not None and key != graph_key:
+        raise VerificationError("graph_key", f"{what}: its record is for graph key {key}, expected {graph_key}")
+    if environment is not None and (env_id != environment.env_id or env.validity() != environment.validity()):
+        raise VerificationError("environment", f"{what}: its record is for {env.describe()} (env id {env_id}), "
+                                               f"expected {environment.describe()} (env id {environment.env_id})")

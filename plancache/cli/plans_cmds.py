@@ -1,5 +1,5 @@
-"""``plancache plans list|gc|resign``: inspect stored plan records, retention (delete what is no longer used), and
-signing stored records again with another key (key rotation)."""
+"""``plancache plans list|gc|resign|withdraw``: inspect stored plan records, retention (delete what is no longer
+used), signing stored records again with another key (key rotation), and withdrawing a plan."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 plans_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                          help="Inspect stored plans; delete those no longer used; sign them "
-                                                   "again with another key.")
+                                                   "again with another key; withdraw one.")
 #: Records read per query by ``plans resign``.
 _PAGE = 1000
 
@@ -221,6 +221,49 @@ def plans_resign(
                       + (" …" if len(refused) > 5 else ""),
                       "give --trusted-keys the public keys that signed them (or --include-unsigned for records "
                       "without a signature), or tune them again", ExitCode.FAILED)
+
+
+@plans_app.command("withdraw")
+@command
+def plans_withdraw(
+    graph_key: str = typer.Argument(..., help="the graph key of the plan (64 hex characters, `plancache spec key`)"),
+    environment: str = typer.Option(..., "--environment", help="the plan's environment: its env id (or the first "
+                                                                 "8+ characters `plans list` prints), or its "
+                                                                 "environment JSON / file"),
+    reason: str = typer.Option(..., "--reason", help="why it is withdrawn (shown to clients and by `explain`)"),
+    signing_key: Path | None = signing_key_option("ed25519 private key that signs the withdrawal (a key clients "
+                                                  "trust)"),
+    database_url: str | None = database_url_option(),
+) -> None:
+    """Withdraw a stored plan: resolve stops serving it, and clients that revalidate (PLANCACHE_REVALIDATE_SECONDS)
+    or ask for it drop their copies. The withdrawal is signed like a plan; only a plan signed after it (a re-tune)
+    takes its place."""
+    from ..protocol import GRAPH_KEY_PATTERN, MAX_WITHDRAWAL_REASON, Withdrawal
+
+    if not re.match(GRAPH_KEY_PATTERN, graph_key):
+        raise Failure(f"{graph_key[:80]!r} is not a graph key (64 lowercase hex characters)",
+                      "copy it from `plancache plans list --json` or compute it with `plancache spec key FILE`",
+                      ExitCode.USAGE)
+    if not reason.strip() or len(reason) > MAX_WITHDRAWAL_REASON:
+        raise Failure(f"--reason must be 1 to {MAX_WITHDRAWAL_REASON} characters, not {len(reason)}",
+                      "say in a sentence why the plan is withdrawn", ExitCode.USAGE)
+    signer = load_signer(required(signing_key or SigningSettings().signing_key, "no signing key given",
+                                  "give --signing-key or set PLANCACHE_SIGNING_KEY (a key clients trust)"))
+    with open_database(database_url) as store:
+        env_id = resolve_env_id(store, environment, "--environment")
+        found = store.list_plans(env_id=env_id, graph_key=graph_key, limit=1)
+        if not found:
+            raise Failure(f"no plan is stored for graph key {graph_key} on environment {env_id} (withdrawn already, "
+                          "or never tuned there)", "check with `plancache plans list --graph-key KEY` or "
+                          "`plancache explain KEY --environment FILE`", ExitCode.FAILED)
+        record = found[0]
+        withdrawal = signer.sign_withdrawal(Withdrawal(
+            graph_key=graph_key, environment=record.environment, blob_sha256=record.blob_sha256,
+            withdrawn_revision=record.revision, reason=reason.strip()))
+        stored = store.withdraw_plan(withdrawal)
+    typer.echo(f"withdrew the plan of {graph_key[:16]} on environment {env_id[:12]} (revision {record.revision}) "
+               f"with withdrawal revision {stored.revision}, signed by key {signer.key_id}: resolve no longer serves "
+               "it, and clients drop their copies when they next revalidate (PLANCACHE_REVALIDATE_SECONDS)")
 
 
 def register(app: typer.Typer) -> None:

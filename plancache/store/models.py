@@ -140,6 +140,23 @@ plans = sa.Table(
     sa.UniqueConstraint("graph_key", "env_id"),
 )
 
+withdrawals = sa.Table(
+    "withdrawals",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
+    sa.Column("env_id", sa.String(32), nullable=False, index=True),
+    *_env_columns(VALIDITY_FIELDS),
+    *_env_columns(INFO_FIELDS),
+    sa.Column("blob_sha256", sa.String(64), nullable=False),  # the withdrawn plan's (its blob is left to gc)
+    sa.Column("withdrawn_revision", sa.BigInteger, nullable=False),
+    sa.Column("revision", sa.BigInteger, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("envelope", sa.JSON, nullable=False),  # the DSSE envelope signing the withdrawal (plancache.signing)
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("graph_key", "env_id"),
+)
+
 misses = sa.Table(
     "misses",
     metadata,

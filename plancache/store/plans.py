@@ -1,4 +1,4 @@
-"""Plan records: publishing (blob + record + job completion in one transaction), lookup and resolve.
+"""Plan records: publishing (blob + record + job completion in one transaction), lookup, resolve and withdrawal.
 Blob bytes go through the store's :class:`~.blobs.BlobStore`, in the order :mod:`.blobs` explains."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sqlalchemy.engine import Row
 
 from .. import errors
 from ..environment import Environment
-from ..protocol import Candidate, PlanMeta, PlanRecord
+from ..protocol import Candidate, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore
@@ -21,7 +21,7 @@ from .db import Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
-from .models import plans
+from .models import plans, withdrawals
 
 # PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
 _META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates", "envelope"))
@@ -54,6 +54,13 @@ def row_to_record(row: Row[Any]) -> PlanRecord:
     )
 
 
+def row_to_withdrawal(row: Row[Any]) -> WithdrawalRecord:
+    m = row._mapping
+    return WithdrawalRecord(graph_key=m["graph_key"], environment=env_from_row(m), blob_sha256=m["blob_sha256"],
+                            withdrawn_revision=m["withdrawn_revision"], revision=m["revision"], reason=m["reason"],
+                            envelope=m["envelope"], env_id=m["env_id"], created_at=m["created_at"])
+
+
 class Plans(Misses):
     """Plan records; resolving records misses, hence the base class."""
 
@@ -67,7 +74,8 @@ class Plans(Misses):
         Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
         :class:`errors.NotFound` (no spec),
         :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
-        :class:`errors.StaleRevision` (``replace``, and the stored record's revision is not below ``meta``'s),
+        :class:`errors.StaleRevision` (``replace``, and the stored record's revision is not below ``meta``'s; or the
+        plan of this key and environment was withdrawn with a revision not below ``meta``'s),
         :class:`errors.LeaseLost` / :class:`errors.NotLeaseHolder` (``worker_id``, ``lease_token`` and the API token
         ``holder`` do not hold job ``job_id``: :func:`~.jobs.held_job`).
         Publishing the same blob again returns the stored record unchanged, unless ``replace`` and a higher revision
@@ -85,6 +93,15 @@ class Plans(Misses):
                 complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now, holder=holder)
             if not spec_exists(conn, meta.graph_key):
                 raise errors.NotFound(f"no spec stored for graph key {meta.graph_key}; upload it with the plan")
+            withdrawn = conn.execute(sa.select(withdrawals.c.id, withdrawals.c.revision).where(
+                withdrawals.c.graph_key == meta.graph_key, *same_env(withdrawals, env)).with_for_update()).first()
+            if withdrawn is not None:
+                if meta.revision <= withdrawn.revision:
+                    raise errors.StaleRevision(
+                        f"the plan for graph key {meta.graph_key} on {env.describe()} was withdrawn at revision "
+                        f"{withdrawn.revision}; this plan has revision {meta.revision}: only a plan signed after the "
+                        "withdrawal (a higher revision) takes its place")
+                conn.execute(sa.delete(withdrawals).where(withdrawals.c.id == withdrawn.id))  # superseded
             insert_blob_row(conn, meta.blob_sha256, len(blob), now)
             row = conn.execute(
                 upsert_insert(conn, plans).values(**values)
@@ -113,6 +130,64 @@ class Plans(Misses):
                     ).one()
             self.blob_store.put(conn, meta.blob_sha256, blob)  # durable before the record commits
         return row_to_record(row)
+
+    def withdraw_plan(self, withdrawal: Withdrawal) -> WithdrawalRecord:
+        """Withdraw the plan ``withdrawal`` names, in one transaction: its record is deleted (resolve no longer
+        serves it; its blob is left to ``plans gc``) and the withdrawal is kept, so that explain gives it to clients
+        (which drop their copies) until a plan of a higher revision takes its place. Sending a stored withdrawal
+        again returns it unchanged; one of a higher revision (signed again) replaces it.
+
+        Raises :class:`errors.SignatureError` (``unsigned``: no envelope; the server holds no key to check it,
+        clients do), :class:`errors.NotFound` (neither a plan nor a withdrawal is stored for the key and
+        environment), :class:`errors.StaleRevision` (the stored plan is not the withdrawn one — its revision or
+        blob differ: replaced meanwhile —, or the withdrawal's revision is not above the stored plan's or
+        withdrawal's)."""
+        w, env = withdrawal, withdrawal.environment
+        if w.envelope is None:
+            raise errors.SignatureError("unsigned", f"the withdrawal of plan {w.graph_key} is unsigned: sign it with "
+                                                    "the key clients trust (`plancache plans withdraw` does)")
+        where = (withdrawals.c.graph_key == w.graph_key, *same_env(withdrawals, env))
+        with self.db.write() as conn:
+            now = self.db.now(conn)
+            plan = conn.execute(sa.select(plans.c.id, plans.c.revision, plans.c.blob_sha256).where(
+                plans.c.graph_key == w.graph_key, *same_env(plans, env)).with_for_update()).first()
+            prior = conn.execute(sa.select(withdrawals).where(*where).with_for_update()).first()
+            what = f"the plan for graph key {w.graph_key} on {env.describe()}"
+            if plan is None and prior is None:
+                raise errors.NotFound(f"no plan is stored for graph key {w.graph_key} on {env.describe()}")
+            stored = plan or prior
+            assert stored is not None
+            stored_revision = stored.revision if plan is not None else stored.withdrawn_revision
+            if (stored_revision, stored.blob_sha256) != (w.withdrawn_revision, w.blob_sha256):
+                raise errors.StaleRevision(
+                    f"{what} {'is' if plan is not None else 'was withdrawn as'} revision {stored_revision} (blob "
+                    f"{stored.blob_sha256}), not the withdrawn revision {w.withdrawn_revision} (blob {w.blob_sha256}): "
+                    "withdraw the plan that is stored")
+            if prior is not None and prior.revision == w.revision and prior.envelope == w.envelope.model_dump():
+                return row_to_withdrawal(prior)
+            newest = max(stored_revision, prior.revision if prior is not None else 0)
+            if w.revision <= newest:
+                raise errors.StaleRevision(f"{what} has revision {newest}; a withdrawal needs a higher revision than "
+                                           f"that, this one has {w.revision} (sign it again)")
+            values = {"graph_key": w.graph_key, **env_columns(env), "blob_sha256": w.blob_sha256,
+                      "withdrawn_revision": w.withdrawn_revision, "revision": w.revision, "reason": w.reason,
+                      "envelope": w.envelope.model_dump(), "created_at": now}
+            if plan is not None:
+                conn.execute(sa.delete(plans).where(plans.c.id == plan.id))
+            if prior is None:
+                row = conn.execute(sa.insert(withdrawals).values(**values).returning(*withdrawals.c)).one()
+            else:
+                row = conn.execute(sa.update(withdrawals).where(withdrawals.c.id == prior.id).values(**values)
+                                   .returning(*withdrawals.c)).one()
+        return row_to_withdrawal(row)
+
+    def get_withdrawals(self, env: Environment, graph_keys: list[str]) -> dict[str, WithdrawalRecord]:
+        """The withdrawals stored for ``graph_keys`` on exactly this environment's validity fields, by graph key."""
+        if not graph_keys:
+            return {}
+        q = sa.select(withdrawals).where(withdrawals.c.graph_key.in_(set(graph_keys)), *same_env(withdrawals, env))
+        with self.db.read() as conn:
+            return {row.graph_key: row_to_withdrawal(row) for row in conn.execute(q)}
 
     def get_plan(self, graph_key: str, env: Environment) -> PlanRecord | None:
         """The record for ``graph_key`` on exactly this environment's validity fields."""

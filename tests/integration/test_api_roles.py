@@ -29,6 +29,7 @@ ROUTES = [
     ("POST", "/v1/admin/tune", "/v1/admin/tune", "admin"),
     ("POST", "/v1/admin/tune/misses", "/v1/admin/tune/misses", "admin"),
     ("POST", "/v1/admin/campaigns", "/v1/admin/campaigns", "admin"),
+    ("POST", "/v1/admin/withdrawals", "/v1/admin/withdrawals", "admin"),
     ("GET", "/v1/misses", "/v1/misses", "admin"),
     ("GET", "/v1/jobs", "/v1/jobs", "admin"),
     ("GET", "/v1/jobs/{job_id}", "/v1/jobs/1", "worker"),

@@ -1,15 +1,25 @@
-"""Admin: enqueue tuning (by graph keys or specs, for one or more targets), misses and "tune the top N misses"."""
+"""Admin: enqueue tuning (by graph keys or specs, for one or more targets), misses and "tune the top N misses",
+withdrawing plans."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from fastapi.exceptions import RequestValidationError
 
 from ...environment import ENV_ID_PATTERN
 from ...errors import NotFound, PayloadTooLarge, SpecError
-from ...protocol import EnqueueMissesRequest, Job, JobList, MissList, TargetEnvironment, TuneRequest
+from ...protocol import (
+    EnqueueMissesRequest,
+    Job,
+    JobList,
+    MissList,
+    TargetEnvironment,
+    TuneRequest,
+    Withdrawal,
+    WithdrawalRecord,
+)
 from ...spec import graph_key
 from ..auth import Admin
 from ..bodies import CheckedRoute
@@ -70,3 +80,22 @@ def list_misses(store: StoreDep, _: Admin,
                 env_id: Annotated[str | None, Query(pattern=ENV_ID_PATTERN, description="an environment id")] = None,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> MissList:
     return MissList(misses=store.list_misses(env_id=env_id, limit=limit))
+
+
+@router.post("/v1/admin/withdrawals", response_model=WithdrawalRecord, status_code=201,
+             summary="Withdraw a plan: resolve stops serving it, clients that learn of it drop their copies",
+             responses={200: {"model": WithdrawalRecord, "description": "this withdrawal was stored already"},
+                        **documented_errors(401, 403, 404, 409, 422, 503)})
+def withdraw(withdrawal: Withdrawal, store: StoreDep, response: Response, _: Admin) -> WithdrawalRecord:
+    """A withdrawal signed like a plan record (``plancache plans withdraw`` makes one; 422 ``verification_failed``
+    when it is unsigned) naming the stored plan's revision and blob: the plan's record is deleted, so resolve no
+    longer serves it, explain answers ``withdrawn`` with the signed withdrawal, and a client that verifies it against
+    its trusted keys drops its disk copy and refuses that plan from then on. 404: no plan is stored for the key and
+    environment; 409 ``stale_revision``: the stored plan is another revision (replaced meanwhile), or the
+    withdrawal's revision is not above the stored plan's (or withdrawal's). Only a plan of a higher revision than the
+    withdrawal's is accepted for the key and environment afterwards."""
+    before = store.get_withdrawals(withdrawal.environment, [withdrawal.graph_key]).get(withdrawal.graph_key)
+    record = store.withdraw_plan(withdrawal)
+    if before is not None and before.revision == record.revision:
+        response.status_code = 200
+    return record
