@@ -13,6 +13,11 @@ sharing the folder accepts an older record later, from the server or from disk (
 refuses a lower one (reason ``revision``). These files are a few bytes each and are not evicted by the size
 cap; they go with their environment's folder.
 
+Revalidation: ``<cache_dir>/<env_id>/<graph_key>.checked`` is empty; its modification time is when the server last
+gave or confirmed the entry (:meth:`DiskCache.checked_at`). An entry without one (written by ``bundle import``, or
+before this file existed) counts as never confirmed. The client asks the server again about an entry confirmed
+longer ago than ``PLANCACHE_REVALIDATE_SECONDS`` (:mod:`plancache.client.revalidate`).
+
 Housekeeping, safe with other processes sharing the folder (each of them may evict or drop; a reader
 that loses a file to another process just misses, and the plan comes from the next rung):
 
@@ -35,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +61,8 @@ _GRAPH_KEY = re.compile(GRAPH_KEY_PATTERN)
 _ENV_DIR = re.compile(ENV_ID_PATTERN)
 #: In an environment folder: its modification time is when a process last opened or wrote the folder.
 USED_MARKER = ".used"
+#: Suffix of the file whose modification time is when the server last gave or confirmed an entry.
+CHECKED_SUFFIX = ".checked"
 #: A scan over the cap deletes down to this share of it, so the next scan is some writes away.
 LOW_WATER = 0.9
 #: A temporary file older than this is a crashed writer's, and is deleted by a scan.
@@ -92,6 +100,7 @@ class DiskCache:
         self._revisions: dict[str, int] = {}  # accepted by this process, should the folder be read-only
         self._writer: ThreadPoolExecutor | None = None  # one thread: writes in the order they were asked for
         self._pending: list[Future[Any]] = []
+        self._pending_lock = threading.Lock()  # revalidation runs on its own thread
 
     def _record_path(self, graph_key: str) -> Path:
         if not _GRAPH_KEY.match(graph_key):
@@ -122,12 +131,31 @@ class DiskCache:
             entry = None
         return max(self.revision(graph_key), entry[0].revision if entry else 0)
 
-    def accept_revision(self, graph_key: str, revision: int) -> None:
-        """Remember that a signed record of ``revision`` was accepted for ``graph_key`` (a higher one remembered
-        already stays): at once in this process, in the folder by the background writer (:meth:`later`). A folder
-        that cannot be written keeps it for this process only."""
+    def accept_revision(self, graph_key: str, revision: int, *, background: bool = True) -> None:
+        """Remember that a signed record (or withdrawal) of ``revision`` was accepted for ``graph_key`` (a higher one
+        remembered already stays): at once in this process, in the folder by the background writer (:meth:`later`)
+        or, without ``background``, before returning. A folder that cannot be written keeps it for this process only."""
         self._revisions[graph_key] = max(revision, self._revisions.get(graph_key, 0))
-        self.later(self._write_revision, graph_key, revision)
+        if background:
+            self.later(self._write_revision, graph_key, revision)
+        else:
+            self._write_revision(graph_key, revision)
+
+    def checked_at(self, graph_key: str) -> float | None:
+        """When the server last gave or confirmed the entry of ``graph_key`` (seconds since the epoch); None when
+        it never did (see the module docstring)."""
+        try:
+            return self._record_path(graph_key).with_suffix(CHECKED_SUFFIX).stat().st_mtime
+        except OSError:
+            return None
+
+    def mark_checked(self, graph_key: str) -> None:
+        """Record that the server gave or confirmed the entry of ``graph_key`` now; a read-only folder stays as it is."""
+        path = self._record_path(graph_key).with_suffix(CHECKED_SUFFIX)
+        try:
+            path.touch()
+        except OSError as exc:
+            log.debug("plan cache: cannot mark %s checked: %s", graph_key[:12], exc)
 
     def _write_revision(self, graph_key: str, revision: int) -> None:
         path = self._record_path(graph_key).with_suffix(".revision")
@@ -144,14 +172,16 @@ class DiskCache:
         """Run ``write(*args)`` on this cache's writer thread, off the caller's path: a plan is ready before its
         files are fsynced. :meth:`flush` (called by every read of the folder and by :meth:`close`) waits for them;
         the interpreter also waits for them at exit."""
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._writer.submit(write, *args))
+        with self._pending_lock:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._writer.submit(write, *args))
 
     def flush(self) -> None:
         """Wait for the writes asked for so far (a failed one was logged by itself)."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         for f in pending:
             if (exc := f.exception()) is not None:
                 log.warning("plan cache: a background write failed: %s", exc)
@@ -199,10 +229,11 @@ class DiskCache:
             with contextlib.suppress(OSError):
                 os.utime(path)
 
-    def save(self, record: PlanRecord, blob: bytes) -> bool:
-        """Store a plan (blob first, then the record that points at it), then keep the cache under its cap.
-        Returns ``False``, after logging why, when the folder cannot be written: the cache is an optimisation.
-        The caller stores only plans whose signature it verified."""
+    def save(self, record: PlanRecord, blob: bytes, *, checked: bool = False) -> bool:
+        """Store a plan (blob first, then the record that points at it), then keep the cache under its cap;
+        ``checked``: it comes from the server now (:meth:`mark_checked`). Returns ``False``, after logging why,
+        when the folder cannot be written: the cache is an optimisation. The caller stores only plans whose
+        signature it verified."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             record_json = record.model_dump_json().encode()
@@ -211,6 +242,8 @@ class DiskCache:
         except OSError as exc:
             log.warning("plan cache: cannot write %s: %s", self.dir, exc)
             return False
+        if checked:
+            self.mark_checked(record.graph_key)
         with contextlib.suppress(OSError):
             self._mark_used()
         if self.max_bytes is not None:
@@ -223,8 +256,10 @@ class DiskCache:
         return True
 
     def discard(self, graph_key: str, sha256: str | None = None) -> None:
-        """Remove the record of ``graph_key`` and, when given, the blob ``sha256``."""
+        """Remove the record of ``graph_key`` (and its mark of when it was confirmed) and, when given, the blob
+        ``sha256``."""
         _unlink(self._record_path(graph_key))
+        _unlink(self._record_path(graph_key).with_suffix(CHECKED_SUFFIX))
         if sha256:
             _unlink(self._blob_path(sha256))
 

@@ -21,6 +21,11 @@ rebuilt from its ``(engine_id, knobs)``. The revision of every signed plan admit
 cache (:meth:`~plancache.client.cache.DiskCache.accept_revision`), and a record older than the highest one
 remembered for its graph key is refused (reason ``revision``): an old signed record cannot be replayed.
 
+A plan served from the disk cache is asked about again in the background once the server last confirmed it longer
+ago than ``revalidate_seconds`` (:mod:`plancache.client.revalidate`): a replaced plan's entry is replaced, a
+withdrawn plan's deleted, for the next load from disk; a withdrawal the server gives for a missed key is applied
+the same way.
+
 The server is asked once per load (one ``plan``/``prefetch``) and all of it — resolve, blob downloads, spec
 registrations — must be done within ``request_deadline`` seconds; every answer is read with a size limit
 (:mod:`plancache.client.remote`). Past either, the server counts as failed for that load and its breaker opens.
@@ -45,6 +50,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum, StrEnum
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,6 +69,7 @@ from .backend import Backend, BuiltPlanLike
 from .cache import DiskCache
 from .plan import Plan
 from .remote import Remote
+from .revalidate import Revalidator, apply_withdrawal
 
 log = logging.getLogger("plancache.client")
 
@@ -219,8 +226,9 @@ class DiskStep(Step):
     builds = Builds.NOTHING
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        disk = self.cache.disk
+        disk, revalidator = self.cache.disk, self.cache._revalidator
         found: dict[Pending, Plan] = {}
+        due: list[str] = []
         for p in batch:
             try:
                 entry = disk.load(p.key)
@@ -234,8 +242,11 @@ class DiskStep(Step):
             record, blob = entry
             if (plan := self.admit(p, record, blob)) is not None:
                 found[p] = plan
+                if revalidator.due(p.key):
+                    due.append(p.key)
             elif p.refused != NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
                 disk.discard(p.key, record.blob_sha256)
+        revalidator.schedule(due)  # in the background, after this load
         return found
 
 
@@ -272,6 +283,8 @@ class ServerStep(Step):
                 reason = reasons.get(p.key)
                 p.note(self.name, f"no plan: {reason.message}" if reason else "no plan for this environment")
                 _bump(self.cache._stats.miss_reasons, reason.reason if reason else "unexplained")
+                if reason is not None and reason.withdrawal is not None:
+                    apply_withdrawal(self.cache, p.key, reason.withdrawal)
             elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
                 found[p] = plan
         for key in missing:
@@ -309,7 +322,7 @@ class ServerStep(Step):
         c, record = self.cache, answer.record
         plan = self.admit(p, record, blob)
         if plan is not None and c.signatures_checked:  # an unsigned plan is used, never kept
-            c.disk.later(c.disk.save, record, blob)  # written after the plans are ready
+            c.disk.later(partial(c.disk.save, checked=True), record, blob)  # written after the plans are ready
         return plan
 
     def _remote(self) -> Remote:
@@ -449,7 +462,9 @@ class ClientConfig:
     ``READ_TIMEOUT``, ``request_deadline`` ``PLANCACHE_REQUEST_DEADLINE`` (seconds for the whole server exchange
     of one load), ``cache_max_bytes`` ``PLANCACHE_CACHE_MAX_BYTES`` (disk cache cap, 0: none),
     ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
-    admit plans checked by digest alone, never written to disk; ignored by strict and replay-only modes).
+    admit plans checked by digest alone, never written to disk; ignored by strict and replay-only modes),
+    ``revalidate_seconds`` ``PLANCACHE_REVALIDATE_SECONDS`` (a plan loaded from disk that the server last confirmed
+    longer ago is asked about again in the background: :mod:`plancache.client.revalidate`).
     After a server failure the server is not asked again for ``cooldown`` seconds.
     ``backend`` defaults to :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``;
     ``environment`` to the backend's fingerprint. ``steps``: the ladder, before the mode filters it."""
@@ -465,6 +480,7 @@ class ClientConfig:
     request_deadline: float | None = None
     cache_max_bytes: int | None = None
     insecure_allow_unsigned: bool | None = None
+    revalidate_seconds: float | None = None
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
@@ -477,6 +493,8 @@ class ClientConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.request_deadline is not None and self.request_deadline <= 0:
             raise ValueError("request_deadline must be > 0")
+        if self.revalidate_seconds is not None and self.revalidate_seconds < 0:
+            raise ValueError("revalidate_seconds must be >= 0")
 
 
 @dataclass
@@ -490,8 +508,11 @@ class ClientStats:
     (:mod:`plancache.client.hook`) left to FE to build, by why (``miss``: normal mode, no tuned plan; the
     others: FE.md's "built by FE" table). ``miss_reasons[reason]``: keys the server had no plan for, by the
     reason it gave (:class:`~plancache.protocol.MissReason`: ``not_registered``, ``not_queued``, ``queued``,
-    ``running``, ``failed``, ``other_environments``; ``unexplained`` when it gave none). Seconds: ``load``
-    (inside ``plan``/``prefetch``/``serve``), ``deserialize``, ``build`` (rebuilds and heuristic builds)."""
+    ``running``, ``failed``, ``other_environments``, ``withdrawn``; ``unexplained`` when it gave none). Seconds: ``load``
+    (inside ``plan``/``prefetch``/``serve``), ``deserialize``, ``build`` (rebuilds and heuristic builds).
+    ``revalidations[outcome]``: keys loaded from disk asked about again (:data:`~plancache.client.revalidate.OUTCOMES`:
+    ``current``, ``replaced``, ``withdrawn``, ``kept``, ``failed``); ``withdrawals[what]``: withdrawals the server gave
+    (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -504,6 +525,8 @@ class ClientStats:
     build_seconds: float = 0.0
     fe_builds: dict[str, int] = field(default_factory=dict)
     miss_reasons: dict[str, int] = field(default_factory=dict)
+    revalidations: dict[str, int] = field(default_factory=dict)
+    withdrawals: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -566,6 +589,8 @@ class PlanCache:
         self.disk = DiskCache(cache_dir, self.environment, max_bytes=max_bytes,
                               max_age_days=settings.cache_max_age_days)
         self.disk.sweep()
+        revalidate = config.revalidate_seconds
+        self._revalidator = Revalidator(self, settings.revalidate_seconds if revalidate is None else revalidate)
         self._lock = threading.RLock()      # the ladder's state
         self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
         self._memory: dict[str, Plan] = {}
@@ -684,10 +709,12 @@ class PlanCache:
                 _bump(hits, StepName.MEMORY.value, self._memory_hits)
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds,
-                               dict(s.fe_builds), dict(s.miss_reasons))
+                               dict(s.fe_builds), dict(s.miss_reasons), dict(s.revalidations), dict(s.withdrawals))
 
     def close(self) -> None:
-        """Finish the disk cache's writes and close the connection to the server."""
+        """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, and close the
+        connection to the server."""
+        self._revalidator.join(self.request_deadline)
         self.disk.close()
         if self._remote is not None:
             self._remote.close()

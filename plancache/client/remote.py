@@ -25,8 +25,9 @@ from ..spec import GraphSpec
 #: environment, knobs, timings) and the JSON around it; and once per answer.
 RECORD_ALLOWANCE = 16 * 1024
 ANSWER_ALLOWANCE = 64 * 1024
-#: Bytes allowed per key of an explain answer (a reason of at most 2,000 characters and the JSON around it).
-EXPLAIN_ALLOWANCE = 4 * 1024
+#: Bytes allowed per key of an explain answer (a reason of at most 2,000 characters, a signed withdrawal and the
+#: JSON around them).
+EXPLAIN_ALLOWANCE = 16 * 1024
 #: The largest answer to ``POST /v1/specs`` (a graph key and a flag).
 SPEC_ANSWER_LIMIT = 64 * 1024
 

@@ -1,0 +1,189 @@
+"""Bounded staleness of the disk cache: plans loaded from disk are asked about again, off the load's path.
+
+A plan from the disk cache is served at once. When the server last gave or confirmed its entry longer ago than
+``revalidate_seconds`` (``PLANCACHE_REVALIDATE_SECONDS``; :meth:`~plancache.client.cache.DiskCache.checked_at`),
+its key is asked about on a background thread once the load is done, once per key and process: one records-only
+resolve for the keys due, then the explain of the keys the server no longer has (which carries a withdrawal).
+
+- The same record: the entry is marked confirmed.
+- A newer record (a replacement): its blob is fetched and verified as a load verifies it, replaces the entry and
+  raises the revision floor (the older plan is refused from then on).
+- A withdrawal that verifies by a trusted key and is newer than the entry (:func:`apply_withdrawal`): the entry is
+  deleted and the revision floor raised to the withdrawal's, so the withdrawn plan is refused from then on.
+- Anything else (no answer in time, an older or unverifiable record or withdrawal, a miss without a withdrawal):
+  the entry stays, unconfirmed, and the next process asks again.
+
+What changes takes effect at the next load from disk, i.e. in the next process (or :class:`PlanCache`): a plan
+already deserialized in this process keeps running in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import PlanCacheError, VerificationError
+from ..protocol import MissReason, PlanRecord, Withdrawal
+from ..verify import verify_withdrawal
+
+if TYPE_CHECKING:
+    from .core import PlanCache
+
+log = logging.getLogger("plancache.client")
+
+#: What revalidating one key did (keys of ``stats().revalidations``).
+OUTCOMES: tuple[str, ...] = ("current", "replaced", "withdrawn", "kept", "failed")
+
+
+def _count(cache: PlanCache, counter: str, key: str) -> None:
+    with cache._lock:
+        bucket = getattr(cache._stats, counter)
+        bucket[key] = bucket.get(key, 0) + 1
+
+
+def apply_withdrawal(cache: PlanCache, key: str, withdrawal: Withdrawal) -> bool:
+    """Act on a withdrawal of the plan of ``key`` the server gave: when it verifies (signed by a trusted key, for this
+    graph and GPU) and its revision is above every revision the disk cache knows for the key, delete the entry and
+    raise the revision floor to it. Counted in ``stats().withdrawals`` (``applied``, ``not_newer``, or the reason it was
+    refused); returns whether it was applied."""
+    what = f"withdrawal of plan {key[:12]}"
+    try:
+        verify_withdrawal(withdrawal, what=what, trusted=cache.trusted_keys, graph_key=key,
+                          environment=cache.environment)
+    except VerificationError as exc:
+        log.warning("plancache: ignored the %s (%s): %s", what, exc.reason, exc.message)
+        _count(cache, "withdrawals", exc.reason)
+        return False
+    disk = cache.disk
+    try:
+        entry = disk.load(key)
+    except VerificationError:
+        entry = None
+    known = max(disk.revision(key), entry[0].revision if entry else 0)
+    if withdrawal.revision <= known:
+        log.info("plancache: ignored the %s: its revision %d is not above revision %d known here", what,
+                 withdrawal.revision, known)
+        _count(cache, "withdrawals", "not_newer")
+        return False
+    disk.discard(key, entry[0].blob_sha256 if entry else None)
+    disk.accept_revision(key, withdrawal.revision, background=False)
+    log.warning("plancache: the plan %s for this GPU was withdrawn (revision %d): %s; it will not be loaded again",
+                key[:12], withdrawal.withdrawn_revision, withdrawal.reason)
+    _count(cache, "withdrawals", "applied")
+    return True
+
+
+class Revalidator:
+    """Asks the server about plans ``cache`` loaded from disk, on one background thread (see the module docstring).
+    ``max_age``: seconds since the server last confirmed an entry past which it is asked about."""
+
+    def __init__(self, cache: PlanCache, max_age: float) -> None:
+        if max_age < 0:
+            raise ValueError("revalidate_seconds must be >= 0")
+        self.cache = cache
+        self.max_age = max_age
+        self._asked: set[str] = set()
+        self._queue: list[str] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def due(self, key: str) -> bool:
+        """Whether the entry of ``key``, just loaded from disk, is to be asked about."""
+        if self.cache._remote is None or key in self._asked:
+            return False
+        checked = self.cache.disk.checked_at(key)
+        return checked is None or time.time() - checked >= self.max_age
+
+    def schedule(self, keys: list[str]) -> None:
+        """Ask about ``keys`` on the background thread (started when none runs); a key once per process."""
+        with self._lock:
+            keys = [k for k in dict.fromkeys(keys) if k not in self._asked]
+            self._asked.update(keys)
+            self._queue.extend(keys)
+            if self._queue and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="plancache-revalidate", daemon=True)
+                self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the revalidation under way, if any (at most ``timeout`` seconds)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                keys, self._queue = self._queue, []
+                if not keys:
+                    self._thread = None
+                    return
+            try:
+                self.revalidate(keys)
+            except Exception:  # noqa: BLE001 - a background check must never take the process down
+                log.exception("plancache: revalidating %d plans failed", len(keys))
+
+    def revalidate(self, keys: list[str]) -> None:
+        """Ask the server about ``keys`` and act on the answers, within the cache's ``request_deadline``."""
+        c = self.cache
+        assert c._remote is not None
+        deadline = time.monotonic() + c.request_deadline
+        try:
+            answer = c._remote.resolve(c.environment, keys, include_blobs=False, deadline=deadline)
+        except PlanCacheError as exc:
+            log.info("plancache: could not revalidate %d plans from the disk cache: %s", len(keys), exc.message)
+            for _ in keys:
+                _count(c, "revalidations", "failed")
+            return
+        reasons: dict[str, MissReason] = {}
+        if answer.missing:
+            try:
+                reasons = c._remote.explain(c.environment, answer.missing, deadline=deadline)
+            except PlanCacheError as exc:
+                log.info("plancache: the server did not say why it no longer has %d plans: %s", len(answer.missing),
+                         exc.message)
+        for key in keys:
+            resolved, reason = answer.plans.get(key), reasons.get(key)
+            if resolved is not None:
+                outcome = self._compare(key, resolved.record, deadline)
+            elif reason is not None and reason.withdrawal is not None:
+                outcome = "withdrawn" if apply_withdrawal(c, key, reason.withdrawal) else "kept"
+            else:
+                outcome = "kept"
+            _count(c, "revalidations", outcome)
+
+    def _compare(self, key: str, record: PlanRecord, deadline: float) -> str:
+        """The server's record of ``key`` against the disk entry: confirm it, or replace it by a newer one."""
+        c = self.cache
+        try:
+            entry = c.disk.load(key)
+        except VerificationError:
+            entry = None
+        if entry is None:  # deleted meanwhile: the next load asks the server itself
+            return "kept"
+        have = entry[0]
+        if record.revision == have.revision and record.blob_sha256 == have.blob_sha256:
+            c.disk.mark_checked(key)
+            return "current"
+        if record.revision < have.revision:
+            log.info("plancache: the server's plan %s has revision %d, older than the cached %d; kept the cached one",
+                     key[:12], record.revision, have.revision)
+            return "kept"
+        assert c._remote is not None
+        try:
+            c._verify(record, None, key, signed=True)  # no download for a record that cannot be admitted
+            blob = c._remote.fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
+            c._verify(record, blob, key, signed=True)
+        except VerificationError as exc:
+            log.warning("plancache: refused the server's newer plan %s (%s): %s", key[:12], exc.reason, exc.message)
+            _count(c, "rejects", exc.reason)
+            return "kept"
+        except PlanCacheError as exc:
+            log.info("plancache: could not fetch the newer plan %s: %s", key[:12], exc.message)
+            return "failed"
+        c.disk.save(record, blob, checked=True)
+        c.disk.accept_revision(key, record.revision, background=False)
+        log.info("plancache: the plan %s was replaced on the server (revision %d → %d); the disk cache has the new "
+                 "one from the next load", key[:12], have.revision, record.revision)
+        return "replaced"

@@ -1,0 +1,195 @@
+"""Bounded staleness of the client's disk cache against a real local server: a plan replaced or withdrawn on the
+server reaches warm hosts within ``PLANCACHE_REVALIDATE_SECONDS``, asked about in the background (no request on the
+load's path); a forged, unsigned or older withdrawal is ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from plancache.errors import PlanMiss
+from plancache.protocol import Withdrawal
+from plancache.settings import Settings
+from tests.factories import H200, OTHER_GPU, make_meta, new_signer
+from tests.integration.test_client_ladder import CONV, SDPA, Wire, client, seed, signer, srv, wire  # noqa: F401
+
+KEY = CONV.graph_key
+
+
+def withdrawal_of(record, signer, **overrides) -> Withdrawal:
+    return signer.sign_withdrawal(Withdrawal(graph_key=record.graph_key, environment=record.environment,
+                                             blob_sha256=record.blob_sha256, withdrawn_revision=record.revision,
+                                             reason=overrides.pop("reason", "wrong results"), **overrides))
+
+
+def warm_up(srv, tmp_path, signer) -> None:
+    """A first process fetches the plan of CONV from the server into the disk cache."""
+    with client(srv, tmp_path, signer) as cold:
+        assert cold.plan(CONV).source == "server"
+
+
+def checked_file(tmp_path):
+    return tmp_path / "cache" / H200.env_id / f"{KEY}.checked"
+
+
+def age(tmp_path, seconds: float) -> None:
+    """The server last confirmed the disk entry of CONV ``seconds`` ago."""
+    then = time.time() - seconds
+    os.utime(checked_file(tmp_path), (then, then))
+
+
+def every(seconds: float) -> Settings:
+    return Settings(revalidate_seconds=seconds)
+
+
+def test_a_replaced_plan_reaches_a_warm_host(srv, tmp_path, signer, wire):  # noqa: F811
+    """The regression: an admin replaced a plan; a host whose disk cache held the old one loaded it in every
+    process (before: always). Now the first process after the bound loads the old one and replaces the entry in the
+    background; the next process loads the new one, and the old one is refused from then on."""
+    old_blob = seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    new_blob = b"the re-tuned plan" * 40
+    new = srv.store.publish_plan(make_meta(KEY, H200, new_blob, signer), new_blob, replace=True)
+    age(tmp_path, 61)
+    with client(srv, tmp_path, signer, wire=wire, settings=every(60)) as first:
+        assert first.plan(CONV).source == "disk" and first._backend.deserialized == [old_blob]  # keeps it
+    assert first.stats().revalidations == {"replaced": 1}
+    assert wire.paths == {"/v1/plans/resolve": 1, f"/v1/blobs/{new.blob_sha256}": 1}
+    with client(srv, tmp_path, signer, settings=every(60)) as second:
+        assert second.plan(CONV).source == "disk" and second._backend.deserialized == [new_blob]
+        assert second.disk.revision(KEY) == new.revision
+    assert second.stats().revalidations == {}  # confirmed just now: within the bound
+
+
+def test_revalidation_adds_no_request_to_start_up(srv, tmp_path, signer, wire):  # noqa: F811
+    seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    with client(srv, tmp_path, signer, wire=wire, settings=every(3600)) as within:
+        assert within.plan(CONV).source == "disk"
+    assert wire.paths == {} and within.stats().revalidations == {}  # within the bound: no request at all
+
+    age(tmp_path, 3601)
+    srv.delay = 1.0  # every request takes a second
+    with client(srv, tmp_path, signer, wire=wire, settings=every(3600)) as past:
+        t0 = time.perf_counter()
+        assert past.plan(CONV).source == "disk"
+        assert time.perf_counter() - t0 < 0.5  # the load did not wait for the server
+    assert wire.paths == {"/v1/plans/resolve": 1} and past.stats().revalidations == {"current": 1}
+    assert time.time() - checked_file(tmp_path).stat().st_mtime < 60  # confirmed
+    srv.delay = 0.0
+    with client(srv, tmp_path, signer, wire=wire, settings=every(3600)) as again:
+        assert again.plan(CONV).source == "disk"
+    assert wire.paths == {"/v1/plans/resolve": 1}
+
+
+def test_a_withdrawn_plan_leaves_warm_hosts(srv, tmp_path, signer, wire):  # noqa: F811
+    old_blob = seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    record = srv.store.get_plan(KEY, H200)
+    w = srv.store.withdraw_plan(withdrawal_of(record, signer))
+    with client(srv, tmp_path, signer, wire=wire, settings=every(0)) as warm:
+        assert warm.plan(CONV).source == "disk"  # this process keeps the plan it loaded
+    assert warm.stats().revalidations == {"withdrawn": 1} and warm.stats().withdrawals == {"applied": 1}
+    assert wire.paths == {"/v1/plans/resolve": 1, "/v1/plans/explain": 1}
+    folder = tmp_path / "cache" / H200.env_id
+    assert not (folder / f"{KEY}.json").exists() and not (folder / f"{record.blob_sha256}.blob").exists()
+    assert warm.disk.revision(KEY) == w.revision
+
+    with client(srv, tmp_path, signer) as later:
+        assert later.plan(CONV).source == "heuristic" and later._backend.deserialized == []
+    assert later.stats().miss_reasons == {"withdrawn": 1} and later.stats().withdrawals == {"not_newer": 1}
+    with client(srv, tmp_path / "strict", signer, mode="strict") as strict, \
+            pytest.raises(PlanMiss, match="was withdrawn by an admin .*: wrong results"):
+        strict.plan(CONV)
+    assert strict.disk.revision(KEY) == w.revision  # a host that never had it learns the floor too
+
+    (folder / f"{KEY}.json").write_text(record.model_dump_json())  # the withdrawn plan put back on disk
+    (folder / f"{record.blob_sha256}.blob").write_bytes(old_blob)
+    with client(None, tmp_path, signer) as offline:
+        assert offline.plan(CONV).source == "heuristic" and offline.stats().rejects == {"revision": 1}
+
+
+class Hostile(Wire):
+    """A link that turns the resolve answer for CONV into a miss and puts ``withdrawal`` in the explain answer."""
+
+    def __init__(self, withdrawal: dict) -> None:
+        super().__init__()
+        self.withdrawal = withdrawal
+        self.edit_answer = self._drop
+
+    @staticmethod
+    def _drop(body: dict) -> None:
+        body["plans"].pop(KEY, None)
+        body["missing"] = [KEY]
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = super().handle_request(request)
+        if request.url.path != "/v1/plans/explain":
+            return resp
+        body = json.loads(resp.read())
+        body["reasons"][KEY] = {"reason": "withdrawn", "message": "withdrawn", "withdrawal": self.withdrawal}
+        return httpx.Response(200, json=body)
+
+
+def _forged(case: str, record, signer) -> dict:
+    if case == "unsigned":
+        return withdrawal_of(record, signer).model_copy(update={"envelope": None}).model_dump(mode="json")
+    if case == "unknown_signer":
+        return withdrawal_of(record, new_signer()).model_dump(mode="json")
+    if case == "bad_signature":  # the reason changed on the way
+        return {**withdrawal_of(record, signer).model_dump(mode="json"), "reason": "another reason"}
+    if case == "graph_key":  # a valid withdrawal of another graph's plan
+        return withdrawal_of(record.model_copy(update={"graph_key": SDPA.graph_key}), signer).model_dump(mode="json")
+    assert case == "environment"
+    return withdrawal_of(record.model_copy(update={"environment": OTHER_GPU}), signer).model_dump(mode="json")
+
+
+@pytest.mark.parametrize("case", ["unsigned", "unknown_signer", "bad_signature", "graph_key", "environment"])
+def test_a_forged_or_unsigned_withdrawal_is_ignored(srv, tmp_path, signer, case):  # noqa: F811
+    blob = seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    record = srv.store.get_plan(KEY, H200)
+    with client(srv, tmp_path, signer, wire=Hostile(_forged(case, record, signer)), settings=every(0)) as warm:
+        assert warm.plan(CONV).source == "disk"
+    assert warm.stats().withdrawals == {case: 1} and warm.stats().revalidations == {"kept": 1}
+    with client(None, tmp_path, signer) as next_process:
+        assert next_process.plan(CONV).source == "disk" and next_process._backend.deserialized == [blob]
+    assert next_process.disk.revision(KEY) == record.revision
+
+
+def test_an_older_withdrawal_is_ignored(srv, tmp_path, signer):  # noqa: F811
+    """A withdrawal replayed after the plan was re-tuned (a newer revision) does not remove the newer plan."""
+    seed(srv, CONV, signer)
+    old = withdrawal_of(srv.store.get_plan(KEY, H200), signer)
+    srv.store.withdraw_plan(old)
+    fixed_blob = b"the fixed plan" * 40
+    srv.store.publish_plan(make_meta(KEY, H200, fixed_blob, signer), fixed_blob)  # revision above the withdrawal's
+    warm_up(srv, tmp_path, signer)
+    hostile = Hostile(old.model_dump(mode="json"))
+    with client(srv, tmp_path, signer, wire=hostile, settings=every(0)) as warm:
+        assert warm.plan(CONV).source == "disk"
+    assert warm.stats().withdrawals == {"not_newer": 1} and warm.stats().revalidations == {"kept": 1}
+    with client(None, tmp_path, signer) as next_process:
+        assert next_process._backend.deserialized == [] and next_process.plan(CONV).source == "disk"
+        assert next_process._backend.deserialized == [fixed_blob]
+
+
+def test_a_server_that_does_not_answer_leaves_the_entry_to_the_next_process(srv, tmp_path, signer, wire):  # noqa: F811
+    seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    before = checked_file(tmp_path).stat().st_mtime
+    age(tmp_path, 10)
+    srv.stop()
+    with client(srv, tmp_path, signer, wire=wire, settings=every(5)) as warm:
+        assert warm.plan(CONV).source == "disk"
+    assert warm.stats().revalidations == {"failed": 1}
+    assert checked_file(tmp_path).stat().st_mtime < before  # still unconfirmed: the next process asks again
+
+
+def test_a_bad_bound_is_refused(tmp_path, signer):  # noqa: F811
+    with pytest.raises(ValueError, match="revalidate_seconds must be >= 0"):
+        client(None, tmp_path, signer, revalidate_seconds=-1)
