@@ -14,6 +14,9 @@ from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, May
 
 Role = Literal["reader", "worker", "admin"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
+#: Who asked for a job (``plancache.store.models.JOB_SOURCES``): the server's autotune policy, an admin, a re-tune
+#: campaign, or ``plancache enqueue`` of a capture file.
+JobSource = Literal["auto", "admin", "campaign", "capture"]
 CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
 
 #: A sha256 hex digest (a blob's; a graph key is one too): 64 lowercase hex characters.
@@ -260,6 +263,8 @@ class TuneRequest(StrictModel):
     targets: list[TargetEnvironment] = Field(min_length=1, max_length=100)
     priority: Int = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)
     max_attempts: Int | None = Field(default=None, ge=1, le=100)
+    source: Literal["admin", "capture"] = Field(default="admin", description="``capture``: the keys come from a "
+                                                "capture file (``plancache enqueue``); new jobs carry it")
 
 
 class EnqueueMissesRequest(StrictModel):
@@ -287,6 +292,8 @@ class Job(StrictModel):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None
+    source: JobSource = Field(default="admin", description="who asked for it: the autotune policy (``auto``), an "
+                                                           "admin, a re-tune campaign, a capture file")
 
 
 class JobList(StrictModel):

@@ -101,6 +101,12 @@ class ServerSettings(StoreSettings, AdminTokenSettings):
     miss_burst: int = 20000
     blob_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=0)  # blob bytes kept in memory per process (LRU)
     token_cache_seconds: float = Field(default=5.0, ge=0, le=300)  # an authenticated token is not looked up again
+    # the autotune policy (plancache.store.autotune, plancache.server.autotune; docs/DEPLOYMENT.md "Autotune")
+    autotune: bool = True  # enqueue often-missed keys for the environments workers serve, without a person
+    autotune_min_misses: int = Field(default=3, ge=1, le=1_000_000)  # misses of a key on an environment before it is
+    autotune_jobs_per_hour: int = Field(default=20, ge=0, le=100_000)  # auto jobs per environment and hour, all replicas
+    autotune_worker_window: float = Field(default=3600.0, gt=0, le=30 * 86400)  # seconds: a worker claimed there within
+    autotune_interval: float = Field(default=30.0, ge=1, le=86400)  # seconds between steps, per server process
 
 
 class ConnectionSettings(_Section):

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from .. import __version__
 from ..settings import Settings, get_settings
 from ..store import Store, open_store
+from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
 from .docs import install_docs
 from .errors import install_error_handlers
@@ -71,9 +72,12 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             app.state.store = store if store is not None else open_store(
                 settings.database_url, create=True, blob_store=settings.blob_store)
             prepare_process()
+            if settings.autotune:
+                app.state.autotuner.start()
             try:
                 yield
             finally:
+                app.state.autotuner.stop()
                 if store is None:
                     app.state.store.close()
                 app.state.store = None
@@ -92,6 +96,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.blob_memory = BlobMemory(settings.blob_memory_bytes)
     app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
+    # the autotune policy (plancache.server.autotune): a background thread when PLANCACHE_AUTOTUNE is on
+    app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -132,10 +132,11 @@ def render(status: Status) -> str:
           f"<td>{m.last_seen:%Y-%m-%d %H:%M}</td><td>{escape(status.miss_reasons.get(m.graph_key, ''))[:300]}</td></tr>"
           for m in status.misses),
         "</table><h2>Queue and recent jobs</h2>",
-        "<table><tr><th>job</th><th>graph</th><th>target</th><th>status</th><th>attempts</th><th>updated</th>"
-        "<th>error</th></tr>",
+        "<table><tr><th>job</th><th>graph</th><th>target</th><th>source</th><th>status</th><th>attempts</th>"
+        "<th>updated</th><th>error</th></tr>",
         *(f"<tr><td class='n'>{j.id}</td><td>{_key(j.graph_key)}</td><td>sm_{escape(str(j.target.sm))}</td>"
-          f"<td class='{escape(j.status)}'>{escape(j.status)}</td><td class='n'>{j.attempts}/{j.max_attempts}</td>"
+          f"<td>{escape(j.source)}</td><td class='{escape(j.status)}'>{escape(j.status)}</td>"
+          f"<td class='n'>{j.attempts}/{j.max_attempts}</td>"
           f"<td>{j.updated_at:%Y-%m-%d %H:%M}</td><td>{escape((j.error or '')[:200])}</td></tr>" for j in status.jobs),
         "</table><h2>Tuned versus heuristic</h2>",
         "<p class='muted'>Per plan: the heuristic's first plan time over the tuned winner's (both measured by the "

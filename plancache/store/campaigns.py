@@ -47,6 +47,6 @@ def run_campaign(store: Store, target: TargetEnvironment, *, priority: int = 0,
         rows = conn.execute(sa.select(specs.c.graph_key, planned.label("planned")).order_by(specs.c.graph_key)).all()
     keys = [key for key, has_plan in rows if not has_plan]
     known = len(rows)
-    created = sum(store.enqueue(key, target, priority=priority, max_attempts=max_attempts)[1] for key in keys)
+    created = sum(store.enqueue(key, target, priority=priority, max_attempts=max_attempts, source="campaign")[1] for key in keys)
     return CampaignResult(known=known, already_planned=known - len(keys), enqueued=created,
                           already_queued=len(keys) - created)

@@ -31,17 +31,19 @@ from sqlalchemy.engine import Connection, Row
 from .. import errors
 from ..canonical import canonical_json
 from ..environment import VALIDITY_FIELDS, Environment
-from ..protocol import Job, JobStatus, TargetEnvironment
+from ..protocol import Job, JobSource, JobStatus, TargetEnvironment
 from ..validation import INT64_MAX
 from .content import spec_exists
 from .db import Database, check_int, check_page, upsert_insert
 from .environments import check_validity
-from .models import ACTIVE_JOB_STATUSES, UTCDateTime, jobs
+from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, jobs, worker_environments
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
 #: Random bytes of a lease token (256 bits: not guessable).
 LEASE_TOKEN_BYTES = 32
+#: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
+CLAIMER_REFRESH = timedelta(seconds=10)
 #: Longest ``holder`` (the claiming API token's identity) the store keeps.
 MAX_HOLDER_LENGTH = 64
 
@@ -81,6 +83,7 @@ def row_to_job(row: Row[Any]) -> Job:
         created_at=m["created_at"],
         updated_at=m["updated_at"],
         finished_at=m["finished_at"],
+        source=m["source"],
     )
 
 
@@ -180,45 +183,66 @@ def _claim_statements() -> tuple[Any, Any]:
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
 
 
+def insert_job(conn: Connection, graph_key: str, target: TargetEnvironment, *, now: datetime, priority: int,
+               max_attempts: int, source: JobSource) -> tuple[Job | None, bool]:
+    """Queue a job in the caller's write transaction: ``(job, True)``, or the queued or running job of the same key
+    and target with ``False`` (the unique index of active jobs decides, on every replica), or ``(None, False)`` when
+    that job finished in between (try again)."""
+    key = target_key(target)
+    row = conn.execute(
+        upsert_insert(conn, jobs)
+        .values(graph_key=graph_key, **target.model_dump(), target_key=key, status="queued", priority=priority,
+                attempts=0, max_attempts=max_attempts, fencing_token=0, created_at=now, updated_at=now, source=source)
+        .on_conflict_do_nothing(index_elements=["graph_key", "target_key"], index_where=_ACTIVE_PREDICATE)
+        .returning(*jobs.c)
+    ).first()
+    if row is not None:
+        return row_to_job(row), True
+    row = conn.execute(sa.select(jobs).where(jobs.c.graph_key == graph_key, jobs.c.target_key == key,
+                                             jobs.c.status.in_(ACTIVE_JOB_STATUSES))).first()
+    return (None, False) if row is None else (row_to_job(row), False)
+
+
+def record_claimer(conn: Connection, env: Environment, now: datetime) -> None:
+    """Remember that a worker claimed for ``env`` at ``now`` (whether or not a job was handed out). The row is
+    written at most every :data:`CLAIMER_REFRESH` (so workers polling one environment rarely wait on its lock)."""
+    last = conn.execute(sa.select(worker_environments.c.last_claim_at)
+                        .where(worker_environments.c.env_id == env.env_id)).scalar()
+    if last is not None and now - CLAIMER_REFRESH <= last <= now:
+        return
+    stmt = upsert_insert(conn, worker_environments).values(env_id=env.env_id, **env.validity(), last_claim_at=now)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["env_id"], set_={"last_claim_at": stmt.excluded.last_claim_at}))
+
+
 class Jobs:
     db: Database
     job_max_attempts: int
 
     def enqueue(self, graph_key: str, target: TargetEnvironment, *, priority: int = 0,
-                max_attempts: int | None = None) -> tuple[Job, bool]:
+                max_attempts: int | None = None, source: JobSource = "admin") -> tuple[Job, bool]:
         """Queue a tuning job; a queued or running job for the same key and target is returned instead
-        (``False``). The spec must be stored (:class:`errors.NotFound`)."""
+        (``False``). The spec must be stored (:class:`errors.NotFound`). ``source``: who asks for it."""
         attempts_allowed = check_int("max_attempts", self.job_max_attempts if max_attempts is None else max_attempts, minimum=1)
         check_int("priority", priority)
         check_validity(target.model_dump())
-        key = target_key(target)
-        active = sa.select(jobs).where(jobs.c.graph_key == graph_key, jobs.c.target_key == key,
-                                       jobs.c.status.in_(ACTIVE_JOB_STATUSES))
+        if source not in JOB_SOURCES:
+            raise errors.InvalidValue(f"unknown job source {source!r}; one of {', '.join(JOB_SOURCES)}")
         for _ in range(3):  # only a concurrent enqueue + completion in between makes this loop
             with self.db.write() as conn:
                 if not spec_exists(conn, graph_key):
                     raise errors.NotFound(f"no spec stored for graph key {graph_key}; upload it first")
-                now = self.db.now(conn)
-                row = conn.execute(
-                    upsert_insert(conn, jobs)
-                    .values(graph_key=graph_key, **target.model_dump(), target_key=key, status="queued",
-                            priority=priority, attempts=0, max_attempts=attempts_allowed, fencing_token=0,
-                            created_at=now, updated_at=now)
-                    .on_conflict_do_nothing(index_elements=["graph_key", "target_key"], index_where=_ACTIVE_PREDICATE)
-                    .returning(*jobs.c)
-                ).first()
-                if row is not None:
-                    return row_to_job(row), True
-                row = conn.execute(active).first()
-                if row is not None:
-                    return row_to_job(row), False
+                job, created = insert_job(conn, graph_key, target, now=self.db.now(conn), priority=priority,
+                                          max_attempts=attempts_allowed, source=source)
+                if job is not None:
+                    return job, created
         raise errors.Conflict(f"could not enqueue graph key {graph_key}: the active job kept changing")
 
     def claim(self, env: Environment, worker_id: str, *, lease_seconds: float, holder: str | None = None) -> Claim | None:
         """Lease the best job this environment can run (highest priority, then oldest) to ``worker_id``
         and the API token ``holder`` (the server passes the caller's identity), or None.
 
-        Running jobs whose lease expired are taken over; those with no attempts left end ``failed``.
+        Running jobs whose lease expired are taken over; those with no attempts left end ``failed``. Every claim,
+        answered with a job or not, records that a worker serves ``env`` (the autotune policy's window).
         """
         check_validity(env.validity())
         duration = _check_lease_seconds(lease_seconds)
@@ -232,6 +256,7 @@ class Jobs:
                       **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
             conn.execute(_FAIL_EXHAUSTED, params)
             row = conn.execute(_CLAIM, params).first()
+            record_claimer(conn, env, now)
         return None if row is None else Claim(row_to_job(row), token)
 
     def heartbeat(self, job_id: int, worker_id: str, lease_token: str, *, lease_seconds: float,

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
 from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
+from ..protocol import JobSource
 
 metadata = sa.MetaData(
     naming_convention={
@@ -22,6 +23,7 @@ metadata = sa.MetaData(
 )
 
 ACTIVE_JOB_STATUSES = ("queued", "running")
+JOB_SOURCES: tuple[str, ...] = get_args(JobSource)
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -99,9 +101,12 @@ jobs = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.Column("finished_at", UTCDateTime),
+    sa.Column("source", sa.String(16), nullable=False, server_default="admin"),
     sa.CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
+    sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
     sa.Index("ix_jobs_claim_order", "status", "priority", "id"),
+    sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
     sa.Index(
         "uq_jobs_active_target",
         "graph_key",
@@ -168,6 +173,16 @@ misses = sa.Table(
     sa.Column("first_seen", UTCDateTime, nullable=False),
     sa.Column("last_seen", UTCDateTime, nullable=False),
     sa.Index("ix_misses_env_count", "env_id", "count"),
+)
+
+# The environments workers claim for: one row per environment, the time of its last claim (a job handed out or
+# not). The autotune policy enqueues only for environments claimed within its window (store/autotune.py).
+worker_environments = sa.Table(
+    "worker_environments",
+    metadata,
+    sa.Column("env_id", sa.String(32), primary_key=True),
+    *_env_columns(VALIDITY_FIELDS),
+    sa.Column("last_claim_at", UTCDateTime, nullable=False),
 )
 
 api_tokens = sa.Table(

@@ -30,6 +30,8 @@ ROUTES = [
     ("POST", "/v1/admin/tune/misses", "/v1/admin/tune/misses", "admin"),
     ("POST", "/v1/admin/campaigns", "/v1/admin/campaigns", "admin"),
     ("POST", "/v1/admin/withdrawals", "/v1/admin/withdrawals", "admin"),
+    ("GET", "/v1/admin/autotune", "/v1/admin/autotune", "admin"),
+    ("POST", "/v1/admin/autotune/run", "/v1/admin/autotune/run", "admin"),
     ("GET", "/v1/misses", "/v1/misses", "admin"),
     ("GET", "/v1/jobs", "/v1/jobs", "admin"),
     ("GET", "/v1/jobs/{job_id}", "/v1/jobs/1", "worker"),

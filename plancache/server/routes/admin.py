@@ -59,7 +59,7 @@ def tune(req: TuneRequest, store: StoreDep, _: Admin) -> JobList:
         raise NotFound(f"no spec stored for graph key {unknown[0][:80]!r}{others}; register it or send it in specs")
     for key, spec in zip(spec_keys, req.specs):
         store.put_spec(key, spec)
-    jobs = [store.enqueue(key, target, priority=req.priority, max_attempts=req.max_attempts)[0]
+    jobs = [store.enqueue(key, target, priority=req.priority, max_attempts=req.max_attempts, source=req.source)[0]
             for key in keys for target in req.targets]
     return JobList(jobs=_unique(jobs))
 
