@@ -4,7 +4,9 @@ A call is one *attempt* (send, read the answer) wrapped in the client's policies
 
 - returns the caller's reading of an answer below 400 (a body it cannot read is a malformed answer);
 - raises :class:`~plancache.errors.ServerUnavailable` for a transport failure (refused, reset, timed out),
-  a 429 or 5xx answer, or a malformed answer;
+  a 429 or 5xx answer, or a malformed answer; a request that fails unanswered on a connection kept alive from
+  an earlier call (reset or closed by the server: :data:`STALE_CONNECTION_ERRORS`) is first sent again, once,
+  on a new connection, within the same attempt (so neither policy sees it);
 - raises, for any other 4xx, the error class of the code in its ``{"error": {"code", "message"}}`` body
   (:data:`~plancache.errors.BY_CODE`, e.g. ``409 lease_lost`` → LeaseLost), else
   :class:`~plancache.errors.RequestRefused` with the answer's code and status.
@@ -204,6 +206,29 @@ class CircuitBreaker:
         return ServerUnavailable(problem)
 
 
+#: Failures of a request on a connection before any answer came that mean the server had dropped the connection
+#: (reset, closed): on a connection kept alive from an earlier call, the request is sent again once, on a new one.
+STALE_CONNECTION_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class ConnectionUse:
+    """httpcore's ``trace`` request extension, noting whether the request went out on a connection kept alive
+    from an earlier request (its head was sent and no connection was opened for it)."""
+
+    def __init__(self) -> None:
+        self.opened = self.sent = False
+
+    def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event.startswith(("connection.connect_tcp.", "connection.connect_unix_socket.")):
+            self.opened = True
+        elif event.startswith("http11.send_request_headers."):
+            self.sent = True
+
+    @property
+    def reused(self) -> bool:
+        return self.sent and not self.opened
+
+
 def _response(resp: httpx.Response) -> httpx.Response:
     return resp
 
@@ -259,12 +284,21 @@ class HttpClient:
         headers = {"Accept-Encoding": "identity"} if max_bytes is not None else None  # the cap counts what is sent
 
         def exchange(cancel: threading.Event | None) -> httpx.Response:
-            limits = self._timeouts(timeout, deadline)
-            try:
-                request = self._http.build_request(method, path, json=body, headers=headers, timeout=limits)
-                resp = self._http.send(request, stream=True)
-            except httpx.RequestError as exc:  # refused, reset, timed out, protocol errors
-                raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
+            for again in (False, True):
+                limits = self._timeouts(timeout, deadline)
+                use = ConnectionUse()
+                try:
+                    request = self._http.build_request(method, path, json=body, headers=headers, timeout=limits,
+                                                       extensions={"trace": use})
+                    resp = self._http.send(request, stream=True)
+                    break
+                except STALE_CONNECTION_ERRORS as exc:
+                    if again or not use.reused:
+                        raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
+                    # a kept-alive connection the server had dropped: no answer came; once, on a new connection
+                    log.debug("%s: %s on a reused connection; sending it again", call, type(exc).__name__)
+                except httpx.RequestError as exc:  # refused, timed out, other protocol errors
+                    raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
             try:
                 return self._whole(call, resp, max_bytes, cancel)
             except httpx.RequestError as exc:  # reset, read timeout, bad encoding while the body arrives

@@ -5,8 +5,10 @@ Every route of the app uses :class:`CheckedRoute`. For a route that takes a body
 1. the caller's token is checked (:func:`plancache.server.auth.authorize`): a caller without the route's
    role gets its 401/403 before a byte of the body is read;
 2. the body is read within its route's size limit (the declared ``Content-Length`` first, then what
-   arrives): ``Settings.max_request_bytes`` for plan uploads (:data:`UPLOAD_ROUTES`, the blob is inline),
-   ``Settings.max_json_bytes`` (1 MiB; a spec is kilobytes) for every other route, else 413; within its
+   arrives): for plan uploads (:data:`UPLOAD_ROUTES`, the blob is inline) a ``Settings.max_blob_bytes`` blob
+   as base64 plus ``Settings.max_json_bytes``, at most ``Settings.max_request_bytes``
+   (:func:`~plancache.server.uploads.upload_body_limit`), ``Settings.max_json_bytes`` (1 MiB; a spec is
+   kilobytes) for every other route, else 413 (from the declared length: before the body is read); within its
    deadline, ``Settings.body_timeout`` plus its size at ``Settings.body_min_rate``, else 408 (a slow drip
    is cut); and within the process's in-flight budget (:class:`~plancache.server.limits.ByteBudget`),
    waiting briefly for room, else 503 with ``Retry-After``;
@@ -47,6 +49,7 @@ from ..protocol import Role
 from .auth import authorize
 from .deps import get_store
 from .errors import documented_errors
+from .uploads import upload_body_limit
 
 _ESCAPED_NUL = b"\\u0000"
 # A \u0000 escape preceded by an even number of backslashes (an odd number escapes the backslash itself).
@@ -141,9 +144,9 @@ def _is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def _too_large(size: int, limit: int) -> HTTPException:
+def _too_large(size: int, limit: int, why: str) -> HTTPException:
     # FastAPI passes HTTPException from body reading through unchanged (other exceptions become 400).
-    return HTTPException(413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes")
+    return HTTPException(413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({why})")
 
 
 def _too_slow(received: int, seconds: float) -> HTTPException:
@@ -155,6 +158,7 @@ class CheckedRequest(Request):
     strict JSON. :class:`CheckedRoute` sets the limit and releases the budget when the handler is done."""
 
     body_limit: int | None = None
+    limit_reason: str = "PLANCACHE_MAX_REQUEST_BYTES"
     memory_factor: int = 1
     started: float = 0.0
     held_bytes: int = 0
@@ -187,7 +191,8 @@ class CheckedRequest(Request):
             declared = None
             if declared_text.isdigit():  # h11 has checked it is one number; it may still have 16,000 digits
                 if len(declared_text) > 18 or int(declared_text) > limit:
-                    raise _too_large(int(declared_text) if len(declared_text) <= 18 else limit + 1, limit)
+                    raise _too_large(int(declared_text) if len(declared_text) <= 18 else limit + 1, limit,
+                                     self.limit_reason)
                 declared = int(declared_text)
                 await self._take(declared)
             buffer = bytearray()  # grown in place: no whole-body copy on the event loop
@@ -207,7 +212,7 @@ class CheckedRequest(Request):
                     raise _too_slow(total, time.monotonic() - started) from None
                 total += len(chunk)
                 if total > limit:
-                    raise _too_large(total, limit)
+                    raise _too_large(total, limit, self.limit_reason)
                 if declared is None:
                     await self._take(len(chunk))
                 buffer += chunk
@@ -259,6 +264,8 @@ class CheckedRoute(APIRoute):
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         if get_dependant(path=compile_path(path)[1], call=endpoint).body_params:  # what reading a body may answer
             kwargs["responses"] = {**documented_errors(408, 413, 415, 503), **(kwargs.get("responses") or {})}
+        if any((method, path) in UPLOAD_ROUTES for method in kwargs.get("methods") or ()):  # the blob is stored
+            kwargs["responses"] = {**documented_errors(507), **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -278,8 +285,13 @@ class CheckedRoute(APIRoute):
                 return await handler(req)
             settings = request.app.state.settings
             req.started = time.monotonic()
-            req.body_limit = (settings.max_request_bytes if uploads
-                              else min(settings.max_json_bytes, settings.max_request_bytes))
+            if uploads:
+                req.body_limit = upload_body_limit(settings)
+                req.limit_reason = (f"a plan upload carries a blob of at most {settings.max_blob_bytes} bytes as "
+                                    f"base64, and at most {settings.max_json_bytes} bytes besides")
+            else:
+                req.body_limit = min(settings.max_json_bytes, settings.max_request_bytes)
+                req.limit_reason = "PLANCACHE_MAX_JSON_BYTES: the limit of every body but a plan upload's"
             req.memory_factor = UPLOAD_MEMORY_FACTOR if uploads else JSON_MEMORY_FACTOR
             try:
                 if role is not None:

@@ -2,12 +2,15 @@
 
 Domain errors (:class:`plancache.errors.PlanCacheError`) carry their own ``http_status`` and ``code``;
 request validation becomes 422 ``validation_error`` naming the field; routing errors keep their
-status (404, 405, 413); an unreachable or locked database is a retryable 503; anything else is a
-bug, logged with its traceback and answered 500 ``internal_error``.
+status (404, 405, 413); an unreachable or locked database is a retryable 503; a blob store that cannot
+take a write (full disk or quota, folder not writable: :data:`STORAGE_ERRNOS`) is 507 ``insufficient_storage``,
+logged in one line (the write is atomic and inside the record's transaction: nothing half-written stays);
+anything else is a bug, logged with its traceback and answered 500 ``internal_error`` with ``Connection: close``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +40,11 @@ _CODES_BY_STATUS = {
     422: "validation_error",
     429: "too_many_requests",
     503: "server_busy",
+    507: "insufficient_storage",
 }
+#: ``OSError`` numbers that mean the blob store cannot take a write now: full disk or quota, read-only or
+#: unwritable folder. An operator's fix; the request may succeed later.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
 #: Longest error message answered (a message may quote what the request sent).
 MAX_MESSAGE_CHARS = 2000
 
@@ -52,6 +59,7 @@ _DOCUMENTED = {
     422: "invalid request (the message names the field)",
     429: "this token's budget for the operation is spent; retry after Retry-After seconds",
     503: "database unavailable, or the server is busy; retry after Retry-After seconds",
+    507: "the blob store is full or not writable; nothing was stored, retry later",
 }
 
 
@@ -89,9 +97,21 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
                           {"Retry-After": "1"})
 
 
+async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OSError)
+    if exc.errno not in STORAGE_ERRNOS:
+        return await _internal_error(request, exc)
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    log.error("blob store cannot take a write during %s %s: %s (%s)", request.method, request.url.path, name, exc)
+    return error_response(507, "insufficient_storage", f"the server's blob store cannot store this now ({name}: "
+                          f"{exc.strerror}); nothing was stored, retry later")
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal_error", "internal server error (logged)")
+    # uvicorn drops the connection after this answer (the error propagates to it): say so, or a keep-alive
+    # client would send its next request there
+    return error_response(500, "internal_error", "internal server error (logged)", {"Connection": "close"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -100,4 +120,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for exc_type in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.TimeoutError):
         app.add_exception_handler(exc_type, _database_unavailable)
+    app.add_exception_handler(OSError, _storage_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -12,6 +12,18 @@ from ..store import Store
 from .auth import Principal
 
 
+def base64_size(n: int) -> int:
+    """Length of the base64 text of ``n`` bytes."""
+    return 4 * ((n + 2) // 3)
+
+
+def upload_body_limit(settings: Settings) -> int:
+    """The largest plan upload body read: a blob of ``max_blob_bytes`` as base64 plus ``max_json_bytes`` for
+    the rest (the record, the spec), and never over ``max_request_bytes``. A longer body cannot carry an
+    allowed blob: one that declares it is refused (413) before a byte of it is read."""
+    return min(settings.max_request_bytes, base64_size(settings.max_blob_bytes) + settings.max_json_bytes)
+
+
 def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: Settings,
                   loc: tuple[str, ...] = ("body",)) -> bytes:
     """The upload's blob, decoded and within ``Settings.max_blob_bytes``; its spec (if sent) registered.
@@ -27,7 +39,7 @@ def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settin
     too_large = f"plan blob of %d bytes or more exceeds the limit of {limit} bytes"
     if upload.blob_size > limit:
         raise PayloadTooLarge(too_large % upload.blob_size)
-    if len(upload.blob_b64) > 4 * ((limit + 2) // 3):  # before decoding: its base64 is longer than any allowed blob's
+    if len(upload.blob_b64) > base64_size(limit):  # before decoding: its base64 is longer than any allowed blob's
         raise PayloadTooLarge(too_large % (len(upload.blob_b64) // 4 * 3 - 2))
     try:
         blob = upload.blob_bytes()

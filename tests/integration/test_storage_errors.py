@@ -1,0 +1,97 @@
+"""A file blob store that cannot take a write (full disk, unwritable folder) answers a plan upload with
+507 ``insufficient_storage``, logs one line without a traceback, and leaves nothing half-written: no blob
+file (not even its temporary file) and no plan record. Before: 500 ``internal_error``, the traceback logged
+as an unhandled error (and by uvicorn again)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plancache.store import open_store
+from tests.factories import H200, make_meta
+from tests.server_util import open_api, upload_json
+
+
+@pytest.fixture
+def file_store(tmp_path: Path) -> Any:
+    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}", create=True, blob_store=(tmp_path / "blobs").as_uri())
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
+
+
+def _refuse(store: Any, make_spec: Any, caplog: pytest.LogCaptureFixture, why: str) -> None:
+    key, spec = make_spec(0)
+    blob = b"plan bytes" * 1000
+    with open_api(store) as api:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            r = api.client.put("/v1/plans", json=upload_json(make_meta(key, H200, blob), blob, spec), headers=api.admin)
+    assert r.status_code == 507, r.text
+    error = r.json()["error"]
+    assert error["code"] == "insufficient_storage" and why in error["message"] and "nothing was stored" in error["message"]
+    assert store.get_plan(key, H200) is None
+    assert _files(store.blob_store.root) == []
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
+    assert [rec.levelname for rec in caplog.records if "blob store" in rec.getMessage()] == ["ERROR"]
+
+
+def test_a_full_disk_is_507_with_nothing_half_written(file_store: Any, make_spec: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:  # the temporary blob file is written, then the disk is found full
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    _refuse(file_store, make_spec, caplog, "ENOSPC")
+
+
+def test_an_unwritable_blob_folder_is_507(file_store: Any, make_spec: Any, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    root: Path = file_store.blob_store.root
+    if os.geteuid() == 0:  # root writes whatever the mode says: refuse the folder's writes instead
+        real_mkdir = Path.mkdir
+
+        def denied(self: Path, *args: Any, **kwargs: Any) -> None:
+            if self.is_relative_to(root):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", denied)
+    else:
+        root.chmod(0o500)
+    try:
+        _refuse(file_store, make_spec, caplog, "EACCES")
+    finally:
+        root.chmod(0o700)
+
+
+def test_other_os_errors_stay_internal_errors(file_store: Any, make_spec: Any, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Only the storage errnos are 507: any other OSError is a bug, answered 500 with its traceback logged."""
+    def broken(fd: int) -> None:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(os, "fsync", broken)
+    key, spec = make_spec(0)
+    blob = b"plan bytes"
+    with open_api(file_store) as api, caplog.at_level(logging.ERROR):
+        r = api.client.put("/v1/plans", json=upload_json(make_meta(key, H200, blob), blob, spec), headers=api.admin)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.headers["connection"] == "close"
+    assert any(rec.exc_info for rec in caplog.records)
