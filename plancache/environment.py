@@ -54,9 +54,6 @@ class Environment(StrictModel):
         """Stable id of the validity fields (32 hex chars)."""
         return environment_id(self.validity())
 
-    def compatible_with(self, other: Environment) -> bool:
-        return self.validity() == other.validity()
-
     def describe(self) -> str:
         name = self.device_name or "GPU"
         return (

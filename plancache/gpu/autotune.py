@@ -7,7 +7,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -55,7 +55,6 @@ class TunedPlan:
     environment: Environment
     max_abs_err: float
     numerics_check: str = "reference"
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def speedup_vs_heuristic(self) -> float | None:

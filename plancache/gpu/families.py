@@ -704,8 +704,7 @@ def attention_geometry(spec: GraphSpec, node: NodeDoc, x: dict[str, Tensor]) -> 
         bottom_right=bool(bottom_right), alibi=bool(p.get("use_alibi_mask")))
 
 
-#: Ports on the query side (their rows are queries) and on the key side.
-Q_SIDE = ("q", "o", "dO", "stats", "O", "Stats", "dQ", "score_max", "score_sum_exp")
+#: Ports on the key/value side (their rows are keys); every other attention port is on the query side.
 KV_SIDE = ("k", "v", "dK", "dV")
 
 
