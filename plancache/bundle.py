@@ -241,16 +241,20 @@ def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | No
 
     Nothing is written when any entry fails verification, or when the store already holds a different
     plan of the same or an older revision for an entry's graph key and environment (:class:`Conflict` naming the
-    entry). An entry older than the stored record is skipped and counted (``older``).
+    entry). An entry older than the stored record, or than a withdrawal of its plan, is skipped and counted
+    (``older``).
     """
     raw, doc = read_bundle(path)
     plans = verify_bundle(raw, doc, trusted_keys)
     environment = doc.header.environment
+    withdrawn = store.get_withdrawals(environment, [plan.record.graph_key for plan in plans])
     unchanged, older, fresh = 0, 0, []
     for index, plan in enumerate(plans):
         stored = store.get_plan(plan.record.graph_key, plan.record.environment)
-        if stored is not None and stored.revision > plan.record.revision:
-            older += 1  # an older record never replaces a newer one: skipped, counted
+        withdrawal = withdrawn.get(plan.record.graph_key)
+        if (stored is not None and stored.revision > plan.record.revision
+                or withdrawal is not None and withdrawal.revision >= plan.record.revision):
+            older += 1  # an older record never replaces a newer one, nor comes back after a withdrawal: skipped
             continue
         if stored is not None and stored.blob_sha256 != plan.record.blob_sha256:
             raise Conflict(f"bundle entry {index} (graph key {plan.record.graph_key[:16]}): the store holds another "

@@ -141,3 +141,15 @@ def test_plans_withdraw_command(store, db_url, planned, gpu_env, tmp_path):
     assert bad.exit_code == 2 and "graph key" in bad.stderr
     nokey = run(key, "--environment", gpu_env.env_id, "--reason", "x")
     assert nokey.exit_code == 3 and "PLANCACHE_SIGNING_KEY" in nokey.stderr
+
+
+def test_a_bundle_made_before_the_withdrawal_does_not_bring_the_plan_back(store, planned, gpu_env, signer, tmp_path):
+    from plancache.bundle import export_bundle, import_bundle
+
+    key, record = planned
+    out = tmp_path / "before.bundle"
+    assert export_bundle(store, gpu_env, [key], out, signer) == 1
+    store.withdraw_plan(withdrawal_of(record, signer))
+    report = import_bundle(store, out, trusted(signer))
+    assert (report.imported, report.older) == (0, 1)
+    assert store.get_plan(key, gpu_env) is None and store.explain_misses(gpu_env, [key])[key].reason == "withdrawn"
