@@ -280,3 +280,26 @@ def test_accepted_revisions_only_grow_survive_eviction_and_are_shared(tmp_path):
         assert cache.revision(KEY) == 9
     finally:
         os.chmod(tmp_path / H200.env_id, 0o700)
+
+
+def test_an_entry_from_the_server_is_marked_confirmed_and_loses_the_mark_with_the_entry(tmp_path):
+    cache = DiskCache(tmp_path, H200)
+    fetched, imported = make_record("a" * 64, H200, b"from the server"), make_record("b" * 64, H200, b"from a bundle")
+    before = time.time()
+    assert cache.save(fetched, b"from the server", checked=True) and cache.save(imported, b"from a bundle")
+    checked = cache.checked_at(fetched.graph_key)
+    assert checked is not None and checked >= before - 1
+    assert cache.checked_at(imported.graph_key) is None  # never confirmed by a server: revalidated at first use
+    cache.mark_checked(imported.graph_key)
+    assert cache.checked_at(imported.graph_key) is not None
+    cache.discard(fetched.graph_key, fetched.blob_sha256)
+    assert cache.checked_at(fetched.graph_key) is None and cache.load(fetched.graph_key) is None
+    assert plan_files(tmp_path / H200.env_id) == sorted([f"{'b' * 64}.json", f"{'b' * 64}.checked",
+                                                         f"{imported.blob_sha256}.blob"])
+
+
+def test_a_revision_accepted_in_the_foreground_is_on_disk_at_once(tmp_path):
+    cache = DiskCache(tmp_path, H200)
+    cache.accept_revision("a" * 64, 42, background=False)
+    assert (tmp_path / H200.env_id / f"{'a' * 64}.revision").read_text() == "42"
+    assert DiskCache(tmp_path, H200).revision("a" * 64) == 42

@@ -217,3 +217,48 @@ def test_a_signed_payload_with_a_repeated_key_is_refused(signer):
     with pytest.raises(SignatureError, match="'graph_key' appears twice") as err:
         trusted(signer).verify(forged)
     assert err.value.reason == "malformed"
+
+
+def _withdrawal(signer: Any, **fields: Any) -> Any:
+    from plancache.protocol import Withdrawal
+
+    record = make_record(KEY, H200, BLOB, signer)
+    return signer.sign_withdrawal(Withdrawal(graph_key=KEY, environment=H200, blob_sha256=record.blob_sha256,
+                                             withdrawn_revision=record.revision, reason="wrong results", **fields))
+
+
+def test_a_withdrawal_is_a_standard_dsse_envelope_of_an_in_toto_statement(signer):
+    w = _withdrawal(signer)
+    assert w.revision > w.withdrawn_revision
+    signed = dsse_verify(json.loads(w.model_dump_json())["envelope"], signer.private_key.public_key())
+    assert signed["_type"] == "https://in-toto.io/Statement/v1"
+    assert signed["subject"] == [{"name": KEY, "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
+    assert signed["predicateType"] == "https://plancache.dev/withdrawal/v1"
+    assert signed["predicate"] == {"graph_key": KEY, "environment": H200.validity(), "reason": "wrong results",
+                                   "withdrawn_revision": w.withdrawn_revision, "revision": w.revision,
+                                   "signed_at": signed["predicate"]["signed_at"]}
+    trusted(signer).verify_withdrawal(w, what="withdrawal")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("graph_key", "d" * 64), ("environment", OTHER_GPU), ("blob_sha256", "0" * 64), ("withdrawn_revision", 1),
+    ("reason", "another reason"), ("revision", 2**40),
+])
+def test_a_withdrawal_is_authentic_only_if_its_fields_equal_the_signed_predicate(signer, field, value):
+    w = _withdrawal(signer).model_copy(update={field: value})
+    with pytest.raises(SignatureError, match=rf"does not match its signed statement \({field}\)") as err:
+        trusted(signer).verify_withdrawal(w, what="withdrawal")
+    assert err.value.reason == "bad_signature"
+
+
+def test_a_plan_statement_is_no_withdrawal_and_a_withdrawal_no_plan(signer):
+    """The predicate type keeps the two apart: a signed plan record's envelope cannot withdraw it, and a
+    withdrawal's envelope cannot pass for a plan."""
+    w, meta = _withdrawal(signer), make_meta(KEY, H200, BLOB, signer)
+    with pytest.raises(SignatureError) as err:
+        trusted(signer).verify_withdrawal(w.model_copy(update={"envelope": meta.envelope}), what="withdrawal")
+    assert err.value.reason == "malformed"
+    assert reason_of(meta.model_copy(update={"envelope": w.envelope}), trusted(signer)) == "malformed"
+    with pytest.raises(SignatureError) as err:
+        trusted(new_signer()).verify_withdrawal(w, what="withdrawal")
+    assert err.value.reason == "unknown_signer"
