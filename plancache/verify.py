@@ -12,11 +12,14 @@ Needs neither torch nor the server stack.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-from .environment import Environment
 from .errors import VerificationError
-from .protocol import PlanMeta, PlanRecord, Withdrawal
-from .signing import TrustedKeys
+
+if TYPE_CHECKING:  # a record in hand means its modules are loaded: the client imports this one before them
+    from .environment import Environment
+    from .protocol import PlanMeta, Withdrawal
+    from .signing import TrustedKeys
 
 #: A signature is required but no key is trusted to check it with (the client without trusted keys).
 NO_TRUSTED_KEYS = "no_trusted_keys"
@@ -51,6 +54,8 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
     elif require_signature:
         raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
                                                  f"so its signature cannot be verified")
+    from .protocol import PlanRecord
+
     env_id = record.env_id if isinstance(record, PlanRecord) else record.environment.env_id
     _check_target(what, record.graph_key, record.environment, env_id, graph_key, environment)
     if min_revision is not None and record.revision < min_revision:

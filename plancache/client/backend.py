@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..environment import Environment
 from ..errors import GpuUnavailable
-from ..spec import GraphSpec
+
+if TYPE_CHECKING:
+    from ..environment import Environment
+    from ..spec import GraphSpec
 
 log = logging.getLogger("plancache.client")
 

@@ -52,24 +52,24 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum, StrEnum
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
-
-import httpx
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import SPEC_SCHEMA_VERSION
-from ..environment import Environment
+from ..canonical import canonical_json
 from ..errors import PlanCacheError, PlanMiss, ServerUnavailable, VerificationError
-from ..http import CircuitBreaker, HttpClient
-from ..protocol import MissReason, PlanRecord, ResolvedPlan, b64decode
-from ..settings import Settings, get_settings
-from ..signing import TrustedKeys
-from ..spec import GraphSpec, canonical_json, from_pygraph, graph_key, is_pygraph, parse_spec
 from ..verify import NO_TRUSTED_KEYS, verify_blob
 from .backend import Backend, BuiltPlanLike
-from .cache import DiskCache
 from .plan import Plan
-from .remote import Remote
-from .revalidate import Revalidator, apply_withdrawal
+
+if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module (plancache.client's docstring)
+    import httpx
+
+    from ..environment import Environment
+    from ..protocol import MissReason, PlanRecord, ResolvedPlan
+    from ..settings import Settings
+    from ..signing import TrustedKeys
+    from ..spec import GraphSpec
+    from .remote import Remote
 
 log = logging.getLogger("plancache.client")
 
@@ -81,6 +81,8 @@ SpecLike = Any
 def family_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
     """The shape family of ``spec``: sha256 of its canonical form with every tensor's dims and strides
     replaced by its rank and its layout order (dimension indices, outermost first)."""
+    from ..spec import parse_spec
+
     doc = parse_spec(spec).canonical()
     for t in doc["tensors"]:
         dims, strides = t["dim"] or [], t["stride"] or []
@@ -284,6 +286,8 @@ class ServerStep(Step):
                 p.note(self.name, f"no plan: {reason.message}" if reason else "no plan for this environment")
                 _bump(self.cache._stats.miss_reasons, reason.reason if reason else "unexplained")
                 if reason is not None and reason.withdrawal is not None:
+                    from .revalidate import apply_withdrawal
+
                     apply_withdrawal(self.cache, p.key, reason.withdrawal)
             elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
                 found[p] = plan
@@ -297,6 +301,8 @@ class ServerStep(Step):
         admitted at all; None when there is none (the reason is noted)."""
         record = answer.record
         if answer.blob_b64 is not None:
+            from ..protocol import b64decode
+
             try:
                 return b64decode(answer.blob_b64)
             except ValueError as exc:
@@ -533,6 +539,8 @@ class ClientStats:
 
 
 def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> TrustedKeys:
+    from ..signing import TrustedKeys
+
     if isinstance(value, TrustedKeys):
         return value
     if value is None or isinstance(value, str):
@@ -552,6 +560,12 @@ class PlanCache:
     """
 
     def __init__(self, config: ClientConfig | str | None = None, /, **options: Any) -> None:
+        from ..http import CircuitBreaker, HttpClient
+        from ..settings import get_settings
+        from .cache import DiskCache
+        from .remote import Remote
+        from .revalidate import Revalidator
+
         if not isinstance(config, ClientConfig):
             config = ClientConfig(**{"server_url": config, **options})
         elif options:
@@ -632,6 +646,8 @@ class PlanCache:
         (constructed, not built) gets the tuned plan through the ladder and then runs with the caller's
         own ``graph.execute(...)`` (Tensor handles, names or uids). Auto-assigned uids are renumbered to the
         canonical ones (read uids after this call, or assign them). Returns the :class:`Plan`."""
+        from ..spec import is_pygraph
+
         if not is_pygraph(graph):
             raise TypeError(f"build() takes a cudnn.pygraph, not {type(graph).__name__}; use plan() for a spec")
         return self.plan(graph)
@@ -678,6 +694,8 @@ class PlanCache:
         ``spec`` read before lowering and its auto-assigned uids already canonical): the ladder without local
         builds. On a miss: None in normal mode (the caller's own FE pipeline builds it, as it asked), or
         :class:`PlanMiss` in strict and replay-only mode. This is what :mod:`plancache.client.hook` calls."""
+        from ..spec import graph_key
+
         p = Pending(graph_key(spec), spec, graph)
         result = self._load_many([p], SERVING_STEPS[self.mode])[0]
         if isinstance(result, Plan):
@@ -693,6 +711,8 @@ class PlanCache:
             _bump(self._stats.fe_builds, reason)
 
     def _pending(self, obj: SpecLike) -> Pending:
+        from ..spec import from_pygraph, graph_key, is_pygraph, parse_spec
+
         if is_pygraph(obj):
             spec = from_pygraph(obj)
             self._backend.prepare_graph(obj, spec)

@@ -35,11 +35,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedGraph
-from ..spec import GraphSpec, from_pygraph
 from .core import PlanCache
+
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
 
 log = logging.getLogger("plancache.client")
 
@@ -182,6 +184,8 @@ def _validate(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache
 
 
 def _capture(graph: Any, cache: PlanCache) -> _Graph:
+    from ..spec import from_pygraph
+
     try:
         spec = from_pygraph(graph)
     except UnsupportedGraph as exc:

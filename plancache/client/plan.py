@@ -12,10 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..spec import TORCH_DTYPES, GraphSpec
 from .backend import Backend, BuiltPlanLike
+
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
 
 #: Device pointers handed to cuDNN must be aligned to this many bytes (the alignment plans are built for).
 ALIGNMENT = 16
@@ -127,6 +129,8 @@ class Plan:
         """What the plan needs of each non-virtual tensor, by canonical uid (dims/strides None where the
         backend infers them)."""
         if self._expect is None:
+            from ..spec import TORCH_DTYPES
+
             doc = self.spec.canonical_document()
             names = {u: n for n, u in doc.io_names().items()}
             expect = {}

@@ -1,0 +1,72 @@
+"""Importing the client costs next to nothing: a fresh interpreter that imports it (and reads its names, and imports
+the hook and ``plancache.torch``) loads none of the heavy modules the first :class:`PlanCache` made brings in, nor any
+of the server's or the GPU's. A module that appears here grew the client's import (issue 27: it was 0.4 s on a GPU
+host, against 15-20 ms for ``import cudnn``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+#: Top-level packages that must stay out of ``sys.modules`` until a PlanCache is made (or forever, for the client).
+DEFERRED = ("httpx", "httpcore", "h2", "anyio", "click", "rich", "pygments", "cryptography", "pydantic",
+            "pydantic_core", "pydantic_settings", "annotated_types", "sqlalchemy", "fastapi", "starlette",
+            "uvicorn", "torch", "cudnn", "numpy", "yaml", "asyncio", "email", "ssl")
+#: plancache's own modules that must stay out: the wire protocol's models, the signature checks, the settings,
+#: the HTTP client, the spec's models and the disk cache all come with the first PlanCache.
+DEFERRED_OWN = ("plancache.protocol", "plancache.signing", "plancache.settings", "plancache.http",
+                "plancache.spec", "plancache.environment", "plancache.validation", "plancache.client.cache",
+                "plancache.client.remote", "plancache.client.revalidate", "plancache.server", "plancache.store",
+                "plancache.gpu", "plancache.worker")
+
+#: Exported names whose modules are the first PlanCache's to import (the disk cache and the server's client), so
+#: reading them loads that module.
+FIRST_USE = ("DiskCache", "Remote")
+STATEMENTS = [
+    "import plancache.client",
+    "from plancache.client import PlanCache, Plan, ClientConfig, family_key, verify_blob, REASONS",
+    f"import plancache.client as c; [getattr(c, n) for n in c.__all__ if n not in {FIRST_USE}]",
+    "import plancache.client.hook",
+    "import plancache.torch",
+]
+
+
+def _loaded_after(statement: str) -> list[str]:
+    code = f"{statement}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.parametrize("statement", STATEMENTS)
+def test_importing_the_client_loads_none_of_what_the_first_plan_cache_needs(statement):
+    loaded = _loaded_after(statement)
+    heavy = sorted(m for m in loaded if m.split(".")[0] in DEFERRED or m.startswith(DEFERRED_OWN))
+    assert not heavy, f"{statement!r} imported {heavy}"
+
+
+def test_every_exported_name_is_read_from_its_module():
+    """The lazy names are the modules' own objects, listed once, and ``dir`` shows them."""
+    import plancache.client as client
+    from plancache.client import core, plan
+    from plancache.verify import verify_blob
+
+    assert client.PlanCache is core.PlanCache and client.Plan is plan.Plan and client.verify_blob is verify_blob
+    assert set(client.__all__) <= set(dir(client))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = client.nothing  # type: ignore[attr-defined]
+
+
+def test_the_first_plan_cache_brings_in_what_it_needs(tmp_path):
+    """The deferred imports happen, and work, when a PlanCache is made (a server URL: the HTTP client too)."""
+    code = (
+        "import sys\n"
+        "from plancache.client import PlanCache\n"
+        "from tests.client_fakes import RecordingBackend\n"
+        f"PlanCache('http://127.0.0.1:9', backend=RecordingBackend(), cache_dir={str(tmp_path)!r}, trusted_keys=[]).close()\n"
+        "print(' '.join(m for m in ('httpx', 'pydantic', 'cryptography', 'plancache.protocol') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["httpx", "pydantic", "cryptography", "plancache.protocol"]
