@@ -199,6 +199,12 @@ class Withdrawal(StrictModel):
     envelope: Envelope | None = Field(default=None, description="DSSE envelope of the signed in-toto statement")
 
 
+class SignedWithdrawal(Withdrawal):
+    """``POST /v1/admin/withdrawals`` body: a withdrawal with its envelope."""
+
+    envelope: Envelope = Field(description="DSSE envelope of the signed in-toto statement")
+
+
 class WithdrawalRecord(Withdrawal):
     """A stored withdrawal."""
 

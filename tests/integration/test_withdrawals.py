@@ -109,8 +109,8 @@ def test_the_admin_route(api, planned, gpu_env, signer):  # noqa: F811
     assert r.json()["reasons"][key]["withdrawal"]["envelope"] == body["envelope"]
     unsigned = {**body, "envelope": None, "revision": body["revision"] + 1}
     r = api.client.post("/v1/admin/withdrawals", json=unsigned, headers=api.admin)
-    assert r.status_code == 422 and r.json()["error"]["code"] == "verification_failed"
-    assert "unsigned" in r.json()["error"]["message"]
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+    assert "envelope" in r.json()["error"]["message"]
     stale = {**body, "withdrawn_revision": body["withdrawn_revision"] - 1}
     r = api.client.post("/v1/admin/withdrawals", json=stale, headers=api.admin)
     assert r.status_code == 409 and r.json()["error"]["code"] == "stale_revision"

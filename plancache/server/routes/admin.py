@@ -15,9 +15,9 @@ from ...protocol import (
     Job,
     JobList,
     MissList,
+    SignedWithdrawal,
     TargetEnvironment,
     TuneRequest,
-    Withdrawal,
     WithdrawalRecord,
 )
 from ...spec import graph_key
@@ -86,9 +86,9 @@ def list_misses(store: StoreDep, _: Admin,
              summary="Withdraw a plan: resolve stops serving it, clients that learn of it drop their copies",
              responses={200: {"model": WithdrawalRecord, "description": "this withdrawal was stored already"},
                         **documented_errors(401, 403, 404, 409, 422, 503)})
-def withdraw(withdrawal: Withdrawal, store: StoreDep, response: Response, _: Admin) -> WithdrawalRecord:
-    """A withdrawal signed like a plan record (``plancache plans withdraw`` makes one; 422 ``verification_failed``
-    when it is unsigned) naming the stored plan's revision and blob: the plan's record is deleted, so resolve no
+def withdraw(withdrawal: SignedWithdrawal, store: StoreDep, response: Response, _: Admin) -> WithdrawalRecord:
+    """A withdrawal signed like a plan record (``plancache plans withdraw`` makes one; the server stores the envelope,
+    clients verify it) naming the stored plan's revision and blob: the plan's record is deleted, so resolve no
     longer serves it, explain answers ``withdrawn`` with the signed withdrawal, and a client that verifies it against
     its trusted keys drops its disk copy and refuses that plan from then on. 404: no plan is stored for the key and
     environment; 409 ``stale_revision``: the stored plan is another revision (replaced meanwhile), or the
