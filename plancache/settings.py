@@ -164,6 +164,7 @@ class AdminSettings(ConnectionSettings, AdminTokenSettings):
 class Settings(ServerSettings, WorkerSettings, ClientSettings, AdminSettings):
     """Every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
     Add a new setting to its role's section above, not here."""
+    capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
 
 
 def get_settings() -> Settings:

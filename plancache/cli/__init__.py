@@ -15,6 +15,7 @@ command                    module
 ``tune``                   :mod:`plancache.cli.tune_cmds` (tables: :mod:`plancache.cli.report`)
 ``worker``                 :mod:`plancache.cli.worker_cmds`
 ``enqueue``                :mod:`plancache.cli.enqueue_cmds`
+``capture``                :mod:`plancache.cli.capture_cmds`
 ``explain``                :mod:`plancache.cli.explain_cmds`
 ``keygen``                 :mod:`plancache.cli.keygen_cmds`
 =========================  ===================================
@@ -40,6 +41,7 @@ COMMAND_MODULES = [
     "plancache.cli.tune_cmds",
     "plancache.cli.worker_cmds",
     "plancache.cli.enqueue_cmds",
+    "plancache.cli.capture_cmds",
     "plancache.cli.explain_cmds",
     "plancache.cli.keygen_cmds",
 ]

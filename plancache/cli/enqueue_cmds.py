@@ -1,8 +1,12 @@
-"""``plancache enqueue``: register spec files on a server and queue tuning jobs for them (admin)."""
+"""``plancache enqueue``: register spec files or capture files on a server and queue tuning jobs for them (admin),
+optionally the variants of each graph along shape axes (``--vary``)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -18,13 +22,16 @@ from .common import (
     server_option,
 )
 
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
+
 _GIVE_ADMIN_TOKEN = (f"give --token or set {env_name('admin_token')} to an admin token (the server's bootstrap "
                      "token, or one from `plancache token create --role admin`)")
 
 
 @command
 def enqueue(
-    files: list[Path] = typer.Argument(..., help="GraphSpec JSON files"),
+    files: list[Path] = typer.Argument(..., help="GraphSpec JSON files, or capture files (plancache capture)"),
     server: str | None = server_option("plancache server URL"),
     token: str | None = typer.Option(None, "--token", show_default=False,
                                         help="admin token (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)"),
@@ -36,9 +43,12 @@ def enqueue(
     priority: int = typer.Option(0, "--priority", help="higher is claimed first"),
     wait: float = typer.Option(5.0, "--wait", min=0.0,
                                help="seconds to keep trying an unreachable or failing server before giving up"),
+    vary: list[str] = typer.Option([], "--vary", metavar="AXIS=SIZES",
+                                   help="enqueue each graph at these sizes of a shape axis instead, e.g. s=128,256,512 "
+                                        "(axes: b, s_q, s_kv, s = s_q and s_kv; docs/CLI.md); repeat for several"),
 ) -> None:
-    """Register spec files on the server and queue a tuning job for each on the given target
-    (a field left out matches any environment)."""
+    """Register spec files (or every graph of capture files) on the server and queue a tuning job for each on the
+    given target (a field left out matches any environment). Jobs of capture files carry the source `capture`."""
     from pydantic import ValidationError
 
     from ..client.remote import Remote
@@ -46,7 +56,9 @@ def enqueue(
     from ..http import Backoff, Retry
     from ..protocol import TargetEnvironment, TuneRequest
 
-    specs = [(p, load_spec_file(p)) for p in files]
+    specs = [item for p in files for item in _load(p)]
+    if vary:
+        specs = _variants(specs, _parse_vary(vary))
     try:
         target = TargetEnvironment(sm=sm, sm_count=sm_count, cudnn_version=cudnn_version, driver_version=driver_version,
                                    frontend_version=frontend_version)
@@ -62,18 +74,84 @@ def enqueue(
     retry = Retry(Backoff(initial=0.2, cap=2.0), within=wait)
     try:
         with quiet_retries(), open_jobs_api(server, token, settings, retry=retry) as api:
-            for path, spec in specs:
+            for name, spec, _ in specs:
                 key = Remote(api.http).register_spec(spec)
                 if key != spec.graph_key:
-                    raise Failure(f"{path}: the server computed graph key {key}, this client {spec.graph_key}",
+                    raise Failure(f"{name}: the server computed graph key {key}, this client {spec.graph_key}",
                                   "use the same plancache version on both sides", ExitCode.FAILED)
-            jobs = api.enqueue(TuneRequest(graph_keys=[s.graph_key for _, s in specs], targets=[target],
-                                           priority=priority))
+            jobs = []
+            for source in ("admin", "capture"):
+                keys = list(dict.fromkeys(s.graph_key for _, s, captured in specs if captured == (source == "capture")))
+                if keys:
+                    jobs += api.enqueue(TuneRequest(graph_keys=keys, targets=[target], priority=priority,
+                                                    source=source))
     except (Unauthorized, Forbidden) as exc:
         raise Failure(f"{exc.message} (enqueue needs an admin token)", _GIVE_ADMIN_TOKEN, ExitCode.AUTH) from None
-    names = {s.graph_key: p.name for p, s in specs}
+    names = {s.graph_key: name for name, s, _ in specs}
     for job in jobs:
         typer.echo(f"job {job.id}  {job.status:<9} {job.graph_key[:12]}  {names.get(job.graph_key, '')}")
+
+
+def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
+    """(name shown, spec, from a capture file) for each graph of a spec file or a capture file."""
+    from ..client.capture import is_capture, parse_capture
+    from ..errors import SpecError
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        doc = None  # load_spec_file names the problem
+    if not is_capture(doc):
+        return [(path.name, load_spec_file(path), False)]
+    try:
+        graphs = parse_capture(doc)
+    except SpecError as exc:
+        raise Failure(f"{path}: {exc.message}", "capture the program again (plancache capture)", ExitCode.FAILED) from None
+    return [(f"{path.name}:{spec.name or 'graph'} (built {count}x)", spec, True) for spec, count in graphs]
+
+
+def _parse_vary(values: list[str]) -> dict[str, list[int]]:
+    axes: dict[str, list[int]] = {}
+    for value in values:
+        name, _, sizes = value.partition("=")
+        try:
+            numbers = [int(v) for v in sizes.split(",")]
+        except ValueError:
+            numbers = []
+        if not name or not numbers or any(n < 1 for n in numbers) or name in axes:
+            raise Failure(f"--vary {value!r}: expected AXIS=SIZES with positive integer sizes, each axis once",
+                          "e.g. --vary s=128,256,512 --vary b=1,8", ExitCode.USAGE)
+        axes[name] = list(dict.fromkeys(numbers))
+    return axes
+
+
+def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int]]) -> list[tuple[str, GraphSpec, bool]]:
+    """Every graph that has each axis, at every combination of the sizes; the others are skipped (said on stderr)."""
+    from ..client.capture import axes_of, vary
+    from ..errors import SpecError
+
+    out, skipped = [], []
+    for name, spec, captured in specs:
+        missing = [a for a in axes if a not in axes_of(spec)]
+        if missing:
+            skipped.append(f"skipped {name}: no axis {', '.join(missing)} (it has {', '.join(axes_of(spec)) or 'none'})")
+            continue
+        for sizes in itertools.product(*axes.values()):
+            chosen = dict(zip(axes, sizes))
+            try:
+                variant = vary(spec, chosen)
+            except SpecError as exc:
+                raise Failure(f"{name}: {exc.message}", "vary moves plain attention graphs (docs/CLI.md, "
+                              "\"enqueue --vary\")", ExitCode.FAILED) from None
+            label = ",".join(f"{a}={n}" for a, n in chosen.items())
+            out.append((f"{name} [{label}]", variant, captured))
+    if not out:
+        raise Failure(f"no graph has the axes {', '.join(axes)} to vary",
+                      "vary moves SDPA forward and backward graphs along b, s_q, s_kv and s (docs/CLI.md)",
+                      ExitCode.USAGE)
+    for line in skipped:
+        typer.echo(line, err=True)
+    return out
 
 
 def register(app: typer.Typer) -> None:

@@ -20,6 +20,9 @@ FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` 
   with its own ``execute`` (Tensor handles, names or uids), ``get_workspace_size`` and CUDA-graph capture.
   On a miss in normal mode FE runs the deferred steps exactly as the caller asked them (same heuristic modes,
   filters and policy); in strict and replay-only mode :class:`~plancache.errors.PlanMiss` is raised.
+- With a capture file (``install(..., capture=FILE)`` or ``PLANCACHE_CAPTURE=FILE``) every graph whose spec is read
+  is also counted into that file (:mod:`plancache.client.capture`); ``install(None, capture=FILE)`` only captures
+  (FE builds every graph itself), which is what ``plancache capture -- CMD`` does.
 - A call that chooses among FE's own candidates (``build_plans(ALL)``, the plan-index APIs, engine and note
   filters, ``create_execution_plan``), a graph the spec cannot represent (a ``score_mod`` callback), an
   override-shape graph and a graph validated before the hook was installed are built by FE unchanged, with
@@ -28,13 +31,16 @@ FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedGraph
@@ -84,12 +90,18 @@ _local = threading.local()       # .inside: the hook's own calls into FE (the la
 _cache: PlanCache | None = None
 _originals: dict[type, dict[str, Any]] = {}  # per patched class, what its own __dict__ held
 _graphs: weakref.WeakKeyDictionary[Any, _Graph] = weakref.WeakKeyDictionary()
+_recorder: Any = None            # a capture.Recorder while capturing
+_counted: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs the recorder counted
 
 
-def install(cache: PlanCache, *, graph_class: type | None = None) -> None:
+def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None) -> None:
     """Route every build of a ``graph_class`` (default ``cudnn.pygraph``) in this process through ``cache`` until
-    :func:`uninstall`. Installing again switches the cache."""
+    :func:`uninstall`. Installing again switches the cache. ``capture`` (default ``PLANCACHE_CAPTURE``): a capture file
+    that counts every graph built; with ``cache`` None the hook only captures."""
     global _cache
+    from ..settings import ClientSettings  # pydantic-settings: not on the import of this module
+
+    _start_capture(capture if capture is not None else ClientSettings().capture)
     if graph_class is None:
         import cudnn
 
@@ -118,6 +130,43 @@ def uninstall() -> None:
                     delattr(cls, name)
         _originals.clear()
         _cache = None
+    _stop_capture()
+
+
+def _start_capture(path: str | os.PathLike[str] | None) -> None:
+    global _recorder
+    if path is None:
+        return
+    from .capture import Recorder
+
+    with _lock:
+        if _recorder is None or _recorder.path != Path(path).absolute():
+            _stop_capture_locked()
+            _recorder = Recorder(Path(path).absolute())
+            atexit.register(_recorder.flush)
+            log.info("plancache: capturing every graph built into %s", _recorder.path)
+
+
+def _stop_capture() -> None:
+    with _lock:
+        _stop_capture_locked()
+
+
+def _stop_capture_locked() -> None:
+    global _recorder
+    if _recorder is not None:
+        atexit.unregister(_recorder.flush)
+        _recorder.flush()
+        _recorder = None
+        _counted.clear()
+
+
+def _count(graph: Any, spec: GraphSpec) -> None:
+    """Count a graph into the capture file once (the first validate that read its spec)."""
+    recorder = _recorder
+    if recorder is not None and graph not in _counted:
+        _counted.add(graph)
+        recorder.add(spec)
 
 
 @contextlib.contextmanager
@@ -155,7 +204,11 @@ def _wrap(name: str, original: Callable[..., Any], handler: Handler) -> Callable
     @functools.wraps(original)
     def method(graph: Any, *args: Any, **kwargs: Any) -> Any:
         cache = _cache
-        if cache is None or getattr(_local, "inside", False):
+        if getattr(_local, "inside", False):
+            return original(graph, *args, **kwargs)
+        if cache is None:
+            if name == "validate" and _recorder is not None and graph._lowered_graph is None:
+                _capture_only(graph)
             return original(graph, *args, **kwargs)
         return handler(original, name, graph, cache, args, kwargs)
 
@@ -190,10 +243,20 @@ def _capture(graph: Any, cache: PlanCache) -> _Graph:
         spec = from_pygraph(graph)
     except UnsupportedGraph as exc:
         return _Graph(None, "unsupported", exc.message)
+    _count(graph, spec)
     if spec.graph.is_override_shape_enabled:
         return _Graph(spec, "override_shape")
     cache._backend.prepare_graph(graph, spec)
     return _Graph(spec)
+
+
+def _capture_only(graph: Any) -> None:
+    from ..spec import from_pygraph
+
+    try:
+        _count(graph, from_pygraph(graph))
+    except UnsupportedGraph as exc:
+        log.info("plancache: a graph the spec cannot represent is not captured (%s)", exc.message)
 
 
 def _state(graph: Any) -> _Graph:

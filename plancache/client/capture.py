@@ -1,0 +1,269 @@
+"""Capture files: every graph a program built, as specs to tune before a fleet needs them, and the variants of a
+captured graph along a shape axis.
+
+A capture file (``plancache capture``, or ``PLANCACHE_CAPTURE=FILE`` with the hook installed) is JSON::
+
+    {"format": "plancache-capture", "version": 1,
+     "graphs": [{"graph_key": "…", "name": "sdpa_fwd", "count": 12, "spec": {…schema-2 document…}}, …]}
+
+``count`` is how many graphs of that key the program built. Several processes (a launcher's ranks, a test suite)
+may capture into one file: each adds its counts under a lock (``FILE.lock``). Nothing is uploaded.
+
+:func:`vary` rewrites a captured graph at another size of a shape axis (:data:`AXES`) exactly as the graph's own
+code would have built it: the axis' dim of every tensor that carries it, and each such tensor's strides recomputed
+in its own layout (the strides of the dims outside the varied one are scaled, the inner ones kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from ..errors import SpecError
+from ..files import atomic_write
+from ..spec import GraphSpec, parse_spec
+from ..validation import StrictModel, validation_message
+
+CAPTURE_FORMAT = "plancache-capture"
+#: Most graphs one capture file holds.
+MAX_CAPTURED = 100_000
+
+#: Shape axes :func:`vary` moves: per node type, per axis, the (port, dim index) pairs that move together.
+#: SDPA tensors are (batch, heads, sequence, head_dim); ``Stats`` is (batch, heads, s_q, 1). ``s`` is self-attention:
+#: ``s_q`` and ``s_kv`` together.
+AXES: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {
+    "SDPA": {
+        "b": (("q", 0), ("k", 0), ("v", 0), ("O", 0), ("Stats", 0)),
+        "s_q": (("q", 2), ("O", 2), ("Stats", 2)),
+        "s_kv": (("k", 2), ("v", 2)),
+    },
+    "SDPA_BWD": {
+        "b": (("q", 0), ("k", 0), ("v", 0), ("o", 0), ("dO", 0), ("stats", 0), ("dQ", 0), ("dK", 0), ("dV", 0)),
+        "s_q": (("q", 2), ("o", 2), ("dO", 2), ("stats", 2), ("dQ", 2)),
+        "s_kv": (("k", 2), ("v", 2), ("dK", 2), ("dV", 2)),
+    },
+}
+#: Axes that stand for several of :data:`AXES`.
+AXIS_ALIASES = {"s": ("s_q", "s_kv")}
+#: Ports of those node types that :func:`vary` leaves alone (scalars); a graph with any other port is refused, since
+#: its tensors (a bias, a mask, sequence lengths, page tables) would have to move too.
+_SCALAR_PORTS = frozenset({"attn_scale"})
+
+
+class CapturedGraph(StrictModel):
+    graph_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str = Field(default="", max_length=256)
+    count: int = Field(ge=1)
+    spec: dict[str, Any]
+
+
+class CaptureFile(StrictModel):
+    format: Literal["plancache-capture"]
+    version: Literal[1]
+    graphs: list[CapturedGraph] = Field(max_length=MAX_CAPTURED)
+
+
+def is_capture(doc: Any) -> bool:
+    """Whether a parsed JSON document is a capture file (else: a spec)."""
+    return isinstance(doc, dict) and doc.get("format") == CAPTURE_FORMAT
+
+
+def parse_capture(doc: Any) -> list[tuple[GraphSpec, int]]:
+    """The specs of a capture file and how often each was built; :class:`SpecError` names what is wrong (a spec
+    whose key is not the one written next to it, too)."""
+    try:
+        capture = CaptureFile.model_validate(doc)
+    except ValidationError as exc:
+        raise SpecError(f"not a valid capture file: {validation_message(exc.errors())}") from None
+    graphs = []
+    for i, g in enumerate(capture.graphs):
+        try:
+            spec = parse_spec(g.spec)
+        except SpecError as exc:
+            raise SpecError(f"graphs[{i}]: {exc.message}") from None
+        if spec.graph_key != g.graph_key:
+            raise SpecError(f"graphs[{i}]: its spec's graph key is {spec.graph_key}, not {g.graph_key} "
+                            "(the file was edited, or written by another plancache version)")
+        graphs.append((spec, g.count))
+    return graphs
+
+
+class Recorder:
+    """Counts the graphs a process builds and merges them into a capture file: at the first build of each key (so
+    a process that dies keeps what it met) and on :meth:`flush` (the hook flushes at exit)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._specs: dict[str, GraphSpec] = {}
+        self._pending: Counter[str] = Counter()
+
+    def add(self, spec: GraphSpec) -> None:
+        with self._lock:
+            new = spec.graph_key not in self._specs
+            self._specs.setdefault(spec.graph_key, spec)
+            self._pending[spec.graph_key] += 1
+            if new:
+                self._flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        with _file_lock(self.path):
+            graphs: dict[str, dict[str, Any]] = {}
+            if self.path.exists():
+                for spec, count in parse_capture(json.loads(self.path.read_text(encoding="utf-8"))):
+                    graphs[spec.graph_key] = _entry(spec, count)
+            for key, n in self._pending.items():
+                entry = graphs.setdefault(key, _entry(self._specs[key], 0))
+                entry["count"] += n
+            doc = {"format": CAPTURE_FORMAT, "version": 1,
+                   "graphs": sorted(graphs.values(), key=lambda g: (-g["count"], g["graph_key"]))}
+            atomic_write(self.path, (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
+        self._pending.clear()
+
+
+def _entry(spec: GraphSpec, count: int) -> dict[str, Any]:
+    return {"graph_key": spec.graph_key, "name": spec.name, "count": count, "spec": spec.to_json()}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def axes_of(spec: GraphSpec) -> list[str]:
+    """The axes :func:`vary` can move in this graph (empty: none)."""
+    types = {n.type for n in spec.nodes}
+    if not types or not types <= set(AXES):
+        return []
+    common = set.intersection(*(set(AXES[t]) for t in types))
+    return sorted(common | {a for a, parts in AXIS_ALIASES.items() if set(parts) <= common})
+
+
+def vary(spec: GraphSpec, sizes: dict[str, int]) -> GraphSpec:
+    """``spec`` with each axis of ``sizes`` (:data:`AXES`, :data:`AXIS_ALIASES`) at that size: the graph the same
+    code builds at that shape. :class:`SpecError` when the graph has no such axis or tensors :func:`vary` cannot
+    move consistently (other node types; a bias, mask or sequence-length input)."""
+    wanted: dict[str, int] = {}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise SpecError(f"axis {axis}: a size is a positive integer, not {size!r}")
+        for part in AXIS_ALIASES.get(axis, (axis,)):
+            wanted[part] = size
+    available = axes_of(spec)
+    missing = [a for a in sizes if a not in available]
+    if missing:
+        raise SpecError(f"graph {spec.name or spec.graph_key[:12]} has no axis {', '.join(missing)} to vary; it has "
+                        f"{', '.join(available) or 'none'} (axes are defined for node types {', '.join(AXES)})")
+    doc = spec.to_json()
+    tensors = {t["uid"]: t for t in doc["tensors"]}
+    moves: dict[int, dict[int, int]] = {}  # uid -> dim index -> new size
+    for node in doc["nodes"]:
+        ports = {**node.get("inputs", {}), **node["outputs"]}
+        axes = AXES[node["type"]]
+        known = {p for parts in axes.values() for p, _ in parts} | _SCALAR_PORTS
+        unknown = sorted(set(ports) - known)
+        if unknown:
+            raise SpecError(f"node {node.get('name') or node['type']}: its ports {', '.join(unknown)} would have to "
+                            "move with the shape; vary supports plain attention (q, k, v, O, Stats) only")
+        for axis, size in wanted.items():
+            for port, index in axes[axis]:
+                if port in ports:
+                    moves.setdefault(ports[port], {})[index] = size
+    for uid, dims in moves.items():
+        _resize(tensors[uid], dims)
+    return parse_spec(doc)
+
+
+def _resize(tensor: dict[str, Any], sizes: dict[int, int]) -> None:
+    """Set dims of one tensor document and recompute its strides in its own layout: a dim is outside dim ``j``
+    when its stride is larger (or equal, and it comes first) and at least dim ``j``'s extent; those strides scale."""
+    dim, stride = list(tensor["dim"]), list(tensor["stride"])
+    for j, new in sorted(sizes.items()):
+        if j >= len(dim):
+            raise SpecError(f"tensor {tensor.get('name') or tensor['uid']} has {len(dim)} dims, not {j + 1}")
+        old = dim[j]
+        if stride:
+            extent = stride[j] * old
+            for k in range(len(dim)):
+                outer = stride[k] > stride[j] or (stride[k] == stride[j] and k < j)
+                if k != j and outer and stride[k] >= extent:
+                    if stride[k] % old:
+                        raise SpecError(f"tensor {tensor.get('name') or tensor['uid']}: stride {stride[k]} is not "
+                                        f"a multiple of dim {j} ({old}); its layout is not dense")
+                    stride[k] = stride[k] // old * new
+        dim[j] = new
+    tensor["dim"], tensor["stride"] = dim, stride
+
+
+#: The ``sitecustomize`` that ``plancache capture`` puts first on the program's ``PYTHONPATH``.
+BOOT_SOURCE = """\
+try:
+    from plancache.client.capture import boot
+except ImportError as exc:  # this interpreter has no plancache: nothing is captured in it
+    import sys
+    print(f"plancache capture: {exc}; graphs built by {sys.executable} are not captured", file=sys.stderr)
+else:
+    boot(__file__)
+"""
+
+
+def boot(boot_file: str) -> None:
+    """Run in a program started by ``plancache capture`` (its ``sitecustomize``): import the program's own
+    ``sitecustomize``, if any, then install the capturing hook when (and if) the program imports ``cudnn``."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.abspath(boot_file))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    own = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+    if own is not None and own.loader is not None:
+        own.loader.exec_module(importlib.util.module_from_spec(own))
+
+    def install(module: Any) -> None:
+        from . import hook
+
+        hook.install(None, graph_class=module.pygraph)
+
+    if "cudnn" in sys.modules:
+        install(sys.modules["cudnn"])
+        return
+
+    class AfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "cudnn":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def run(module: Any) -> None:
+                    exec_module(module)
+                    install(module)
+
+                spec.loader.exec_module = run  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, AfterImport())
