@@ -35,6 +35,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "PLANCACHE_"
 
 
+#: Seconds one candidate build may take in a builder process (``PLANCACHE_BUILD_TIMEOUT``). The slowest graph of the
+#: tuning benchmark (bench/results/tuning.json, mlp_h2048_up_gelu) built its 11 candidates in 16.9 s together, so
+#: no single build there took longer; 120 s is 7 times that whole graph, 78 times its mean build (1.5 s).
+DEFAULT_BUILD_TIMEOUT = 120.0
+#: Seconds of wall clock one job may take on a worker before it is failed and released (``PLANCACHE_JOB_TIMEOUT``):
+#: 100 times the slowest whole tuning of the benchmark (17.5 s, one process) and 15 build timeouts.
+DEFAULT_JOB_TIMEOUT = 1800.0
+
+
 def env_name(field: str) -> str:
     """The environment variable of a settings field: ``open_reads`` → ``PLANCACHE_OPEN_READS``."""
     return f"{ENV_PREFIX}{field.upper()}"
@@ -143,6 +152,8 @@ class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
     """``plancache worker`` and ``plancache tune``."""
 
     build_processes: int | None = Field(default=None, ge=0, le=256)  # None: gpu.candidates.default_processes()
+    build_timeout: float = Field(default=DEFAULT_BUILD_TIMEOUT, gt=0, le=86400)  # seconds per candidate build
+    job_timeout: float = Field(default=DEFAULT_JOB_TIMEOUT, gt=0, le=7 * 86400)  # seconds of wall clock per job
 
 
 class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):

@@ -47,3 +47,25 @@ def finished_at(item: tuple[int, float]) -> tuple[int, float]:
     n, delay = item
     time.sleep(delay)
     return n, time.time()
+
+
+def hang_on(item: tuple[int, str]) -> int:
+    """Never return for the items marked ``hang`` (like a deadlocked compile); else ``n + 1``."""
+    n, what = item
+    while what == "hang":
+        time.sleep(60)
+    return n + 1
+
+
+def exit_at_start() -> None:
+    """An initializer that fails: the process exits before it is ready."""
+    os._exit(3)
+
+
+def build_or_hang(task: tuple[str, str, int, tuple[int | None, tuple[tuple[str, int], ...]]]) -> int:
+    """A stand-in for a builder's task (``gpu.candidates._build_task``'s argument): the candidate index, or never
+    returning for index 1 (a hung compile)."""
+    index = task[2]
+    while index == 1:
+        time.sleep(60)
+    return index

@@ -1,8 +1,8 @@
 """Test doubles for the worker's GPU step, so the job loop runs on machines without a GPU.
 
 :class:`FakeTuner` is NOT a tuner: it sleeps for ``tune_seconds``, returns a deterministic
-pseudo-random "blob" derived from the graph key, and can be told to fail the numerics check
-or to claim the device is too small. Run as a script (``python -m tests.worker_fakes …``) it
+pseudo-random "blob" derived from the graph key, and can be told to fail the numerics check,
+to claim the device is too small, or to hang on some graphs. Run as a script (``python -m tests.worker_fakes …``) it
 runs a real :class:`~plancache.worker.Worker` with a FakeTuner, for the subprocess tests
 (SIGKILL, SIGSTOP, SIGTERM); it prints the run's stats as one JSON line on exit.
 """
@@ -64,7 +64,7 @@ class FakeTuner:
 
     def __init__(self, environment: Environment = FAKE_ENV, *, tune_seconds: float = 0.0, fail_numerics: bool = False,
                  memory_bytes: int = 1 << 40, corrupt_digest: bool = False, blob_size: int = 4096,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, hang: tuple[str, ...] = ()) -> None:
         self.env = environment
         self.tune_seconds = tune_seconds
         self.fail_numerics = fail_numerics
@@ -72,6 +72,8 @@ class FakeTuner:
         self.corrupt_digest = corrupt_digest
         self.blob_size = blob_size
         self.pipelined = pipelined
+        self.hang = hang  # graph keys whose tuning hangs until ``unhang`` is set (then fails)
+        self.unhang = threading.Event()
         self.followings: list[str | None] = []  # per tuning, the graph key it was told comes next
         self.tuned: list[str] = []
         self.verified: list[str] = []
@@ -90,6 +92,9 @@ class FakeTuner:
 
     def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> FakeTunedPlan:
         self.followings.append(following.graph_key if following else None)
+        if spec.graph_key in self.hang:
+            self.unhang.wait()
+            raise TuningError("FakeTuner: a hung tuning was let go")
         time.sleep(self.tune_seconds)
         self.tuned.append(spec.graph_key)
         blob = fake_blob(spec.graph_key, self.blob_size)

@@ -79,7 +79,7 @@ def tune(
     results = []
     processes = build_processes if build_processes is not None else worker.build_processes
     processes = default_processes() if processes is None else processes
-    builders = BuildPool(processes, device=device) if processes else None
+    builders = BuildPool(processes, device=device, build_timeout=worker.build_timeout) if processes else None
     with Progress(console=console, transient=True) as bar, builders or contextlib.nullcontext():
         for n, (path, spec) in enumerate(specs):
             following = specs[n + 1][1] if n + 1 < len(specs) else None  # its builds queued behind this one's

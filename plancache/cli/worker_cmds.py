@@ -60,9 +60,10 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     stop_on_signals(stop)
-    tuner = GpuTuner(device, build_processes=settings.build_processes if build_processes is None else build_processes)
+    tuner = GpuTuner(device, build_processes=settings.build_processes if build_processes is None else build_processes,
+                     build_timeout=settings.build_timeout)
     w = Worker(client, tuner, signer, spool, worker_id=worker_id or default_worker_id(),
-               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace)
+               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout)
     try:
         w.run(stop)
     finally:

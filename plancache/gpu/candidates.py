@@ -10,6 +10,8 @@ the very blob that is published.
 
 Builds are queued first in, first out, so a graph's builds may be submitted while the graph before it is still
 being timed (:meth:`BuildPool.ahead`): the builders then never wait for the timing, nor the timing for them.
+A build that runs longer than the pool's ``build_timeout`` (a hung compile) has its builder process killed and
+replaced; the candidate is reported as not built ("build timed out after N s") and the others go on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..canonical import canonical_json
-from ..procpool import Crashed, OrderedPool
+from ..procpool import Crashed, OrderedPool, TimedOut
+from ..settings import DEFAULT_BUILD_TIMEOUT
 from ..spec import GraphSpec, parse_spec
 from .runtime import create_handle, plan_identity, prepare
 
@@ -147,12 +150,13 @@ def _build_task(task: tuple[str, str, int, tuple[int | None, tuple[tuple[str, in
 # ---------------------------------------------------------------- the tuning process's side
 
 class BuildPool:
-    """``processes`` builder processes on CUDA ``device``, started on first use and kept for later graphs."""
+    """``processes`` builder processes on CUDA ``device``, started on first use and kept for later graphs; a build
+    may take ``build_timeout`` seconds before its process is killed (``PLANCACHE_BUILD_TIMEOUT``)."""
 
-    def __init__(self, processes: int, *, device: int = 0) -> None:
+    def __init__(self, processes: int, *, device: int = 0, build_timeout: float = DEFAULT_BUILD_TIMEOUT) -> None:
         self.processes = processes
         self.device = device
-        self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(device,))
+        self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(device,), task_timeout=build_timeout)
         self._pool.start()  # every builder sets up (CUDA, cuDNN handle) while the first graph is prepared
         self._ahead: dict[str, CandidateSet] = {}
         self._handle: Any = None
@@ -196,13 +200,18 @@ class BuildPool:
         return self._collect(self._pool.map_ordered(_build_task, tasks))
 
     @staticmethod
-    def _collect(results: Generator[BuiltCandidate | Crashed[Any], None, None]) -> Generator[BuiltCandidate, None, None]:
+    def _collect(results: Generator[BuiltCandidate | Crashed[Any] | TimedOut[Any], None, None],
+                 ) -> Generator[BuiltCandidate, None, None]:
         try:
             for r in results:
                 if isinstance(r, Crashed):
                     _, _, index, (engine_id, knobs) = r.item
                     yield BuiltCandidate(index, engine_id, dict(knobs), "", None, 0, 0.0,
                                          "building this candidate killed its builder process twice (native crash)")
+                elif isinstance(r, TimedOut):
+                    _, _, index, (engine_id, knobs) = r.item
+                    yield BuiltCandidate(index, engine_id, dict(knobs), "", None, 0, r.seconds,
+                                         f"build timed out after {r.seconds:g} s (its builder process was killed)")
                 else:
                     yield r
         finally:  # closed early: the tasks not started are cancelled

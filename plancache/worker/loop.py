@@ -5,7 +5,9 @@ deserialize round trip in this process is published; any failure is reported to 
 server as a failed attempt with its reason. A finished result is written to the spool
 before it is sent, so neither the server being down nor the worker restarting loses it.
 On stop (SIGTERM), a tuning in progress gets ``shutdown_grace`` seconds to finish and be
-published; otherwise the job is released for another worker.
+published; otherwise the job is released for another worker. A tuning that runs past ``job_timeout`` seconds (a
+hang the builders' own time limit does not catch) fails its job, which is released to be retried up to its attempts,
+and the worker goes on with the next one.
 
 When the tuner builds candidates in other processes (:meth:`Tuner.pipelines`), the worker claims the next job
 before it tunes the current one, and heartbeats both: the next graph's candidates are built while the current
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import FrameType
@@ -35,9 +38,11 @@ from ..errors import (
     PlanCacheError,
     ServerUnavailable,
     SpecError,
+    TuningError,
     Unauthorized,
 )
 from ..protocol import ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest, PlanMeta
+from ..settings import DEFAULT_JOB_TIMEOUT
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
 from .jobs_api import JobsApi
@@ -143,10 +148,12 @@ class _Tuning:
 
 
 class Worker:
-    """Tunes the jobs a plancache server hands out for this machine's GPU environment."""
+    """Tunes the jobs a plancache server hands out for this machine's GPU environment. ``job_timeout``: seconds
+    one job's tuning and verification may take (``PLANCACHE_JOB_TIMEOUT``)."""
 
     def __init__(self, client: JobsApi, tuner: Tuner, signer: Signer, spool: Spool, *, worker_id: str,
-                 poll_interval: float = 5.0, once: bool = False, shutdown_grace: float = 25.0) -> None:
+                 poll_interval: float = 5.0, once: bool = False, shutdown_grace: float = 25.0,
+                 job_timeout: float = DEFAULT_JOB_TIMEOUT) -> None:
         self.client = client
         self.tuner = tuner
         self.signer = signer
@@ -155,6 +162,7 @@ class Worker:
         self.poll_interval = poll_interval
         self.once = once
         self.shutdown_grace = shutdown_grace
+        self.job_timeout = job_timeout
         self.stats = WorkerStats()
         self.environment: Environment | None = None
 
@@ -259,7 +267,16 @@ class Worker:
         thread = threading.Thread(target=self._tune_and_verify, args=(spec, following, outcome, done), daemon=True,
                                   name=f"tune-job-{job.id}")
         thread.start()
+        deadline = time.monotonic() + self.job_timeout
         while not done.wait(0.05):
+            if time.monotonic() > deadline:
+                # a thread cannot be killed: it is abandoned, and whatever it returns is never published
+                log.error("job %d: tuning still running after %gs; abandoning it", job.id, self.job_timeout)
+                beat.finishing()
+                self._report_failure(job, lease, TuningError(
+                    f"the job ran past its wall-clock limit of {self.job_timeout:g} s on worker {self.worker_id} "
+                    "(PLANCACHE_JOB_TIMEOUT); its tuning was abandoned"))
+                return None
             if stop.is_set():
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
                 if not done.wait(self.shutdown_grace):

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..environment import Environment
 from ..protocol import PlanMeta
+from ..settings import DEFAULT_BUILD_TIMEOUT
 from ..spec import GraphSpec
 
 if TYPE_CHECKING:
@@ -54,15 +55,18 @@ class GpuTuner:
 
     ``build_processes`` builder processes build candidate plans while this process times them (0: build
     here, one after another; None: :func:`plancache.gpu.candidates.default_processes`). They start with
-    the first tuning and stop on :meth:`close`."""
+    the first tuning and stop on :meth:`close`; a build that takes longer than ``build_timeout`` seconds has its
+    process killed and its candidate recorded as not built (builds in this process are not bounded)."""
 
-    def __init__(self, device: int = 0, *, warmup: int = 3, repeats: int = 20, build_processes: int | None = None) -> None:
+    def __init__(self, device: int = 0, *, warmup: int = 3, repeats: int = 20, build_processes: int | None = None,
+                 build_timeout: float = DEFAULT_BUILD_TIMEOUT) -> None:
         if build_processes is not None and build_processes < 0:
             raise ValueError(f"build_processes must be 0 or more, got {build_processes}")
         self.device = device
         self.warmup = warmup
         self.repeats = repeats
         self.build_processes = build_processes
+        self.build_timeout = build_timeout
         self._builders: Any = None
 
     def environment(self) -> Environment:
@@ -80,7 +84,7 @@ class GpuTuner:
         from ..gpu.candidates import BuildPool
 
         if self.pipelines() and self._builders is None:
-            self._builders = BuildPool(self._processes(), device=self.device)
+            self._builders = BuildPool(self._processes(), device=self.device, build_timeout=self.build_timeout)
         return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats, builders=self._builders,
                             following=following)
 

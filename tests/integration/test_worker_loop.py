@@ -203,6 +203,26 @@ def test_a_spec_too_big_for_the_device_is_refused_before_tuning(srv, tmp_path, k
     assert done.status == "failed" and done.attempts == 1 and "insufficient_gpu_memory" in done.error
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_job_past_its_wall_clock_limit_is_failed_and_released_and_the_worker_goes_on(srv, tmp_path, keys, pipelined):
+    hung, fine = enqueue(srv, ["conv_bias_relu", "sdpa_causal"], max_attempts=2)
+    tuner = FakeTuner(hang=(hung.graph_key,), pipelined=pipelined)
+    worker = make_worker(srv, tmp_path, keys[0], tuner, once=True, job_timeout=1.0)
+    t0 = time.monotonic()
+    try:
+        stats = worker.run(threading.Event())
+    finally:
+        tuner.unhang.set()  # let the abandoned tuning thread end
+    elapsed = time.monotonic() - t0
+    # the hung job was released after its first attempt and claimed again (2 attempts), the other one succeeded
+    assert (stats.claimed, stats.failed, stats.succeeded) == (3, 2, 1)
+    failed = job(srv, hung.id)
+    assert failed.status == "failed" and failed.attempts == 2
+    assert "tuning_failed" in failed.error and "wall-clock limit of 1 s" in failed.error
+    assert job(srv, fine.id).status == "succeeded" and plan(srv, hung.graph_key) is None
+    assert 2.0 <= elapsed < 8.0
+
+
 # ---------------------------------------------------------------- leases
 
 

@@ -1,11 +1,15 @@
 """OrderedPool: results in submission order from spawned processes; a task that kills its process is pinned
-on itself (retried alone, then reported as Crashed) and the others still complete."""
+on itself (run once more, then reported as Crashed), a task that overruns its time limit has its process killed
+and is reported as TimedOut, and the others still complete."""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 import pytest
 
-from plancache.procpool import Crashed, OrderedPool
+from plancache.procpool import Crashed, OrderedPool, TimedOut
 from tests import procpool_tasks as tasks
 
 
@@ -76,8 +80,6 @@ def test_a_pool_needs_a_process():
 
 
 def test_start_brings_every_process_up_at_once():
-    import multiprocessing
-
     before = len(multiprocessing.active_children())
     with OrderedPool(3) as p:
         p.start()
@@ -94,3 +96,54 @@ def test_closing_a_candidate_set_early_cancels_its_pool_batch(pool):
     CandidateSet(graph=None, indices=list(range(12)), built=built).close()
     assert batch.gi_frame is None  # the batch's generator ran its clean-up: the tasks not started are cancelled
     assert list(pool.map_ordered(tasks.square_after, [(3, 0.0)])) == [9]
+
+
+def test_a_hung_task_is_killed_at_its_time_limit_and_the_others_complete():
+    before = len(multiprocessing.active_children())
+    with OrderedPool(2, task_timeout=1.0) as pool:
+        pool.start()
+        assert list(pool.map_ordered(tasks.square_after, [(0, 0.0)])) == [0]  # both processes ready
+        t0 = time.monotonic()
+        out = pool.map_ordered(tasks.hang_on, [(0, "ok"), (1, "hang"), (2, "ok"), (3, "ok"), (4, "ok")])
+        assert next(out) == 1
+        assert next(out) == TimedOut((1, "hang"), 1.0)
+        waited = time.monotonic() - t0
+        assert list(out) == [3, 4, 5]  # the other process went on meanwhile
+        assert 1.0 <= waited < 3.0
+        assert pool.restarts == 1  # the killed process was replaced
+        assert len(multiprocessing.active_children()) - before == 2
+        assert list(pool.map_ordered(tasks.hang_on, [(5, "ok"), (6, "ok")])) == [6, 7]
+
+
+def test_the_time_limit_counts_from_when_a_task_starts_not_from_when_it_was_queued():
+    with OrderedPool(1, task_timeout=1.0) as pool:
+        # 4 tasks of 0.5 s each on one process: the last ends 2 s after it was queued, well within its own second
+        assert list(pool.map_ordered(tasks.square_after, [(n, 0.5) for n in range(4)])) == [0, 1, 4, 9]
+        assert pool.restarts == 0
+
+
+def test_a_pool_whose_processes_cannot_start_fails_its_tasks():
+    with OrderedPool(2, initializer=tasks.exit_at_start) as pool, \
+            pytest.raises(ChildProcessError, match="exited with code 3 while starting"):
+        list(pool.map_ordered(tasks.square_after, [(1, 0.0), (2, 0.0)]))
+
+
+def test_a_time_limit_must_be_positive():
+    with pytest.raises(ValueError, match="task_timeout must be positive"):
+        OrderedPool(1, task_timeout=0)
+
+
+def test_a_build_past_its_time_limit_is_a_candidate_not_built_and_the_others_are_built():
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed")
+    from plancache.gpu.candidates import BuildPool
+
+    with OrderedPool(2, task_timeout=1.0) as pool:
+        batch = pool.map_ordered(tasks.build_or_hang, [("key", "{}", i, (7, (("TILE", i),))) for i in range(4)])
+        t0 = time.monotonic()
+        built = list(BuildPool._collect(batch))
+        waited = time.monotonic() - t0
+    assert built[0] == 0 and built[2:] == [2, 3]
+    hung = built[1]
+    assert (hung.index, hung.engine_id, hung.knobs, hung.blob) == (1, 7, {"TILE": 1}, None)
+    assert hung.error == "build timed out after 1 s (its builder process was killed)" and hung.build_seconds == 1.0
+    assert waited < 5.0
