@@ -65,7 +65,7 @@ class StoreSettings(_Section):
     """Where the store is: read by the server and by the commands that open the database themselves."""
 
     database_url: str = "sqlite:///./plancache.db"
-    blob_store: str = "database"  # or file:///path (plancache.store.blobs)
+    blob_store: str = "database"  # or file:///path, s3://bucket/prefix (plancache.store.blobs)
     job_max_attempts: int = 3
 
 

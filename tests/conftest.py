@@ -6,7 +6,8 @@
   postgres case is skipped, or fails when the environment variable ``CI`` is set.
 - ``clock``: a :class:`FakeClock` (starts at the real current time, moves only when told).
 - ``blob_store_url``: ``database``; in modules marked ``both_blob_stores`` also a ``file://`` folder
-  under ``tmp_path`` (each test that uses it runs once per blob store).
+  under ``tmp_path`` and an ``s3://`` bucket of moto's S3 server (each test that uses it runs once per blob store).
+- ``moto_s3``, ``s3_blob_url``: S3 through moto's standalone server (:mod:`tests.s3_util`).
 - ``store``: ``open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)``, closed afterwards.
 - ``gpu_env``: :data:`tests.factories.H200`.
 - ``make_spec(i)``: a small valid spec dict, distinct for each ``i``, and its graph key.
@@ -29,6 +30,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
+from .s3_util import moto_s3, s3_blob_url  # noqa: F401 (fixtures)
 
 DEFAULT_POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -106,13 +109,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "blob_store_url" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_blob_stores"):
-        metafunc.parametrize("blob_store_url", ["database", "file"], indirect=True)
+        metafunc.parametrize("blob_store_url", ["database", "file", "s3"], indirect=True)
 
 
 @pytest.fixture
 def blob_store_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    """A ``PLANCACHE_BLOB_STORE`` value: ``database``, or (parametrized ``file``) a folder under ``tmp_path``."""
-    return (tmp_path / "blobs").as_uri() if getattr(request, "param", "database") == "file" else "database"
+    """A ``PLANCACHE_BLOB_STORE`` value: ``database``, or (parametrized) a folder under ``tmp_path`` (``file``) or a
+    fresh bucket of moto's S3 server (``s3``)."""
+    kind = getattr(request, "param", "database")
+    if kind == "s3":
+        return str(request.getfixturevalue("s3_blob_url"))
+    return (tmp_path / "blobs").as_uri() if kind == "file" else "database"
 
 
 @pytest.fixture

@@ -352,13 +352,14 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
     url = url or settings.database_url
     import sqlalchemy as sa  # the server extra: without it, MISSING_EXTRA
 
-    from ..store.blobs import blob_folder
+    from ..store.blobs import check_blob_store_url
 
     try:
-        blob_folder(settings.blob_store)  # the setting is named when wrong, before the database is
+        check_blob_store_url(settings.blob_store)  # the setting is named when wrong, before the database is
     except ValueError as exc:
         raise Failure(f"{env_name('blob_store')}: {_one_line(exc)}",
-                      f"set {env_name('blob_store')} to 'database' or file:///absolute/path (docs/DEPLOYMENT.md)",
+                      f"set {env_name('blob_store')} to 'database', file:///absolute/path or s3://bucket/prefix "
+                      "(docs/DEPLOYMENT.md)",
                       ExitCode.CONFIG) from None
     try:
         store = _open_when_migrated(url, create, check_blobs, settings)

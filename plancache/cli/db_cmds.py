@@ -1,5 +1,5 @@
-"""``plancache db upgrade|migrate-blobs``: the database's schema and where its blob bytes live. The blob store is
-``PLANCACHE_BLOB_STORE``'s."""
+"""``plancache db upgrade|migrate-blobs``: the database's schema and where its blob bytes live (the database, a
+folder, object storage). The blob store is ``PLANCACHE_BLOB_STORE``'s."""
 
 from __future__ import annotations
 
@@ -28,25 +28,33 @@ def db_upgrade(database_url: str | None = database_url_option()) -> None:
 
 @db_app.command("migrate-blobs")
 @command
-def db_migrate_blobs(target: str = typer.Argument(..., help="the folder to move them to, as file:///absolute/path"),
+def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them: 'database', file:///absolute/path "
+                                                             "or s3://bucket/prefix"),
                      database_url: str | None = database_url_option()) -> None:
-    """Move the blob bytes held in the database to a file blob store (stop the servers first), all in one
-    transaction; then set PLANCACHE_BLOB_STORE to TARGET everywhere. Safe to run again."""
+    """Copy every blob from PLANCACHE_BLOB_STORE (where they are now) to TARGET (stop the servers first), each checked
+    against its digest, in one transaction; then set PLANCACHE_BLOB_STORE to TARGET everywhere. Safe to run again.
+    Copies left in a folder or bucket are not deleted."""
     from ..store.blobs import migrate_blobs, open_blob_store
 
+    hint = "give 'database', a folder as file:///absolute/path or a bucket as s3://bucket/prefix"
     try:
         blob_store = open_blob_store(target)
     except (ValueError, OSError) as exc:
-        raise Failure(f"TARGET {target}: {exc}", "give a folder as file:///absolute/path", ExitCode.USAGE) from None
+        raise Failure(f"TARGET {target}: {exc}", hint, ExitCode.USAGE) from None
     with open_database(database_url, check_blobs=False) as store:
         try:
-            moved, size = migrate_blobs(store.db, blob_store)
-        except ValueError as exc:  # TARGET is not a file:// store
-            raise Failure(f"TARGET {target}: {exc}", "give a folder as file:///absolute/path", ExitCode.USAGE) from None
+            done = migrate_blobs(store.db, store.blob_store, blob_store)
+        except ValueError as exc:  # TARGET is where the blobs are
+            raise Failure(f"TARGET {target}: {exc}", hint, ExitCode.USAGE) from None
         except OSError as exc:
             raise Failure(f"{describe_os_error(exc)} (nothing was moved)",
-                          f"check that {blob_store.url} is a folder you can write", ExitCode.OS_ERROR) from None
-    typer.echo(f"moved {moved} blobs ({size} bytes) to {blob_store.url}; set PLANCACHE_BLOB_STORE={blob_store.url}")
+                          f"check that {blob_store.url} is a folder or bucket you can write (for a bucket: the AWS_* "
+                          "variables, docs/DEPLOYMENT.md)", ExitCode.OS_ERROR) from None
+    typer.echo(f"moved {done.moved} blobs ({done.size} bytes) from {store.blob_store.url} to {blob_store.url}; "
+               f"set PLANCACHE_BLOB_STORE={blob_store.url}")
+    if done.missing:
+        typer.echo(f"warning: {done.missing} blobs of the catalog were not in {store.blob_store.url} (not moved)",
+                   err=True)
 
 
 def register(app: typer.Typer) -> None:

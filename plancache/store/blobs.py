@@ -6,8 +6,11 @@ blob store that ``PLANCACHE_BLOB_STORE`` names:
 
 - ``database`` (default, :class:`DatabaseBlobs`): the catalog row's ``data`` column.
 - ``file:///path`` (:class:`FileBlobs`): one file per blob, ``path/ab/cd/<sha256>``, in a local
-  folder or a volume every replica mounts. Written atomically (temp file, fsync, rename, fsync of
-  the folder) after checking the bytes against the digest.
+  folder or a volume every replica mounts (:class:`plancache.blobs.FolderBlobs`: atomic, fsynced,
+  hashed on every read, so a damaged or swapped file is never served and the next publish replaces it).
+- ``s3://bucket/prefix`` (also ``gs://``, ``az://``; :class:`ContentBlobs` over
+  :class:`plancache.blobs.ObjectStoreBlobs`): one object per blob, ``prefix/ab/cd/<sha256>``, hashed on
+  every read; credentials and endpoint from the ``AWS_*`` variables (docs/DEPLOYMENT.md).
 
 A catalog row whose bytes are elsewhere holds empty ``data`` (a blob is never empty). Not NULL:
 SQLite cannot drop the column's NOT NULL without rebuilding ``blobs``, which the foreign key from
@@ -33,23 +36,20 @@ files, its rows stay (unreferenced) and the next publish of those bytes writes t
 from __future__ import annotations
 
 import hashlib
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from pathlib import Path
-from urllib.parse import urlsplit
-from urllib.request import url2pathname
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..blobs import BlobStore as ContentStore
+from ..blobs import BlobStream, FolderBlobs, blob_url_kind, open_blobs
 from ..errors import BlobStoreMismatch, IntegrityError
-from ..files import atomic_write, fsync_dir
-from ..protocol import SHA256_PATTERN
 from .db import Database, lock_against_writers
 from .models import blobs, plans
 
-_SHA256 = re.compile(SHA256_PATTERN)
 # The catalog row holds the bytes (database backend) rather than naming bytes kept elsewhere.
 _IN_ROW = sa.func.length(blobs.c.data) > 0
 
@@ -87,8 +87,9 @@ class BlobStore(ABC):
         """The stored bytes of ``digests`` (absent ones left out)."""
         return {d: data for d in digests if (data := self.get(conn, d)) is not None}
 
-    def local_file(self, sha256: str) -> Path | None:
-        """The file holding the bytes, for streaming (it may be gone by now); None when not kept in files."""
+    def open(self, sha256: str) -> BlobStream | None:
+        """The bytes as a checked stream (:class:`plancache.blobs.BlobStream`), for streaming a large blob; None when
+        absent or kept in the database (read those with :meth:`get`)."""
         return None
 
 
@@ -118,65 +119,61 @@ class DatabaseBlobs(BlobStore):
         conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha256).values(data=b""))
 
 
-class FileBlobs(BlobStore):
-    """Bytes in files ``root/ab/cd/<sha256>``, written atomically and durably."""
+class ContentBlobs(BlobStore):
+    """Bytes in a store of :mod:`plancache.blobs` (a folder, object storage); the connection is not used."""
 
-    def __init__(self, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.url = root.as_uri()
-
-    def _path(self, sha256: str) -> Path:
-        if not _SHA256.match(sha256):
-            raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
-        return self.root / sha256[:2] / sha256[2:4] / sha256
+    def __init__(self, content: ContentStore) -> None:
+        self.content = content
+        self.url = content.url
 
     def put(self, conn: Connection, sha256: str, data: bytes) -> None:
-        _check(sha256, data)
-        path = self._path(sha256)
-        if self.size(conn, sha256) == len(data):  # a file only ever appears whole, by rename
-            return
-        for folder in (path.parent.parent, path.parent):
-            if not folder.is_dir():
-                folder.mkdir(exist_ok=True)
-                fsync_dir(folder.parent)
-        atomic_write(path, data, mode=0o644)  # readable by every replica sharing the folder
+        self.content.put(sha256, data)
 
     def get(self, conn: Connection, sha256: str) -> bytes | None:
-        try:
-            return self._path(sha256).read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.content.get(sha256)
 
     def size(self, conn: Connection, sha256: str) -> int | None:
-        try:
-            return self._path(sha256).stat().st_size
-        except FileNotFoundError:
-            return None
+        return self.content.size(sha256)
 
     def delete(self, conn: Connection, sha256: str) -> None:
-        self._path(sha256).unlink(missing_ok=True)
+        self.content.delete(sha256)
 
-    def local_file(self, sha256: str) -> Path | None:
-        return self._path(sha256)
+    def open(self, sha256: str) -> BlobStream | None:
+        return self.content.open(sha256)
 
 
-def blob_folder(url: str) -> Path | None:
-    """The folder a ``PLANCACHE_BLOB_STORE`` value names (None for ``database``); ValueError for any other value.
-    Nothing is touched on disk."""
+class FileBlobs(ContentBlobs):
+    """Bytes in files ``root/ab/cd/<sha256>`` (:class:`plancache.blobs.FolderBlobs`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.folder = FolderBlobs(root)
+        super().__init__(self.folder)
+        self.root = root
+
+
+def check_blob_store_url(url: str) -> None:
+    """ValueError naming the problem unless ``url`` is a ``PLANCACHE_BLOB_STORE`` value: ``database``, a folder
+    (``file:///absolute/path``) or object storage (``s3://bucket/prefix``, ``gs://``, ``az://``). Nothing is touched."""
     if url == "database":
-        return None
-    parts = urlsplit(url)
-    if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path.startswith("/") \
-            and not (parts.query or parts.fragment):
-        return Path(url2pathname(parts.path))
-    raise ValueError(f"blob store {url!r}: use 'database' or a folder as file:///absolute/path")
+        return
+    try:
+        kind = blob_url_kind(url)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; a server's blob store is 'database', file:///absolute/path or s3://bucket/prefix"
+                         ) from None
+    if kind not in ("file", "object"):
+        raise ValueError(f"blob store {url!r}: a server keeps blobs durably and writes them: use 'database', "
+                         "file:///absolute/path or s3://bucket/prefix")
 
 
 def open_blob_store(url: str) -> BlobStore:
-    """The blob store a ``PLANCACHE_BLOB_STORE`` value names: ``database`` or ``file:///absolute/path``."""
-    folder = blob_folder(url)
-    return DatabaseBlobs() if folder is None else FileBlobs(folder)
+    """The blob store a ``PLANCACHE_BLOB_STORE`` value names (:func:`check_blob_store_url`)."""
+    check_blob_store_url(url)
+    if url == "database":
+        return DatabaseBlobs()
+    content = open_blobs(url)
+    assert isinstance(content, ContentStore)  # checked: a folder or object storage
+    return FileBlobs(content.root) if isinstance(content, FolderBlobs) else ContentBlobs(content)
 
 
 def check_blob_store(db: Database, blob_store: BlobStore) -> None:
@@ -192,29 +189,46 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
             raise BlobStoreMismatch(f"the blobs of {where} are in the database, not in {blob_store.url}: move them "
                                     f"with `plancache db migrate-blobs {blob_store.url}` first")
         raise BlobStoreMismatch(f"the blobs of {where} are not in the database: set PLANCACHE_BLOB_STORE to the "
-                                "file:// store holding them")
+                                "file:// or s3:// store holding them")
     if not present:
         raise BlobStoreMismatch(f"{blob_store.url} lacks blob {referenced}, which a plan record of {where} "
-                                "references: is it the right folder (the volume mounted)?")
+                                "references: is it the right folder (the volume mounted) or bucket?")
 
 
-def migrate_blobs(db: Database, target: BlobStore, *, batch: int = 100) -> tuple[int, int]:
-    """Move the bytes of every blob held in the database into ``target``; the count and bytes moved.
+class Migration(NamedTuple):
+    """What :func:`migrate_blobs` did: blobs copied, their bytes, and catalog rows whose bytes the source lacked."""
 
-    One transaction holding off writers: every file is durable before the rows are emptied, and either
-    all rows are emptied or none (run it again after a failure: files already there are kept).
+    moved: int
+    size: int
+    missing: int
+
+
+def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: int = 100) -> Migration:
+    """Copy the bytes of every blob in the catalog from ``source`` (where they are now) to ``target`` (any two of
+    the database, a folder, object storage), each checked against its digest on the way.
+
+    One transaction holding off writers: every copy is durable before the catalog says the bytes left the database
+    (rows emptied) or came into it (rows filled), and either all rows change or none (run it again after a failure:
+    copies already there are kept). Bytes in a folder or bucket left behind are not deleted.
     """
-    if isinstance(target, DatabaseBlobs):
-        raise ValueError("blobs can only be moved to a file:// store")
-    moved = size = 0
+    if source.url == target.url:
+        raise ValueError(f"the blobs are in {source.url} already")
+    copied = Migration(0, 0, 0)
     last = ""
     with db.write() as conn:
         lock_against_writers(conn, blobs)
-        page = sa.select(blobs.c.sha256, blobs.c.data).where(_IN_ROW).order_by(blobs.c.sha256).limit(batch)
-        while rows := conn.execute(page.where(blobs.c.sha256 > last)).all():
-            for sha256, data in rows:
-                target.put(conn, sha256, bytes(data))
-                moved, size = moved + 1, size + len(data)
-            last = rows[-1].sha256
-        conn.execute(sa.update(blobs).where(_IN_ROW).values(data=b""))
-    return moved, size
+        page = sa.select(blobs.c.sha256).order_by(blobs.c.sha256).limit(batch)
+        if isinstance(source, DatabaseBlobs):
+            page = page.where(_IN_ROW)
+        while rows := conn.execute(page.where(blobs.c.sha256 > last)).scalars().all():
+            for sha256 in rows:
+                data = source.get(conn, sha256)
+                if data is None:
+                    copied = copied._replace(missing=copied.missing + 1)
+                    continue
+                target.put(conn, sha256, data)
+                copied = copied._replace(moved=copied.moved + 1, size=copied.size + len(data))
+            last = rows[-1]
+        if isinstance(source, DatabaseBlobs):
+            conn.execute(sa.update(blobs).where(_IN_ROW).values(data=b""))
+    return copied

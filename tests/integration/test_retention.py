@@ -39,11 +39,18 @@ def _publish(store: Any, make_spec: Any, make_plan: Any, i: int, env: Environmen
 
 
 def _blob_digests(store: Any) -> set[str]:
-    """The catalog's digests; on a file blob store, also exactly the files there (none missing, none left over)."""
+    """The catalog's digests; on a file or S3 blob store, also exactly the files or objects there (none missing,
+    none left over)."""
     with store.db.read() as conn:
         digests = set(conn.execute(sa.select(blobs.c.sha256)).scalars())
     if isinstance(store.blob_store, FileBlobs):
         assert {p.name for p in store.blob_store.root.rglob("*") if p.is_file()} == digests
+    elif store.blob_store.url.startswith("s3://"):
+        import obstore
+        from obstore.store import from_url
+
+        listed = obstore.list(from_url(store.blob_store.url)).collect()
+        assert {meta["path"].rsplit("/", 1)[-1] for meta in listed} == digests
     return digests
 
 

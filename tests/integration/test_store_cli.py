@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from plancache.blobs import open_blobs
 from plancache.cli import make_app
 from plancache.cli.common import ExitCode
 from plancache.store import open_store
@@ -85,7 +87,7 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
     folder = (tmp_path / "blob volume").as_uri()
 
     out = cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout
-    assert "moved 4 blobs" in out and f"PLANCACHE_BLOB_STORE={folder}" in out
+    assert "moved 4 blobs" in out and f"from database to {folder}" in out and f"PLANCACHE_BLOB_STORE={folder}" in out
     with store.db.read() as conn:
         assert conn.execute(sa.select(sa.func.count()).where(sa.func.length(blobs.c.data) > 0)).scalar_one() == 0
     with pytest.raises(BlobStoreMismatch, match="not in the database"):
@@ -96,8 +98,48 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
         assert moved.get_blob(orphan) == b"stored, not referenced yet"
     assert "moved 0 blobs" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout  # idempotent
 
-    assert "file:// store" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=2).stderr
-    assert "file:///absolute/path" in cli("db", "migrate-blobs", "s3://bucket", "--database-url", db_url, code=2).stderr
+    assert "already" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=2).stderr
+    assert "s3://bucket/prefix" in cli("db", "migrate-blobs", "ftp://x", "--database-url", db_url, code=2).stderr
+
+
+def test_migrate_blobs_to_and_from_s3(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path, monkeypatch,
+                                      s3_blob_url):
+    """database -> s3 -> a folder -> database, each step checked by resolving every record with its blob; a blob
+    damaged in the bucket is not copied on (it counts as missing)."""
+    expected = {}
+    for i in range(3):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, gpu_env, blob=f"plan {i}".encode() * 300)
+        store.publish_plan(meta, blob)
+        expected[key] = blob
+    folder = (tmp_path / "blobs").as_uri()
+
+    def resolves(blob_store: str) -> None:
+        with open_store(db_url, blob_store=blob_store) as moved:
+            found, missing = moved.resolve(gpu_env, list(expected), include_blobs=True)
+            assert {k: blob for k, (_, blob) in found.items()} == expected and missing == []
+
+    assert "moved 3 blobs" in cli("db", "migrate-blobs", s3_blob_url, "--database-url", db_url).stdout
+    resolves(s3_blob_url)
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", s3_blob_url)
+    assert f"from {s3_blob_url} to {folder}" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout
+    resolves(folder)
+    resolves(s3_blob_url)  # copies are left where they were
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", folder)
+    assert "moved 3 blobs" in cli("db", "migrate-blobs", "database", "--database-url", db_url).stdout
+    resolves("database")
+
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", s3_blob_url)
+    damaged = open_blobs(s3_blob_url)
+    digest = hashlib.sha256(expected[next(iter(expected))]).hexdigest()
+    import obstore
+    from obstore.store import from_url
+
+    obstore.put(from_url(s3_blob_url), f"{digest[:2]}/{digest[2:4]}/{digest}", b"not the plan")
+    assert damaged.get(digest) is None
+    result = cli("db", "migrate-blobs", (tmp_path / "again").as_uri(), "--database-url", db_url)
+    assert "moved 2 blobs" in result.stdout and "1 blobs of the catalog were not in" in result.stderr
 
 
 def test_plans_resign_refusals_and_unsigned_records(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path,

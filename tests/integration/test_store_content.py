@@ -105,7 +105,7 @@ def test_file_blob_store_layout_and_atomic_writes(tmp_path):
     digest = hashlib.sha256(data).hexdigest()
     bs.put(None, digest, data)  # the file backend needs no connection
     path = root / digest[:2] / digest[2:4] / digest
-    assert path.read_bytes() == data and bs.local_file(digest) == path
+    assert path.read_bytes() == data and bs.open(digest).read() == data
     assert [p for p in root.rglob("*") if p.is_file()] == [path], "no temporary file is left behind"
     assert path.stat().st_mode & 0o777 == 0o644
     path.write_bytes(data[:10])  # a damaged copy is rewritten whole
@@ -113,8 +113,8 @@ def test_file_blob_store_layout_and_atomic_writes(tmp_path):
     assert bs.get(None, digest) == data
     with pytest.raises(ValueError, match="sha256"):
         bs.get(None, "../" + digest[3:])
-    for bad in ("file://relative/path", "s3://bucket/x", "file:///x?y=1", "databases"):
-        with pytest.raises(ValueError, match="file:///absolute/path"):
+    for bad in ("file://relative/path", "file:///x?y=1", "databases", "memory://", "https://server"):
+        with pytest.raises(ValueError, match="'database', file:///absolute/path or s3://bucket/prefix"):
             open_blob_store(bad)
 
 

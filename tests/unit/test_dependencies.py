@@ -227,7 +227,7 @@ LAYERS = (
     ("plancache", "errors", "settings", "canonical", "files", "validation", "procpool"),
     ("spec", "environment", "http"),
     ("protocol",),
-    ("signing",),
+    ("signing", "blobs"),
     ("verify",),
     ("bundle", "store", "gpu"),
     ("server", "worker", "client"),
@@ -359,3 +359,12 @@ def test_import_names_map_to_the_installed_distribution(name):
     if not installed:
         pytest.skip(f"{name} is not installed here")
     assert _distribution(name) in {_normalize(d) for d in installed}
+
+
+def test_the_blob_layer_has_no_sql_json_or_base64_and_imports_no_store_server_or_client():
+    """plancache.blobs is bytes by digest only: the records, the catalog and their encodings are elsewhere."""
+    imported = {i.module for name, imports in _modules().items() if name.startswith("plancache.blobs") for i in imports}
+    assert imported, "plancache.blobs was not scanned"
+    forbidden = {m for m in imported if m.split(".")[0] in ("sqlalchemy", "json", "base64")
+                 or m.startswith(("plancache.store", "plancache.server", "plancache.client"))}
+    assert not forbidden, sorted(forbidden)

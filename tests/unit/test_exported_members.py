@@ -24,3 +24,13 @@ def _constants(module):
     """Module-level UPPER_CASE tables the module defines (not imported ones)."""
     source = inspect.getsource(module)
     return {n for n in vars(module) if n.isupper() and f"\n{n}" in source and not n.startswith("_")}
+
+
+def test_the_blob_layer_exports_exactly_what_it_defines():
+    """``plancache.blobs`` gathers its sub-modules' public classes, functions and constants: every one is in
+    ``__all__`` (sorted), and nothing imported from elsewhere is."""
+    import plancache.blobs as module
+
+    public = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v) and (
+        n.isupper() if not callable(v) else getattr(v, "__module__", "").startswith("plancache.blobs")))
+    assert module.__all__ == sorted(module.__all__) == public

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from ...blobs import BlobStream
 from ...environment import Environment
-from ...errors import Forbidden, NotFound, PayloadTooLarge
+from ...errors import Forbidden, IntegrityError, NotFound, PayloadTooLarge
 from ...protocol import (
     SHA256_PATTERN,
     ExplainRequest,
@@ -138,6 +138,15 @@ def read_plan(graph_key: GraphKeyPath, environment: Annotated[Environment, Query
     return record
 
 
+def _cut_off_when_damaged(stream: BlobStream) -> Iterator[bytes]:
+    """The stream's chunks; a blob that turns out damaged ends the answer before its last chunk, the connection
+    closed, so no client or cache takes it for whole (an error raised in the answer's body: it is already started)."""
+    try:
+        yield from stream
+    except IntegrityError as exc:
+        raise RuntimeError(f"{stream.source}: blob {stream.sha256} is damaged, its answer cut off: {exc}") from None
+
+
 def _etag_matches(if_none_match: str | None, sha256: str) -> bool:
     if if_none_match is None:
         return False
@@ -152,7 +161,9 @@ def _etag_matches(if_none_match: str | None, sha256: str) -> bool:
 async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], request: Request, store: StoreDep,
                     metrics: MetricsDep, _: Reader, if_none_match: Annotated[str | None, Header()] = None) -> Response:
     """Blobs are immutable: the answer may be cached by anyone (``ETag`` is the digest). A blob read once is kept
-    in this process's memory (``PLANCACHE_BLOB_MEMORY_BYTES``) and served from there without the database."""
+    in this process's memory (``PLANCACHE_BLOB_MEMORY_BYTES``) and served from there without the database.
+    Bytes read from a folder or a bucket are hashed as they are read: a damaged blob is 404 (logged), and one too
+    large to keep in memory is streamed and cut off before its last chunk when it turns out damaged."""
     headers = {"ETag": f'"{sha256}"', "Cache-Control": IMMUTABLE}
     memory: BlobMemory = request.app.state.blob_memory
     data = memory.get(sha256)
@@ -161,16 +172,16 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
             raise NotFound(f"no blob {sha256}")
         return Response(status_code=304, headers=headers)
     if data is None:
-        path = store.blob_store.local_file(sha256)
-        if path is not None:  # a file blob store: a file too large to keep in memory is streamed
-            try:
-                stat = await run_in_threadpool(os.stat, path)
-            except FileNotFoundError:
-                raise NotFound(f"no blob {sha256}") from None
-            if stat.st_size > memory.max_item:
-                metrics.bytes_served.labels(BLOB_ROUTE).inc(stat.st_size)
-                return FileResponse(path, stat_result=stat, media_type="application/octet-stream", headers=headers)
-        data = await run_in_threadpool(store.get_blob, sha256)
+        stream = await run_in_threadpool(store.blob_store.open, sha256)
+        if stream is not None and stream.size > memory.max_item:  # a large blob of a folder or bucket: streamed
+            metrics.bytes_served.labels(BLOB_ROUTE).inc(stream.size)
+            return StreamingResponse(_cut_off_when_damaged(stream), media_type="application/octet-stream",
+                                     headers={**headers, "Content-Length": str(stream.size)},
+                                     background=BackgroundTask(stream.close))
+        if stream is not None:
+            data = await run_in_threadpool(stream.whole)
+        else:
+            data = await run_in_threadpool(store.get_blob, sha256)
         if data is None:
             raise NotFound(f"no blob {sha256}")
         memory.put(sha256, data)

@@ -1,0 +1,106 @@
+"""Blobs in S3-compatible object storage (and Google Cloud Storage, Azure Blob Storage), on ``obstore``.
+
+Objects are ``<prefix>/ab/cd/<sha256>``, the folder store's layout (a folder copies into a bucket as it is).
+Credentials, region and endpoint come from the environment as obstore reads it: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP=true``
+for a plain-http endpoint (``GOOGLE_*`` and ``AZURE_*`` for the other two). obstore ships with the ``server`` extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar
+
+from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked, chunks, shard
+
+if TYPE_CHECKING:
+    from obstore.store import AzureStore, GCSStore, S3Store
+
+#: URL schemes of the object stores, as obstore names them.
+OBJECT_STORE_SCHEMES = ("s3", "gs", "az")
+#: The longest a presigned URL may stay valid (S3's own limit for a signature by access key).
+MAX_PRESIGN_EXPIRY = timedelta(days=7)
+#: A request failing on the network or with a 5xx is tried again with backoff, this often and this long at most
+#: (obstore's defaults, 10 times and 3 minutes, would hold a publish that long).
+RETRIES, RETRY_TIMEOUT = 3, timedelta(seconds=30)
+
+T = TypeVar("T")
+
+
+def _obstore() -> ModuleType:
+    try:
+        import obstore
+        import obstore.store
+    except ImportError as exc:
+        raise ImportError(f"an object-store blob store needs obstore ({exc}): pip install 'plancache[server]'") from None
+    return obstore
+
+
+class ObjectStoreBlobs(BlobStore):
+    """Blobs as objects under ``url`` (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``).
+
+    A put uploads in one atomic write (a multipart upload is aborted when the bytes do not hash to their name, so
+    nothing is stored) and always writes, replacing a damaged object; two puts of one blob at once leave one whole
+    object. Every read hashes the bytes as they arrive. :meth:`presign` hands out a GET URL that needs no
+    credentials, valid for a short time. Nothing is sent until the first call; ValueError when the environment
+    lacks what the URL needs (an Azure account)."""
+
+    def __init__(self, url: str) -> None:
+        obstore = _obstore()
+        self.url = url.rstrip("/")
+        self._obs = obstore
+        try:
+            self._store: S3Store | GCSStore | AzureStore = obstore.store.from_url(
+                self.url, retry_config={"max_retries": RETRIES, "retry_timeout": RETRY_TIMEOUT})
+        except obstore.exceptions.BaseError as exc:  # e.g. an Azure account not named in the environment
+            raise ValueError(f"blob store {self.url}: {str(exc).splitlines()[0]}") from None
+
+    def _call(self, call: Callable[[], T]) -> T:
+        """``call()``, obstore's errors other than not-found raised as OSError (unreachable, refused, denied)."""
+        try:
+            return call()
+        except self._obs.exceptions.BaseError as exc:
+            raise OSError(f"{self.url}: {str(exc).splitlines()[0]}") from exc
+
+    def size(self, sha256: str) -> int | None:
+        try:
+            return int(self._call(lambda: self._obs.head(self._store, shard(sha256)))["size"])
+        except FileNotFoundError:  # obstore's not-found (also for a bucket that does not exist)
+            return None
+
+    def open(self, sha256: str) -> BlobStream | None:
+        try:
+            result = self._call(lambda: self._obs.get(self._store, shard(sha256)))
+        except FileNotFoundError:
+            return None
+        return BlobStream(sha256, int(result.meta["size"]), self._pieces(result.stream(min_chunk_size=CHUNK_BYTES)),
+                          source=self.url)
+
+    def _pieces(self, stream: Iterator[bytes]) -> Iterator[bytes]:
+        while True:
+            piece = self._call(lambda: next(stream, b""))
+            if not piece:
+                return
+            yield piece
+
+    def put(self, sha256: str, data: Data) -> None:
+        key = shard(sha256)
+        if isinstance(data, bytes):  # one request: checked first
+            whole = b"".join(checked(sha256, [data]))
+            self._call(lambda: self._obs.put(self._store, key, whole))
+        else:  # a multipart upload, completed only after the last chunk passed the check
+            self._call(lambda: self._obs.put(self._store, key, checked(sha256, chunks(data))))
+
+    def delete(self, sha256: str) -> None:
+        self._call(lambda: self._obs.delete(self._store, shard(sha256)))
+
+    def presign(self, sha256: str, expires_in: timedelta = timedelta(minutes=5)) -> str:
+        """A URL that GETs the blob without credentials until ``expires_in`` from now (at most
+        :data:`MAX_PRESIGN_EXPIRY`). Whoever GETs it must check the bytes against ``sha256``; the URL is made
+        locally, whether the object exists or not."""
+        if not timedelta(0) < expires_in <= MAX_PRESIGN_EXPIRY:
+            raise ValueError(f"a presigned URL expires after more than 0 and at most {MAX_PRESIGN_EXPIRY}, "
+                             f"not {expires_in}")
+        return str(self._obs.sign(self._store, "GET", shard(sha256), expires_in))
