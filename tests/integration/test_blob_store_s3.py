@@ -1,0 +1,70 @@
+"""A server whose ``PLANCACHE_BLOB_STORE`` is ``s3://bucket/prefix`` (moto's S3 server), over real HTTP: publish
+puts the object, resolve and ``GET /v1/blobs`` serve it (a large one streamed from the bucket, cut off when the
+object turns out damaged), gc deletes the object of a blob no record references."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from plancache.blobs import ObjectStoreBlobs, open_blobs
+from plancache.store.retention import gc
+
+from ..live_server import LiveServer
+from ..server_util import bearer, upload_json
+
+SMALL = b"\x03plan bytes" * 500
+LARGE = os.urandom(300_000)  # over the item limit of a 16 KiB blob memory: streamed from the bucket
+
+
+def test_a_server_on_s3_publishes_serves_and_collects_blobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            s3_blob_url: str, make_spec, make_plan, gpu_env):
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", s3_blob_url)
+    bucket = open_blobs(s3_blob_url)
+    assert isinstance(bucket, ObjectStoreBlobs)
+    with LiveServer(tmp_path, blob_memory_bytes=16 * 1024) as srv:
+        assert srv.store.blob_store.url == s3_blob_url
+        admin, reader = bearer(srv.admin_token), bearer(srv.token("reader"))
+        keys = []
+        for i, blob in enumerate((SMALL, LARGE)):
+            key, spec = make_spec(i)
+            meta, _ = make_plan(key, gpu_env, blob=blob)
+            r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, blob, spec), headers=admin, timeout=30)
+            assert r.status_code == 201, r.text
+            assert bucket.get(meta.blob_sha256) == blob, "the object is in the bucket"
+            keys.append((key, meta))
+
+        body = {"environment": gpu_env.model_dump(), "graph_keys": [k for k, _ in keys], "include_blobs": True}
+        plans = httpx.post(f"{srv.url}/v1/plans/resolve", json=body, headers=reader, timeout=30).json()["plans"]
+        assert [base64.b64decode(plans[k]["blob_b64"]) for k, _ in keys] == [SMALL, LARGE]
+        for (_, meta), blob in zip(keys, (SMALL, LARGE)):
+            r = httpx.get(f"{srv.url}/v1/blobs/{meta.blob_sha256}", headers=reader, timeout=30)
+            assert r.status_code == 200 and r.content == blob and r.headers["etag"] == f'"{meta.blob_sha256}"'
+
+        large = keys[1][1].blob_sha256
+        _damage(s3_blob_url, large)
+        with pytest.raises(httpx.RemoteProtocolError):  # the answer ends before its Content-Length: never whole
+            httpx.get(f"{srv.url}/v1/blobs/{large}", headers=reader, timeout=30)
+        small = keys[0][1].blob_sha256
+        (key, _), replacement = keys[0], b"\x04a better plan" * 400
+        meta, _ = make_plan(key, gpu_env, blob=replacement)
+        r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, replacement, replace=True), headers=admin,
+                      timeout=30)
+        assert r.status_code == 200, r.text
+        report = gc(srv.store, grace=timedelta(0))
+        assert report.blobs_deleted == 1 and not bucket.has(small), "gc deleted the object"
+        assert bucket.get(hashlib.sha256(replacement).hexdigest()) == replacement
+
+
+def _damage(s3_blob_url: str, digest: str) -> None:
+    """Overwrite the object behind the server's back with other bytes of the same size."""
+    import obstore
+    from obstore.store import from_url
+
+    obstore.put(from_url(s3_blob_url), f"{digest[:2]}/{digest[2:4]}/{digest}", bytes(len(LARGE)))
