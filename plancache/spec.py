@@ -94,6 +94,15 @@ MAX_PORTS = 64  # inputs, and outputs, of one node
 MAX_PARAMS = 64  # params of one node, entries of a $dict
 MAX_NAME = 256  # graph, tensor and node names; string values
 MAX_DIM = 1 << 40  # dims and strides
+# Sized from the memory of the largest GPU a graph runs on (docs/SPEC.md "Limits"): an H200 holds 141 GB (2^37.04
+# bytes), so no tensor of a graph it runs has more than 2^38.04 elements (FP4, half a byte each) nor a graph more
+# than 2^37.04 bytes of tensors. Both limits leave room for larger GPUs (4 and 7.8 times that).
+MAX_ELEMENTS = 1 << 40  # elements of one tensor (the product of its dims)
+MAX_GRAPH_BYTES = 1 << 40  # bytes of the graph's non-virtual tensors (1 TiB), laid out as their strides say
+#: Bits of one element of each data type, for the byte limit; vectorized types count their scalar (the lower bound).
+DATA_TYPE_BITS = {"FLOAT": 32, "DOUBLE": 64, "HALF": 16, "INT8": 8, "INT32": 32, "INT8x4": 8, "UINT8": 8, "UINT8x4": 8,
+                  "INT8x32": 8, "BFLOAT16": 16, "INT64": 64, "BOOLEAN": 8, "FP8_E4M3": 8, "FP8_E5M2": 8,
+                  "FAST_FLOAT_FOR_FP8": 8, "FP8_E8M0": 8, "FP8_E5M3": 8, "FP4_E2M1": 4, "INT4": 4}
 MAX_LIST = 64  # items of a list or $tuple value
 MAX_DEPTH = 6
 MAX_UID = INT64_MAX  # uids, and any other integer
@@ -260,6 +269,9 @@ class GraphSpec(_Strict):
                 raise SpecError(f"{where}: {len(t.dim)} dims but {len(t.stride)} strides")
             if any(not 0 <= d <= MAX_DIM for d in t.dim) or any(not 0 <= s <= MAX_DIM for s in t.stride):
                 raise SpecError(f"{where}: dims {t.dim} / strides {t.stride} out of range [0, 2^40]")
+            if math.prod(t.dim) > MAX_ELEMENTS:
+                raise SpecError(f"{where}: dims {t.dim} make {math.prod(t.dim)} elements, over the limit of 2^40 "
+                                "elements per tensor")
             if t.pass_by_value is not None and isinstance(t.pass_by_value, float) and not math.isfinite(t.pass_by_value):
                 raise SpecError(f"{where}: embedded value {t.pass_by_value} is not finite")
             if isinstance(t.pass_by_value, int) and abs(t.pass_by_value) > MAX_UID:
@@ -312,7 +324,19 @@ class GraphSpec(_Strict):
         if not any(not by_uid[u].is_virtual for u in producer):
             raise SpecError("the graph has no output: mark a node output with set_output(True)")
         self._by_uid, self._producer = by_uid, producer
+        self._check_bytes()
         return self
+
+    def _check_bytes(self) -> None:
+        """Refuse a graph whose non-virtual tensors (those with dims) need more than :data:`MAX_GRAPH_BYTES`."""
+        sizes = {t.uid: (storage_elements(t.dim, t.stride) if t.stride else math.prod(t.dim))
+                 * DATA_TYPE_BITS[self.data_type_of(t)] // 8 for t in self.tensors if t.dim and not t.is_virtual}
+        total = sum(sizes.values())
+        if total > MAX_GRAPH_BYTES:
+            largest = self._by_uid[max(sizes, key=lambda u: sizes[u])]
+            raise SpecError(f"the graph's tensors need {total} bytes ({total / 2**40:.1f} TiB), over the limit of "
+                            f"2^40 bytes (1 TiB); the largest is tensor {largest.name or largest.uid!r} "
+                            f"(dims {largest.dim}, {sizes[largest.uid]} bytes)")
 
     # ----------------------------------------------------------- views
 
@@ -502,6 +526,13 @@ def _canonical_params(node_type: str, params: dict[str, Any], remap: dict[int, i
 
 
 # ------------------------------------------------------------------ parsing and keys
+
+
+def storage_elements(dims: tuple[int, ...] | list[int], strides: tuple[int, ...] | list[int]) -> int:
+    """Elements a strided tensor spans in memory."""
+    if any(d == 0 for d in dims):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(dims, strides))
 
 
 def parse_spec(obj: GraphSpec | dict[str, Any] | str | bytes) -> GraphSpec:

@@ -29,7 +29,7 @@ from typing import TypeAlias
 import torch
 
 from ..errors import TuningError
-from ..spec import GraphSpec, NodeDoc, TensorDoc
+from ..spec import GraphSpec, NodeDoc, TensorDoc, storage_elements
 from . import families as fam
 from .families import (  # noqa: F401  (re-exported: the family registry beside the reference)
     FAMILIES,
@@ -93,13 +93,6 @@ def _layout(doc: TensorDoc) -> tuple[list[int], list[int]]:
     dims = list(doc.dim) or [1]
     stride = list(doc.stride) if doc.stride and len(doc.stride) == len(dims) else _contiguous(dims)
     return dims, stride
-
-
-def storage_elements(dims: tuple[int, ...] | list[int], strides: tuple[int, ...] | list[int]) -> int:
-    """Elements a strided tensor spans in memory."""
-    if any(d == 0 for d in dims):
-        return 0
-    return 1 + sum((d - 1) * s for d, s in zip(dims, strides))
 
 
 def tensor_bytes(spec: GraphSpec, doc: TensorDoc) -> int:

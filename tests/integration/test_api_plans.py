@@ -37,6 +37,19 @@ def test_malformed_spec_is_422_naming_the_problem(api, make_spec):
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
 
 
+def test_a_spec_of_a_128_tib_tensor_is_refused_naming_it(api):
+    """A reader once stored a 2^20 x 2^20 x 64 bf16 tensor (128 TiB) and was answered 201."""
+    def tensor(uid, name, dim):
+        return {"uid": uid, "name": name, "data_type": "BFLOAT16", "dim": dim}
+
+    spec = {"schema": 2, "tensors": [tensor(1, "A", [2**20, 2**20, 64]), tensor(2, "B", [2**20, 64, 1]),
+                                     tensor(3, "Y", [])],
+            "nodes": [{"type": "MATMUL", "inputs": {"A": 1, "B": 2}, "outputs": {"C": 3}}]}
+    r = api.client.post("/v1/specs", json=spec, headers=api.reader)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_spec"
+    assert "tensor 'A'" in r.json()["error"]["message"] and "2^40 elements" in r.json()["error"]["message"]
+
+
 def test_unknown_and_malformed_spec_keys(api):
     r = api.client.get("/v1/specs/" + "0" * 64, headers=api.reader)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "0" * 64 in r.json()["error"]["message"]
