@@ -4,7 +4,9 @@
 
 1. with ``keep_env_ids``, delete the plan records whose environment is not among them;
 2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago:
-   their catalog rows, then their bytes in the blob store (:mod:`.blobs`), before the commit.
+   their catalog rows, then their bytes in the blob store (:mod:`.blobs`), before the commit;
+3. on a file blob store, delete what crashes left that is older than ``grace``: writers' temporary files, and
+   blob files that no catalog row names (those under the lock of step 2, in a transaction of their own).
 
 A blob still referenced is never deleted, and a publish running at the same time neither fails nor
 loses its blob. The DELETE re-checks that no record points at a blob, and the foreign key from
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .blobs import FileBlobs, StoredFile
 from .db import lock_against_writers
 from .models import blobs, plans
 
@@ -41,6 +44,9 @@ class GcReport:
     records_by_env: dict[str, int] = field(default_factory=dict)
     blobs_deleted: int = 0
     blob_bytes_freed: int = 0
+    temporaries_deleted: int = 0  # a file blob store's files of crashed writers
+    orphans_deleted: int = 0  # a file blob store's blob files that no catalog row names
+    file_bytes_freed: int = 0  # by those two
 
 
 def _check_keep(store: Store, keep_env_ids: set[str]) -> None:
@@ -92,8 +98,34 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
             ).one()
     else:
         n, size = _delete_blobs(store, cutoff)
+    temporaries, orphans = _leftover_files(store, cutoff, dry_run=dry_run)
     return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,
-                    blobs_deleted=int(n), blob_bytes_freed=int(size))
+                    blobs_deleted=int(n), blob_bytes_freed=int(size), temporaries_deleted=len(temporaries),
+                    orphans_deleted=len(orphans), file_bytes_freed=sum(f.size for f in temporaries + orphans))
+
+
+def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[StoredFile], list[StoredFile]]:
+    """On a file blob store, delete the temporary files and the blob files without a catalog row that were last
+    modified before ``cutoff``; the files deleted (with ``dry_run``: those that would be). The folder is listed
+    first; the rows are looked up and the files deleted holding the catalog against writers, so a publish that
+    inserted a row for an old file's bytes meanwhile (and found them present) keeps them."""
+    if not isinstance(store.blob_store, FileBlobs):
+        return [], []
+    old = list(store.blob_store.files_older_than(cutoff.timestamp()))
+    temporaries = [f for f in old if f.temporary]  # no row ever names one; a live writer's is younger
+    candidates = {f.sha256: f for f in old if not f.temporary}
+    with store.db.read() if dry_run else store.db.write() as conn:
+        if not dry_run:
+            lock_against_writers(conn, blobs)
+        digests, named = list(candidates), set[str]()
+        for start in range(0, len(digests), 500):
+            batch = digests[start:start + 500]
+            named.update(conn.execute(sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(batch))).scalars())
+        orphans = [f for sha256, f in candidates.items() if sha256 not in named]
+        if not dry_run:
+            for f in temporaries + orphans:
+                f.path.unlink(missing_ok=True)
+    return temporaries, orphans
 
 
 def _delete_blobs(store: Store, cutoff: Any) -> tuple[int, int]:

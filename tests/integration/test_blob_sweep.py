@@ -1,0 +1,143 @@
+"""``plancache plans gc`` on a file blob store also deletes what crashes left in the folder once older than the
+grace period: writers' temporary files, and blob files no catalog row names; a blob a row names is never touched
+(also when a publish of an old orphan's bytes comes in while gc runs), nor anything that is not a blob's file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from plancache.cli import app
+from plancache.store import open_store
+from plancache.store.blobs import FileBlobs
+from plancache.store.retention import gc
+
+HOUR = timedelta(hours=1)
+
+
+@pytest.fixture
+def folder_store(db_url: str, clock: Any, tmp_path: Path) -> Any:
+    s = open_store(db_url, create=True, clock=clock, blob_store=(tmp_path / "blobs").as_uri())
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _age(path: Path, hours: float) -> Path:
+    """``path``, last modified ``hours`` ago."""
+    then = time.time() - hours * 3600
+    os.utime(path, (then, then))
+    return path
+
+
+def _file(store: Any, sha256: str) -> Path:
+    return store.blob_store.root / sha256[:2] / sha256[2:4] / sha256
+
+
+def _orphan(store: Any, data: bytes) -> Path:
+    """A blob file without a catalog row: what a publish that crashed before its commit leaves."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    store.blob_store.folder.put(sha256, data)
+    return _file(store, sha256)
+
+
+def _temporary(store: Any, data: bytes) -> Path:
+    """A writer's temporary file, as a writer that died before its rename leaves it."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    folder = store.blob_store.root / sha256[:2] / sha256[2:4]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".{sha256}.k3j9x_q1.tmp"
+    path.write_bytes(data[:3])
+    return path
+
+
+def _publish(store: Any, make_spec: Any, make_plan: Any, i: int, env: Any, blob: bytes) -> Path:
+    key, spec = make_spec(i)
+    store.put_spec(key, spec)
+    meta, data = make_plan(key, env, blob=blob)
+    store.publish_plan(meta, data)
+    return _file(store, meta.blob_sha256)
+
+
+def test_temporaries_older_than_the_grace_period_go_and_younger_ones_stay(folder_store):
+    old, young = _age(_temporary(folder_store, b"crashed long ago"), 2), _temporary(folder_store, b"being written")
+    report = gc(folder_store, grace=HOUR)
+    assert not old.exists() and young.exists()
+    assert (report.temporaries_deleted, report.orphans_deleted, report.file_bytes_freed) == (1, 0, 3)
+
+
+def test_an_orphan_file_goes_only_after_the_grace_period(folder_store):
+    orphan = _orphan(folder_store, b"its publish crashed before the commit")
+    assert gc(folder_store, grace=HOUR).orphans_deleted == 0 and orphan.exists()
+    _age(orphan, 0.9)
+    assert gc(folder_store, grace=HOUR).orphans_deleted == 0 and orphan.exists()
+    _age(orphan, 1.1)
+    report = gc(folder_store, grace=HOUR)
+    assert not orphan.exists() and (report.orphans_deleted, report.file_bytes_freed) == (1, 37)
+
+
+def test_blobs_a_row_names_are_never_touched(folder_store, make_spec, make_plan, gpu_env):
+    referenced = _age(_publish(folder_store, make_spec, make_plan, 0, gpu_env, b"in use"), 24 * 400)
+    cataloged = folder_store.put_blob(b"uploaded; its record still on its way")
+    unreferenced = _age(_file(folder_store, cataloged), 24 * 400)  # its row is younger than the grace period
+    report = gc(folder_store, grace=HOUR)
+    assert (report.blobs_deleted, report.temporaries_deleted, report.orphans_deleted) == (0, 0, 0)
+    assert referenced.read_bytes() == b"in use" and unreferenced.exists()
+
+
+def test_nothing_but_blob_files_and_temporaries_is_touched(folder_store, tmp_path):
+    root = folder_store.blob_store.root
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the store's")
+    sha256 = hashlib.sha256(b"x").hexdigest()
+    (root / sha256[:2] / sha256[2:4]).mkdir(parents=True)
+    strays = [root / "README", root / sha256[:2] / "notes.txt", root / "00" / "00" / sha256,  # wrong shard
+              root / sha256[:2] / sha256[2:4] / f"{sha256}.bak"]
+    for path in strays:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"keep")
+        _age(path, 48)
+    link = root / sha256[:2] / sha256[2:4] / sha256
+    link.symlink_to(outside)
+    report = gc(folder_store, grace=HOUR)
+    assert (report.temporaries_deleted, report.orphans_deleted) == (0, 0)
+    assert all(p.read_bytes() == b"keep" for p in strays) and link.is_symlink() and outside.exists()
+
+
+def test_a_publish_of_an_old_orphans_bytes_while_gc_runs_keeps_them(folder_store, make_spec, make_plan, gpu_env,
+                                                                     monkeypatch):
+    orphan = _age(_orphan(folder_store, b"published again"), 48)
+    listed = FileBlobs.files_older_than
+
+    def listing_then_a_publish(self: FileBlobs, cutoff: float) -> Any:
+        found = list(listed(self, cutoff))  # gc has listed the old orphan; now a publish finds the bytes present
+        _publish(folder_store, make_spec, make_plan, 0, gpu_env, b"published again")
+        return iter(found)
+
+    monkeypatch.setattr(FileBlobs, "files_older_than", listing_then_a_publish)
+    assert gc(folder_store, grace=HOUR).orphans_deleted == 0
+    assert orphan.read_bytes() == b"published again"
+    assert folder_store.get_blob(hashlib.sha256(b"published again").hexdigest()) == b"published again"
+
+
+def test_cli_plans_gc_reports_and_dry_runs_the_sweep(tmp_path, monkeypatch):
+    url, folder = f"sqlite:///{tmp_path / 'gc.db'}", tmp_path / "blobs"
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", folder.as_uri())
+    with open_store(url, create=True) as s:
+        temporary, orphan = _age(_temporary(s, b"crashed"), 30), _age(_orphan(s, b"orphan"), 30)
+    runner = CliRunner()
+    r = runner.invoke(app, ["plans", "gc", "--dry-run", "--database-url", url])
+    assert r.exit_code == 0, r.output
+    assert "would delete 1 temporary files of crashed writers and 1 blob files no catalog row names (9 bytes)" \
+        in r.output and temporary.exists() and orphan.exists()
+    r = runner.invoke(app, ["plans", "gc", "--database-url", url])
+    assert r.exit_code == 0 and "deleted 1 temporary files" in r.output, r.output
+    assert not temporary.exists() and not orphan.exists()
