@@ -1,14 +1,16 @@
 """S3 for the tests: moto's standalone server on 127.0.0.1, a real S3 HTTP endpoint (``moto[server]``, dev extra).
 
 - ``moto_s3`` (session): the endpoint URL of a server started for the run, stopped at its end. Skips, saying why,
-  when moto is not installed.
+  when moto is not installed; fails instead when the environment variable ``CI`` is set (CI installs it).
 - ``s3_blob_url``: a fresh, empty bucket; the ``AWS_*`` variables obstore reads point at the server for the test
   (child processes inherit them); the value is ``s3://<bucket>/blobs``.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -22,8 +24,13 @@ MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
 
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[str]:
-    server_module = pytest.importorskip("moto.server", reason="moto[server] is not installed (the dev extra): "
-                                                              "the S3 blob store tests need its standalone server")
+    try:
+        server_module = importlib.import_module("moto.server")
+    except ImportError as exc:
+        message = f"moto[server] is not installed (the dev extra): the S3 blob store tests need its server ({exc})"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI is set: it is required)")
+        pytest.skip(message)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
