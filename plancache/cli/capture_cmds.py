@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -23,11 +24,19 @@ def capture(
     (PLANCACHE_SERVER_URL is unset for the program). Then `plancache enqueue FILE` tunes them. Exits with PROGRAM's
     exit code."""
     from ..client.capture import BOOT_SOURCE, parse_capture
+    from ..errors import SpecError
 
     out = out.absolute()
     if not out.parent.is_dir():
         raise Failure(f"cannot write the capture file {out}: {out.parent} is not a folder",
                       "give --out a path in an existing folder", ExitCode.OS_ERROR)
+    if out.exists():
+        try:
+            parse_capture(json.loads(out.read_text(encoding="utf-8")))
+        except (OSError, ValueError, SpecError) as exc:
+            raise Failure(f"{out} exists and is not a capture file this plancache can add to ({exc})",
+                          "give --out a new file, or a capture file written by plancache capture",
+                          ExitCode.USAGE) from None
     with tempfile.TemporaryDirectory(prefix="plancache-capture-") as boot:
         Path(boot, "sitecustomize.py").write_text(BOOT_SOURCE, encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if k != "PLANCACHE_SERVER_URL"}
@@ -42,8 +51,6 @@ def capture(
     if not out.exists():
         typer.echo(f"captured no graph: {program[0]} built no cuDNN FE graph (or did not run Python with cudnn)", err=True)
     else:
-        import json
-
         graphs = parse_capture(json.loads(out.read_text(encoding="utf-8")))
         typer.echo(f"captured {len(graphs)} graphs ({sum(n for _, n in graphs)} builds) into {out}", err=True)
     if rc:

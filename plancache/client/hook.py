@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedGraph
+from ..errors import PlanCacheError, UnsupportedGraph
 from .core import PlanCache
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _start_capture(path: str | os.PathLike[str] | None) -> None:
         if _recorder is None or _recorder.path != Path(path).absolute():
             _stop_capture_locked()
             _recorder = Recorder(Path(path).absolute())
-            atexit.register(_recorder.flush)
+            atexit.register(_flush_at_exit, _recorder)
             log.info("plancache: capturing every graph built into %s", _recorder.path)
 
 
@@ -155,10 +155,17 @@ def _stop_capture() -> None:
 def _stop_capture_locked() -> None:
     global _recorder
     if _recorder is not None:
-        atexit.unregister(_recorder.flush)
-        _recorder.flush()
+        atexit.unregister(_flush_at_exit)
+        _flush_at_exit(_recorder)
         _recorder = None
         _counted.clear()
+
+
+def _flush_at_exit(recorder: Any) -> None:
+    try:
+        recorder.flush()
+    except (OSError, ValueError, PlanCacheError) as exc:
+        log.warning("plancache: could not write the capture file %s: %s", recorder.path, exc)
 
 
 def _count(graph: Any, spec: GraphSpec) -> None:
@@ -166,7 +173,10 @@ def _count(graph: Any, spec: GraphSpec) -> None:
     recorder = _recorder
     if recorder is not None and graph not in _counted:
         _counted.add(graph)
-        recorder.add(spec)
+        try:
+            recorder.add(spec)
+        except (OSError, ValueError, PlanCacheError) as exc:  # capturing never breaks the program's build
+            log.warning("plancache: could not write the capture file %s: %s", recorder.path, exc)
 
 
 @contextlib.contextmanager

@@ -187,3 +187,25 @@ def test_plancache_capture_exits_with_the_programs_code(tmp_path):
     run = subprocess.run([sys.executable, "-m", "plancache", "capture", "--out", str(tmp_path / "g.json"), "--",
                           str(tmp_path / "no-such-program")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 5 and "cannot run" in run.stderr and "hint:" in run.stderr
+
+
+def test_a_capture_file_that_cannot_be_written_never_breaks_the_build(tmp_path, caplog):
+    path = tmp_path / "graphs.json"
+    path.write_text("not json")                      # e.g. an --out of PLANCACHE_CAPTURE naming some other file
+    hook.install(None, graph_class=StageGraph, capture=path)
+    try:
+        g, _ = rmsnorm()
+        g.build([cudnn.heur_mode.A])                 # built as asked, the failure logged
+    finally:
+        hook.uninstall()
+    assert [s[0] for s in g.stages][-1] == "build_plans"
+    assert "could not write the capture file" in caplog.text and path.read_text() == "not json"
+
+
+def test_plancache_capture_refuses_an_out_file_that_is_not_a_capture_file(tmp_path):
+    out = tmp_path / "notes.json"
+    out.write_text('{"some": "thing"}')
+    run = subprocess.run([sys.executable, "-m", "plancache", "capture", "--out", str(out), "--", sys.executable, "-c",
+                          "print('ran')"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "not a capture file" in run.stderr and "hint:" in run.stderr
+    assert "ran" not in run.stdout and out.read_text() == '{"some": "thing"}'
