@@ -97,7 +97,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
     # the autotune policy (plancache.server.autotune): a background thread when PLANCACHE_AUTOTUNE is on
-    app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval)
+    app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval,
+                                    metrics.autotune_jobs.inc)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -31,6 +31,7 @@ class Autotuner:
     store: Callable[[], Store | None]
     policy: AutotunePolicy
     interval: float
+    counted: Callable[[int], None] = lambda n: None  # told how many jobs each step created (the metrics)
     last_run_at: datetime | None = None
     last_enqueued: int = 0
     last_error: str | None = None
@@ -50,6 +51,7 @@ class Autotuner:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 raise
             self.last_run_at, self.last_enqueued, self.last_error = utcnow(), len(created), None
+        self.counted(len(created))
         if created:
             log.info("plancache: autotune enqueued %d jobs (%s)", len(created),
                      ", ".join(f"{j.graph_key[:12]} on sm{j.target.sm}" for j in created[:5]))

@@ -7,6 +7,7 @@
 - ``plancache_blob_bytes_served_total{route}`` (blob GETs and blobs inlined in resolve answers)
 - ``plancache_jobs{status}`` (read from the store at scrape time)
 - ``plancache_tuning_seconds`` (autotuning time of each newly published plan)
+- ``plancache_autotune_jobs_total`` (jobs this process's autotune policy enqueued, :mod:`plancache.server.autotune`)
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Metrics:
         self.bytes_served = Counter("plancache_blob_bytes_served", "Plan blob bytes sent, by route", ["route"], registry=r)
         self.tuning_seconds = Histogram("plancache_tuning_seconds", "Autotuning time of newly published plans",
                                         buckets=_TUNING_BUCKETS, registry=r)
+        self.autotune_jobs = Counter("plancache_autotune_jobs", "Jobs the autotune policy of this process enqueued",
+                                     registry=r)
         r.register(_JobsCollector(store))
 
     def observe_resolve(self, hits: int, misses: int, blob_bytes: int) -> None:

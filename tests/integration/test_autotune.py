@@ -153,6 +153,7 @@ def test_the_background_policy_enqueues_soon_after_the_nth_miss(store, make_spec
         assert waited < 2.5, waited               # within one interval (1 s) and a step
         status = a.client.get("/v1/admin/autotune", headers=a.admin).json()
         assert status["enabled"] and status["min_misses"] == 3 and status["last_run_at"] is not None
+        assert "plancache_autotune_jobs_total 1.0" in a.client.get("/metrics").text
         print(f"autotune: job enqueued {waited:.2f} s after the 3rd miss (interval 1 s)")
 
 
