@@ -10,6 +10,7 @@ in-process; :func:`free_port` is also for tests that start ``plancache serve`` i
         srv.store.put_spec(key, spec)        # seed directly
         srv.delay = 2.0                      # every request now waits 2 s before it is handled
         srv.stop(); srv.start()              # down and back up on the same port
+        srv.requests["/v1/plans/resolve"]    # HTTP requests received, by path
 
 The helper owns the store (opened and migrated on construction, closed on exit) unless it is given one
 (``store=``, e.g. the ``store`` fixture: any database and blob store), which it leaves open. The store
@@ -23,6 +24,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,7 @@ class LiveServer:
         self.store = open_store(self.settings.database_url, create=True) if store is None else store
         self.app = create_app(self.settings, store=self.store)
         self.delay = 0.0
+        self.requests: Counter[str] = Counter()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout = start_timeout
@@ -64,8 +67,10 @@ class LiveServer:
         self._thread: threading.Thread | None = None
 
     async def _asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.delay > 0:
-            await asyncio.sleep(self.delay)
+        if scope["type"] == "http":
+            self.requests[scope["path"]] += 1
+            if self.delay > 0:
+                await asyncio.sleep(self.delay)
         await self.app(scope, receive, send)
 
     def start(self) -> None:

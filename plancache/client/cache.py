@@ -18,6 +18,14 @@ gave or confirmed the entry (:meth:`DiskCache.checked_at`). An entry without one
 before this file existed) counts as never confirmed. The client asks the server again about an entry confirmed
 longer ago than ``PLANCACHE_REVALIDATE_SECONDS`` (:mod:`plancache.client.revalidate`).
 
+One fetch per host: processes sharing the folder that miss the same graph keys at the same time ask the server
+once. The first takes ``<cache_dir>/<env_id>/.fetch-<id>.lock`` (``id``: a digest of the sorted keys) with
+``flock``, fetches and releases it once its disk writes are done; the others wait for the lock (at most the
+client's ``request_deadline``, after which they ask the server themselves), read the entries it wrote (verified as
+any disk entry is) and ask the server only for what is still missing (:meth:`DiskCache.fetch_lock`). The kernel
+releases the lock of a process that dies holding it, so nobody waits for a dead one. Processes whose sets of keys
+differ do not wait for each other.
+
 Housekeeping, safe with other processes sharing the folder (each of them may evict or drop; a reader
 that loses a file to another process just misses, and the plan comes from the next rung):
 
@@ -36,13 +44,15 @@ that loses a file to another process just misses, and the plan comes from the ne
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,12 +71,17 @@ _GRAPH_KEY = re.compile(GRAPH_KEY_PATTERN)
 _ENV_DIR = re.compile(ENV_ID_PATTERN)
 #: In an environment folder: its modification time is when a process last opened or wrote the folder.
 USED_MARKER = ".used"
+#: Name prefix of the lock files of fetches (:meth:`DiskCache.fetch_lock`).
+FETCH_LOCK_PREFIX = ".fetch-"
 #: Suffix of the file whose modification time is when the server last gave or confirmed an entry.
 CHECKED_SUFFIX = ".checked"
 #: A scan over the cap deletes down to this share of it, so the next scan is some writes away.
 LOW_WATER = 0.9
-#: A temporary file older than this is a crashed writer's, and is deleted by a scan.
+#: A temporary file older than this is a crashed writer's, and is deleted by a scan (a fetch lock file unused
+#: this long too).
 STALE_TEMP_SECONDS = 3600.0
+#: How often a process waiting for another's fetch tries the lock again.
+LOCK_POLL_SECONDS = 0.005
 #: Attempts of :meth:`DiskCache.accept_revision` to leave its revision (or a higher one) in place when other
 #: processes write the same file meanwhile.
 REVISION_WRITES = 3
@@ -83,6 +98,21 @@ def _unlink(path: Path) -> int:
         log.warning("plan cache: cannot remove %s: %s", path, exc)
         return 0
     return size
+
+
+class FetchLock:
+    """A held lock on fetching one set of graph keys into a cache folder (:meth:`DiskCache.fetch_lock`).
+    ``waited``: another process held it first, and has now written what it fetched."""
+
+    def __init__(self, fd: int, waited: bool) -> None:
+        self._fd: int | None = fd
+        self.waited = waited
+
+    def release(self) -> None:
+        """Let the next process waiting for these keys go (closing the file releases its ``flock``); idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class DiskCache:
@@ -223,6 +253,38 @@ class DiskCache:
         self._touch(blob_path, path)
         return record, blob
 
+    def fetch_lock(self, graph_keys: Iterable[str], timeout: float) -> FetchLock | None:
+        """The host's lock on fetching ``graph_keys`` from the server into this folder (see the module docstring),
+        waiting at most ``timeout`` seconds for the process that holds it; None when it is still held then, or when
+        the folder cannot hold a lock (unwritable, or a file system without ``flock``): ask the server anyway."""
+        digest = hashlib.sha256("\n".join(sorted(graph_keys)).encode()).hexdigest()[:32]
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.dir / f"{FETCH_LOCK_PREFIX}{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("plan cache: no fetch lock in %s: %s", self.dir, exc)
+            return None
+        end, waited = time.monotonic() + timeout, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = True
+                if time.monotonic() >= end:
+                    log.info("plan cache: another process has been fetching these %s plans for over %g s; asking "
+                             "the server too", digest[:12], timeout)
+                    os.close(fd)
+                    return None
+                time.sleep(LOCK_POLL_SECONDS)
+            except OSError as exc:
+                log.debug("plan cache: cannot lock in %s: %s", self.dir, exc)
+                os.close(fd)
+                return None
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # in use: not stale for the scan
+        return FetchLock(fd, waited)
+
     def _touch(self, *paths: Path) -> None:
         """Mark files used now (least recently used eviction); a read-only cache stays as it is."""
         for path in paths:
@@ -299,7 +361,7 @@ class DiskCache:
                 except OSError:
                     continue  # deleted meanwhile
                 path = Path(entry.path)
-                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                if entry.name.startswith(".") and entry.name.endswith((".tmp", ".lock")):
                     if now - st.st_mtime > STALE_TEMP_SECONDS:
                         _unlink(path)
                 elif entry.name.endswith((".json", ".blob")) and entry.is_file(follow_symlinks=False):

@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module 
     from ..settings import Settings
     from ..signing import TrustedKeys
     from ..spec import GraphSpec
+    from .cache import FetchLock
     from .remote import Remote
 
 log = logging.getLogger("plancache.client")
@@ -228,6 +229,21 @@ class DiskStep(Step):
     builds = Builds.NOTHING
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        """The entries on disk; for the rest, when they would be fetched and saved here, the host's turn to fetch
+        them (:meth:`~plancache.client.cache.DiskCache.fetch_lock`): held through the server step, or, when another
+        process held it, what that process wrote."""
+        found = self._read(batch)
+        c, left = self.cache, [p for p in batch if p not in found]
+        if left and c._remote is not None and c.signatures_checked:
+            lock = c.disk.fetch_lock([p.key for p in left], c.request_deadline)
+            if lock is not None and lock.waited:
+                lock.release()
+                found.update(self._read(left))
+            else:
+                c._fetch_lock = lock  # released after this load's disk writes (PlanCache._load_many)
+        return found
+
+    def _read(self, batch: list[Pending]) -> dict[Pending, Plan]:
         disk, revalidator = self.cache.disk, self.cache._revalidator
         found: dict[Pending, Plan] = {}
         due: list[str] = []
@@ -608,6 +624,7 @@ class PlanCache:
         self._lock = threading.RLock()      # the ladder's state
         self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
         self._memory: dict[str, Plan] = {}
+        self._fetch_lock: FetchLock | None = None  # this host's turn to fetch the load's missing keys (DiskStep)
         self._verified: dict[str, tuple[PlanRecord, bytes]] = {}  # admitted blobs, for the callers' own graphs
         self._stats = ClientStats()
         self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
@@ -774,6 +791,9 @@ class PlanCache:
                 self._stats.misses += len(left)
                 return [plans[p] if p in plans else self._miss(p) for p in batch]
             finally:
+                if self._fetch_lock is not None:  # after the plans fetched are written: the processes waiting read them
+                    self.disk.later(self._fetch_lock.release)
+                    self._fetch_lock = None
                 self._stats.load_seconds += time.perf_counter() - t0
 
     def _miss(self, p: Pending) -> PlanMiss:

@@ -244,6 +244,20 @@ def test_a_crashed_writers_temporary_files_are_removed_by_a_scan(tmp_path):
     assert fresh.exists() and not stale.exists()
 
 
+def test_fetch_lock_files_unused_for_an_hour_are_removed_by_a_scan(tmp_path):
+    cache = DiskCache(tmp_path, H200, max_bytes=1 << 30)
+    held, old = cache.fetch_lock([KEY], 1), cache.fetch_lock([key(1)], 1)
+    assert held is not None and old is not None
+    old.release()
+    locks = sorted(cache.dir.glob(".fetch-*.lock"))
+    assert len(locks) == 2
+    stale = next(p for p in locks if os.stat(p).st_ino != os.fstat(held._fd or -1).st_ino)
+    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    cache.size()
+    assert sorted(cache.dir.glob(".fetch-*.lock")) == [p for p in locks if p != stale]
+    held.release()
+
+
 def test_plancache_opens_the_cache_with_its_settings(tmp_path):
     from plancache.client import PlanCache
     from plancache.settings import Settings
