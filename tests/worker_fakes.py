@@ -72,8 +72,9 @@ class FakeTuner:
         self.corrupt_digest = corrupt_digest
         self.blob_size = blob_size
         self.pipelined = pipelined
-        self.hang = hang  # graph keys whose tuning hangs until ``unhang`` is set (then fails)
+        self.hang = hang  # graph keys whose tuning hangs until cancelled or ``unhang`` is set (then fails)
         self.unhang = threading.Event()
+        self.cancelled: list[str] = []  # graph keys whose tuning stopped on being cancelled
         self.followings: list[str | None] = []  # per tuning, the graph key it was told comes next
         self.tuned: list[str] = []
         self.verified: list[str] = []
@@ -90,10 +91,14 @@ class FakeTuner:
     def pipelines(self) -> bool:
         return self.pipelined
 
-    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> FakeTunedPlan:
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None,
+             cancel: threading.Event | None = None) -> FakeTunedPlan:
         self.followings.append(following.graph_key if following else None)
         if spec.graph_key in self.hang:
-            self.unhang.wait()
+            while not self.unhang.wait(0.02):
+                if cancel is not None and cancel.is_set():
+                    self.cancelled.append(spec.graph_key)
+                    raise TuningError("FakeTuner: a hung tuning was cancelled")
             raise TuningError("FakeTuner: a hung tuning was let go")
         time.sleep(self.tune_seconds)
         self.tuned.append(spec.graph_key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class TunedPlan:
 
 def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int = 3, repeats: int = 20,
              progress: Progress | None = None, seed: int | None = None, builders: BuildPool | None = None,
-             following: GraphSpec | None = None) -> TunedPlan:
+             following: GraphSpec | None = None, cancel: threading.Event | None = None) -> TunedPlan:
     """Build and time every candidate plan of ``spec`` and serialize the fastest one whose output matches
     the float32 torch reference, or for a graph no reference covers, cuDNN's FALLBACK / heuristic plan
     (ties → smaller workspace; :func:`plancache.gpu.runtime.expected_outputs`).
@@ -83,7 +84,9 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
     Each candidate is built and serialized (by ``builders``' processes while earlier ones are timed, or
     here one after another), then its blob is deserialized, checked and timed in this process alone: the
     published blob is the one that was checked and timed. With ``builders``, the builds of ``following`` (the
-    graph to be tuned next) are queued as soon as this graph's are (:meth:`BuildPool.ahead`)."""
+    graph to be tuned next) are queued as soon as this graph's are (:meth:`BuildPool.ahead`). Once ``cancel`` is set
+    (the worker gave up on the job), the next candidate raises :class:`TuningError` and the queued builds are
+    cancelled."""
     spec = canonical(spec)
     dev = require_gpu(device)
     t0 = time.perf_counter()
@@ -116,6 +119,8 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
         build_s = timing_s = 0.0
         workspace = torch.empty(1, dtype=torch.uint8, device=dev)
         for n_done, b in enumerate(built):
+            if cancel is not None and cancel.is_set():
+                raise TuningError(f"tuning cancelled after {n_done} of {len(indices)} candidates")
             cand: dict[str, Any] = dict(index=b.index, engine_id=b.engine_id, knobs=b.knobs, name=b.name)
             build_s += b.build_seconds
             if b.blob is None:  # a candidate the backend declines to build is data, not a failure

@@ -6,8 +6,9 @@ server as a failed attempt with its reason. A finished result is written to the 
 before it is sent, so neither the server being down nor the worker restarting loses it.
 On stop (SIGTERM), a tuning in progress gets ``shutdown_grace`` seconds to finish and be
 published; otherwise the job is released for another worker. A tuning that runs past ``job_timeout`` seconds (a
-hang the builders' own time limit does not catch) fails its job, which is released to be retried up to its attempts,
-and the worker goes on with the next one.
+hang the builders' own time limit does not catch) fails its job, which is released to be retried up to its attempts;
+the tuning is told to stop, and the worker goes on with the next job once it has (or after
+:data:`CANCEL_WAIT_SECONDS`: a thread cannot be killed).
 
 When the tuner builds candidates in other processes (:meth:`Tuner.pipelines`), the worker claims the next job
 before it tunes the current one, and heartbeats both: the next graph's candidates are built while the current
@@ -22,7 +23,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
 
@@ -58,6 +59,9 @@ PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, Spe
 #: finished or released; claimed with a token this worker no longer uses).
 LEASE_GONE: tuple[type[PlanCacheError], ...] = (LeaseLost, NotLeaseHolder, Conflict, NotFound)
 MAX_ERROR_CHARS = 8000
+#: How long a worker waits for a tuning it gave up on (past the job's time limit) to stop, so that two tunings do not
+#: time candidates on the GPU at once, before it goes on regardless (a build in flight ends first).
+CANCEL_WAIT_SECONDS = 30.0
 
 
 @dataclass
@@ -145,6 +149,7 @@ class _Tuning:
     meta: PlanMeta | None = None
     round_trip_error: float | None = None
     error: Exception | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)  # set: the result is no longer wanted
 
 
 class Worker:
@@ -270,16 +275,19 @@ class Worker:
         deadline = time.monotonic() + self.job_timeout
         while not done.wait(0.05):
             if time.monotonic() > deadline:
-                # a thread cannot be killed: it is abandoned, and whatever it returns is never published
-                log.error("job %d: tuning still running after %gs; abandoning it", job.id, self.job_timeout)
+                log.error("job %d: tuning still running after %gs; cancelling it", job.id, self.job_timeout)
+                outcome.cancel.set()  # whatever the thread still returns is never published
                 beat.finishing()
                 self._report_failure(job, lease, TuningError(
                     f"the job ran past its wall-clock limit of {self.job_timeout:g} s on worker {self.worker_id} "
-                    "(PLANCACHE_JOB_TIMEOUT); its tuning was abandoned"))
+                    "(PLANCACHE_JOB_TIMEOUT); its tuning was cancelled"))
+                if not done.wait(CANCEL_WAIT_SECONDS):
+                    log.error("job %d: the cancelled tuning is still running; going on without it", job.id)
                 return None
             if stop.is_set():
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
                 if not done.wait(self.shutdown_grace):
+                    outcome.cancel.set()
                     beat.finishing()
                     self._fail(job.id, lease, "worker shutting down", retryable=True)
                     self.stats.released += 1
@@ -314,7 +322,7 @@ class Worker:
                          done: threading.Event) -> None:
         """Thread body: autotune, then check the blob (:func:`tuned_meta`) and its numerics after a round trip."""
         try:
-            tuned = self.tuner.tune(spec, following=following)
+            tuned = self.tuner.tune(spec, following=following, cancel=outcome.cancel)
             assert self.environment is not None
             meta = tuned_meta(tuned, spec.graph_key, self.worker_id, self.environment)
             outcome.round_trip_error = self.tuner.verify(spec, tuned.blob)

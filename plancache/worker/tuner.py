@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..environment import Environment
@@ -36,9 +37,11 @@ class Tuner(Protocol):
         """Bytes ``spec`` needs; raise :class:`~plancache.errors.InsufficientGpuMemory` before allocating."""
         ...
 
-    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> TunedResult:
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None,
+             cancel: threading.Event | None = None) -> TunedResult:
         """Autotune ``spec``; the winner has already matched the reference in this process. ``following``: the spec
-        to be tuned next, whose work may start meanwhile."""
+        to be tuned next, whose work may start meanwhile. ``cancel``: once set, stop soon (raising), as the result
+        is no longer wanted."""
         ...
 
     def pipelines(self) -> bool:
@@ -79,14 +82,15 @@ class GpuTuner:
 
         return gpu.check_memory(spec, device=self.device)
 
-    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None) -> TunedPlan:
+    def tune(self, spec: GraphSpec, *, following: GraphSpec | None = None,
+             cancel: threading.Event | None = None) -> TunedPlan:
         from .. import gpu
         from ..gpu.candidates import BuildPool
 
         if self.pipelines() and self._builders is None:
             self._builders = BuildPool(self._processes(), device=self.device, build_timeout=self.build_timeout)
         return gpu.autotune(spec, device=self.device, warmup=self.warmup, repeats=self.repeats, builders=self._builders,
-                            following=following)
+                            following=following, cancel=cancel)
 
     def pipelines(self) -> bool:
         """True with builder processes: the next graph's candidates are built while this one is timed."""

@@ -262,3 +262,23 @@ def test_a_handle_made_through_the_c_entry_point_runs_plans(tuned):
     err = gpu.compare_outputs(spec, outputs, gpu.reference_outputs(spec, inputs), inputs=inputs)
     assert err <= TOLERANCE[spec.data_type_of(spec.output_tensors()[0])], err
     cudnn.destroy_handle(handle)
+
+
+def test_a_cancelled_tuning_stops_at_its_next_candidate_and_a_build_past_its_limit_is_recorded(tuned):
+    """The worker's time limits on a GPU: a tuning whose job ran out of time raises at its next candidate, and with a
+    build limit shorter than any build every candidate is recorded as not built, its process killed and replaced."""
+    import threading
+
+    from plancache import gpu
+    from plancache.errors import TuningError
+    from plancache.gpu.candidates import BuildPool
+
+    spec = tuned["conv_bias_relu"][0]
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(TuningError, match="tuning cancelled after 0 of"):
+        gpu.autotune(spec, repeats=3, cancel=cancel)
+    with BuildPool(2, build_timeout=1e-3) as pool:
+        with pytest.raises(TuningError, match="build timed out after 0.001 s"):
+            gpu.autotune(spec, repeats=3, builders=pool)
+        assert pool._pool.restarts >= 1

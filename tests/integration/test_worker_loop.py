@@ -220,6 +220,7 @@ def test_a_job_past_its_wall_clock_limit_is_failed_and_released_and_the_worker_g
     assert failed.status == "failed" and failed.attempts == 2
     assert "tuning_failed" in failed.error and "wall-clock limit of 1 s" in failed.error
     assert job(srv, fine.id).status == "succeeded" and plan(srv, hung.graph_key) is None
+    assert tuner.cancelled == [hung.graph_key] * 2  # each abandoned tuning was told to stop, and did
     assert 2.0 <= elapsed < 8.0
 
 
