@@ -24,7 +24,7 @@ Data = bytes | BinaryIO
 
 def check_name(sha256: str) -> str:
     """``sha256`` if it is a lowercase hex sha256 digest; ValueError otherwise (it becomes a path or a key)."""
-    if not _SHA256.match(sha256):
+    if not _SHA256.fullmatch(sha256):
         raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
     return sha256
 

@@ -100,7 +100,7 @@ def test_a_put_whose_bytes_do_not_hash_to_the_name_stores_nothing(blobs, source)
 
 
 def test_names_must_be_sha256_digests(blobs):
-    for bad in ("../" + sha(SMALL)[3:], sha(SMALL).upper(), "", sha(SMALL)[:63]):
+    for bad in ("../" + sha(SMALL)[3:], sha(SMALL).upper(), "", sha(SMALL)[:63], sha(SMALL) + "\n"):
         with pytest.raises(ValueError, match="sha256"):
             blobs.get(bad)
         with pytest.raises(ValueError, match="sha256"):
