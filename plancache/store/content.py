@@ -10,8 +10,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import errors
-from ..spec import canonical_json, parse_spec
+from ..canonical import canonical_json
 from ..spec import graph_key as compute_graph_key
+from ..spec import parse_spec
 from .blobs import BlobStore
 from .db import Database, upsert_insert
 from .models import blobs, specs

@@ -50,6 +50,18 @@ def test_a_spec_of_a_128_tib_tensor_is_refused_naming_it(api):
     assert "tensor 'A'" in r.json()["error"]["message"] and "2^40 elements" in r.json()["error"]["message"]
 
 
+def test_a_schema_1_spec_is_422_saying_it_is_no_longer_read(api):
+    """Before: the server converted schema 1 (the op-list format) and stored it. After: 422 naming how to rewrite it."""
+    legacy = {"schema": 1, "io_data_type": "float32",
+              "tensors": {"X": {"dims": [1], "strides": [1], "dtype": "float32"}},
+              "nodes": [{"op": "relu", "inputs": {"input": "X"}, "outputs": {"output": "Y"}}],
+              "outputs": {"Y": {"dims": [1], "strides": [1], "dtype": "float32"}}}
+    r = api.client.post("/v1/specs", json=legacy, headers=api.worker)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_spec"
+    message = r.json()["error"]["message"]
+    assert "schema 1" in message and "no longer read" in message and "SpecBuilder" in message
+
+
 def test_unknown_and_malformed_spec_keys(api):
     r = api.client.get("/v1/specs/" + "0" * 64, headers=api.reader)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "0" * 64 in r.json()["error"]["message"]

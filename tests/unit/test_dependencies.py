@@ -233,8 +233,8 @@ LAYERS = (
     ("server", "worker", "client"),
     ("cli", "torch"),
 )
-#: Modules that belong to another part (legacy_spec converts into spec, which imports it lazily; __main__ runs cli).
-SAME_PART = {"legacy_spec": "spec", "__main__": "cli"}
+#: Modules that belong to another part (__main__ runs cli).
+SAME_PART = {"__main__": "cli"}
 
 
 def _layer_part(module: str) -> tuple[int, str]:

@@ -26,6 +26,18 @@ def _constants(module):
     return {n for n in vars(module) if n.isupper() and f"\n{n}" in source and not n.startswith("_")}
 
 
+def test_the_spec_module_exports_its_public_surface():
+    """``plancache.spec`` exports what users write graphs with and what the docs name; the document's parts,
+    vocabulary tables and limits stay importable by plancache's own modules but are not its surface."""
+    import plancache.spec as module
+
+    assert module.__all__ == sorted(module.__all__) == [
+        "GraphSpec", "SpecBuilder", "TensorRef", "TuningSpec", "channels_last_strides", "contiguous_strides",
+        "from_pygraph", "graph_key", "parse_spec",
+    ]
+    assert all(getattr(module, n).__module__ == "plancache.spec" for n in module.__all__)
+
+
 def test_the_blob_layer_exports_exactly_what_it_defines():
     """``plancache.blobs`` gathers its sub-modules' public classes, functions and constants: every one is in
     ``__all__`` (sorted), and nothing imported from elsewhere is."""

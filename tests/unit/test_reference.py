@@ -600,10 +600,10 @@ def test_sdpa_backward_gqa_bias_padding_and_head_chunks(monkeypatch):
         close(chunked[uid], t, 1e-6)
 
 
-def test_legacy_spec_embedded_scalar_and_the_eager_path():
+def test_builder_spec_embedded_scalar_and_the_eager_path():
     from examples.generate import conv_bias_relu
 
-    spec = conv_bias_relu(n=2, c=8, hw=6, k=4)  # a schema-1 spec, converted to the FE document
+    spec = conv_bias_relu(n=2, c=8, hw=6, k=4)  # written with SpecBuilder
     n = spec.io_names()
     x = R.make_inputs(spec, "cpu", seed=3)
     ref = R.reference_outputs(spec, x)[n["Y"]]

@@ -1,12 +1,11 @@
 """The graph document (schema 2): validation, canonical form and graph-key stability (no GPU).
 
 Graphs are written with FE's own ``cudnn.pygraph`` (its IR is pure Python: no GPU needed) and read
-with :func:`plancache.spec.from_pygraph`; schema-1 documents and the SpecBuilder convert into the same format.
+with :func:`plancache.spec.from_pygraph`; SpecBuilder's documents are tested in ``test_spec_builder``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from plancache.spec import from_pygraph, graph_key, parse_spec
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (pip install -e '.[gpu]')")
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).resolve().parents[1] / "data"
 NHWC = [200704, 1, 3584, 64]
 
 
@@ -75,18 +73,16 @@ def test_example_files_match_the_generator():
         assert graph_key(on_disk) == spec.graph_key
 
 
-def test_schema_1_documents_still_parse_into_the_same_graph_as_the_builder():
-    legacy = json.loads((DATA / "legacy_conv_bias_relu.json").read_text())
-    assert legacy["schema"] == 1
-    spec = parse_spec(legacy)
-    assert spec.schema_version == 2 and [n.type for n in spec.nodes] == ["CONV_FPROP", "POINTWISE", "POINTWISE"]
-    assert spec.graph_key == EXAMPLES["conv_bias_relu"].graph_key
-    sdpa = parse_spec((DATA / "legacy_sdpa_causal.json").read_text())
-    assert sdpa.nodes[0].params["diagonal_alignment"] == {"$enum": "diagonal_alignment", "name": "TOP_LEFT"}
-    bad = copy.deepcopy(legacy)
-    bad["nodes"][0]["op"] = "conv_wibble"
-    with pytest.raises(SpecError, match="unknown op 'conv_wibble'"):
-        parse_spec(bad)
+def test_a_schema_1_document_is_refused_saying_how_to_write_it_again():
+    """Before: schema 1 (the op-list format) was converted on parse. After: a SpecError (422 from the server) that
+    says it is no longer read and names SpecBuilder and from_pygraph."""
+    legacy = {"schema": 1, "io_data_type": "float32",
+              "tensors": {"X": {"dims": [1], "strides": [1], "dtype": "float32"}},
+              "nodes": [{"op": "relu", "inputs": {"input": "X"}, "outputs": {"output": "Y"}}],
+              "outputs": {"Y": {"dims": [1], "strides": [1], "dtype": "float32"}}}
+    for form in (legacy, json.dumps(legacy)):
+        with pytest.raises(SpecError, match=r"schema 1 .* is no longer read.*SpecBuilder .*from_pygraph"):
+            parse_spec(form)
 
 
 def test_builder_defaults_and_explicit_defaults_get_one_key():
