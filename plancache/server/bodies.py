@@ -33,7 +33,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import anyio.to_thread
@@ -42,14 +42,17 @@ from fastapi.dependencies.models import Dependant
 from fastapi.dependencies.utils import get_dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.routing import compile_path
+from starlette.routing import Match, compile_path
+from starlette.types import Scope
 
 from ..protocol import Role
+from ..validation import INT64_MAX
 from .auth import authorize
 from .deps import get_store
 from .errors import documented_errors
-from .uploads import upload_body_limit
+from .uploads import base64_size, upload_body_limit
 
 _ESCAPED_NUL = b"\\u0000"
 # A \u0000 escape preceded by an even number of backslashes (an odd number escapes the backslash itself).
@@ -120,8 +123,32 @@ def _json_invalid(exc: json.JSONDecodeError) -> RequestValidationError:
                                     "input": {}, "ctx": {"error": exc.msg}}])
 
 
+def _integral_floats_as_ints(value: Any) -> Any:
+    """``value`` with every float that is a whole number as an int: JSON Schema's ``integer`` is any number
+    without a fractional part (``5.0`` too), which pydantic's strict mode refuses."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    return value
+
+
+def _strict_types(field: Any, value: Any) -> None:
+    """Refuse (422) what pydantic's lax mode converts but the body's JSON schema does not allow: ``"5"`` or
+    ``true`` for an integer, ``0`` or ``"yes"`` for a boolean, ``"1.5"`` for a number. The lax validation's
+    result is what the route gets (a spec's ``1.0`` stays a float); this only checks the JSON types."""
+    adapter: TypeAdapter[Any] = field._type_adapter  # FastAPI's adapter of the body parameter (its constraints)
+    try:
+        adapter.validate_python(_integral_floats_as_ints(value), strict=True)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
 def _parse_and_validate(body: bytes, field: Any) -> Any:
-    """Runs in a worker thread: the body parsed, and validated against ``field`` (FastAPI's body field) if given."""
+    """Runs in a worker thread: the body parsed, and validated against ``field`` (FastAPI's body field) if given:
+    as FastAPI does (lax), then its JSON types as the schema states them (:func:`_strict_types`)."""
     try:
         value = strict_json_loads(body)
     except json.JSONDecodeError as exc:
@@ -131,6 +158,7 @@ def _parse_and_validate(body: bytes, field: Any) -> Any:
     validated, errors = field.validate(value, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors)
+    _strict_types(field, value)
     return validated
 
 
@@ -261,12 +289,25 @@ class CheckedRoute(APIRoute):
     """An :class:`APIRoute` that refuses NUL in the query string and, for a route with a body, checks the token,
     reads the body and parses and validates it as described in the module docstring before FastAPI's handler."""
 
+    #: The paths of every route made without parameters (``/v1/plans/resolve``).
+    literal_paths: ClassVar[set[str]] = set()
+
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if "{" not in path:
+            CheckedRoute.literal_paths.add(path)
         if get_dependant(path=compile_path(path)[1], call=endpoint).body_params:  # what reading a body may answer
             kwargs["responses"] = {**documented_errors(408, 413, 415, 503), **(kwargs.get("responses") or {})}
         if any((method, path) in UPLOAD_ROUTES for method in kwargs.get("methods") or ()):  # the blob is stored
             kwargs["responses"] = {**documented_errors(507), **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        """As :class:`APIRoute`, except that a path some route spells out (``/v1/plans/resolve``) is never a path
+        parameter's value (``/v1/plans/{graph_key}``): ``GET /v1/plans/resolve`` is 405, not a malformed key."""
+        match, child = super().matches(scope)
+        if match is Match.FULL and self.param_convertors and scope.get("path") in CheckedRoute.literal_paths:
+            return Match.NONE, {}
+        return match, child
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -316,10 +357,27 @@ NO_NUL_PATTERN = "^[^\\u0000]*$"
 _STRING_RULES = {"pattern", "enum", "const", "format"}
 
 
+#: The schema of a JSON value the server takes where a model takes any (a spec document): what
+#: :func:`strict_json_loads` accepts, no NUL in a string or key and no integer of more than :data:`MAX_INT_CHARS`
+#: characters.
+JSON_VALUE_REF = "#/components/schemas/JsonValue"
+JSON_VALUE = {"anyOf": [
+    {"type": "string", "pattern": NO_NUL_PATTERN},
+    {"type": "integer", "minimum": -int("9" * (MAX_INT_CHARS - 1)), "maximum": int("9" * MAX_INT_CHARS)},
+    {"type": "number", "not": {"type": "integer"}},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"type": "array", "items": {"$ref": JSON_VALUE_REF}},
+    {"type": "object", "propertyNames": {"pattern": NO_NUL_PATTERN}, "additionalProperties": {"$ref": JSON_VALUE_REF}},
+], "description": "any JSON value without NUL characters or integers of more than 20 characters"}
+
+
 def _state_no_nul(node: Any) -> None:
     if isinstance(node, dict):
         if node.get("type") == "string" and not _STRING_RULES & node.keys():
             node["pattern"] = NO_NUL_PATTERN
+        if node.get("type") == "object" and node.get("additionalProperties") is True:  # values of any JSON type
+            node["additionalProperties"] = {"$ref": JSON_VALUE_REF}
         if node.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
             node.setdefault("propertyNames", {}).setdefault("pattern", NO_NUL_PATTERN)
         for value in node.values():
@@ -329,15 +387,80 @@ def _state_no_nul(node: Any) -> None:
             _state_no_nul(value)
 
 
+#: pydantic's names of bounds it could not place (a constrained ``int | None``) → JSON Schema's.
+_BOUND_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+#: A blob's base64 (``protocol.b64decode`` refuses anything else with 422).
+BASE64_PATTERN = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
+def _standard_bounds(node: Any) -> None:
+    """Bounds in JSON Schema's words, and whole numbers for an integer's: FastAPI's OpenAPI model holds every
+    bound as a float (INT64_MAX becomes 2**63, which the server refuses), so a bound is recomputed from the
+    int64 range the server checks (an integer of more than 20 characters or outside int64 is never taken)."""
+    if isinstance(node, dict):
+        for short, name in _BOUND_NAMES.items():
+            if short in node:
+                node[name] = node.pop(short)
+        if node.get("type") == "integer":
+            for name in ("minimum", "maximum"):
+                bound = node.get(name)
+                if isinstance(bound, float) and bound.is_integer():
+                    node[name] = min(max(int(bound), -INT64_MAX), INT64_MAX) if abs(bound) >= 2**63 else int(bound)
+        for value in node.values():
+            _standard_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_bounds(value)
+
+
+def _server_rules(settings: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """(schema, property) → what the server checks there beyond the model: limits that are settings (413 past
+    them) and a blob's base64 (422)."""
+    blob = {"blob_size": {"maximum": settings.max_blob_bytes},
+            "blob_b64": {"pattern": BASE64_PATTERN, "maxLength": base64_size(settings.max_blob_bytes)}}
+    keys = {"graph_keys": {"maxItems": settings.max_resolve_keys}}
+    return {(model, name): rule for models, rules in ((("PlanUpload", "PlanPut"), blob),
+                                                      (("ResolveRequest", "ExplainRequest"), keys))
+            for model in models for name, rule in rules.items()}
+
+
+#: Schema → what its model's or its route's own checks require of a whole body (422 otherwise): a plan upload's
+#: ``job_id`` and ``lease_token`` come together (``PlanPut``); a tune request names keys or specs (the admin route).
+WHOLE_BODY_RULES: dict[str, dict[str, Any]] = {
+    "PlanPut": {"anyOf": [
+        {"properties": {"job_id": {"type": "null"}, "lease_token": {"type": "null"}}},
+        {"required": ["job_id", "lease_token"],
+         "properties": {"job_id": {"type": "integer"}, "lease_token": {"type": "string"}}}]},
+    "TuneRequest": {"anyOf": [{"required": ["graph_keys"], "properties": {"graph_keys": {"minItems": 1}}},
+                              {"required": ["specs"], "properties": {"specs": {"minItems": 1}}}]},
+}
+
+
+def _state_server_rules(schema: dict[str, Any], settings: Any) -> None:
+    rules = _server_rules(settings)
+    for name, component in schema.get("components", {}).get("schemas", {}).items():
+        component.update(WHOLE_BODY_RULES.get(name.split("-")[0], {}))
+        for prop, prop_schema in component.get("properties", {}).items():
+            rule = rules.get((name.split("-")[0], prop))
+            if rule:
+                prop_schema.update(rule)
+
+
 def install_openapi_rules(app: FastAPI) -> None:
-    """Make the app's OpenAPI document state what this module enforces beyond the models: no NUL in any string
-    (every string schema without a pattern of its own gets :data:`NO_NUL_PATTERN`, every map's keys too)."""
+    """Make the app's OpenAPI document state what this module and the routes enforce beyond the models: no NUL
+    in any string (every string schema without a pattern of its own gets :data:`NO_NUL_PATTERN`, every map's
+    keys too, a map of any values takes :data:`JSON_VALUE`), bounds as JSON Schema names them
+    (:func:`_standard_bounds`), the limits of the app's settings and the blob's base64 (:func:`_server_rules`),
+    and :data:`WHOLE_BODY_RULES`."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
+            _standard_bounds(schema)
+            _state_server_rules(schema, app.state.settings)
             _state_no_nul(schema)
+            schema.setdefault("components", {}).setdefault("schemas", {})["JsonValue"] = JSON_VALUE
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -40,7 +40,8 @@ def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settin
     if upload.blob_size > limit:
         raise PayloadTooLarge(too_large % upload.blob_size)
     if len(upload.blob_b64) > base64_size(limit):  # before decoding: its base64 is longer than any allowed blob's
-        raise PayloadTooLarge(too_large % (len(upload.blob_b64) // 4 * 3 - 2))
+        raise PayloadTooLarge(f"plan blob of {len(upload.blob_b64)} base64 characters exceeds the limit of {limit} "
+                              f"bytes (at most {base64_size(limit)} characters)")
     try:
         blob = upload.blob_bytes()
     except ValueError as exc:
