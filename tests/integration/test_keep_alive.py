@@ -69,6 +69,9 @@ def test_a_refusal_does_not_poison_its_keep_alive_connection(tmp_path: Path, siz
                         assert http.get("/healthz").status_code == 200
                     except httpx.TransportError as exc:
                         failures.append(f"{path} {status}: {type(exc).__name__}")
+            r = http.post("/v1/plans/resolve", json={"environment": H200.model_dump(mode="json"), "graph_keys": ["a" * 64]},
+                          headers=bearer(reader))
+            assert r.status_code == 200 and "connection" not in r.headers  # a body read whole: the connection stays
         assert failures == [], f"{len(failures)} of {ROUNDS * len(refusals)} next requests failed"
         if size == "200 KB":  # the server answers these from the head: the body is still on its way
             assert closing > 0
