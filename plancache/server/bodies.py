@@ -6,7 +6,7 @@ Every route of the app uses :class:`CheckedRoute`. For a route that takes a body
    role gets its 401/403 before a byte of the body is read;
 2. the body is read within its route's size limit (the declared ``Content-Length`` first, then what
    arrives): for plan uploads (:data:`UPLOAD_ROUTES`, the blob is inline) a ``Settings.max_blob_bytes`` blob
-   as base64 plus ``Settings.max_json_bytes``, at most ``Settings.max_request_bytes``
+   as base64 plus twice ``Settings.max_json_bytes``, at most ``Settings.max_request_bytes``
    (:func:`~plancache.server.uploads.upload_body_limit`), ``Settings.max_json_bytes`` (1 MiB; a spec is
    kilobytes) for every other route, else 413 (from the declared length: before the body is read); within its
    deadline, ``Settings.body_timeout`` plus its size at ``Settings.body_min_rate``, else 408 (a slow drip
@@ -329,7 +329,7 @@ class CheckedRoute(APIRoute):
             if uploads:
                 req.body_limit = upload_body_limit(settings)
                 req.limit_reason = (f"a plan upload carries a blob of at most {settings.max_blob_bytes} bytes as "
-                                    f"base64, and at most {settings.max_json_bytes} bytes besides")
+                                    f"base64, and at most {2 * settings.max_json_bytes} bytes besides")
             else:
                 req.body_limit = min(settings.max_json_bytes, settings.max_request_bytes)
                 req.limit_reason = "PLANCACHE_MAX_JSON_BYTES: the limit of every body but a plan upload's"

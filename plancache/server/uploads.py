@@ -18,10 +18,10 @@ def base64_size(n: int) -> int:
 
 
 def upload_body_limit(settings: Settings) -> int:
-    """The largest plan upload body read: a blob of ``max_blob_bytes`` as base64 plus ``max_json_bytes`` for
-    the rest (the record, the spec), and never over ``max_request_bytes``. A longer body cannot carry an
-    allowed blob: one that declares it is refused (413) before a byte of it is read."""
-    return min(settings.max_request_bytes, base64_size(settings.max_blob_bytes) + settings.max_json_bytes)
+    """The largest plan upload body read: a blob of ``max_blob_bytes`` as base64, plus ``max_json_bytes`` for its
+    spec and as much again for its record (candidates and all), and never over ``max_request_bytes``. One that
+    declares more is refused (413) before a byte of it is read."""
+    return min(settings.max_request_bytes, base64_size(settings.max_blob_bytes) + 2 * settings.max_json_bytes)
 
 
 def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: Settings,
