@@ -179,6 +179,13 @@ class BlobStoreMismatch(PlanCacheError):
     http_status = 503
 
 
+class BlobStoreUnavailable(PlanCacheError, OSError):
+    """The blob store could not be reached or refused the call (object storage unreachable, denied or failing)."""
+
+    code = "blob_store_unavailable"
+    http_status = 503
+
+
 class ServerUnavailable(PlanCacheError):
     """The plancache server could not be used (unreachable, timed out, 429 or 5xx, or a malformed answer).
 

@@ -13,6 +13,7 @@ from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, TypeVar
 
+from ..errors import BlobStoreUnavailable
 from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked, chunks, shard
 
 if TYPE_CHECKING:
@@ -58,11 +59,12 @@ class ObjectStoreBlobs(BlobStore):
             raise ValueError(f"blob store {self.url}: {str(exc).splitlines()[0]}") from None
 
     def _call(self, call: Callable[[], T]) -> T:
-        """``call()``, obstore's errors other than not-found raised as OSError (unreachable, refused, denied)."""
+        """``call()``, obstore's errors other than not-found raised as :class:`BlobStoreUnavailable` (an OSError:
+        unreachable, refused, denied)."""
         try:
             return call()
         except self._obs.exceptions.BaseError as exc:
-            raise OSError(f"{self.url}: {str(exc).splitlines()[0]}") from exc
+            raise BlobStoreUnavailable(f"blob store {self.url}: {str(exc).splitlines()[0]}") from exc
 
     def size(self, sha256: str) -> int | None:
         try:

@@ -58,7 +58,7 @@ _DOCUMENTED = {
     415: "the body is not JSON sent with Content-Type: application/json",
     422: "invalid request (the message names the field)",
     429: "this token's budget for the operation is spent; retry after Retry-After seconds",
-    503: "database unavailable, or the server is busy; retry after Retry-After seconds",
+    503: "database or blob store unavailable, or the server is busy; retry after Retry-After seconds",
     507: "the blob store is full or not writable; nothing was stored, retry later",
 }
 
@@ -76,7 +76,8 @@ def error_response(status: int, code: str, message: str, headers: Mapping[str, s
 
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PlanCacheError)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else {"Retry-After": "1"} \
+        if exc.http_status == 503 else None
     return error_response(exc.http_status, exc.code, exc.message, headers)
 
 

@@ -68,3 +68,29 @@ def _damage(s3_blob_url: str, digest: str) -> None:
     from obstore.store import from_url
 
     obstore.put(from_url(s3_blob_url), f"{digest[:2]}/{digest[2:4]}/{digest}", bytes(len(LARGE)))
+
+
+def test_an_unreachable_object_store_is_a_503_to_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       s3_blob_url: str, make_spec, make_plan, gpu_env):
+    """The bucket's endpoint goes away under a running server: an upload and a blob read are 503
+    ``blob_store_unavailable`` with ``Retry-After`` (not a 500 with a traceback), and nothing is half-published."""
+    from ..live_server import free_port
+
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", s3_blob_url)
+    with LiveServer(tmp_path, blob_memory_bytes=16 * 1024) as srv:
+        admin = bearer(srv.admin_token)
+        key, spec = make_spec(0)
+        meta, _ = make_plan(key, gpu_env, blob=LARGE)
+        assert httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, LARGE, spec), headers=admin,
+                         timeout=30).status_code == 201
+        store = srv.store.blob_store
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens there
+        store.content = open_blobs(s3_blob_url)  # the server's client now points at the dead endpoint
+        r = httpx.get(f"{srv.url}/v1/blobs/{meta.blob_sha256}", headers=admin, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "blob_store_unavailable"
+        key2, spec2 = make_spec(1)
+        meta2, _ = make_plan(key2, gpu_env, blob=SMALL)
+        r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta2, SMALL, spec2), headers=admin, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
+        assert srv.store.get_plan(key2, gpu_env) is None, "no record names bytes that were not stored"
