@@ -164,6 +164,7 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):
     resolve_max_bytes: int = 256 * 1024 * 1024  # the largest resolve answer read (see README, Configuration)
     cache_max_bytes: int = 2 * 1024 * 1024 * 1024  # disk cache size cap, LRU eviction; 0: no cap
     cache_max_age_days: float = 30.0  # other environments' cache folders unused this long are dropped; 0: never
+    capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
 
@@ -175,7 +176,6 @@ class AdminSettings(ConnectionSettings, AdminTokenSettings):
 class Settings(ServerSettings, WorkerSettings, ClientSettings, AdminSettings):
     """Every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
     Add a new setting to its role's section above, not here."""
-    capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
 
 
 def get_settings() -> Settings:
