@@ -220,8 +220,16 @@ class ResolveRequest(StrictModel):
 
 
 class ResolvedPlan(StrictModel):
+    """A plan of a resolve answer: its record and, with ``include_blobs``, its blob inline (``blob_b64``), else where
+    to GET the blob (``blob_url``): the server's own route (relative, ``/v1/blobs/{sha256}``, sent with the token) or
+    a presigned object-store URL (absolute, short-lived, sent without credentials). Whoever serves the bytes, the
+    client checks them against the record (size, sha256, signature)."""
+
     record: PlanRecord
     blob_b64: str | None = None
+    blob_url: str | None = Field(default=None, max_length=8192,
+                                 description="where to GET the blob when it is not inline: /v1/blobs/{sha256} on this "
+                                             "server, or an absolute presigned URL (no Authorization header)")
 
 
 class ResolveResponse(StrictModel):

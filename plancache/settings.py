@@ -110,6 +110,9 @@ class ServerSettings(StoreSettings, AdminTokenSettings):
     miss_burst: int = 20000
     blob_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=0)  # blob bytes kept in memory per process (LRU)
     token_cache_seconds: float = Field(default=5.0, ge=0, le=300)  # an authenticated token is not looked up again
+    # blobs of an object store: resolve answers presigned GET URLs, valid this long (plancache.server.routes.plans)
+    presign_blobs: bool = True
+    presign_seconds: int = Field(default=300, ge=1, le=7 * 86400)
     # the autotune policy (plancache.store.autotune, plancache.server.autotune; docs/DEPLOYMENT.md "Autotune")
     autotune: bool = True  # enqueue often-missed keys for the environments workers serve, without a person
     autotune_min_misses: int = Field(default=3, ge=1, le=1_000_000)  # misses of a key on an environment before it is

@@ -268,8 +268,13 @@ class DiskStep(Step):
         return found
 
 
+#: Blobs the server step downloads at once (from presigned URLs or the server's route).
+FETCH_THREADS = 8
+
+
 class ServerStep(Step):
-    """One resolve round trip for the batch, blobs inline (or fetched by digest), all of it within the cache's
+    """One resolve round trip for the batch, blobs inline or fetched from where the answer says (a presigned
+    object-store URL, without the token, or the server's route), all of it within the cache's
     ``request_deadline`` and each answer within its size limit; a verified blob whose signature was checked is
     saved to disk. The specs of the keys the server misses are registered once per process (time allowing), so
     an admin can tune them."""
@@ -292,7 +297,7 @@ class ServerStep(Step):
         specs = {p.key: p.spec for p in batch}
         answers, missing = self._ask(specs, deadline)
         reasons = self._explain([k for k in missing if k in specs], deadline)
-        blobs = {p: self._blob(p, answers[p.key], deadline) for p in batch if answers and p.key in answers}
+        blobs = self._blobs([(p, answers[p.key]) for p in batch if answers and p.key in answers], deadline)
         found: dict[Pending, Plan] = {}
         for p in batch:
             if answers is None:
@@ -312,31 +317,72 @@ class ServerStep(Step):
                 self._report_miss(key, specs[key], deadline)
         return found
 
-    def _blob(self, p: Pending, answer: ResolvedPlan, deadline: float) -> bytes | None:
-        """The answer's blob: inline, or downloaded (at most its record's size) when its record could be
-        admitted at all; None when there is none (the reason is noted)."""
-        record = answer.record
-        if answer.blob_b64 is not None:
-            from ..protocol import b64decode
+    def _blobs(self, answers: list[tuple[Pending, ResolvedPlan]], deadline: float) -> dict[Pending, bytes | None]:
+        """The answers' blobs (unverified): inline, or downloaded from their ``blob_url`` (at most their record's
+        size, :data:`FETCH_THREADS` at a time) when their record could be admitted at all; None when there is none
+        (the reason is noted). Counted by where they came from (``stats().blob_sources``)."""
+        blobs: dict[Pending, bytes | None] = {}
+        downloads: list[tuple[Pending, ResolvedPlan]] = []
+        for p, answer in answers:
+            if answer.blob_b64 is not None:
+                blobs[p] = self._inline(p, answer)
+                continue
+            try:  # the record alone first: no download for a record that cannot be admitted anyway
+                self.cache._verify(answer.record, None, p.key)
+            except VerificationError as exc:
+                self.reject(p, exc.reason, exc.message)
+                blobs[p] = None
+                continue
+            downloads.append((p, answer))
+        if not downloads:
+            return blobs
+        from concurrent.futures import ThreadPoolExecutor
 
-            try:
-                return b64decode(answer.blob_b64)
-            except ValueError as exc:
-                self.reject(p, "malformed", str(exc))
-                self.learn(p, record)
-                return None
-        try:  # the record alone first: no download for a record that cannot be admitted anyway
-            self.cache._verify(record, None, p.key)
-        except VerificationError as exc:
-            self.reject(p, exc.reason, exc.message)
-            return None
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(downloads)), thread_name_prefix="plancache-blob") as pool:
+            results = list(pool.map(lambda d: self._download(d[1], deadline), downloads))
+        stats = self.cache._stats
+        for (p, answer), (blob, source, fell_back) in zip(downloads, results, strict=True):
+            stats.presigned_fallbacks += fell_back
+            if isinstance(blob, PlanCacheError):
+                self._count_failure(blob)
+                p.note(self.name, "blob unavailable")
+                self.learn(p, answer.record)
+                blobs[p] = None
+            else:
+                _bump(stats.blob_sources, source)
+                blobs[p] = blob
+        return blobs
+
+    def _inline(self, p: Pending, answer: ResolvedPlan) -> bytes | None:
+        from ..protocol import b64decode
+
+        assert answer.blob_b64 is not None
         try:
-            return self._remote().fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
-        except PlanCacheError as exc:
-            self._count_failure(exc)
-            p.note(self.name, "blob unavailable")
-            self.learn(p, record)
+            blob = b64decode(answer.blob_b64)
+        except ValueError as exc:
+            self.reject(p, "malformed", str(exc))
+            self.learn(p, answer.record)
             return None
+        _bump(self.cache._stats.blob_sources, "inline")
+        return blob
+
+    def _download(self, answer: ResolvedPlan, deadline: float) -> tuple[bytes | PlanCacheError, str, bool]:
+        """(the blob or why not, ``server`` or ``presigned``, whether a presigned URL failed first). A presigned
+        URL that fails (expired, refused, unreachable) is followed by one GET from the server's route."""
+        record, url = answer.record, answer.blob_url
+        fetch = partial(self._remote().fetch_blob, record.blob_sha256, size=record.blob_size, deadline=deadline)
+        fell_back = False
+        if url is not None and not url.startswith("/"):
+            try:
+                return fetch(url=url), "presigned", False
+            except PlanCacheError as exc:
+                log.info("plancache: blob %s from its presigned URL: %s; asking the server", record.blob_sha256[:12],
+                         exc.message)
+                fell_back = True
+        try:
+            return fetch(url=url if not fell_back else None), "server", fell_back
+        except PlanCacheError as exc:
+            return exc, "server", fell_back
 
     def _take(self, p: Pending, answer: ResolvedPlan, blob: bytes | None) -> Plan | None:
         if blob is None:  # refused or not downloaded, and noted so
@@ -534,7 +580,10 @@ class ClientStats:
     (inside ``plan``/``prefetch``/``serve``), ``deserialize``, ``build`` (rebuilds and heuristic builds).
     ``revalidations[outcome]``: keys loaded from disk asked about again (:data:`~plancache.client.revalidate.OUTCOMES`:
     ``current``, ``replaced``, ``withdrawn``, ``kept``, ``failed``); ``withdrawals[what]``: withdrawals the server gave
-    (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``)."""
+    (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``).
+    ``blob_sources[where]``: blobs the server step received (before verification), by where: ``inline`` (in the
+    resolve answer), ``server`` (its ``/v1/blobs`` route), ``presigned`` (an object-store URL the server presigned);
+    ``presigned_fallbacks``: presigned GETs that failed and were asked of the server's route instead."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -549,6 +598,8 @@ class ClientStats:
     miss_reasons: dict[str, int] = field(default_factory=dict)
     revalidations: dict[str, int] = field(default_factory=dict)
     withdrawals: dict[str, int] = field(default_factory=dict)
+    blob_sources: dict[str, int] = field(default_factory=dict)
+    presigned_fallbacks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -613,7 +664,7 @@ class PlanCache:
                                          policies=[CircuitBreaker(config.cooldown)],
                                          transport=config.transport),
                               max_blob_bytes=settings.max_blob_bytes,
-                              resolve_max_bytes=settings.resolve_max_bytes) if url else None
+                              resolve_max_bytes=settings.resolve_max_bytes, transport=config.transport) if url else None
         cache_dir = config.cache_dir if config.cache_dir is not None else settings.cache_dir
         max_bytes = config.cache_max_bytes if config.cache_max_bytes is not None else settings.cache_max_bytes
         self.disk = DiskCache(cache_dir, self.environment, max_bytes=max_bytes,
@@ -746,7 +797,8 @@ class PlanCache:
                 _bump(hits, StepName.MEMORY.value, self._memory_hits)
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds,
-                               dict(s.fe_builds), dict(s.miss_reasons), dict(s.revalidations), dict(s.withdrawals))
+                               dict(s.fe_builds), dict(s.miss_reasons), dict(s.revalidations), dict(s.withdrawals),
+                               dict(s.blob_sources), s.presigned_fallbacks)
 
     def close(self) -> None:
         """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, and close the

@@ -7,6 +7,9 @@ a malformed answer, an answer over its size limit or past its deadline) turns th
 cool-down, during which every call fails at once with :class:`~plancache.errors.ServerUnavailable`
 (``skipped=True``) instead of waiting on the network again.
 
+A blob comes from where the resolve answer says (``blob_url``): the server's own route, with the token, or a
+presigned object-store URL, through a client of its own that never sends the token (:meth:`Remote.fetch_blob`).
+
 Every answer is read with a size limit, while it streams in: a blob at most its record's ``blob_size``
 (and never over ``max_blob_bytes``), a resolve answer at most :meth:`Remote.resolve_limit` bytes. Each call
 takes an optional ``deadline`` (a :func:`time.monotonic` instant) by which its whole answer must be in.
@@ -14,12 +17,18 @@ takes an optional ``deadline`` (a :func:`time.monotonic` instant) by which its w
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ..environment import Environment
+from ..errors import ServerUnavailable
 from ..http import CircuitBreaker, HttpClient, json_as
 from ..protocol import ExplainRequest, ExplainResponse, MissReason, ResolveRequest, ResolveResponse, SpecCreated
 from ..spec import GraphSpec
+
+if TYPE_CHECKING:
+    import httpx
 
 #: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signed envelope,
 #: environment, knobs, timings) and the JSON around it; and once per answer.
@@ -42,7 +51,7 @@ class Remote:
     reads; ``resolve_max_bytes``: the largest resolve answer it reads, however many keys it asks for."""
 
     def __init__(self, http: HttpClient, *, max_keys_per_request: int = 1000, max_blob_bytes: int = 64 * 1024 * 1024,
-                 resolve_max_bytes: int = 256 * 1024 * 1024) -> None:
+                 resolve_max_bytes: int = 256 * 1024 * 1024, transport: httpx.BaseTransport | None = None) -> None:
         if max_keys_per_request < 1:
             raise ValueError("max_keys_per_request must be >= 1")
         if max_blob_bytes < 1 or resolve_max_bytes < 1:
@@ -51,6 +60,9 @@ class Remote:
         self.max_keys_per_request = max_keys_per_request
         self.max_blob_bytes = max_blob_bytes
         self.resolve_max_bytes = resolve_max_bytes
+        self._transport = transport
+        self._elsewhere: dict[str, HttpClient] = {}  # origin of presigned URLs -> a client without the token
+        self._elsewhere_lock = threading.Lock()
 
     @property
     def is_off(self) -> bool:
@@ -94,11 +106,26 @@ class Remote:
             reasons.update(part.reasons)
         return reasons
 
-    def fetch_blob(self, sha256: str, *, size: int | None = None, deadline: float | None = None) -> bytes:
-        """``GET /v1/blobs/{sha256}`` (unverified bytes), read up to ``size`` bytes (the record's ``blob_size``;
-        at most ``max_blob_bytes``): a longer answer is cut off and fails with ServerUnavailable."""
+    def fetch_blob(self, sha256: str, *, size: int | None = None, deadline: float | None = None,
+                   url: str | None = None) -> bytes:
+        """The blob's bytes (unverified), read up to ``size`` bytes (the record's ``blob_size``; at most
+        ``max_blob_bytes``): a longer answer is cut off and fails with ServerUnavailable. From ``url`` when given:
+        a path is on this server (sent with the token), an absolute http(s) URL (a presigned one) is GET with no
+        credentials at all, through a client of its own that trips no breaker; else ``GET /v1/blobs/{sha256}``."""
         limit = self.max_blob_bytes if size is None else min(size, self.max_blob_bytes)
-        return self.http.request("GET", f"/v1/blobs/{sha256}", max_bytes=limit, deadline=deadline).content
+        if url is None or url.startswith("/"):
+            return self.http.request("GET", url or f"/v1/blobs/{sha256}", max_bytes=limit, deadline=deadline).content
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ServerUnavailable(f"blob {sha256}: the server named {url[:100]!r}, not a path or an http(s) URL")
+        origin = f"{parts.scheme}://{parts.netloc}"
+        with self._elsewhere_lock:
+            http = self._elsewhere.get(origin)
+            if http is None:
+                http = self._elsewhere[origin] = HttpClient(origin, None, connect_timeout=self.http.connect_timeout,
+                                                            read_timeout=self.http.read_timeout,
+                                                            transport=self._transport)
+        return http.request("GET", url[len(origin):], max_bytes=limit, deadline=deadline, retry=False).content
 
     def register_spec(self, spec: GraphSpec, *, deadline: float | None = None) -> str:
         """``POST /v1/specs``: store the spec so an admin can tune its key; returns the server's graph key.
@@ -109,3 +136,5 @@ class Remote:
 
     def close(self) -> None:
         self.http.close()
+        for http in self._elsewhere.values():
+            http.close()

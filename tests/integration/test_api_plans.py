@@ -180,12 +180,14 @@ def test_request_body_over_the_limit_is_413_declared_or_streamed(store, gpu_env)
 def test_resolve_returns_records_blobs_and_records_misses(api, published, make_spec, gpu_env):
     (k0, _, b0), (k1, _, b1) = published
     missing_key, _ = make_spec(5)
+    api.app.state.settings.presign_blobs = False  # blobs from this server, inline when asked (an S3 store's too)
     body = {"environment": gpu_env.model_dump(), "graph_keys": [k0, missing_key, k1, k0]}
     r = api.client.post("/v1/plans/resolve", json=body, headers=api.reader)
     assert r.status_code == 200
     out = r.json()
     assert set(out["plans"]) == {k0, k1} and out["missing"] == [missing_key]
-    assert all(p["blob_b64"] is None for p in out["plans"].values())
+    assert all(p["blob_b64"] is None and p["blob_url"] == f"/v1/blobs/{p['record']['blob_sha256']}"
+               for p in out["plans"].values())
     assert out["plans"][k0]["record"]["blob_sha256"] == sha(b0)
 
     r = api.client.post("/v1/plans/resolve", json={**body, "include_blobs": True}, headers=api.reader)
@@ -210,7 +212,8 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
         found, missing = api.store.resolve(gpu_env, [k for k, _, _ in published] + ["f" * 64], include_blobs=include_blobs)
         chunks = list(plans_routes.resolve_json(found, missing))
         assert len(chunks) == 3  # one per plan, then the end
-        expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b))
+        expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b),
+                                                          blob_url=f"/v1/blobs/{r.blob_sha256}" if b is None else None)
                                           for k, (r, b) in found.items()}, missing=missing)
         assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
 
@@ -218,9 +221,11 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
 def test_resolve_inlines_blobs_up_to_the_budget(api, published, gpu_env, monkeypatch):
     (k0, _, b0), (k1, _, b1) = published
     monkeypatch.setattr(plans_routes, "MAX_INLINE_BLOB_BYTES", len(b0) + len(b1) - 1)
+    api.app.state.settings.presign_blobs = False
     body = {"environment": gpu_env.model_dump(), "graph_keys": [k1, k0], "include_blobs": True}
     plans = api.client.post("/v1/plans/resolve", json=body, headers=api.reader).json()["plans"]
     assert base64.b64decode(plans[k1]["blob_b64"]) == b1 and plans[k0]["blob_b64"] is None
+    assert plans[k0]["blob_url"] == f"/v1/blobs/{sha(b0)}" and plans[k1]["blob_url"] is None
     assert plans[k0]["record"]["blob_sha256"] == sha(b0)
     assert api.store.list_misses() == []  # looking the blobs up again records no miss
 

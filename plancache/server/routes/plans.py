@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
@@ -12,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from ...blobs import BlobStream
+from ...blobs import BlobStream, ObjectStoreBlobs
 from ...environment import Environment
 from ...errors import Forbidden, IntegrityError, NotFound, PayloadTooLarge
 from ...protocol import (
@@ -24,6 +25,9 @@ from ...protocol import (
     ResolveRequest,
     ResolveResponse,
 )
+from ...settings import Settings
+from ...store import Store
+from ...store.blobs import ContentBlobs
 from ..auth import Reader, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
@@ -51,9 +55,11 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
             request: Request) -> Response:
     """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
     and recorded as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``;
-    past it they are still listed, not counted). ``include_blobs`` inlines the blobs as base64, in key order up
-    to 128 MiB of blob bytes per answer and what the server's in-flight budget has room for; a plan past that
-    has ``blob_b64`` null: GET it from /v1/blobs."""
+    past it they are still listed, not counted). Each plan whose blob is not inline has ``blob_url``: a presigned
+    GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``, valid ``PLANCACHE_PRESIGN_SECONDS``) when the blobs are
+    in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where the server
+    serves them itself (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of blob bytes
+    per answer and what the server's in-flight budget has room for; a plan past that has ``blob_b64`` null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=False, count_misses=False)
@@ -63,7 +69,8 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
             store.record_misses(req.environment, missing[:counted])
         metrics.misses_not_counted.inc(len(missing) - counted)
     held = 0
-    if req.include_blobs:
+    presign = _presigner(store, settings)
+    if req.include_blobs and presign is None:
         candidates = [(key, found[key][0].blob_size) for key in dict.fromkeys(k for k in req.graph_keys if k in found)]
         wanted = 0
         for _, size in candidates:
@@ -82,8 +89,8 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
             request.app.state.inflight.release(held)
             raise
     metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
-    chunks = resolve_json(found, missing)
-    if req.include_blobs:  # the held bytes go back once the answer is sent, or the client is gone (background)
+    chunks = resolve_json(found, missing, presign or _server_route)
+    if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
         hold = Held(request.app.state.inflight, held)
         return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
                                  background=BackgroundTask(hold.release))
@@ -110,12 +117,30 @@ def explain(req: ExplainRequest, store: StoreDep, settings: SettingsDep, _: Read
     return ExplainResponse(reasons=store.explain_misses(req.environment, req.graph_keys))
 
 
-def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str]) -> Iterator[bytes]:
+def _server_route(sha256: str) -> str:
+    return BLOB_ROUTE.format(sha256=sha256)
+
+
+def _presigner(store: Store, settings: Settings) -> Callable[[str], str] | None:
+    """The presigned GET URL of a blob, when the blobs are in an object store and presigning is on; else None."""
+    blobs = store.blob_store.content if isinstance(store.blob_store, ContentBlobs) else None
+    if not settings.presign_blobs or not isinstance(blobs, ObjectStoreBlobs):
+        return None
+    expiry = timedelta(seconds=settings.presign_seconds)
+    return lambda sha256: blobs.presign(sha256, expiry)
+
+
+def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str],
+                 blob_url: Callable[[str], str] = _server_route) -> Iterator[bytes]:
     """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`. Blobs are base64-encoded
-    as their chunk is made (base64 needs no JSON escaping), so a many-megabyte answer is never held whole."""
+    as their chunk is made (base64 needs no JSON escaping), so a many-megabyte answer is never held whole;
+    a plan without its blob gets ``blob_url(sha256)``."""
     buffer, size = [b'{"plans":{'], 0
     for i, (key, (record, blob)) in enumerate(found.items()):
-        inline = b"null" if blob is None else b'"' + base64.b64encode(blob) + b'"'
+        if blob is None:
+            inline = b'null,"blob_url":' + json.dumps(blob_url(record.blob_sha256)).encode()
+        else:
+            inline = b'"' + base64.b64encode(blob) + b'","blob_url":null'
         part = b"".join((b"," if i else b"", json.dumps(key).encode(), b':{"record":', record.model_dump_json().encode(),
                          b',"blob_b64":', inline, b"}"))
         buffer.append(part)
