@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +19,7 @@ import obstore
 import obstore.store
 import pytest
 
+import plancache.client.core as core
 from plancache.blobs.base import shard
 from plancache.client import PlanCache
 from plancache.store import open_store
@@ -25,7 +28,7 @@ from tests.factories import H200, make_meta, new_signer, trusted
 from tests.live_server import LiveServer
 from tests.server_util import api, open_api  # noqa: F401 (fixture)
 
-from .test_client_ladder import CONV, SDPA, blob_of
+from .test_client_ladder import CONV, SDPA, SPECS, blob_of
 
 
 class Capture(httpx.HTTPTransport):
@@ -157,3 +160,36 @@ def test_a_failed_presigned_get_falls_back_to_the_servers_route_once(s3_server, 
     assert plan.source == "server" and pc._backend.deserialized == [blob]
     assert s.blob_sources == {"server": 1} and s.presigned_fallbacks == 1 and s.remote_errors == 0
     assert s3_server.requests[f"/v1/blobs/{hashlib.sha256(blob).hexdigest()}"] == 1
+
+
+class Slow(Capture):
+    """Object-store GETs take 0.2 s each; counts how many are in flight at once."""
+
+    def __init__(self, store_host: str) -> None:
+        super().__init__()
+        self.store_host, self.now, self.most = store_host, 0, 0
+        self.lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.netloc.decode() != self.store_host:
+            return super().handle_request(request)
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.2)
+            return super().handle_request(request)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_blobs_are_fetched_concurrently_a_few_at_a_time(s3_server, moto_s3, tmp_path, signer, monkeypatch):
+    monkeypatch.setattr(core, "FETCH_THREADS", 2)
+    specs = list(SPECS.values())
+    for spec in specs:
+        seed(s3_server, spec, signer)
+    wire = Slow(urlsplit(moto_s3).netloc)
+    pc = client(s3_server, tmp_path, signer, wire)
+    assert {p.source for p in pc.prefetch(specs).values()} == {"server"}
+    assert pc.stats().blob_sources == {"presigned": len(specs)} and wire.most == 2  # 5 blobs, 2 at a time
