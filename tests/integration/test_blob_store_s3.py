@@ -4,7 +4,6 @@ object turns out damaged), gc deletes the object of a blob no record references.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 from datetime import timedelta
@@ -42,7 +41,8 @@ def test_a_server_on_s3_publishes_serves_and_collects_blobs(tmp_path: Path, monk
 
         body = {"environment": gpu_env.model_dump(), "graph_keys": [k for k, _ in keys], "include_blobs": True}
         plans = httpx.post(f"{srv.url}/v1/plans/resolve", json=body, headers=reader, timeout=30).json()["plans"]
-        assert [base64.b64decode(plans[k]["blob_b64"]) for k, _ in keys] == [SMALL, LARGE]
+        assert all(plans[k]["blob_b64"] is None for k, _ in keys)  # presigned URLs instead: no token, from the bucket
+        assert [httpx.get(plans[k]["blob_url"], timeout=30).content for k, _ in keys] == [SMALL, LARGE]
         for (_, meta), blob in zip(keys, (SMALL, LARGE)):
             r = httpx.get(f"{srv.url}/v1/blobs/{meta.blob_sha256}", headers=reader, timeout=30)
             assert r.status_code == 200 and r.content == blob and r.headers["etag"] == f'"{meta.blob_sha256}"'
