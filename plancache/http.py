@@ -266,29 +266,37 @@ class HttpClient:
                                   verify=tls_verification(self.server_url))
 
     def request(self, method: str, path: str, *, body: Any = None, timeout: float | None = None, retry: bool = True,
-                trips_on_auth: bool = True, max_bytes: int | None = None,
-                deadline: float | None = None) -> httpx.Response:
+                trips_on_auth: bool = True, max_bytes: int | None = None, deadline: float | None = None,
+                content: bytes | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
         """The answer (status below 400) to ``method path`` with JSON ``body``, its body read whole; see :meth:`read`."""
         return self.read(method, path, _response, body=body, timeout=timeout, retry=retry,
-                         trips_on_auth=trips_on_auth, max_bytes=max_bytes, deadline=deadline)
+                         trips_on_auth=trips_on_auth, max_bytes=max_bytes, deadline=deadline, content=content,
+                         headers=headers)
 
     def read(self, method: str, path: str, reader: Callable[[httpx.Response], T], *, body: Any = None,
              timeout: float | None = None, retry: bool = True, trips_on_auth: bool = True,
-             max_bytes: int | None = None, deadline: float | None = None) -> T:
-        """``reader`` of the answer to ``method path`` with JSON ``body``, through the policies. ``timeout``
+             max_bytes: int | None = None, deadline: float | None = None, content: bytes | None = None,
+             headers: dict[str, str] | None = None) -> T:
+        """``reader`` of the answer to ``method path`` with JSON ``body`` (or raw ``content``, as
+        ``application/octet-stream``) and extra ``headers``, through the policies. ``timeout``
         replaces the client's timeouts for this call; ``retry`` and ``trips_on_auth`` are the :class:`Call`'s.
         ``max_bytes``: the largest answer body read (more is ServerUnavailable); ``deadline``: the
         :func:`time.monotonic` instant by which each attempt's whole answer must have arrived (else
         ServerUnavailable, at that instant)."""
         call = Call(method, self.server_url + path, retry, trips_on_auth, self.stop)
-        headers = {"Accept-Encoding": "identity"} if max_bytes is not None else None  # the cap counts what is sent
+        headers = dict(headers or {})
+        if max_bytes is not None:
+            headers["Accept-Encoding"] = "identity"  # the cap counts what is sent
+        if content is not None:
+            headers["Content-Type"] = "application/octet-stream"
 
         def exchange(cancel: threading.Event | None) -> httpx.Response:
             for again in (False, True):
                 limits = self._timeouts(timeout, deadline)
                 use = ConnectionUse()
                 try:
-                    request = self._http.build_request(method, path, json=body, headers=headers, timeout=limits,
+                    request = self._http.build_request(method, path, json=body, content=content, headers=headers,
+                                                       timeout=limits,
                                                        extensions={"trace": use})
                     resp = self._http.send(request, stream=True)
                     break
@@ -346,7 +354,9 @@ class HttpClient:
             body += chunk
             if max_bytes is not None and len(body) > max_bytes:
                 raise too_large("exceeds")
-        headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _WIRE_HEADERS]
+        # a HEAD answer's Content-Length is what a GET would send: kept (there is no body for httpx to count)
+        headers = [(k, v) for k, v in resp.headers.multi_items()
+                   if k.lower() not in _WIRE_HEADERS or (call.method == "HEAD" and k.lower() == "content-length")]
         return httpx.Response(resp.status_code, headers=headers, content=bytes(body), request=resp.request,
                               extensions={k: v for k, v in resp.extensions.items() if k == "reason_phrase"})
 

@@ -147,14 +147,16 @@ class PlanMeta(StrictModel):
 
 
 class PlanUpload(PlanMeta):
-    """``PUT /v1/plans`` body: the record plus the blob inline (base64) and, optionally, its spec."""
+    """``PUT /v1/plans`` body: the record and, optionally, its spec. The blob is uploaded before with
+    ``PUT /v1/blobs/{sha256}`` (``blob_b64`` left out), or sent inline as base64 (older workers, admins)."""
 
-    blob_b64: str = Field(min_length=1)
+    blob_b64: str | None = Field(default=None, min_length=1,
+                                 description="the blob as base64; leave it out when it was PUT to /v1/blobs/{sha256}")
     spec: dict[str, Any] | None = None
     replace: bool = Field(default=False, description="replace an existing plan for this key+environment")
 
-    def blob_bytes(self) -> bytes:
-        return b64decode(self.blob_b64)
+    def blob_bytes(self) -> bytes | None:
+        return None if self.blob_b64 is None else b64decode(self.blob_b64)
 
 
 class PlanPut(PlanUpload):

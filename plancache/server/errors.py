@@ -53,6 +53,7 @@ _DOCUMENTED = {
     403: "the token's role may not do this",
     404: "not found",
     409: "conflicts with stored state",
+    411: "no Content-Length: send the size of the body",
     408: "the request body did not arrive in time",
     413: "request or blob too large",
     415: "the body is not JSON sent with Content-Type: application/json",

@@ -25,8 +25,9 @@ def upload_body_limit(settings: Settings) -> int:
 
 
 def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: Settings,
-                  loc: tuple[str, ...] = ("body",)) -> bytes:
-    """The upload's blob, decoded and within ``Settings.max_blob_bytes``; its spec (if sent) registered.
+                  loc: tuple[str, ...] = ("body",)) -> bytes | None:
+    """The upload's blob, decoded and within ``Settings.max_blob_bytes`` (None when it was uploaded before with
+    ``PUT /v1/blobs/{sha256}``: the store checks it is there); its spec (if sent) registered.
 
     ``replace`` needs an admin token (:class:`Forbidden`); a blob over the limit is :class:`PayloadTooLarge`
     (refused from its declared or encoded size before decoding); bad base64 is a 422 at ``loc + blob_b64``;
@@ -39,21 +40,22 @@ def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settin
     too_large = f"plan blob of %d bytes or more exceeds the limit of {limit} bytes"
     if upload.blob_size > limit:
         raise PayloadTooLarge(too_large % upload.blob_size)
-    if len(upload.blob_b64) > base64_size(limit):  # before decoding: its base64 is longer than any allowed blob's
+    # before decoding: its base64 is longer than any allowed blob's
+    if upload.blob_b64 is not None and len(upload.blob_b64) > base64_size(limit):
         raise PayloadTooLarge(f"plan blob of {len(upload.blob_b64)} base64 characters exceeds the limit of {limit} "
                               f"bytes (at most {base64_size(limit)} characters)")
     try:
         blob = upload.blob_bytes()
     except ValueError as exc:
         raise RequestValidationError([{"loc": (*loc, "blob_b64"), "msg": str(exc), "type": "value_error"}]) from None
-    if len(blob) > limit:
+    if blob is not None and len(blob) > limit:
         raise PayloadTooLarge(too_large % len(blob))
     if upload.spec is not None:
         store.put_spec(upload.graph_key, upload.spec)
     return blob
 
 
-def publish_job_plan(store: Store, plan: PlanUpload, blob: bytes, *, job_id: int, worker_id: str, lease_token: str,
+def publish_job_plan(store: Store, plan: PlanUpload, blob: bytes | None, *, job_id: int, worker_id: str, lease_token: str,
                      principal: Principal) -> tuple[PlanRecord, bool]:
     """Publish the plan of job ``job_id`` and mark the job succeeded, in one transaction, if the caller holds
     its lease (``worker_id``, ``lease_token``, and ``principal`` the API token that claimed it); the record,

@@ -18,19 +18,27 @@ SQLite cannot drop the column's NOT NULL without rebuilding ``blobs``, which the
 
 Ordering, the same on both backends, so that no record ever points at a missing blob:
 
-1. Publish, in one write transaction: insert the catalog row (``ON CONFLICT DO NOTHING``), then the
-   record, then :meth:`BlobStore.put` (nothing to do when the bytes are already there), then commit.
-   The bytes are durable before the record is visible. A failure rolls back row and record; at worst
-   it leaves a file no row names (a crash between the put and the commit), never the reverse.
-2. GC, in one write transaction holding the catalog against writers (Postgres: ``SHARE ROW
+1. Upload (``PUT /v1/blobs``, and the first step of an inline publish to a folder or bucket,
+   :func:`~.content.write_blob`): insert the catalog row, or set its ``created_at`` to now when it exists, and
+   commit; then write the bytes (:meth:`plancache.blobs.BlobStore.put`, digest checked while writing) with no
+   database transaction open. The database backend writes row and bytes in one transaction instead.
+2. Publish: check that the bytes are stored with the record's size (before the transaction: no file or network
+   I/O under the database's write lock), then, in one write transaction, UPDATE the catalog row (it must exist with
+   that size, else the publish is refused: gc took it meanwhile) and insert the record, then commit. An inline
+   publish to the database backend inserts the row and writes its bytes in this transaction.
+3. GC, in one write transaction holding the catalog against writers (Postgres: ``SHARE ROW
    EXCLUSIVE`` on ``blobs``; SQLite has one writer anyway): delete the catalog rows no record
-   references (the DELETE re-checks, the foreign key backs it), then their bytes, then commit.
+   references and older than the grace period (the DELETE re-checks, the foreign key backs it), then their
+   bytes, then commit.
 
-Step 1's insert takes ``ROW EXCLUSIVE`` on ``blobs`` even when the row exists, before the put looks
-for the bytes. So a publish either committed before gc took its lock (then its record keeps the row
-and gc leaves it), or waits until gc commits and then inserts the row again and writes bytes gc has
-deleted. Gc never deletes bytes that a publish in flight found present. If gc fails after deleting
-files, its rows stay (unreferenced) and the next publish of those bytes writes them again.
+Step 2's UPDATE takes ``ROW EXCLUSIVE`` on ``blobs`` and the row's lock. So a publish either found the row
+before gc took its lock (then gc waits, and its DELETE finds the row referenced and leaves it), or finds it gone
+after gc committed and is refused; it never commits a record whose row gc deleted. Step 1 makes an uploaded
+blob's row younger than the grace period, so gc leaves it to the record that follows it (an upload that finds the
+bytes present makes the row new before gc could take them). What remains: gc deleting files and then failing
+before its commit, between a publish's presence check and its transaction; its rows stay, and the next upload of
+those bytes writes them again. A failed publish leaves the uploaded blob unreferenced; gc collects it after the
+grace period.
 
 A folder also collects what crashes leave (:meth:`FileBlobs.files_older_than` lists it): temporary files of a
 writer that died before its rename, and blob files no catalog row names (a publish that crashed between its put

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from typing import Any
 
@@ -10,10 +11,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import errors
+from ..blobs.base import CHUNK_BYTES, Data, check_name, chunks
 from ..canonical import canonical_json
 from ..spec import graph_key as compute_graph_key
 from ..spec import parse_spec
-from .blobs import BlobStore
+from .blobs import BlobStore, ContentBlobs
 from .db import Database, upsert_insert
 from .models import blobs, specs
 
@@ -26,6 +28,74 @@ def insert_blob_row(conn: Connection, sha256: str, size: int, now: Any) -> None:
         .values(sha256=sha256, size=size, data=b"", created_at=now)
         .on_conflict_do_nothing(index_elements=["sha256"])
     )
+
+
+def touch_blob_row(conn: Connection, sha256: str, size: int, now: Any) -> None:
+    """Insert a blob's catalog row, or make the one there as new as ``now`` (committed before the bytes are written:
+    gc spares an unreferenced row younger than its grace period, so the upload's publish finds it)."""
+    stmt = upsert_insert(conn, blobs).values(sha256=sha256, size=size, data=b"", created_at=now)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["sha256"], set_={"created_at": now}))
+
+
+def hold_blob_row(conn: Connection, sha256: str, size: int, in_row: bool, now: Any) -> bool:
+    """In a publish's transaction: whether the catalog row of ``sha256`` exists with ``size`` (and, ``in_row``, its
+    bytes), updating it so that it is locked against gc (``ROW EXCLUSIVE``, as :func:`insert_blob_row` takes)."""
+    where = [blobs.c.sha256 == sha256, blobs.c.size == size]
+    if in_row:
+        where.append(sa.func.length(blobs.c.data) > 0)
+    return conn.execute(sa.update(blobs).where(*where).values(created_at=now)).rowcount == 1
+
+
+class _Sized(io.RawIOBase):
+    """``data`` read as a stream; :class:`errors.IntegrityError` as soon as it runs past ``size`` bytes, or at its
+    end when it is shorter."""
+
+    def __init__(self, data: Data, size: int) -> None:
+        self._pieces, self._pending, self._size, self._seen = chunks(data), b"", size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self._pending:
+            self._pending = next(self._pieces, b"")
+            self._seen += len(self._pending)
+            if self._seen > self._size:
+                raise errors.IntegrityError(f"the blob has more than the {self._size} bytes declared")
+            if not self._pending and self._seen != self._size:
+                raise errors.IntegrityError(f"the blob has {self._seen} bytes, not the {self._size} declared")
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _sized(data: Data, size: int) -> io.BufferedReader:
+    return io.BufferedReader(_Sized(data, size), CHUNK_BYTES)
+
+
+def write_blob(db: Database, blob_store: BlobStore, sha256: str, size: int, data: Data) -> bool:
+    """Store the blob ``sha256`` of ``size`` bytes streamed from ``data`` (bytes or a binary stream), its digest
+    and size checked while it is written (:class:`errors.IntegrityError`, nothing stored, when they differ); True
+    when it was not there before.
+
+    No database transaction is open while a folder or object store writes the bytes (:mod:`.blobs`): the
+    catalog row is inserted, or made new, and committed first (:func:`touch_blob_row`), then the bytes are
+    written. A row whose bytes never came is unreferenced and goes with ``plans gc`` after its grace. The
+    database backend reads the bytes whole and writes them with their row."""
+    check_name(sha256)
+    with db.read() as conn:
+        present = blob_store.size(conn, sha256) is not None
+    if isinstance(blob_store, ContentBlobs):
+        with db.write() as conn:
+            touch_blob_row(conn, sha256, size, db.now(conn))
+        blob_store.content.put(sha256, _sized(data, size))
+        return not present
+    whole = _sized(data, size).read()
+    with db.write() as conn:
+        touch_blob_row(conn, sha256, size, db.now(conn))
+        blob_store.put(conn, sha256, whole)
+    return not present
 
 
 def spec_exists(conn: Connection, graph_key: str) -> bool:
@@ -81,6 +151,10 @@ class SpecsAndBlobs:
             insert_blob_row(conn, digest, len(data), self.db.now())
             self.blob_store.put(conn, digest, data)
         return digest
+
+    def store_blob(self, sha256: str, size: int, data: Data) -> bool:
+        """:func:`write_blob` into this store."""
+        return write_blob(self.db, self.blob_store, sha256, size, data)
 
     def get_blob(self, sha256: str) -> bytes | None:
         with self.db.read() as conn:

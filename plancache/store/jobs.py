@@ -272,6 +272,11 @@ class Jobs:
             ).one()
         return row_to_job(row)
 
+    def check_held(self, job_id: int, worker_id: str | None, lease_token: str | None, *, holder: str | None) -> None:
+        """Nothing when the caller holds job ``job_id``'s lease; what :func:`held_job` raises otherwise."""
+        with self.db.write() as conn:  # its row lock, as heartbeat takes it; nothing is written
+            held_job(conn, job_id, worker_id, lease_token, holder)
+
     def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
              holder: str | None = None) -> Job:
         """Record a failed attempt of a job this caller holds: back to ``queued`` (lease cleared) if retryable

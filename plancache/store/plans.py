@@ -8,15 +8,15 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Row
+from sqlalchemy.engine import Connection, Row
 
 from .. import errors
 from ..environment import Environment
 from ..protocol import Candidate, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
-from .blobs import BlobStore
-from .content import insert_blob_row, spec_exists
+from .blobs import BlobStore, ContentBlobs
+from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
@@ -61,13 +61,18 @@ def row_to_withdrawal(row: Row[Any]) -> WithdrawalRecord:
                             envelope=m["envelope"], env_id=m["env_id"], created_at=m["created_at"])
 
 
+def _check_spec(conn: Connection, graph_key: str) -> None:
+    if not spec_exists(conn, graph_key):
+        raise errors.NotFound(f"no spec stored for graph key {graph_key}; upload it with the plan")
+
+
 class Plans(Misses):
     """Plan records; resolving records misses, hence the base class."""
 
     db: Database
     blob_store: BlobStore
 
-    def publish_plan(self, meta: PlanMeta, blob: bytes, *, job_id: int | None = None, worker_id: str | None = None,
+    def publish_plan(self, meta: PlanMeta, blob: bytes | None, *, job_id: int | None = None, worker_id: str | None = None,
                      lease_token: str | None = None, holder: str | None = None, replace: bool = False) -> PlanRecord:
         """Store a plan in one transaction: the blob if absent, the record, and (with ``job_id``) the job's success.
 
@@ -80,19 +85,30 @@ class Plans(Misses):
         ``holder`` do not hold job ``job_id``: :func:`~.jobs.held_job`).
         Publishing the same blob again returns the stored record unchanged, unless ``replace`` and a higher revision
         (a record signed again) replace the record.
+
+        ``blob`` None publishes a blob stored before (:func:`~.content.write_blob`, ``PUT /v1/blobs``): :class:`errors.NotFound`
+        unless it is there with ``meta.blob_size`` bytes. Bytes for a folder or object store are written before the
+        transaction opens, so no file or network I/O happens under the database's write lock.
         """
-        try:
-            verify_blob(meta, blob, what=f"plan {meta.graph_key} on {meta.environment.describe()}")
-        except errors.VerificationError as exc:
-            raise errors.IntegrityError(exc.message) from None
+        if blob is not None:
+            try:
+                verify_blob(meta, blob, what=f"plan {meta.graph_key} on {meta.environment.describe()}")
+            except errors.VerificationError as exc:
+                raise errors.IntegrityError(exc.message) from None
+            if isinstance(self.blob_store, ContentBlobs):  # its bytes first, outside the transaction
+                self._check_spec(meta.graph_key)  # (checked again below) no bytes written for an unknown key
+                write_blob(self.db, self.blob_store, meta.blob_sha256, meta.blob_size, blob)
+                blob = None
+        if blob is None and self._stored_size(meta.blob_sha256) != meta.blob_size:  # no file or network I/O below
+            raise errors.NotFound(f"blob {meta.blob_sha256} of {meta.blob_size} bytes is not stored: upload it "
+                                  "first (PUT /v1/blobs/{sha256}), then publish its record")
         env = meta.environment
         with self.db.write() as conn:
             now = self.db.now(conn)  # the database's time, as for the job's lease
             values = _record_values(meta, job_id, now)
             if job_id is not None:
                 complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now, holder=holder)
-            if not spec_exists(conn, meta.graph_key):
-                raise errors.NotFound(f"no spec stored for graph key {meta.graph_key}; upload it with the plan")
+            _check_spec(conn, meta.graph_key)
             withdrawn = conn.execute(sa.select(withdrawals.c.id, withdrawals.c.revision).where(
                 withdrawals.c.graph_key == meta.graph_key, *same_env(withdrawals, env)).with_for_update()).first()
             if withdrawn is not None:
@@ -102,7 +118,11 @@ class Plans(Misses):
                         f"{withdrawn.revision}; this plan has revision {meta.revision}: only a plan signed after the "
                         "withdrawal (a higher revision) takes its place")
                 conn.execute(sa.delete(withdrawals).where(withdrawals.c.id == withdrawn.id))  # superseded
-            insert_blob_row(conn, meta.blob_sha256, len(blob), now)
+            if blob is not None:
+                insert_blob_row(conn, meta.blob_sha256, len(blob), now)
+            elif not hold_blob_row(conn, meta.blob_sha256, meta.blob_size, self.blob_store.url == "database", now):
+                raise errors.NotFound(f"blob {meta.blob_sha256} was collected before its record was published: "
+                                      "upload it again (PUT /v1/blobs/{sha256})")
             row = conn.execute(
                 upsert_insert(conn, plans).values(**values)
                 .on_conflict_do_nothing(index_elements=["graph_key", "env_id"])
@@ -128,8 +148,17 @@ class Plans(Misses):
                     row = conn.execute(
                         sa.update(plans).where(plans.c.id == row.id).values(**values).returning(*plans.c)
                     ).one()
-            self.blob_store.put(conn, meta.blob_sha256, blob)  # durable before the record commits
+            if blob is not None:  # the database's bytes, in their row
+                self.blob_store.put(conn, meta.blob_sha256, blob)
         return row_to_record(row)
+
+    def _check_spec(self, graph_key: str) -> None:
+        with self.db.read() as conn:
+            _check_spec(conn, graph_key)
+
+    def _stored_size(self, sha256: str) -> int | None:
+        with self.db.read() as conn:
+            return self.blob_store.size(conn, sha256)
 
     def withdraw_plan(self, withdrawal: Withdrawal) -> WithdrawalRecord:
         """Withdraw the plan ``withdrawal`` names, in one transaction: its record is deleted (resolve no longer

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 
 from ..environment import Environment
+from ..errors import PlanCacheError
 from ..http import HttpClient, Retry, json_as
 from ..protocol import (
     ClaimRequest,
@@ -73,6 +74,25 @@ class JobsApi:
         :class:`~plancache.protocol.PlanPut` naming a job this token holds (``job_id``, ``lease_token``),
         which the upload then completes."""
         return self.http.read("PUT", "/v1/plans", json_as(PlanRecord), body=upload.model_dump(mode="json"))
+
+    def blob_size(self, sha256: str) -> int | None:
+        """``HEAD /v1/blobs/{sha256}``: the stored blob's size, None when the server has none."""
+        try:
+            return self.http.read("HEAD", f"/v1/blobs/{sha256}", lambda r: int(r.headers["content-length"]))
+        except PlanCacheError as exc:
+            if exc.http_status == 404:
+                return None
+            raise
+
+    def put_blob(self, sha256: str, data: bytes, *, job_id: int | None = None, lease: LeaseRequest | None = None
+                 ) -> None:
+        """``PUT /v1/blobs/{sha256}`` with the raw bytes, unless ``HEAD`` says the server has them. A worker token
+        sends the ``job_id`` and ``lease`` it holds (the server checks them as heartbeat does); an admin needs none."""
+        if self.blob_size(sha256) == len(data):
+            return
+        headers = {} if job_id is None or lease is None else {
+            "X-Plancache-Job": str(job_id), "X-Plancache-Worker": lease.worker_id, "X-Plancache-Lease": lease.lease_token}
+        self.http.request("PUT", f"/v1/blobs/{sha256}", content=data, headers=headers)
 
     def enqueue(self, req: TuneRequest) -> list[Job]:
         return self.http.read("POST", "/v1/admin/tune", json_as(JobList), body=req.model_dump(mode="json")).jobs

@@ -335,11 +335,20 @@ class Worker:
     # ------------------------------------------------------------ talking to the server
 
     def _deliver(self, entry: SpoolEntry) -> bool:
-        """Send a spooled result as its job's completion, retrying while the server is down.
+        """Send a spooled result as its job's completion, retrying while the server is down: the blob first (raw
+        bytes, ``PUT /v1/blobs``, skipped when the server has it), then the signed record alone.
         False when stopped first (the entry stays spooled); the entry is removed otherwise."""
-        req = CompleteRequest(worker_id=entry.worker_id, lease_token=entry.lease_token, plan=entry.upload())
+        lease = LeaseRequest(worker_id=entry.worker_id, lease_token=entry.lease_token)
         try:
-            self.client.complete(entry.job_id, req)
+            req = CompleteRequest(**lease.model_dump(), plan=entry.upload())  # the signed record alone
+            for again in (False, True):
+                self.client.put_blob(entry.meta.blob_sha256, entry.blob, job_id=entry.job_id, lease=lease)
+                try:
+                    self.client.complete(entry.job_id, req)
+                    break
+                except NotFound:  # the blob was collected between its upload and the record: once more
+                    if again:
+                        raise
         except ServerUnavailable as exc:
             log.warning("job %d: not delivered (%s); the result stays in %s", entry.job_id, exc.message,
                         self.spool.directory)
@@ -351,8 +360,7 @@ class Worker:
             raise
         except PlanCacheError as exc:
             log.error("job %d: the server refused the plan: %s", entry.job_id, exc.message)
-            self._fail(entry.job_id, LeaseRequest(worker_id=entry.worker_id, lease_token=entry.lease_token),
-                       f"server refused the plan: {exc.message}", retryable=not isinstance(exc, Conflict))
+            self._fail(entry.job_id, lease, f"server refused the plan: {exc.message}", retryable=not isinstance(exc, Conflict))
             self.stats.failed += 1
         else:
             log.info("job %d: published plan %s (%d bytes, key %s)", entry.job_id, entry.meta.blob_sha256[:12],

@@ -45,8 +45,9 @@ class SpoolEntry:
     def name(self) -> str:
         return f"job-{self.job_id}-{hashlib.sha256(self.lease_token.encode()).hexdigest()[:16]}"
 
-    def upload(self) -> PlanUpload:
-        return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob), spec=self.spec)
+    def upload(self, *, inline: bool = False) -> PlanUpload:
+        """The upload of the record (the blob goes first with ``PUT /v1/blobs``), or with the blob ``inline``."""
+        return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob) if inline else None, spec=self.spec)
 
 
 class Spool:

@@ -8,7 +8,7 @@ from typing import Any
 from ..environment import Environment
 from ..errors import EnvironmentMismatch, IntegrityError, VerificationError
 from ..http import Retry
-from ..protocol import PlanMeta, PlanRecord, PlanUpload, b64encode
+from ..protocol import PlanMeta, PlanRecord, PlanUpload
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
 from ..verify import verify_blob
@@ -36,7 +36,8 @@ def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict[str,
                  signer: Signer | None, worker_id: str, *, tuner: Tuner | None = None,
                  retry_for: float = UPLOAD_RETRY_SECONDS) -> PlanRecord:
     """Check ``tuned``'s blob after a deserialize round trip (with ``tuner``, default :class:`GpuTuner` on
-    device 0), sign it (unsigned when ``signer`` is None) and ``PUT /v1/plans``; return the stored record.
+    device 0), sign it (unsigned when ``signer`` is None), ``PUT /v1/blobs/{sha256}`` its bytes and ``PUT /v1/plans``
+    its record; return the stored record.
 
     This uploads outside the job queue, which needs an **admin** ``token``: a worker token publishes only
     the plans of jobs it holds (the worker loop completes its jobs; see :class:`~plancache.protocol.PlanPut`)
@@ -52,8 +53,9 @@ def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict[str,
     err = tuner.verify(spec, tuned.blob)
     if signer is not None:
         meta = signer.sign(meta)
-    upload = PlanUpload(**meta.model_dump(), blob_b64=b64encode(tuned.blob), spec=spec.to_json())
+    upload = PlanUpload(**meta.model_dump(), spec=spec.to_json())
     with JobsApi.open(server_url, token, retry=Retry(within=retry_for)) as jobs:
+        jobs.put_blob(meta.blob_sha256, tuned.blob)  # raw bytes first; then the record alone
         record = jobs.put_plan(upload)
     log.info("uploaded plan %s for graph %s (round trip error %.3g, %s)", record.blob_sha256[:12],
              spec.graph_key[:12], err, f"key {meta.signer_key_id}" if signer else "unsigned")

@@ -1,0 +1,95 @@
+"""Blob uploads: ``PUT /v1/blobs/{sha256}`` (raw bytes, streamed into the blob store) and ``HEAD`` (is it there).
+
+A worker uploads the blob of a job it holds (headers ``X-Plancache-Job``, ``X-Plancache-Worker`` and
+``X-Plancache-Lease``: the claim's job id, worker id and lease token, checked as heartbeat checks them), then
+publishes the record alone (``PUT /v1/plans`` or ``POST /v1/jobs/{id}/complete`` without ``blob_b64``). An admin
+may upload any blob; readers none. ``GET`` is :mod:`.plans`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import anyio.from_thread
+import anyio.to_thread
+from fastapi import APIRouter, Header, HTTPException, Path, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from ...errors import Forbidden, NotFound, PayloadTooLarge
+from ...protocol import SHA256_PATTERN
+from ..auth import Reader, Worker
+from ..bodies import CheckedRoute
+from ..deps import SettingsDep, StoreDep
+from ..errors import documented_errors
+from .plans import BLOB_ROUTE
+
+router = APIRouter(route_class=CheckedRoute, tags=["blobs"])
+
+Sha256Path = Annotated[str, Path(pattern=SHA256_PATTERN)]
+
+
+class _Body:
+    """The request's body as a blocking binary stream, for a worker thread of anyio's (each read waits on the event
+    loop for the next chunk): the bytes go to the blob store as they arrive, never whole in memory."""
+
+    def __init__(self, request: Request) -> None:
+        self._chunks = request.stream().__aiter__()
+        self._pending = b""
+
+    async def _next(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return b""
+
+    def read(self, n: int = -1) -> bytes:
+        while not self._pending:
+            self._pending = anyio.from_thread.run(self._next)
+            if not self._pending:
+                return b""
+        piece, self._pending = (self._pending, b"") if n < 0 else (self._pending[:n], self._pending[n:])
+        return piece
+
+
+@router.put(BLOB_ROUTE, status_code=201, response_class=Response, summary="Upload a plan blob (raw bytes)",
+            openapi_extra={"requestBody": {"required": True,
+                                           "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                                 "format": "binary"}}}}},
+            responses={200: {"description": "the blob was stored already"},
+                       201: {"description": "the blob is stored"},
+                       **documented_errors(401, 403, 404, 409, 411, 413, 422, 503, 507)})
+async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settings: SettingsDep, principal: Worker,
+                   content_length: Annotated[int | None, Header(ge=1)] = None,
+                   x_plancache_job: Annotated[int | None, Header(ge=1)] = None,
+                   x_plancache_worker: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
+                   x_plancache_lease: Annotated[str | None, Header(min_length=1, max_length=256)] = None) -> Response:
+    """The body is the blob's bytes (``application/octet-stream``, with ``Content-Length``: 411 without), streamed
+    into the blob store with its digest checked while it is written: 422 ``integrity_error`` when the bytes do not
+    hash to ``sha256`` (nothing is stored). Over ``PLANCACHE_MAX_BLOB_BYTES`` is 413 from the declared length, before
+    the body is read. 201 when stored, 200 when it was there. A worker token needs the headers of a job it holds
+    (403 without them; 409 ``lease_lost`` or 403 ``not_lease_holder`` as heartbeat answers); an admin token none."""
+    if not principal.may("admin"):
+        if x_plancache_job is None or x_plancache_lease is None:
+            raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads only the blob of a "
+                            "job it holds (headers X-Plancache-Job, X-Plancache-Worker, X-Plancache-Lease)")
+        await run_in_threadpool(store.check_held, x_plancache_job, x_plancache_worker, x_plancache_lease,
+                                holder=principal.identity)
+    if content_length is None:
+        raise HTTPException(411, "send the blob with a Content-Length header (its size in bytes)")
+    if content_length > settings.max_blob_bytes:
+        raise PayloadTooLarge(f"blob of {content_length} bytes exceeds the limit of {settings.max_blob_bytes} bytes "
+                              "(PLANCACHE_MAX_BLOB_BYTES)")
+    body: Any = _Body(request)
+    created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body)
+    return Response(status_code=201 if created else 200, headers={"ETag": f'"{sha256}"'})
+
+
+@router.head(BLOB_ROUTE, response_class=Response, summary="Whether a blob is stored, and its size",
+             responses={200: {"description": "stored: Content-Length is its size"},
+                        **documented_errors(401, 403, 404, 422, 503)})
+async def head_blob(sha256: Sha256Path, store: StoreDep, _: Reader) -> Response:
+    """200 with ``Content-Length`` (the blob's size) and ``ETag``, no body; 404 when absent."""
+    size = await run_in_threadpool(store.blob_size, sha256)
+    if size is None:
+        raise NotFound(f"no blob {sha256}")
+    return Response(status_code=200, headers={"Content-Length": str(size), "ETag": f'"{sha256}"'})
