@@ -7,9 +7,9 @@ import binascii
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, TypeAdapter, field_validator, model_validator
 
-from .environment import VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
+from .environment import ENV_ID_PATTERN, VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
 from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
@@ -26,11 +26,14 @@ GraphKey = str
 #: Graph keys one request may name (resolve: also at most ``PLANCACHE_MAX_RESOLVE_KEYS``; tune: graph keys × targets
 #: at most 10,000 jobs).
 MAX_KEYS_PER_REQUEST = 10_000
-#: Knobs of one plan or candidate (cuDNN has 43 knob types), and the length of a knob's name.
+#: Knobs of one plan or candidate (cuDNN has 43 knob types).
 MAX_KNOBS = 64
 GraphKeyStr = Annotated[str, StringConstraints(pattern=GRAPH_KEY_PATTERN)]
-#: Knob name → value, as cuDNN names them (``knob_type`` members, e.g. ``SPLIT_K``).
-Knobs = dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Int64]
+#: Knob name → value, as cuDNN names them (``knob_type`` members, e.g. ``SPLIT_K``: identifiers of up to 64
+#: characters, so that a record's knobs stay a few KiB).
+KNOB_NAME_PATTERN = r"^[A-Za-z0-9_.]{1,64}$"
+Knobs = Annotated[dict[Annotated[str, StringConstraints(pattern=KNOB_NAME_PATTERN)], Int64],
+                  Field(json_schema_extra={"additionalProperties": False})]
 #: Job priorities: higher is claimed first.
 PRIORITY_MAX = 1_000_000
 LEASE_TOKEN_MAX_LENGTH = 128
@@ -92,15 +95,76 @@ class Candidate(StrictModel):
     error: str | None = Field(default=None, max_length=4000)
 
 
-#: Longest base64 DSSE payload accepted (a plan statement is about 1 KiB; knobs are capped by :data:`MAX_KNOBS`).
-MAX_ENVELOPE_PAYLOAD = 64 << 10
+#: The candidates table of a tuning run keeps at most this many rows (:meth:`CandidateTable.best_of`) ...
+MAX_CANDIDATES = 512
+#: ... and at most this many bytes of JSON (a typical row is 100-300 bytes; one at every bound about 27 KiB).
+MAX_CANDIDATES_BYTES = 1 << 20
+_CANDIDATE_LIST: TypeAdapter[list[Candidate]] = TypeAdapter(list[Candidate])
+#: The statuses of a table's rows, best first: the order :meth:`CandidateTable.best_of` keeps them in.
+_STATUS_RANK = {"ok": 0, "mismatch": 1, "run_failed": 2, "build_failed": 3}
+
+
+class CandidateTable(StrictModel):
+    """The candidates table of a tuning run, bounded: at most :data:`MAX_CANDIDATES` rows and
+    :data:`MAX_CANDIDATES_BYTES` bytes of JSON, and how many more candidates were tried, by status. The server stores
+    it apart from the plan record (an admin reads it); a table over either bound is refused, never cut."""
+
+    candidates: list[Candidate] = Field(default_factory=list, max_length=MAX_CANDIDATES,
+                                        description=f"at most {MAX_CANDIDATES} rows and {MAX_CANDIDATES_BYTES} bytes "
+                                                    "of JSON: the best ones (CandidateTable.best_of)")
+    candidates_omitted: dict[CandidateStatus, Annotated[Int, Field(ge=0, le=INT64_MAX)]] = Field(
+        default_factory=dict, description="candidates tried but not in the table, by status")
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _at_most(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_CANDIDATES:
+            raise ValueError(f"{len(value)} candidates; a plan carries at most {MAX_CANDIDATES}: send the best ones "
+                             "and count the rest in candidates_omitted (CandidateTable.best_of does)")
+        return value
+
+    @model_validator(mode="after")
+    def _within_bytes(self) -> CandidateTable:
+        size = len(_CANDIDATE_LIST.dump_json(self.candidates))
+        if size > MAX_CANDIDATES_BYTES:
+            raise ValueError(f"the candidates table is {size} bytes of JSON; at most {MAX_CANDIDATES_BYTES} are "
+                             "stored: send the best ones and count the rest in candidates_omitted "
+                             "(CandidateTable.best_of does)")
+        return self
+
+    @classmethod
+    def best_of(cls, candidates: list[Candidate]) -> CandidateTable:
+        """The table of a tuning run: its best candidates (``ok`` fastest first, then ``mismatch``, ``run_failed``,
+        ``build_failed``) while they fit both bounds, in the run's order; the others counted by status."""
+        ranked = sorted(candidates, key=lambda c: (_STATUS_RANK[c.status], c.median_ms or 0.0, c.index))
+        kept: list[Candidate] = []
+        size = 2  # the list's brackets
+        omitted: dict[CandidateStatus, int] = {}
+        for c in ranked:
+            row = len(c.model_dump_json()) + 1  # and its comma
+            if len(kept) < MAX_CANDIDATES and size + row <= MAX_CANDIDATES_BYTES:
+                kept.append(c)
+                size += row
+            else:
+                omitted[c.status] = omitted.get(c.status, 0) + 1
+        kept.sort(key=lambda c: c.index)
+        return cls(candidates=kept, candidates_omitted=omitted)
+
+
+#: Longest base64 DSSE payload accepted: a plan statement is about 1 KiB and 11 KiB at every field's bound (64 knobs),
+#: a withdrawal's 9 KiB at most (:data:`MAX_WITHDRAWAL_REASON`).
+MAX_ENVELOPE_PAYLOAD = 16 << 10
+#: A key id, as :func:`plancache.signing.key_id` makes them (16 hex characters) or another signer names its key.
+KEY_ID_PATTERN = r"^[A-Za-z0-9._:/+=-]{1,128}$"
+#: Base64, standard or URL-safe alphabet (a DSSE payload or signature).
+BASE64_PATTERN = r"^[A-Za-z0-9+/_-]*={0,2}$"
 
 
 class DsseSignature(StrictModel):
     """One signature of a DSSE envelope: the signer's key id and the base64 ed25519 signature of the PAE."""
 
-    keyid: str = Field(min_length=1, max_length=128)
-    sig: str = Field(min_length=1, max_length=512)
+    keyid: str = Field(pattern=KEY_ID_PATTERN)
+    sig: str = Field(min_length=1, max_length=512, pattern=BASE64_PATTERN)
 
 
 class Envelope(StrictModel):
@@ -109,14 +173,21 @@ class Envelope(StrictModel):
     the pre-authentication encoding of both (:func:`plancache.signing.pae`)."""
 
     payloadType: str = Field(min_length=1, max_length=128)  # noqa: N815 - the DSSE field name
-    payload: str = Field(min_length=1, max_length=MAX_ENVELOPE_PAYLOAD)
+    payload: str = Field(min_length=1, max_length=MAX_ENVELOPE_PAYLOAD, pattern=BASE64_PATTERN)
     signatures: list[DsseSignature] = Field(min_length=1, max_length=8)
+
+
+#: The largest JSON a :class:`PlanRecord` can have, every field at its bound (tests/unit/test_record_bounds.py
+#: builds it): a resolve answer for N keys, records only, is at most N times this (and ``blob_url``).
+MAX_RECORD_BYTES = 64 << 10
 
 
 class PlanMeta(StrictModel):
     """Everything a plan record states about a blob, as produced by a worker. ``envelope`` signs the record
     (:mod:`plancache.signing`): a signed record is authentic only when its fields equal those of the envelope's
-    statement; ``revision`` orders the signed records of one graph key and environment (higher is newer)."""
+    statement; ``revision`` orders the signed records of one graph key and environment (higher is newer). Every
+    field is bounded (:data:`MAX_RECORD_BYTES` in all); the tuning run's candidates travel beside it
+    (:class:`CandidateTable`), never in it."""
 
     graph_key: GraphKey = Field(pattern=GRAPH_KEY_PATTERN)
     environment: Environment
@@ -132,7 +203,6 @@ class PlanMeta(StrictModel):
     winner_median_ms: Millis
     heuristic_median_ms: Millis | None = None
     worst_median_ms: Millis | None = None
-    candidates: list[Candidate] = Field(default_factory=list, max_length=10_000)
     tuning_seconds: Seconds
     worker_id: str = Field(min_length=1, max_length=256)
     numerics_check: str = Field(
@@ -146,9 +216,10 @@ class PlanMeta(StrictModel):
         return self.envelope.signatures[0].keyid if self.envelope else None
 
 
-class PlanUpload(PlanMeta):
-    """``PUT /v1/plans`` body: the record and, optionally, its spec. The blob is uploaded before with
-    ``PUT /v1/blobs/{sha256}`` (``blob_b64`` left out), or sent inline as base64 (older workers, admins)."""
+class PlanUpload(PlanMeta, CandidateTable):
+    """``PUT /v1/plans`` body: the record, optionally its spec, and the tuning run's candidates table (stored apart
+    from the record). The blob is uploaded before with ``PUT /v1/blobs/{sha256}`` (``blob_b64`` left out), or sent
+    inline as base64 (older workers, admins)."""
 
     blob_b64: str | None = Field(default=None, min_length=1,
                                  description="the blob as base64; leave it out when it was PUT to /v1/blobs/{sha256}")
@@ -175,11 +246,29 @@ class PlanPut(PlanUpload):
 
 
 class PlanRecord(PlanMeta):
-    """A stored plan record."""
+    """A stored plan record. A ``candidates`` list in its input (a record an older server answered, or a client
+    cache or bundle wrote) is dropped: candidates are not part of a record, nor of its signed statement."""
 
-    env_id: str
+    env_id: str = Field(pattern=ENV_ID_PATTERN)
     job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     created_at: datetime
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_candidates(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "candidates" in data:
+            data = {k: v for k, v in data.items() if k != "candidates"}
+        return data
+
+
+class PlanCandidates(CandidateTable):
+    """``GET /v1/plans/{graph_key}/candidates``: the candidates table of the tuning run of the stored plan
+    (``blob_sha256``, ``revision``) of ``graph_key`` on ``env_id``."""
+
+    graph_key: GraphKey
+    env_id: str = Field(pattern=ENV_ID_PATTERN)
+    blob_sha256: str = Field(pattern=SHA256_PATTERN)
+    revision: Int = Field(ge=0, le=INT64_MAX)
 
 
 #: Longest reason a withdrawal may give.

@@ -11,7 +11,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from plancache.environment import Environment
-from plancache.protocol import Candidate, PlanMeta, PlanRecord
+from plancache.protocol import Candidate, CandidateTable, PlanMeta, PlanRecord
 from plancache.signing import Signer, TrustedKeys
 from plancache.spec import parse_spec
 
@@ -44,12 +44,18 @@ def make_meta(graph_key: str, env: Environment, blob: bytes = b"serialized-plan"
         graph_key=graph_key, environment=env, blob_sha256=hashlib.sha256(blob).hexdigest(), blob_size=len(blob),
         engine_id=7, knobs={"TILE_M": 2}, plan_name="eng7", workspace_bytes=1024, winner_median_ms=0.05,
         heuristic_median_ms=0.08, worst_median_ms=1.5, tuning_seconds=1.5, worker_id="w-test",
-        candidates=[Candidate(index=0, engine_id=7, knobs={"TILE_M": 2}, median_ms=0.05, status="ok"),
-                    Candidate(index=1, engine_id=9, status="build_failed", error="unsupported")],
     )
     fields.update(overrides)
     meta = PlanMeta(**fields)
     return signer.sign(meta) if signer is not None else meta
+
+
+def make_candidates(n: int = 2, **overrides: Any) -> CandidateTable:
+    """A candidates table of ``n`` rows: #0 ``ok`` (0.05 ms), then ``build_failed`` ones; ``overrides`` go to the
+    table (e.g. ``candidates_omitted``)."""
+    rows = [Candidate(index=0, engine_id=7, knobs={"TILE_M": 2}, median_ms=0.05, status="ok"),
+            *(Candidate(index=i, engine_id=9, status="build_failed", error="unsupported") for i in range(1, n))]
+    return CandidateTable(**{"candidates": rows[:n], **overrides})
 
 
 def make_record(graph_key: str, env: Environment, blob: bytes = b"serialized-plan", signer: Signer | None = None,

@@ -47,14 +47,18 @@ class FakeTunedPlan:
     tuning_seconds: float = 0.0
     winner_median_ms: float = 0.05
     heuristic_median_ms: float | None = 0.08
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            self.candidates = [Candidate(index=0, engine_id=self.engine_id, knobs=self.knobs,
+                                         median_ms=self.winner_median_ms, status="ok")]
 
     def to_meta(self, graph_key: str, worker_id: str) -> PlanMeta:
         return make_meta(
             graph_key, self.environment, self.blob, blob_sha256=self.sha256, engine_id=self.engine_id,
             knobs=self.knobs, plan_name="fake_engine7", workspace_bytes=0, winner_median_ms=self.winner_median_ms,
             heuristic_median_ms=self.heuristic_median_ms, worst_median_ms=0.5,
-            candidates=[Candidate(index=0, engine_id=self.engine_id, knobs=self.knobs, median_ms=self.winner_median_ms,
-                                  status="ok")],
             tuning_seconds=self.tuning_seconds, worker_id=worker_id,
         )
 

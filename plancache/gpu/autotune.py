@@ -69,7 +69,7 @@ class TunedPlan:
             graph_key=graph_key, environment=self.environment, blob_sha256=self.sha256, blob_size=len(self.blob),
             engine_id=self.engine_id, knobs=self.knobs, plan_name=self.plan_name, workspace_bytes=self.workspace_bytes,
             winner_median_ms=self.winner_median_ms, heuristic_median_ms=self.heuristic_median_ms,
-            worst_median_ms=self.worst_median_ms, candidates=self.candidates, tuning_seconds=self.tuning_seconds,
+            worst_median_ms=self.worst_median_ms, tuning_seconds=self.tuning_seconds,
             worker_id=worker_id, numerics_check=self.numerics_check,
         )
 

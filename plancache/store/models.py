@@ -136,13 +136,22 @@ plans = sa.Table(
     sa.Column("winner_median_ms", sa.Float, nullable=False),
     sa.Column("heuristic_median_ms", sa.Float),
     sa.Column("worst_median_ms", sa.Float),
-    sa.Column("candidates", sa.JSON, nullable=False),
     sa.Column("tuning_seconds", sa.Float, nullable=False),
     sa.Column("worker_id", sa.String(256), nullable=False),
     sa.Column("numerics_check", sa.String(32), nullable=False, server_default="reference"),
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("graph_key", "env_id"),
+)
+
+# The candidates table of the tuning run of a plan record (protocol.CandidateTable, bounded), apart from the record:
+# resolve never reads it. Replaced with its record; gone with it (withdrawal, gc).
+plan_candidates = sa.Table(
+    "plan_candidates",
+    metadata,
+    sa.Column("plan_id", sa.Integer, sa.ForeignKey("plans.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("candidates", sa.JSON, nullable=False),
+    sa.Column("omitted", sa.JSON, nullable=False),  # {status: count} of the candidates not kept
 )
 
 withdrawals = sa.Table(

@@ -3,7 +3,6 @@ Blob bytes go through the store's :class:`~.blobs.BlobStore`, in the order :mod:
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 
@@ -12,7 +11,7 @@ from sqlalchemy.engine import Connection, Row
 
 from .. import errors
 from ..environment import Environment
-from ..protocol import Candidate, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
+from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore, ContentBlobs
@@ -21,10 +20,10 @@ from .db import Database, check_int, check_page, upsert_insert
 from .environments import env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
-from .models import plans, withdrawals
+from .models import plan_candidates, plans, withdrawals
 
 # PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
-_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "candidates", "envelope"))
+_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "envelope"))
 
 
 def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[str, Any]:
@@ -33,8 +32,6 @@ def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[st
     return {
         **{f: getattr(meta, f) for f in _META_COLUMNS},
         **env_columns(meta.environment),
-        # As on the wire: non-finite floats (a NaN error of a mismatching candidate) become null.
-        "candidates": json.loads(meta.model_dump_json(include={"candidates"}))["candidates"],
         "envelope": None if meta.envelope is None else meta.envelope.model_dump(),
         "job_id": job_id,
         "created_at": now,
@@ -46,12 +43,17 @@ def row_to_record(row: Row[Any]) -> PlanRecord:
     return PlanRecord(
         **{f: m[f] for f in _META_COLUMNS},
         environment=env_from_row(m),
-        candidates=[Candidate.model_validate(c) for c in m["candidates"]],
         envelope=m["envelope"],
         env_id=m["env_id"],
         job_id=m["job_id"],
         created_at=m["created_at"],
     )
+
+
+def _candidate_values(table: CandidateTable) -> dict[str, Any]:
+    """The ``plan_candidates`` columns of ``table``, as on the wire (a non-finite figure is null)."""
+    dumped = table.model_dump(mode="json", include={"candidates", "candidates_omitted"})
+    return {"candidates": dumped["candidates"], "omitted": dumped["candidates_omitted"]}
 
 
 def row_to_withdrawal(row: Row[Any]) -> WithdrawalRecord:
@@ -73,8 +75,11 @@ class Plans(Misses):
     blob_store: BlobStore
 
     def publish_plan(self, meta: PlanMeta, blob: bytes | None, *, job_id: int | None = None, worker_id: str | None = None,
-                     lease_token: str | None = None, holder: str | None = None, replace: bool = False) -> PlanRecord:
-        """Store a plan in one transaction: the blob if absent, the record, and (with ``job_id``) the job's success.
+                     lease_token: str | None = None, holder: str | None = None, replace: bool = False,
+                     candidates: CandidateTable | None = None) -> PlanRecord:
+        """Store a plan in one transaction: the blob if absent, the record, its tuning run's ``candidates`` table
+        (bounded by :class:`CandidateTable`, apart from the record; ``meta``'s own when it is an upload that carries
+        one), and (with ``job_id``) the job's success.
 
         Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
         :class:`errors.NotFound` (no spec),
@@ -88,8 +93,11 @@ class Plans(Misses):
 
         ``blob`` None publishes a blob stored before (:func:`~.content.write_blob`, ``PUT /v1/blobs``): :class:`errors.NotFound`
         unless it is there with ``meta.blob_size`` bytes. Bytes for a folder or object store are written before the
-        transaction opens, so no file or network I/O happens under the database's write lock.
+        transaction opens, so no file or network I/O happens under the database's write lock; the upload made their
+        catalog row new, so gc with a grace period longer than the publish takes leaves them to it.
         """
+        if candidates is None and isinstance(meta, CandidateTable):
+            candidates = meta
         if blob is not None:
             try:
                 verify_blob(meta, blob, what=f"plan {meta.graph_key} on {meta.environment.describe()}")
@@ -128,6 +136,7 @@ class Plans(Misses):
                 .on_conflict_do_nothing(index_elements=["graph_key", "env_id"])
                 .returning(*plans.c)
             ).first()
+            written = row is not None
             if row is None:
                 row = conn.execute(
                     sa.select(plans).where(plans.c.graph_key == meta.graph_key, *same_env(plans, env)).with_for_update()
@@ -148,6 +157,11 @@ class Plans(Misses):
                     row = conn.execute(
                         sa.update(plans).where(plans.c.id == row.id).values(**values).returning(*plans.c)
                     ).one()
+                    written = True
+            if written:
+                conn.execute(sa.delete(plan_candidates).where(plan_candidates.c.plan_id == row.id))
+                if candidates is not None:
+                    conn.execute(sa.insert(plan_candidates).values(plan_id=row.id, **_candidate_values(candidates)))
             if blob is not None:  # the database's bytes, in their row
                 self.blob_store.put(conn, meta.blob_sha256, blob)
         return row_to_record(row)
@@ -223,6 +237,21 @@ class Plans(Misses):
         with self.db.read() as conn:
             row = conn.execute(sa.select(plans).where(plans.c.graph_key == graph_key, *same_env(plans, env))).first()
         return None if row is None else row_to_record(row)
+
+    def get_candidates(self, graph_key: str, env: Environment) -> PlanCandidates | None:
+        """The candidates table of the stored plan of ``graph_key`` on exactly this environment's validity fields
+        (empty when its upload sent none); None when no plan is stored there."""
+        q = (sa.select(plans.c.graph_key, plans.c.env_id, plans.c.blob_sha256, plans.c.revision,
+                       plan_candidates.c.candidates, plan_candidates.c.omitted)
+             .outerjoin(plan_candidates, plan_candidates.c.plan_id == plans.c.id)
+             .where(plans.c.graph_key == graph_key, *same_env(plans, env)))
+        with self.db.read() as conn:
+            row = conn.execute(q).first()
+        if row is None:
+            return None
+        return PlanCandidates(graph_key=row.graph_key, env_id=row.env_id, blob_sha256=row.blob_sha256,
+                              revision=row.revision, candidates=row.candidates or [],
+                              candidates_omitted=row.omitted or {})
 
     def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool, count_misses: bool = True
                 ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:

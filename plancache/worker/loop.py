@@ -42,7 +42,7 @@ from ..errors import (
     TuningError,
     Unauthorized,
 )
-from ..protocol import ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest, PlanMeta
+from ..protocol import CandidateTable, ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest, PlanMeta
 from ..settings import DEFAULT_JOB_TIMEOUT
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
@@ -306,7 +306,8 @@ class Worker:
         log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
                  job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
                  outcome.round_trip_error, tuned.tuning_seconds)
-        return SpoolEntry(job.id, claim.lease_token, self.worker_id, meta, spec.to_json(), tuned.blob)
+        return SpoolEntry(job.id, claim.lease_token, self.worker_id, meta, spec.to_json(), tuned.blob,
+                          CandidateTable.best_of(tuned.candidates))
 
     def _check_job(self, claim: ClaimResponse) -> GraphSpec:
         spec = parse_spec(claim.spec)

@@ -1,8 +1,8 @@
 """Finished job results on local disk, so a result survives the server being down or the worker restarting.
 
 Each entry is ``job-<id>-<lease>.blob`` (the plan bytes; ``<lease>`` a digest of the lease token) plus
-``.json`` (the signed record, the spec and the lease that completes the job, its secret token included:
-keep the spool directory private to the worker). The blob is written first and the
+``.json`` (the signed record, the spec, the bounded candidates table and the lease that completes the job, its secret
+token included: keep the spool directory private to the worker). The blob is written first and the
 JSON last, each atomically (temporary file, fsync, rename), so a JSON file always names a
 complete blob. An entry is removed once the server accepted (or definitively refused) it.
 """
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..errors import VerificationError
 from ..files import atomic_write
-from ..protocol import PlanMeta, PlanUpload, b64encode
+from ..protocol import Candidate, CandidateTable, PlanMeta, PlanUpload, b64encode
 from ..verify import verify_blob
 
 log = logging.getLogger("plancache.worker")
@@ -40,6 +40,7 @@ class SpoolEntry:
     meta: PlanMeta
     spec: dict[str, Any]
     blob: bytes
+    candidates: CandidateTable = field(default_factory=CandidateTable)
 
     @property
     def name(self) -> str:
@@ -47,7 +48,8 @@ class SpoolEntry:
 
     def upload(self, *, inline: bool = False) -> PlanUpload:
         """The upload of the record (the blob goes first with ``PUT /v1/blobs``), or with the blob ``inline``."""
-        return PlanUpload(**self.meta.model_dump(), blob_b64=b64encode(self.blob) if inline else None, spec=self.spec)
+        return PlanUpload(**self.meta.model_dump(), **self.candidates.model_dump(),
+                          blob_b64=b64encode(self.blob) if inline else None, spec=self.spec)
 
 
 class Spool:
@@ -63,7 +65,8 @@ class Spool:
         json_path = self.directory / f"{entry.name}.json"
         atomic_write(blob_path, entry.blob)  # both files owner-only (atomic_write's 0600): the JSON holds a lease token
         doc = {"version": SPOOL_VERSION, "job_id": entry.job_id, "lease_token": entry.lease_token,
-               "worker_id": entry.worker_id, "meta": entry.meta.model_dump(mode="json"), "spec": entry.spec}
+               "worker_id": entry.worker_id, "meta": entry.meta.model_dump(mode="json"), "spec": entry.spec,
+               "candidates": entry.candidates.model_dump(mode="json")}
         atomic_write(json_path, json.dumps(doc, sort_keys=True).encode())
         return json_path
 
@@ -85,10 +88,14 @@ class Spool:
         doc = json.loads(path.read_text())
         if doc.get("version") != SPOOL_VERSION:
             raise ValueError(f"unknown spool version {doc.get('version')!r}")
+        legacy = doc["meta"].pop("candidates", None)  # an entry spooled when records carried them
         meta = PlanMeta.model_validate(doc["meta"])
+        candidates = (CandidateTable.best_of([Candidate.model_validate(c) for c in legacy]) if legacy is not None
+                      else CandidateTable.model_validate(doc.get("candidates", {})))
         blob = path.with_suffix(".blob").read_bytes()
         verify_blob(meta, blob, what=path.with_suffix(".blob").name)
-        entry = SpoolEntry(int(doc["job_id"]), str(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob)
+        entry = SpoolEntry(int(doc["job_id"]), str(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob,
+                           candidates)
         if entry.name != path.stem:
             raise ValueError(f"file name does not match job {entry.job_id} and its lease")
         return entry

@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..environment import Environment
-from ..protocol import PlanMeta
+from ..protocol import Candidate, PlanMeta
 from ..settings import DEFAULT_BUILD_TIMEOUT
 from ..spec import GraphSpec
 
@@ -24,6 +24,7 @@ class TunedResult(Protocol):
     tuning_seconds: float
     winner_median_ms: float
     heuristic_median_ms: float | None
+    candidates: list[Candidate]  # every candidate tried; the upload carries CandidateTable.best_of them
 
     def to_meta(self, graph_key: str, worker_id: str) -> PlanMeta: ...
 

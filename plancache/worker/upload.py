@@ -8,7 +8,7 @@ from typing import Any
 from ..environment import Environment
 from ..errors import EnvironmentMismatch, IntegrityError, VerificationError
 from ..http import Retry
-from ..protocol import PlanMeta, PlanRecord, PlanUpload
+from ..protocol import CandidateTable, PlanMeta, PlanRecord, PlanUpload
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
 from ..verify import verify_blob
@@ -53,7 +53,8 @@ def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict[str,
     err = tuner.verify(spec, tuned.blob)
     if signer is not None:
         meta = signer.sign(meta)
-    upload = PlanUpload(**meta.model_dump(), spec=spec.to_json())
+    upload = PlanUpload(**meta.model_dump(), **CandidateTable.best_of(tuned.candidates).model_dump(),
+                        spec=spec.to_json())
     with JobsApi.open(server_url, token, retry=Retry(within=retry_for)) as jobs:
         jobs.put_blob(meta.blob_sha256, tuned.blob)  # raw bytes first; then the record alone
         record = jobs.put_plan(upload)

@@ -24,6 +24,7 @@ ROUTES = [
     ("POST", "/v1/plans/explain", "/v1/plans/explain", "reader"),
     ("GET", "/ui", "/ui", "reader"),
     ("GET", "/v1/plans/{graph_key}", f"/v1/plans/{KEY}", "reader"),
+    ("GET", "/v1/plans/{graph_key}/candidates", f"/v1/plans/{KEY}/candidates", "admin"),
     ("GET", "/v1/blobs/{sha256}", f"/v1/blobs/{KEY}", "reader"),
     ("HEAD", "/v1/blobs/{sha256}", f"/v1/blobs/{KEY}", "reader"),
     # a worker token PUTs only the blob of a job it holds (X-Plancache-Job …; test_blob_uploads.py): without, 403

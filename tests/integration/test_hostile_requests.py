@@ -510,7 +510,8 @@ def test_openapi_states_the_rules_the_server_enforces(api):
     assert {tuple(alt["required"]) for alt in target["anyOf"]} == {
         ("sm",), ("sm_count",), ("cudnn_version",), ("driver_version",), ("frontend_version",)}
     knobs = schemas["Candidate"]["properties"]["knobs"]
-    assert knobs["maxProperties"] == 64 and knobs["additionalProperties"]["maximum"] == 2**63 - 1
+    assert knobs["maxProperties"] == 64 and knobs["additionalProperties"] is False
+    assert knobs["patternProperties"]["^[A-Za-z0-9_.]{1,64}$"]["maximum"] == 2**63 - 1
     responses = doc["paths"]["/v1/jobs/claim"]["post"]["responses"]
     assert {"408", "413", "503"} <= set(responses)
     assert "429" in doc["paths"]["/v1/specs"]["post"]["responses"]

@@ -110,3 +110,37 @@ def test_create_makes_the_sqlite_folder(tmp_path):
     with open_store(f"sqlite:///{tmp_path / 'new' / 'dir' / 'plancache.db'}", create=True) as store:
         store.ping()
     assert (tmp_path / "new" / "dir" / "plancache.db").is_file()
+
+
+def test_candidates_inside_records_move_to_their_own_table_capped(db_url, make_spec, make_plan, gpu_env):
+    """0007: the candidates a record held (before: a list in ``plans.candidates``, here 600 of them and one that is
+    no longer valid) become its ``plan_candidates`` row, cut to the best 512 with the rest counted; the record reads
+    and resolves as before. Downgrading puts the kept rows back into the record."""
+    from plancache.protocol import Candidate
+
+    store = Store(db_url)
+    try:
+        store.upgrade()
+        key, spec = make_spec(0)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, gpu_env)
+        record = store.publish_plan(meta, blob)
+        store.db.downgrade("0006")
+        legacy = [Candidate(index=i, engine_id=i, median_ms=1.0 + i, status="ok").model_dump(mode="json")
+                  for i in range(600)] + [{"index": 600, "status": "ok", "knobs": {"bad name!": 1}}]
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE plans SET candidates = :c").bindparams(
+                sa.bindparam("c", type_=sa.JSON)), {"c": legacy})
+        store.upgrade()
+        assert "candidates" not in {c["name"] for c in sa.inspect(store.engine).get_columns("plans")}
+        table = store.get_candidates(key, gpu_env)
+        assert [c.index for c in table.candidates] == list(range(512))  # the fastest 512
+        assert table.candidates_omitted == {"ok": 89}  # 88 slower ones and the invalid one
+        assert store.get_plan(key, gpu_env) == record
+        assert store.resolve(gpu_env, [key], include_blobs=True)[0][key] == (record, blob)
+        store.db.downgrade("0006")
+        with store.engine.connect() as conn:
+            back = conn.execute(sa.text("SELECT candidates FROM plans").columns(sa.column("candidates", sa.JSON))).scalar_one()
+        assert [c["index"] for c in back] == list(range(512))
+    finally:
+        store.close()

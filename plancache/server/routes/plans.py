@@ -20,6 +20,7 @@ from ...protocol import (
     SHA256_PATTERN,
     ExplainRequest,
     ExplainResponse,
+    PlanCandidates,
     PlanPut,
     PlanRecord,
     ResolveRequest,
@@ -28,7 +29,7 @@ from ...protocol import (
 from ...settings import Settings
 from ...store import Store
 from ...store.blobs import ContentBlobs
-from ..auth import Reader, Worker
+from ..auth import Admin, Reader, Worker
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
@@ -161,6 +162,20 @@ def read_plan(graph_key: GraphKeyPath, environment: Annotated[Environment, Query
     if record is None:
         raise NotFound(f"no plan for graph key {graph_key} on {environment.describe()}")
     return record
+
+
+@router.get("/v1/plans/{graph_key}/candidates", response_model=PlanCandidates,
+            summary="The candidates table of the tuning run of one plan (admin)",
+            responses=documented_errors(401, 403, 404, 422, 503))
+def read_candidates(graph_key: GraphKeyPath, environment: Annotated[Environment, Query()], store: StoreDep,
+                    _: Admin) -> PlanCandidates:
+    """What the worker tried choosing the plan of ``graph_key`` on the environment (validity fields as query
+    parameters, as for the record): at most 512 candidates, the best ones, and how many others were tried, by
+    status. Kept apart from the record: resolve answers, records and bundles never carry it."""
+    table = store.get_candidates(graph_key, environment)
+    if table is None:
+        raise NotFound(f"no plan for graph key {graph_key} on {environment.describe()}")
+    return table
 
 
 def _cut_off_when_damaged(stream: BlobStream) -> Iterator[bytes]:
