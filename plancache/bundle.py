@@ -13,6 +13,10 @@ is the header and the sha256 of the canonical JSON (sorted keys, no whitespace) 
 in the file: it covers every record, blob and spec. Version 1 bundles (signed with the retired statement-v1
 signature) are refused with a message saying to export them again.
 
+Records carry no candidates tables (:class:`~plancache.protocol.CandidateTable` is stored apart on the server;
+an admin reads it there): a bundle holds what a client loads. Entries of bundles written when records held a
+``candidates`` list still read, the list dropped (:class:`~plancache.protocol.PlanRecord`).
+
 JSON rather than a zip or tar: plan blobs are small (kilobytes to a few megabytes), one document has exactly
 one canonical form to sign, reading it needs nothing beyond the standard library on a client, ``jq`` can
 inspect it, and there are no archive members, paths or orderings to validate. The cost is base64's third

@@ -114,10 +114,12 @@ def failure_of_spec(path: Path, exc: Exception) -> Failure:
 
 
 def write_result(out: Path, stem: str, spec: GraphSpec, tuned: Any) -> Path:
-    """Write ``<stem>.blob`` and ``<stem>.json`` (the plan record, spec included) into ``out``."""
+    """Write ``<stem>.blob`` and ``<stem>.json`` (the plan record, spec and every candidate tried included) into
+    ``out``: a local file, not bounded like the table a server stores."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.blob").write_bytes(tuned.blob)
     record = tuned.to_meta(spec.graph_key, worker_id="plancache-tune").model_dump(mode="json")
+    record["candidates"] = [c.model_dump(mode="json") for c in tuned.candidates]
     record["spec"] = spec.to_json()
     record["build_seconds"] = tuned.build_seconds
     record["timing_seconds"] = tuned.timing_seconds

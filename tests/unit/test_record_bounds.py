@@ -130,3 +130,19 @@ def test_a_table_over_either_bound_is_refused_naming_the_cap():
         CandidateTable(candidates=[_row(i) for i in range(6000)])
     with pytest.raises(ValidationError, match=f"bytes of JSON; at most {MAX_CANDIDATES_BYTES}"):
         CandidateTable(candidates=[_row(i, wide=True) for i in range(200)])
+
+
+def test_tune_out_keeps_every_candidate_in_its_local_file(tmp_path):
+    """``plancache tune --out`` writes a local file, not a record a server stores: every candidate tried is in it."""
+    import hashlib
+    import json
+
+    from plancache.cli.tune_cmds import write_result
+    from tests.factories import CONV_SPEC
+    from tests.worker_fakes import FakeTunedPlan
+
+    blob = b"plan"
+    tuned = FakeTunedPlan(blob, hashlib.sha256(blob).hexdigest(), H200, candidates=[_row(i) for i in range(600)])
+    tuned.build_seconds, tuned.timing_seconds = 1.0, 2.0  # type: ignore[attr-defined]
+    doc = json.loads(write_result(tmp_path, "conv", CONV_SPEC, tuned).read_text())
+    assert len(doc["candidates"]) == 600 and doc["graph_key"] == CONV_SPEC.graph_key
