@@ -27,7 +27,7 @@ from plancache.protocol import (
     Withdrawal,
 )
 from plancache.validation import INT64_MAX, MAX_MS, MAX_SECONDS
-from tests.factories import H200, make_record, new_signer
+from tests.factories import H200, make_meta, make_record, new_signer
 
 #: A character JSON writes as 6 bytes (``\u0001``): strings made of it are the longest their bounds allow.
 WIDE = "\x01"
@@ -146,3 +146,33 @@ def test_tune_out_keeps_every_candidate_in_its_local_file(tmp_path):
     tuned.build_seconds, tuned.timing_seconds = 1.0, 2.0  # type: ignore[attr-defined]
     doc = json.loads(write_result(tmp_path, "conv", CONV_SPEC, tuned).read_text())
     assert len(doc["candidates"]) == 600 and doc["graph_key"] == CONV_SPEC.graph_key
+
+
+def test_a_spooled_result_keeps_its_bounded_table_and_an_older_entry_is_cut(tmp_path):
+    """The worker spools ``best_of`` its run beside the signed record, and sends it with the record; an entry spooled
+    when the record held the whole list (here 6,000 candidates) is read with that list cut the same way."""
+    import hashlib
+    import json
+
+    from plancache.worker.spool import Spool, SpoolEntry
+    from tests.factories import CONV_SPEC
+
+    blob = b"plan"
+    meta = make_meta(CONV_SPEC.graph_key, H200, blob, new_signer())
+    rows = [_row(i, "ok" if i % 2 else "build_failed") for i in range(6000)]
+    spool = Spool(tmp_path / "spool")
+    entry = SpoolEntry(3, "lease", "w1", meta, CONV_SPEC.to_json(), blob, CandidateTable.best_of(rows))
+    path = spool.save(entry)
+    (loaded,) = spool.pending()
+    assert loaded == entry and len(loaded.candidates.candidates) == MAX_CANDIDATES
+    upload = loaded.upload()
+    assert upload.candidates == entry.candidates.candidates and "candidates" not in upload.model_dump(
+        include=set(PlanMeta.model_fields))
+    doc = json.loads(path.read_text())
+    doc["meta"]["candidates"] = [c.model_dump(mode="json") for c in rows]
+    del doc["candidates"]
+    path.write_text(json.dumps(doc))
+    (older,) = spool.pending()
+    assert older.meta == meta and older.candidates == CandidateTable.best_of(rows)
+    assert older.candidates.candidates_omitted == {"ok": 3000 - MAX_CANDIDATES, "build_failed": 3000}
+    assert hashlib.sha256(older.blob).hexdigest() == meta.blob_sha256
