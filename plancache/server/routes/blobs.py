@@ -70,7 +70,7 @@ async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settin
     (403 without them; 409 ``lease_lost`` or 403 ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
         if x_plancache_job is None or x_plancache_lease is None:
-            raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads only the blob of a "
+            raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads blobs only for a "
                             "job it holds (headers X-Plancache-Job, X-Plancache-Worker, X-Plancache-Lease)")
         await run_in_threadpool(store.check_held, x_plancache_job, x_plancache_worker, x_plancache_lease,
                                 holder=principal.identity)
