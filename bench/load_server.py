@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from plancache.environment import Environment  # noqa: E402
-from plancache.protocol import Candidate, PlanMeta  # noqa: E402
+from plancache.protocol import Candidate, CandidateTable, PlanMeta  # noqa: E402
 from plancache.spec import SpecBuilder, graph_key  # noqa: E402
 
 ENV = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
@@ -167,9 +167,10 @@ def seed(url: str, n: int, min_bytes: int, max_bytes: int, rng: random.Random) -
                 engine_id=rng.randint(0, 60),
                 knobs={"tile": 2, "stages": 3}, plan_name="eng0_k2=2_k3=3", workspace_bytes=rng.randint(0, 1 << 22),
                 winner_median_ms=0.05, heuristic_median_ms=0.06, worst_median_ms=1.2, tuning_seconds=3.0, worker_id="bench",
-                candidates=[Candidate(index=c, engine_id=c, median_ms=0.05 + c / 100, status="ok") for c in range(8)],
             )
-            store.publish_plan(signer.sign(meta), blob)
+            table = CandidateTable(candidates=[Candidate(index=c, engine_id=c, median_ms=0.05 + c / 100, status="ok")
+                                               for c in range(8)])
+            store.publish_plan(signer.sign(meta), blob, candidates=table)
             plans[key] = blob
         token, _ = store.create_token("bench-reader", "reader")
     return plans, token
