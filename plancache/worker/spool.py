@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..errors import VerificationError
 from ..files import atomic_write
-from ..protocol import Candidate, CandidateTable, PlanMeta, PlanUpload, b64encode
+from ..protocol import Candidate, CandidateTable, PlanMeta, PlanUpload
 from ..verify import verify_blob
 
 log = logging.getLogger("plancache.worker")
@@ -46,10 +46,9 @@ class SpoolEntry:
     def name(self) -> str:
         return f"job-{self.job_id}-{hashlib.sha256(self.lease_token.encode()).hexdigest()[:16]}"
 
-    def upload(self, *, inline: bool = False) -> PlanUpload:
-        """The upload of the record (the blob goes first with ``PUT /v1/blobs``), or with the blob ``inline``."""
-        return PlanUpload(**self.meta.model_dump(), **self.candidates.model_dump(),
-                          blob_b64=b64encode(self.blob) if inline else None, spec=self.spec)
+    def upload(self) -> PlanUpload:
+        """The upload of the signed record alone: the blob goes first, raw (``PUT /v1/blobs/{sha256}``)."""
+        return PlanUpload(**self.meta.model_dump(), **self.candidates.model_dump(), spec=self.spec)
 
 
 class Spool:

@@ -85,7 +85,8 @@ def test_spool_round_trip_and_remove(tmp_path):
     (loaded,) = spool.pending()
     assert loaded == entry
     up = loaded.upload()
-    assert up.blob_bytes() == entry.blob and up.spec == entry.spec and up.envelope == entry.meta.envelope
+    assert loaded.blob == entry.blob and up.blob_b64 is None  # the blob goes raw, before the record
+    assert up.blob_sha256 == entry.meta.blob_sha256 and up.spec == entry.spec and up.envelope == entry.meta.envelope
     TrustedKeys.from_files([tmp_path / "keys" / "w.pub"]).verify(up)
     spool.remove(loaded)
     assert spool.pending() == [] and list(spool.directory.iterdir()) == []
@@ -130,6 +131,9 @@ class _CompletionRacesHeartbeat:
         if self.completed.is_set():
             self.refused_beat.set()
             raise LeaseLost(f"job {job_id} is succeeded, not running")
+
+    def put_blob(self, sha256: str, data: bytes, *, job_id: int, lease: LeaseRequest) -> None:
+        pass
 
     def complete(self, job_id: int, req) -> None:
         self.completed.set()
