@@ -45,7 +45,7 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match, compile_path
-from starlette.types import Scope
+from starlette.types import Receive, Scope, Send
 
 from ..protocol import Role
 from ..validation import INT64_MAX
@@ -291,6 +291,8 @@ class CheckedRoute(APIRoute):
 
     #: The paths of every route made without parameters (``/v1/plans/resolve``).
     literal_paths: ClassVar[set[str]] = set()
+    #: The methods of every route by path: a 405's ``Allow`` names them all when routes share a path (``/v1/blobs``).
+    methods_by_path: ClassVar[dict[str, set[str]]] = {}
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         if "{" not in path:
@@ -300,6 +302,12 @@ class CheckedRoute(APIRoute):
         if any((method, path) in UPLOAD_ROUTES for method in kwargs.get("methods") or ()):  # the blob is stored
             kwargs["responses"] = {**documented_errors(507), **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
+        CheckedRoute.methods_by_path.setdefault(self.path, set()).update(self.methods or ())
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            raise HTTPException(405, headers={"Allow": ", ".join(sorted(CheckedRoute.methods_by_path[self.path]))})
+        await super().handle(scope, receive, send)
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         """As :class:`APIRoute`, except that a path some route spells out (``/v1/plans/resolve``) is never a path

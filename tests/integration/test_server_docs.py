@@ -81,7 +81,8 @@ def _http_routes(routes) -> Iterator[object]:
 
 
 def test_metrics_label_every_route_by_its_template(sapi):
-    sent = {(m, r.path) for r in _http_routes(sapi.app.routes) for m in r.methods - {"HEAD"}}
+    # HEAD of a GET route is implicit (not in the document); a route of its own for HEAD is
+    sent = {(m, r.path) for r in _http_routes(sapi.app.routes) for m in r.methods - ({"HEAD"} if "GET" in r.methods else set())}
     document = sapi.client.get("/openapi.json").json()
     in_schema = {(m.upper(), p) for p, item in document["paths"].items() for m in item}
     plain = {(m, re.sub(r"\{(\w+):\w+\}", r"{\1}", p)) for m, p in sent}  # OpenAPI drops {name:convertor}

@@ -59,23 +59,28 @@ class _Body:
                        201: {"description": "the blob is stored"},
                        **documented_errors(401, 403, 404, 409, 411, 413, 422, 503, 507)})
 async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settings: SettingsDep, principal: Worker,
-                   content_length: Annotated[int | None, Header(ge=1)] = None,
-                   x_plancache_job: Annotated[int | None, Header(ge=1)] = None,
-                   x_plancache_worker: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
-                   x_plancache_lease: Annotated[str | None, Header(min_length=1, max_length=256)] = None) -> Response:
+                   x_plancache_job: Annotated[str | None, Header(description="the held job's id")] = None,
+                   x_plancache_worker: Annotated[str | None, Header(description="the lease's worker id")] = None,
+                   x_plancache_lease: Annotated[str | None, Header(description="the claim's lease token")] = None
+                   ) -> Response:
     """The body is the blob's bytes (``application/octet-stream``, with ``Content-Length``: 411 without), streamed
     into the blob store with its digest checked while it is written: 422 ``integrity_error`` when the bytes do not
     hash to ``sha256`` (nothing is stored). Over ``PLANCACHE_MAX_BLOB_BYTES`` is 413 from the declared length, before
     the body is read. 201 when stored, 200 when it was there. A worker token needs the headers of a job it holds
     (403 without them; 409 ``lease_lost`` or 403 ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
-        if x_plancache_job is None or x_plancache_lease is None:
+        job_id = int(x_plancache_job) if x_plancache_job and x_plancache_job.isdigit() and len(x_plancache_job) < 10 else 0
+        if not job_id or not x_plancache_lease:
             raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads blobs only for a "
-                            "job it holds (headers X-Plancache-Job, X-Plancache-Worker, X-Plancache-Lease)")
-        await run_in_threadpool(store.check_held, x_plancache_job, x_plancache_worker, x_plancache_lease,
+                            "job it holds (headers X-Plancache-Job: its id, X-Plancache-Worker, X-Plancache-Lease)")
+        await run_in_threadpool(store.check_held, job_id, x_plancache_worker, x_plancache_lease,
                                 holder=principal.identity)
-    if content_length is None:
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
         raise HTTPException(411, "send the blob with a Content-Length header (its size in bytes)")
+    if len(declared) > 18:  # h11 checked it is a number; it may still have thousands of digits
+        declared = str(settings.max_blob_bytes + 1)
+    content_length = int(declared)
     if content_length > settings.max_blob_bytes:
         raise PayloadTooLarge(f"blob of {content_length} bytes exceeds the limit of {settings.max_blob_bytes} bytes "
                               "(PLANCACHE_MAX_BLOB_BYTES)")
