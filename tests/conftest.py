@@ -9,6 +9,7 @@
   under ``tmp_path`` and an ``s3://`` bucket of moto's S3 server (each test that uses it runs once per blob store).
 - ``moto_s3``, ``s3_blob_url``: S3 through moto's standalone server (:mod:`tests.s3_util`).
 - ``store``: ``open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)``, closed afterwards.
+- ``file_store``: a SQLite store under ``tmp_path`` whose blobs are files in ``tmp_path / "blobs"``, closed afterwards.
 - ``gpu_env``: :data:`tests.factories.H200`.
 - ``make_spec(i)``: a small valid spec dict, distinct for each ``i``, and its graph key.
 - ``make_plan(graph_key, env, blob=…, worker_id=…)``: a :class:`~plancache.protocol.PlanMeta`
@@ -133,6 +134,17 @@ def store(db_url: str, clock: FakeClock, blob_store_url: str) -> Iterator[Any]:
     from plancache.store import open_store
 
     s = open_store(db_url, create=True, clock=clock, blob_store=blob_store_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def file_store(tmp_path: Any) -> Iterator[Any]:
+    from plancache.store import open_store
+
+    s = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}", create=True, blob_store=(tmp_path / "blobs").as_uri())
     try:
         yield s
     finally:

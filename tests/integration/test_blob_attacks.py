@@ -26,15 +26,6 @@ LARGE = os.urandom(200_000)  # streamed by a server whose blob memory keeps item
 MEMORY = {"small": {}, "large": {"blob_memory_bytes": 16 * 1024}}
 
 
-@pytest.fixture
-def file_store(tmp_path: Path) -> Any:
-    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}", create=True, blob_store=(tmp_path / "blobs").as_uri())
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 def _path(store: Any, digest: str) -> Path:
     return store.blob_store.root / digest[:2] / digest[2:4] / digest
 

@@ -14,18 +14,8 @@ from typing import Any
 
 import pytest
 
-from plancache.store import open_store
 from tests.factories import H200, make_meta
 from tests.server_util import open_api, upload_json
-
-
-@pytest.fixture
-def file_store(tmp_path: Path) -> Any:
-    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}", create=True, blob_store=(tmp_path / "blobs").as_uri())
-    try:
-        yield store
-    finally:
-        store.close()
 
 
 def _files(folder: Path) -> list[Path]:
