@@ -76,13 +76,7 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
     from plancache.errors import BlobStoreMismatch
     from plancache.store.models import blobs
 
-    expected = {}
-    for i in range(3):
-        key, spec = make_spec(i)
-        store.put_spec(key, spec)
-        meta, blob = make_plan(key, gpu_env, blob=f"plan {i}".encode() * 300)
-        store.publish_plan(meta, blob)
-        expected[key] = blob
+    expected = _publish_three(store, make_spec, make_plan, gpu_env)
     orphan = store.put_blob(b"stored, not referenced yet")
     folder = (tmp_path / "blob volume").as_uri()
 
@@ -106,13 +100,7 @@ def test_migrate_blobs_to_and_from_s3(cli, store, db_url, make_spec, make_plan, 
                                       s3_blob_url):
     """database -> s3 -> a folder -> database, each step checked by resolving every record with its blob; a blob
     damaged in the bucket is not copied on (it counts as missing)."""
-    expected = {}
-    for i in range(3):
-        key, spec = make_spec(i)
-        store.put_spec(key, spec)
-        meta, blob = make_plan(key, gpu_env, blob=f"plan {i}".encode() * 300)
-        store.publish_plan(meta, blob)
-        expected[key] = blob
+    expected = _publish_three(store, make_spec, make_plan, gpu_env)
     folder = (tmp_path / "blobs").as_uri()
 
     def resolves(blob_store: str) -> None:
@@ -187,3 +175,15 @@ def test_a_command_right_after_serve_waits_for_its_migrations(tmp_path):
         server.wait(15)
     assert token.returncode == 0, token.stderr
     assert token.stdout.strip().startswith("pct_")
+
+
+def _publish_three(store, make_spec, make_plan, gpu_env) -> dict[str, bytes]:
+    """Three published plans (their specs stored), by graph key: the blob of each."""
+    expected = {}
+    for i in range(3):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, gpu_env, blob=f"plan {i}".encode() * 300)
+        store.publish_plan(meta, blob)
+        expected[key] = blob
+    return expected
