@@ -189,7 +189,10 @@ class FileBlobs(ContentBlobs):
             for second in _folders(first):
                 with os.scandir(second) as entries:
                     for entry in entries:
-                        st = entry.stat(follow_symlinks=False)
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:  # renamed into place or deleted since the folder was listed
+                            continue
                         if not stat.S_ISREG(st.st_mode) or st.st_mtime >= cutoff:
                             continue
                         path = Path(entry.path)

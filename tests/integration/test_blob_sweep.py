@@ -128,6 +128,31 @@ def test_a_publish_of_an_old_orphans_bytes_while_gc_runs_keeps_them(folder_store
     assert folder_store.get_blob(hashlib.sha256(b"published again").hexdigest()) == b"published again"
 
 
+def test_a_file_renamed_away_while_the_folder_is_listed_is_skipped(folder_store, monkeypatch):
+    """A writer's temporary file renamed into place (or deleted) between the folder's listing and its ``stat``
+    is not gc's error: the sweep goes on with the other files."""
+    gone = _age(_temporary(folder_store, b"renamed meanwhile"), 48)
+    stays = _age(_temporary(folder_store, b"crashed"), 48)
+    scandir = os.scandir
+
+    class Listing:
+        def __init__(self, path: Any) -> None:
+            self.entries = scandir(path)
+
+        def __enter__(self) -> Any:
+            for entry in self.entries.__enter__():
+                if entry.path == str(gone):
+                    gone.unlink()  # listed, then gone before its stat
+                yield entry
+
+        def __exit__(self, *exc: Any) -> None:
+            self.entries.__exit__(*exc)
+
+    monkeypatch.setattr("plancache.store.blobs.os.scandir", Listing)
+    report = gc(folder_store, grace=HOUR)
+    assert report.temporaries_deleted == 1 and not stays.exists() and not gone.exists()
+
+
 def test_cli_plans_gc_reports_and_dry_runs_the_sweep(tmp_path, monkeypatch):
     url, folder = f"sqlite:///{tmp_path / 'gc.db'}", tmp_path / "blobs"
     monkeypatch.setenv("PLANCACHE_BLOB_STORE", folder.as_uri())
