@@ -48,7 +48,7 @@ from pydantic import Field, ValidationError
 
 from .canonical import canonical_json
 from .environment import ENV_ID_PATTERN, Environment
-from .errors import Conflict, IntegrityError, NotFound, PlanCacheError, SignatureError, VerificationError
+from .errors import Conflict, IntegrityError, NotFound, PlanCacheError, Reason, SignatureError, VerificationError
 from .files import atomic_write
 from .protocol import Envelope, PlanMeta, PlanRecord, b64decode, b64encode
 from .signing import BUNDLE_PREDICATE, Signer, TrustedKeys, statement
@@ -143,17 +143,17 @@ def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
     try:
         raw = json.loads(Path(path).read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise VerificationError("malformed", f"{path}: not a plancache bundle (invalid JSON: {exc})") from None
+        raise VerificationError(Reason.MALFORMED, f"{path}: not a plancache bundle (invalid JSON: {exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
-        raise VerificationError("malformed", f"{path}: not a plancache bundle (no \"format\": \"{BUNDLE_FORMAT}\")")
+        raise VerificationError(Reason.MALFORMED, f"{path}: not a plancache bundle (no \"format\": \"{BUNDLE_FORMAT}\")")
     header = raw.get("header")
     if isinstance(header, dict) and header.get("version") == 1:
-        raise VerificationError("malformed", f"{path}: a version 1 bundle, signed with the retired statement-v1 "
+        raise VerificationError(Reason.MALFORMED, f"{path}: a version 1 bundle, signed with the retired statement-v1 "
                                              f"signature, which this plancache no longer reads: export it again")
     try:
         doc = BundleDocument.model_validate(raw)
     except ValidationError as exc:
-        raise VerificationError("malformed", f"{path}: invalid bundle: {validation_message(exc.errors(), 1)}") from None
+        raise VerificationError(Reason.MALFORMED, f"{path}: invalid bundle: {validation_message(exc.errors(), 1)}") from None
     return raw, doc
 
 
@@ -163,11 +163,11 @@ def _verify_entry(index: int, entry: BundleEntry, header: BundleHeader, trusted:
     try:
         blob = b64decode(entry.blob_b64, what=f"{name}: blob")
     except ValueError as exc:
-        raise VerificationError("malformed", str(exc)) from None
+        raise VerificationError(Reason.MALFORMED, str(exc)) from None
     try:
         key = graph_key(entry.spec)
     except PlanCacheError as exc:
-        raise VerificationError("malformed", f"{name}: {exc.message}") from None
+        raise VerificationError(Reason.MALFORMED, f"{name}: {exc.message}") from None
     verify_blob(entry.record, blob, what=name, trusted=trusted, graph_key=key, environment=header.environment)
     return BundlePlan(entry.record, blob, entry.spec)
 
@@ -179,18 +179,18 @@ def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys
     """
     header = doc.header
     if header.env_id != header.environment.env_id:
-        raise VerificationError("environment", f"bundle header env_id {header.env_id} is not the id of its "
+        raise VerificationError(Reason.ENVIRONMENT, f"bundle header env_id {header.env_id} is not the id of its "
                                                f"environment ({header.environment.env_id})")
     if header.entries != len(doc.entries):
-        raise VerificationError("malformed", f"bundle header counts {header.entries} entries, it holds {len(doc.entries)}")
+        raise VerificationError(Reason.MALFORMED, f"bundle header counts {header.entries} entries, it holds {len(doc.entries)}")
     if trusted and trusted.open(doc.envelope, BUNDLE_PREDICATE, what="bundle") != bundle_statement(raw):
-        raise SignatureError("bad_signature", "bundle: its header or entries do not match its signed statement")
+        raise SignatureError(Reason.BAD_SIGNATURE, "bundle: its header or entries do not match its signed statement")
     plans: list[BundlePlan] = []
     seen: dict[str, int] = {}
     for index, entry in enumerate(doc.entries):
         key = entry.record.graph_key
         if key in seen:
-            raise VerificationError("malformed", f"{_entry_name(index, entry)}: graph key repeats entry {seen[key]}")
+            raise VerificationError(Reason.MALFORMED, f"{_entry_name(index, entry)}: graph key repeats entry {seen[key]}")
         seen[key] = index
         plans.append(_verify_entry(index, entry, header, trusted))
     return plans

@@ -8,6 +8,7 @@ field is a keyword argument.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from enum import StrEnum
 from types import MappingProxyType
 
 
@@ -102,15 +103,41 @@ class EnvironmentMismatch(PlanCacheError):
     http_status = 409
 
 
+class Reason(StrEnum):
+    """Why a record, blob, signature, key or bundle was refused: the ``reason`` of every :class:`VerificationError`,
+    and the key the client counts rejects under (``PlanCache.stats().rejects``). Members are their own strings."""
+
+    #: A record, blob, bundle or signed payload that cannot be decoded.
+    MALFORMED = "malformed"
+    #: The blob's size or sha256 is not its record's.
+    SIZE = "size"
+    SHA256 = "sha256"
+    #: No signature; signed by a key not trusted here; a signature that does not verify.
+    UNSIGNED = "unsigned"
+    UNKNOWN_SIGNER = "unknown_signer"
+    BAD_SIGNATURE = "bad_signature"
+    #: A key file that is not an ed25519 key.
+    BAD_KEY = "bad_key"
+    #: A signature is required but no key is trusted to check it with (the client without trusted keys).
+    NO_TRUSTED_KEYS = "no_trusted_keys"
+    #: The record is for another graph key, or another GPU environment.
+    GRAPH_KEY = "graph_key"
+    ENVIRONMENT = "environment"
+    #: A signed record older than one already accepted for its graph key and environment (a replay).
+    REVISION = "revision"
+    #: A verified blob that cuDNN refused to load (counted by the client, never raised).
+    DESERIALIZE = "deserialize"
+
+
 class VerificationError(PlanCacheError):
     """A blob failed verification (size, digest, signature, key, environment); ``reason`` says which."""
 
     code = "verification_failed"
     http_status = 422
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason = Reason(reason)
 
 
 class SignatureError(VerificationError):

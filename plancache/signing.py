@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .canonical import canonical_json
-from .errors import SignatureError
+from .errors import Reason, SignatureError
 from .files import atomic_write
 from .protocol import DsseSignature, Envelope, PlanMeta, Withdrawal
 
@@ -172,9 +172,9 @@ class Signer:
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except ValueError as exc:
-            raise SignatureError("bad_key", f"{path}: not a PEM private key: {exc}") from exc
+            raise SignatureError(Reason.BAD_KEY, f"{path}: not a PEM private key: {exc}") from exc
         if not isinstance(key, Ed25519PrivateKey):
-            raise SignatureError("bad_key", f"{path}: not an ed25519 private key")
+            raise SignatureError(Reason.BAD_KEY, f"{path}: not an ed25519 private key")
         return cls(key)
 
 
@@ -199,9 +199,9 @@ class TrustedKeys:
             try:
                 key = serialization.load_pem_public_key(data)
             except ValueError as exc:
-                raise SignatureError("bad_key", f"{path}: not a PEM public key: {exc}") from exc
+                raise SignatureError(Reason.BAD_KEY, f"{path}: not a PEM public key: {exc}") from exc
             if not isinstance(key, Ed25519PublicKey):
-                raise SignatureError("bad_key", f"{path}: not an ed25519 public key")
+                raise SignatureError(Reason.BAD_KEY, f"{path}: not an ed25519 public key")
             keys.append(key)
         return cls(keys)
 
@@ -225,26 +225,26 @@ class TrustedKeys:
         a trusted key id), ``bad_signature`` (none of those verifies), ``malformed`` (a verified payload that is not
         a statement of ``predicate_type``)."""
         if envelope is None:
-            raise SignatureError("unsigned", f"{what} is unsigned")
+            raise SignatureError(Reason.UNSIGNED, f"{what} is unsigned")
         try:
             payload = base64.b64decode(envelope.payload, validate=True)
         except binascii.Error as exc:
-            raise SignatureError("malformed", f"{what}: the envelope's payload is not base64: {exc}") from None
+            raise SignatureError(Reason.MALFORMED, f"{what}: the envelope's payload is not base64: {exc}") from None
         ours = [s for s in envelope.signatures if s.keyid in self._keys]
         if not ours:
-            raise SignatureError("unknown_signer", f"{what} signed by unknown key "
+            raise SignatureError(Reason.UNKNOWN_SIGNER, f"{what} signed by unknown key "
                                                    f"{', '.join(s.keyid for s in envelope.signatures)}")
         message = pae(envelope.payloadType, payload)
         if not any(self._verifies(self._keys[s.keyid], s.sig, message) for s in ours):
-            raise SignatureError("bad_signature", f"{what}: signature does not verify")
+            raise SignatureError(Reason.BAD_SIGNATURE, f"{what}: signature does not verify")
         try:
             signed = json.loads(payload, object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-            raise SignatureError("malformed", f"{what}: the signed payload is not JSON with unique keys: {exc}") from None
+            raise SignatureError(Reason.MALFORMED, f"{what}: the signed payload is not JSON with unique keys: {exc}") from None
         if (envelope.payloadType != PAYLOAD_TYPE or not isinstance(signed, dict) or signed.get("_type") != STATEMENT_TYPE
                 or signed.get("predicateType") != predicate_type or not isinstance(signed.get("predicate"), dict)
                 or not isinstance(signed.get("subject"), list)):
-            raise SignatureError("malformed", f"{what}: the signed payload is not an in-toto statement "
+            raise SignatureError(Reason.MALFORMED, f"{what}: the signed payload is not an in-toto statement "
                                               f"({STATEMENT_TYPE}, payload type {PAYLOAD_TYPE}) of {predicate_type}")
         return signed
 
@@ -285,7 +285,7 @@ class TrustedKeys:
             else:
                 differ.insert(0, "blob_sha256")
         if differ:
-            raise SignatureError("bad_signature", f"{what}: the record does not match its signed statement "
+            raise SignatureError(Reason.BAD_SIGNATURE, f"{what}: the record does not match its signed statement "
                                                   f"({', '.join(differ)})")
 
 

@@ -14,21 +14,15 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from .errors import VerificationError
+from .errors import Reason, VerificationError
 
 if TYPE_CHECKING:  # a record in hand means its modules are loaded: the client imports this one before them
     from .environment import Environment
     from .protocol import PlanMeta, Withdrawal
     from .signing import TrustedKeys
 
-#: A signature is required but no key is trusted to check it with (the client without trusted keys).
-NO_TRUSTED_KEYS = "no_trusted_keys"
-#: A signed record older than one already accepted for its graph key and environment (a replay).
-STALE_REVISION = "revision"
-#: Every reason a blob is rejected for. ``malformed``: a record or blob (or a signed payload) that cannot be
-#: decoded; ``deserialize``: a verified blob that cuDNN refused to load (counted by the client, not raised here).
-REASONS: tuple[str, ...] = ("malformed", "size", "sha256", "unsigned", "unknown_signer", "bad_signature",
-                            NO_TRUSTED_KEYS, "graph_key", "environment", STALE_REVISION, "deserialize")
+#: Every reason a blob is rejected for (:class:`~plancache.errors.Reason`, less ``bad_key``, which is about key files).
+REASONS: tuple[Reason, ...] = tuple(r for r in Reason if r is not Reason.BAD_KEY)
 
 
 def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: TrustedKeys | None = None,
@@ -38,37 +32,37 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
 
     Steps that are not asked for are skipped: size and sha256 when ``blob`` is None (the record alone:
     is it authentic and meant for this graph and GPU?), the signature when ``trusted`` holds no key — unless
-    ``require_signature``, when no key means the signature cannot be checked (:data:`NO_TRUSTED_KEYS`) —,
+    ``require_signature``, when no key means the signature cannot be checked (``no_trusted_keys``) —,
     the graph key and environment when ``graph_key`` / ``environment`` is None, the revision when ``min_revision``
     (the highest revision accepted before for this graph key and environment) is None."""
     if blob is not None:
         if len(blob) != record.blob_size:
-            raise VerificationError("size", f"{what}: blob size {len(blob)} does not match its record's "
+            raise VerificationError(Reason.SIZE, f"{what}: blob size {len(blob)} does not match its record's "
                                             f"{record.blob_size} bytes")
         digest = hashlib.sha256(blob).hexdigest()
         if digest != record.blob_sha256:
-            raise VerificationError("sha256", f"{what}: blob sha256 {digest} does not match its record's "
+            raise VerificationError(Reason.SHA256, f"{what}: blob sha256 {digest} does not match its record's "
                                               f"{record.blob_sha256}")
     if trusted:
         trusted.verify(record, what=what)  # SignatureError: unsigned, unknown_signer, bad_signature, malformed
     elif require_signature:
-        raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
+        raise VerificationError(Reason.NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
                                                  f"so its signature cannot be verified")
     from .protocol import PlanRecord
 
     env_id = record.env_id if isinstance(record, PlanRecord) else record.environment.env_id
     _check_target(what, record.graph_key, record.environment, env_id, graph_key, environment)
     if min_revision is not None and record.revision < min_revision:
-        raise VerificationError(STALE_REVISION, f"{what}: its record has revision {record.revision}, older than "
+        raise VerificationError(Reason.REVISION, f"{what}: its record has revision {record.revision}, older than "
                                                 f"revision {min_revision} accepted before for this graph and GPU")
 
 
 def verify_withdrawal(withdrawal: Withdrawal, *, what: str, trusted: TrustedKeys, graph_key: str,
                       environment: Environment) -> None:
     """Raise :class:`VerificationError` unless ``withdrawal`` is signed by a trusted key (none trusted:
-    :data:`NO_TRUSTED_KEYS`; an unsigned withdrawal is never acted on) and names ``graph_key`` on ``environment``."""
+    ``no_trusted_keys``; an unsigned withdrawal is never acted on) and names ``graph_key`` on ``environment``."""
     if not trusted:
-        raise VerificationError(NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
+        raise VerificationError(Reason.NO_TRUSTED_KEYS, f"{what}: no trusted keys are configured (PLANCACHE_TRUSTED_KEYS), "
                                                  f"so its signature cannot be verified")
     trusted.verify_withdrawal(withdrawal, what=what)
     _check_target(what, withdrawal.graph_key, withdrawal.environment, withdrawal.environment.env_id, graph_key,
@@ -80,7 +74,7 @@ def _check_target(what: str, key: str, env: Environment, env_id: str, graph_key:
     """The graph key and environment steps: a record (or withdrawal) for ``key`` on ``env`` must be for ``graph_key``
     on ``environment`` (a step whose expected value is None is skipped)."""
     if graph_key is not None and key != graph_key:
-        raise VerificationError("graph_key", f"{what}: its record is for graph key {key}, expected {graph_key}")
+        raise VerificationError(Reason.GRAPH_KEY, f"{what}: its record is for graph key {key}, expected {graph_key}")
     if environment is not None and (env_id != environment.env_id or env.validity() != environment.validity()):
-        raise VerificationError("environment", f"{what}: its record is for {env.describe()} (env id {env_id}), "
+        raise VerificationError(Reason.ENVIRONMENT, f"{what}: its record is for {env.describe()} (env id {env_id}), "
                                                f"expected {environment.describe()} (env id {environment.env_id})")

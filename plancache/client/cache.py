@@ -60,7 +60,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..environment import ENV_ID_PATTERN, Environment
-from ..errors import VerificationError
+from ..errors import Reason, VerificationError
 from ..files import atomic_write
 from ..protocol import GRAPH_KEY_PATTERN, PlanRecord
 from ..validation import validation_message
@@ -239,7 +239,7 @@ class DiskCache:
         try:
             record = PlanRecord.model_validate_json(text)
         except ValidationError as exc:
-            raise VerificationError("malformed", f"cached record {graph_key[:12]} does not parse: "
+            raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} does not parse: "
                                                  f"{validation_message(exc.errors(), 1)}") from None
         blob_path = self._blob_path(record.blob_sha256)
         try:

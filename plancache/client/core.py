@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import SPEC_SCHEMA_VERSION
 from ..canonical import canonical_json
-from ..errors import PlanCacheError, PlanMiss, ServerUnavailable, VerificationError
-from ..verify import NO_TRUSTED_KEYS, verify_blob
+from ..errors import PlanCacheError, PlanMiss, Reason, ServerUnavailable, VerificationError
+from ..verify import verify_blob
 from .backend import Backend, BuiltPlanLike
 from .plan import Plan
 
@@ -138,7 +138,7 @@ class Pending:
     graph: Any  # the caller's pygraph, or None
     trail: list[str] = field(default_factory=list)  # why each step passed it on, for PlanMiss
     record: PlanRecord | None = None  # an authentic tuned record whose blob could not be used
-    refused: str | None = None  # the reason of the last refusal of a blob for it
+    refused: Reason | None = None  # the reason of the last refusal of a blob for it
 
     def note(self, step: str, what: str) -> None:
         self.trail.append(f"{step}: {what}")
@@ -165,7 +165,7 @@ class Step(ABC):
         c = self.cache
         return Plan(p.spec, p.key, built, c._backend, source=str(self.name), lock=c._handle_lock)
 
-    def reject(self, p: Pending, reason: str, message: str) -> None:
+    def reject(self, p: Pending, reason: Reason, message: str) -> None:
         """Count, note and log a refused blob."""
         _bump(self.cache._stats.rejects, reason)
         p.refused = reason
@@ -192,7 +192,7 @@ class Step(ABC):
         try:
             built = c._deserialize(p, record, blob)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
-            self.reject(p, "deserialize", f"{type(exc).__name__}: {exc}")
+            self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
             self.learn(p, record)
             return None
         finally:
@@ -262,7 +262,7 @@ class DiskStep(Step):
                 found[p] = plan
                 if revalidator.due(p.key):
                     due.append(p.key)
-            elif p.refused != NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
+            elif p.refused != Reason.NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
                 disk.discard(p.key, record.blob_sha256)
         revalidator.schedule(due)  # in the background, after this load
         return found
@@ -360,7 +360,7 @@ class ServerStep(Step):
         try:
             blob = b64decode(answer.blob_b64)
         except ValueError as exc:
-            self.reject(p, "malformed", str(exc))
+            self.reject(p, Reason.MALFORMED, str(exc))
             self.learn(p, answer.record)
             return None
         _bump(self.cache._stats.blob_sources, "inline")

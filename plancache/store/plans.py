@@ -187,7 +187,7 @@ class Plans(Misses):
         withdrawal's)."""
         w, env = withdrawal, withdrawal.environment
         if w.envelope is None:
-            raise errors.SignatureError("unsigned", f"the withdrawal of plan {w.graph_key} is unsigned: sign it with "
+            raise errors.SignatureError(errors.Reason.UNSIGNED, f"the withdrawal of plan {w.graph_key} is unsigned: sign it with "
                                                     "the key clients trust (`plancache plans withdraw` does)")
         where = (withdrawals.c.graph_key == w.graph_key, *same_env(withdrawals, env))
         with self.db.write() as conn:

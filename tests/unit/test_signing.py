@@ -262,3 +262,20 @@ def test_a_plan_statement_is_no_withdrawal_and_a_withdrawal_no_plan(signer):
     with pytest.raises(SignatureError) as err:
         trusted(new_signer()).verify_withdrawal(w, what="withdrawal")
     assert err.value.reason == "unknown_signer"
+
+
+def test_verification_reasons_are_one_enum():
+    """Every refusal names a :class:`~plancache.errors.Reason`; a reason outside it is a programming error caught at
+    once, and a reason still reads (and counts, and serializes) as its plain string."""
+    import json
+
+    from plancache.errors import Reason, SignatureError, VerificationError
+    from plancache.verify import REASONS
+
+    assert set(REASONS) == set(Reason) - {Reason.BAD_KEY}
+    err = SignatureError(Reason.UNKNOWN_SIGNER, "signed by someone else")
+    assert err.reason is Reason.UNKNOWN_SIGNER and err.reason == "unknown_signer"
+    assert json.dumps({err.reason: 1}) == '{"unknown_signer": 1}'
+    assert VerificationError("sha256", "m").reason is Reason.SHA256  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not_a_reason"):
+        VerificationError("not_a_reason", "m")  # type: ignore[arg-type]
