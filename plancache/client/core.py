@@ -139,6 +139,7 @@ class Pending:
     trail: list[str] = field(default_factory=list)  # why each step passed it on, for PlanMiss
     record: PlanRecord | None = None  # an authentic tuned record whose blob could not be used
     refused: Reason | None = None  # the reason of the last refusal of a blob for it
+    warm: bool = False  # a warm load (PlanCache.warm): a verified blob is kept for the graph to come, not loaded
 
     def note(self, step: str, what: str) -> None:
         self.trail.append(f"{step}: {what}")
@@ -179,7 +180,8 @@ class Step(ABC):
             p.record = record
 
     def admit(self, p: Pending, record: PlanRecord, blob: bytes) -> Plan | None:
-        """Verify, then deserialize; None when refused (counted, and an authentic record is learned)."""
+        """Verify, then deserialize (a warm load: keep, see :class:`Kept`); None when refused (counted, and an
+        authentic record is learned)."""
         c = self.cache
         try:
             c._verify(record, blob, p.key)
@@ -190,7 +192,7 @@ class Step(ABC):
             return None
         t0 = time.perf_counter()
         try:
-            built = c._deserialize(p, record, blob)
+            built = Kept(record) if p.warm else c._deserialize(p, record, blob)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
             self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
             self.learn(p, record)
@@ -203,8 +205,23 @@ class Step(ABC):
         return self.wrap(p, built)
 
 
+class Kept:
+    """What a warm load (:meth:`PlanCache.warm`) admits in place of a loaded plan: its verified blob waits in the
+    cache for the caller's graph that will load it (:class:`MemoryStep`). Never memoized nor returned, never run."""
+
+    def __init__(self, record: PlanRecord) -> None:
+        self.workspace_size = record.workspace_bytes
+        self.engine_id: int | None = record.engine_id
+        self.knobs = dict(record.knobs)
+        self.plan_name = record.plan_name
+
+    def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
+        raise RuntimeError("a warm load is kept for the graph that will load it; it has no plan to run")
+
+
 class MemoryStep(Step):
-    """Plans this cache already loaded; for a caller's graph, the blob admitted earlier, loaded into it."""
+    """Plans this cache already loaded; otherwise the blob admitted earlier (by a caller's graph or a warm load),
+    loaded into the caller's graph or a new one."""
 
     name = StepName.MEMORY
     builds = Builds.NOTHING
@@ -214,9 +231,8 @@ class MemoryStep(Step):
         c = self.cache
         found: dict[Pending, Plan] = {}
         for p in batch:
-            if p.graph is None:
-                if (plan := c._memory.get(p.key)) is not None:
-                    found[p] = plan
+            if p.graph is None and (plan := c._memory.get(p.key)) is not None:
+                found[p] = plan
             elif (held := c._verified.get(p.key)) is not None:
                 found[p] = self.wrap(p, c._deserialize(p, *held))
         return found
@@ -757,6 +773,22 @@ class PlanCache:
                            f"{self.environment.describe()} ({self.mode} mode): {names}")
         return {p.key: r for p, r in zip(batch, results) if isinstance(r, Plan)}
 
+    def warm(self, specs: Iterable[SpecLike]) -> list[str]:
+        """Fetch and verify the tuned plans of graphs still to be built (specs, not pygraphs), without loading them:
+        the disk cache first, then one resolve round trip for the rest (blobs inline or from where its answer says),
+        within ``request_deadline`` and in this host's turn to fetch, like any load. Each verified blob is kept for
+        the caller's graph that asks for it later (:meth:`build`, :meth:`serve`), which loads it with no further
+        round trip and one deserialization. Builds nothing and never raises :class:`PlanMiss`: a graph without a
+        verified plan takes the whole ladder when it is built. Returns the graph keys of ``specs`` kept (also those
+        kept before)."""
+        from ..spec import graph_key, parse_spec
+
+        wanted = {graph_key(s): s for s in map(parse_spec, specs)}
+        batch = [Pending(key, spec, None, warm=True) for key, spec in wanted.items() if key not in self._verified]
+        if batch:
+            self._load_many(batch, frozenset({Builds.NOTHING}))
+        return [key for key in wanted if key in self._verified]
+
     def serve(self, graph: Any, spec: GraphSpec) -> Plan | None:
         """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its
         ``spec`` read before lowering and its auto-assigned uids already canonical): the ladder without local
@@ -831,7 +863,7 @@ class PlanCache:
                         break
                     name, found = str(step.name), step.resolve(left)
                     for p, plan in found.items():
-                        if p.graph is None:  # a plan in a caller's own graph is that caller's alone
+                        if p.graph is None and not p.warm:  # a plan in a caller's own graph is that caller's alone
                             self._memory[p.key] = plan
                         _bump(self._stats.hits, name)
                     plans.update(found)
