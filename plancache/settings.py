@@ -168,6 +168,7 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):
     cache_max_bytes: int = 2 * 1024 * 1024 * 1024  # disk cache size cap, LRU eviction; 0: no cap
     cache_max_age_days: float = 30.0  # other environments' cache folders unused this long are dropped; 0: never
     capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
+    warm: Path | None = None  # the hook fetches the plans of every graph of this capture file at install
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
 
