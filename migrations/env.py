@@ -11,7 +11,7 @@ from typing import Any
 
 from alembic import context
 
-from plancache.settings import get_settings
+from plancache.settings import StoreSettings
 from plancache.store.db import make_engine
 from plancache.store.models import UTCDateTime, metadata
 
@@ -43,7 +43,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url") or get_settings().database_url)
+    engine = make_engine(config.get_main_option("sqlalchemy.url") or StoreSettings().database_url)
     try:
         with engine.connect() as conn:
             conn.execution_options(plancache_write=True)

@@ -38,7 +38,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
-from .settings import get_settings
+from .settings import ConnectionSettings
 from .validation import validation_message
 
 log = logging.getLogger("plancache.http")
@@ -252,7 +252,7 @@ class HttpClient:
                  stop: threading.Event | None = None, transport: httpx.BaseTransport | None = None) -> None:
         self.server_url = check_url(server_url)
         if connect_timeout is None or read_timeout is None:
-            settings = get_settings()
+            settings = ConnectionSettings()
             connect_timeout = settings.connect_timeout if connect_timeout is None else connect_timeout
             read_timeout = settings.read_timeout if read_timeout is None else read_timeout
         if connect_timeout <= 0 or read_timeout <= 0:

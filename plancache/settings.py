@@ -10,16 +10,20 @@ Sections (one concern each):
 - :class:`AdminTokenSettings`: ``ADMIN_TOKEN``; the server accepts it, admin commands send it.
 - :class:`ConnectionSettings`: how to reach a server (``SERVER_URL``, ``TOKEN``, ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``).
 - :class:`CacheSettings`: ``CACHE_DIR`` (the client's plan cache, the worker's upload spool).
+- :class:`BlobLimitSettings`: ``MAX_BLOB_BYTES``, the largest plan blob: the server takes none larger, the client
+  reads none larger.
 - :class:`SigningSettings`: ``SIGNING_KEY`` (worker, ``tune``, ``bundle export``).
 - :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``).
 
 Roles (what one kind of process reads):
 
-- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + the limits of the HTTP service.
+- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + BlobLimit + the limits of the
+  HTTP service.
 - :class:`WorkerSettings` (``plancache worker``, ``tune``): Connection + Cache + Signing.
-- :class:`ClientSettings` (the client library): Connection + Cache + Trust + the client's own knobs.
+- :class:`ClientSettings` (the client library, ``PlanCache``): Connection + Cache + Trust + BlobLimit + the client's
+  own knobs.
 - :class:`AdminSettings` (``enqueue``, ``tune --server``): Connection + AdminToken.
-- :class:`Settings`: every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
+- :class:`Settings`: every knob of every role, for code that documents or tests them all.
 
 A new setting goes into the section of the role that reads it (every class that includes that section gets it).
 """
@@ -87,11 +91,16 @@ class AdminTokenSettings(_Section):
         return value
 
 
-class ServerSettings(StoreSettings, AdminTokenSettings):
+class BlobLimitSettings(_Section):
+    """The largest plan blob: the server refuses larger uploads, the client never reads a larger download."""
+
+    max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+
+
+class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
     """``plancache serve`` and :func:`plancache.server.create_app`."""
 
     open_reads: bool = False
-    max_blob_bytes: int = 64 * 1024 * 1024
     max_request_bytes: int = 96 * 1024 * 1024
     max_resolve_keys: int = 1000
     lease_seconds: float = 120.0
@@ -159,7 +168,7 @@ class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
     job_timeout: float = Field(default=DEFAULT_JOB_TIMEOUT, gt=0, le=7 * 86400)  # seconds of wall clock per job
 
 
-class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings):
+class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimitSettings):
     """The client library (:class:`plancache.client.PlanCache`)."""
 
     insecure_allow_unsigned: bool = False  # without trusted keys, admit plans checked by digest alone (normal mode)
@@ -178,10 +187,6 @@ class AdminSettings(ConnectionSettings, AdminTokenSettings):
 
 
 class Settings(ServerSettings, WorkerSettings, ClientSettings, AdminSettings):
-    """Every knob of every role, for code that takes them all (the server app, ``ClientConfig``, tests).
-    Add a new setting to its role's section above, not here."""
+    """Every knob of every role, for code that documents or tests them all. Add a new setting to its role's section
+    above, not here."""
 
-
-def get_settings() -> Settings:
-    """Read every setting now (never cached at import time)."""
-    return Settings()

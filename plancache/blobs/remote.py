@@ -8,11 +8,11 @@ import httpx
 
 from ..errors import IntegrityError, ServerUnavailable
 from ..http import check_url, error_from_response, tls_verification
-from ..settings import ServerSettings
+from ..settings import BlobLimitSettings
 from .base import CHUNK_BYTES, BlobReader, BlobStream, check_name
 
 #: The largest blob read by default: the most a server accepts.
-DEFAULT_MAX_BYTES: int = ServerSettings.model_fields["max_blob_bytes"].default
+DEFAULT_MAX_BYTES: int = BlobLimitSettings.model_fields["max_blob_bytes"].default
 
 
 class HttpBlobs(BlobReader):

@@ -74,7 +74,7 @@ def serve(
     try:
         with open_database(settings.database_url, create=True, settings=settings) as store:
             try:
-                app = create_app(settings, store=store)  # type: ignore[arg-type]  # the server reads its role's settings
+                app = create_app(settings, store=store)
             except ValueError as exc:  # a limit out of range: the message names its variable
                 raise Failure(str(exc), "fix or unset that variable (README, Configuration)", ExitCode.CONFIG) from None
             where = store.db.url.render_as_string(hide_password=True)

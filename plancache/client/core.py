@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module 
 
     from ..environment import Environment
     from ..protocol import MissReason, PlanRecord, ResolvedPlan
-    from ..settings import Settings
+    from ..settings import ClientSettings
     from ..signing import TrustedKeys
     from ..spec import GraphSpec
     from .cache import FetchLock
@@ -568,7 +568,7 @@ class ClientConfig:
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
-    settings: Settings | None = None
+    settings: ClientSettings | None = None
     transport: httpx.BaseTransport | None = None
     steps: tuple[StepFactory, ...] = LADDER
 
@@ -644,7 +644,7 @@ class PlanCache:
 
     def __init__(self, config: ClientConfig | str | None = None, /, **options: Any) -> None:
         from ..http import CircuitBreaker, HttpClient
-        from ..settings import get_settings
+        from ..settings import ClientSettings
         from .cache import DiskCache
         from .remote import Remote
         from .revalidate import Revalidator
@@ -654,7 +654,7 @@ class PlanCache:
         elif options:
             config = replace(config, **options)
         self.config = config
-        settings = config.settings or get_settings()
+        settings = config.settings or ClientSettings()  # the client's variables only
         self.mode: Mode = config.mode
         backend = config.backend
         if backend is None:

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from .. import __version__
-from ..settings import Settings, get_settings
+from ..settings import ServerSettings
 from ..store import Store, open_store
 from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
@@ -30,7 +30,7 @@ workers claim tuning jobs and upload plans; admins enqueue tuning. Authenticate 
 `Authorization: Bearer <token>`. Every error is `{"error": {"code", "message"}}`."""
 
 
-def _check(settings: Settings) -> None:
+def _check(settings: ServerSettings) -> None:
     for name in ("max_blob_bytes", "max_request_bytes", "max_resolve_keys", "lease_seconds", "max_json_bytes",
                  "max_inflight_bytes", "body_parse_threads", "header_timeout", "body_timeout", "body_min_rate",
                  "keep_alive_timeout"):
@@ -60,10 +60,10 @@ def prepare_process() -> None:
         sys.setswitchinterval(SWITCH_INTERVAL)
 
 
-def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
+def create_app(settings: ServerSettings | None = None, *, store: Store | None = None) -> FastAPI:
     """A new app. Its lifespan opens the store at ``settings.database_url`` (migrating it to head) and closes
     it at shutdown, unless ``store`` is given: then that store is used and left open for its owner."""
-    settings = settings or get_settings()
+    settings = settings or ServerSettings()  # the server's variables only
     _check(settings)
 
     @asynccontextmanager

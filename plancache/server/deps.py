@@ -8,13 +8,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..settings import Settings
+from ..settings import ServerSettings
 from ..store import Store
 from .metrics import Metrics
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
+async def get_settings(request: Request) -> ServerSettings:
+    settings: ServerSettings = request.app.state.settings
     return settings
 
 
@@ -30,6 +30,6 @@ async def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+SettingsDep = Annotated[ServerSettings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 
 from ..errors import Forbidden, LeaseLost, PayloadTooLarge
 from ..protocol import PlanRecord, PlanUpload
-from ..settings import Settings
+from ..settings import ServerSettings
 from ..store import Store
 from .auth import Principal
 
@@ -17,16 +17,16 @@ def base64_size(n: int) -> int:
     return 4 * ((n + 2) // 3)
 
 
-def upload_body_limit(settings: Settings) -> int:
+def upload_body_limit(settings: ServerSettings) -> int:
     """The largest plan upload body read: a blob of ``max_blob_bytes`` as base64, plus ``max_json_bytes`` for its
     spec and as much again for its record (candidates and all), and never over ``max_request_bytes``. One that
     declares more is refused (413) before a byte of it is read."""
     return min(settings.max_request_bytes, base64_size(settings.max_blob_bytes) + 2 * settings.max_json_bytes)
 
 
-def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: Settings,
+def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: ServerSettings,
                   loc: tuple[str, ...] = ("body",)) -> bytes | None:
-    """The upload's blob, decoded and within ``Settings.max_blob_bytes`` (None when it was uploaded before with
+    """The upload's blob, decoded and within ``ServerSettings.max_blob_bytes`` (None when it was uploaded before with
     ``PUT /v1/blobs/{sha256}``: the store checks it is there); its spec (if sent) registered.
 
     ``replace`` needs an admin token (:class:`Forbidden`); a blob over the limit is :class:`PayloadTooLarge`

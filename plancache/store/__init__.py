@@ -13,7 +13,7 @@ from datetime import datetime
 
 from sqlalchemy.engine import Engine
 
-from ..settings import get_settings
+from ..settings import StoreSettings
 from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
 from .db import Database
@@ -36,9 +36,13 @@ class Store(SpecsAndBlobs, Plans, Jobs, Tokens, Explanations):
 
     def __init__(self, url: str, *, clock: Callable[[], datetime] | None = None, job_max_attempts: int | None = None,
                  blob_store: str | None = None) -> None:
-        self.blob_store = open_blob_store(get_settings().blob_store if blob_store is None else blob_store)
+        if blob_store is None or job_max_attempts is None:
+            settings = StoreSettings()
+            blob_store = settings.blob_store if blob_store is None else blob_store
+            job_max_attempts = settings.job_max_attempts if job_max_attempts is None else job_max_attempts
+        self.blob_store = open_blob_store(blob_store)
         self.db = Database(url, clock=clock)
-        self.job_max_attempts = get_settings().job_max_attempts if job_max_attempts is None else job_max_attempts
+        self.job_max_attempts = job_max_attempts
 
     @property
     def engine(self) -> Engine:

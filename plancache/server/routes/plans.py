@@ -26,7 +26,7 @@ from ...protocol import (
     ResolveRequest,
     ResolveResponse,
 )
-from ...settings import Settings
+from ...settings import ServerSettings
 from ...store import Store
 from ...store.blobs import ContentBlobs
 from ..auth import Admin, Reader, Worker
@@ -122,7 +122,7 @@ def _server_route(sha256: str) -> str:
     return BLOB_ROUTE.format(sha256=sha256)
 
 
-def _presigner(store: Store, settings: Settings) -> Callable[[str], str] | None:
+def _presigner(store: Store, settings: ServerSettings) -> Callable[[str], str] | None:
     """The presigned GET URL of a blob, when the blobs are in an object store and presigning is on; else None."""
     blobs = store.blob_store.content if isinstance(store.blob_store, ContentBlobs) else None
     if not settings.presign_blobs or not isinstance(blobs, ObjectStoreBlobs):
