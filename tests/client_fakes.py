@@ -3,6 +3,7 @@ rejected blob never reached ``deserialize``; and of hostile servers (:class:`Dri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
@@ -75,6 +76,7 @@ class RecordingBackend:
         self.streams_set: list[Any] = []
         self.stream = FakeStream(7)
         self._current: Any = None
+        self.on_device_now = False
 
     def environment(self) -> Environment:
         return self._env
@@ -121,6 +123,15 @@ class RecordingBackend:
         if stream is not self._current:
             self.streams_set.append(stream)
             self._current = stream
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """``on_device`` is True inside the block (the plan's launches must happen there)."""
+        self.on_device_now = True
+        try:
+            yield
+        finally:
+            self.on_device_now = False
 
 
 class DripServer:
