@@ -1,14 +1,21 @@
-"""The GPU environment fingerprint a plan is valid for, and its detection on this machine.
+"""The GPU environment fingerprint a plan is valid for, and its detection on a CUDA device of this machine.
 
 A plan is only valid on the same SM (compute capability), SM count, exact cuDNN backend
 version, CUDA driver version and cuDNN frontend version: these are the *validity* fields.
 Device name, CUDA runtime and torch version are kept for information only.
+
+A device is named by its ordinal among the devices this process sees, which ``CUDA_VISIBLE_DEVICES`` may
+renumber (with ``CUDA_VISIBLE_DEVICES=2,3`` ordinal 1 is the host's GPU 3); :func:`device_selector` gives the
+value that makes one of them the only device of a child process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from annotated_types import Ge, Le
@@ -79,15 +86,67 @@ def cuda_driver_version() -> int:
     return int(version.value)
 
 
+#: An entry of ``CUDA_VISIBLE_DEVICES`` that CUDA accepts: an ordinal, or a (prefix of a) GPU or MIG UUID.
+_VISIBLE_ENTRY = re.compile(r"^(?:\d+|GPU-[0-9A-Fa-f-]+|MIG-[0-9A-Za-z/-]+)$")
+
+
+def visible_devices(environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA uses, in ordinal order; None when it is not set (every
+    device is visible, in ``CUDA_DEVICE_ORDER``). As CUDA does, the list ends before the first entry that is not
+    an ordinal or a UUID (``-1``, a name) and before a repeated one."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    entries: list[str] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not _VISIBLE_ENTRY.match(entry) or entry in entries:
+            break
+        entries.append(str(int(entry)) if entry.isdigit() else entry)
+    return entries
+
+
+def device_selector(device: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value under which a child process sees ordinal ``device`` of this one as its
+    only device, ``cuda:0``: this process's own entry for it (an ordinal or UUID, kept as written), or the ordinal
+    itself when ``CUDA_VISIBLE_DEVICES`` is not set (the child inherits ``CUDA_DEVICE_ORDER``, so an ordinal means
+    the same device there). :class:`GpuUnavailable` when the variable hides that ordinal."""
+    if device < 0:
+        raise GpuUnavailable(f"CUDA device {device} does not exist: an ordinal is 0 or more")
+    entries = visible_devices(environ)
+    if entries is None:
+        return str(device)
+    if device >= len(entries):
+        raise GpuUnavailable(f"CUDA device {device} is not visible: CUDA_VISIBLE_DEVICES="
+                             f"{environ['CUDA_VISIBLE_DEVICES']!r} makes {len(entries)} device(s) visible")
+    return entries[device]
+
+
+def require_device(device: int) -> None:
+    """Raise :class:`GpuUnavailable` unless torch sees CUDA device ``device`` (an ordinal of this process)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GpuUnavailable("torch sees no CUDA device" + _visible_note())
+    count = torch.cuda.device_count()
+    if not 0 <= device < count:
+        raise GpuUnavailable(f"CUDA device {device} does not exist ({count} visible{_visible_note()})")
+
+
+def _visible_note() -> str:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if value is None else f"; CUDA_VISIBLE_DEVICES={value!r}"
+
+
 def detect(device: int = 0) -> Environment:
-    """Fingerprint CUDA device ``device`` of this process (needs torch and nvidia-cudnn-frontend)."""
+    """Fingerprint CUDA device ``device`` of this process (needs torch and nvidia-cudnn-frontend). Reads the
+    device's properties only: no CUDA context is created, on it or on any other device."""
     try:
         import cudnn
         import torch
     except ImportError as exc:
         raise GpuUnavailable(f"detecting the GPU environment needs torch and nvidia-cudnn-frontend: {exc}") from exc
-    if not torch.cuda.is_available():
-        raise GpuUnavailable("torch sees no CUDA device")
+    require_device(device)
     props = torch.cuda.get_device_properties(device)
     return Environment(
         sm=props.major * 10 + props.minor,

@@ -20,9 +20,10 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import pickle
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -51,8 +52,12 @@ class TimedOut(Generic[T]):
     seconds: float
 
 
-def _serve(conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
-    """A pool process: set up, say so, then run one task at a time until told to stop (None or a closed pipe)."""
+def _serve(conn: Connection, environ: dict[str, str], setup: bytes) -> None:
+    """A pool process: set ``environ``, then unpickle ``setup`` (the initializer and its arguments: their modules
+    are imported only now, under that environment), set up, say so, then run one task at a time until told to stop
+    (None or a closed pipe)."""
+    os.environ.update(environ)
+    initializer, initargs = pickle.loads(setup)
     if initializer is not None:
         initializer(*initargs)
     conn.send(_READY)
@@ -97,18 +102,22 @@ class _Process:
 
 class OrderedPool:
     """``processes`` spawned workers, each set up once by ``initializer(*initargs)``; started on first use.
-    ``task_timeout``: seconds a task may run before its process is killed (None: no limit)."""
+    ``task_timeout``: seconds a task may run before its process is killed (None: no limit). ``environ``: variables
+    each process sets before it imports anything of the initializer's or the tasks' (a library that reads one at
+    start-up, such as CUDA's ``CUDA_VISIBLE_DEVICES``, sees it), while this process's own environment is left
+    alone (changing it while other threads run is not safe)."""
 
     def __init__(self, processes: int, *, initializer: Callable[..., None] | None = None,
-                 initargs: tuple[Any, ...] = (), task_timeout: float | None = None) -> None:
+                 initargs: tuple[Any, ...] = (), task_timeout: float | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         if processes < 1:
             raise ValueError(f"an OrderedPool needs at least 1 process, got {processes}")
         if task_timeout is not None and not task_timeout > 0:
             raise ValueError(f"task_timeout must be positive seconds or None, got {task_timeout}")
         self.processes = processes
         self.task_timeout = task_timeout
-        self._initializer = initializer
-        self._initargs = initargs
+        self._setup = pickle.dumps((initializer, initargs))
+        self._environ = dict(environ or {})
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: collections.deque[_Task] = collections.deque()
@@ -183,7 +192,7 @@ class OrderedPool:
 
     def _spawn(self) -> _Process:
         ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(theirs, self._initializer, self._initargs), daemon=True)
+        process = self._context.Process(target=_serve, args=(theirs, self._environ, self._setup), daemon=True)
         process.start()
         theirs.close()
         return _Process(process, ours)

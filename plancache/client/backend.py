@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import GpuUnavailable
@@ -66,9 +67,16 @@ class Backend(Protocol):
         """Point :attr:`handle` at ``stream`` (a no-op when it already is)."""
         ...
 
+    def on_device(self) -> AbstractContextManager[Any]:
+        """:attr:`device` made the calling thread's current CUDA device inside the block (cuDNN launches on the
+        current device, whichever device the handle and stream belong to)."""
+        ...
+
 
 class GpuBackend:
-    """The real backend: :mod:`plancache.gpu` on CUDA device ``device``.
+    """The real backend: :mod:`plancache.gpu` on CUDA device ``device`` (an ordinal of this process). Its handle,
+    device properties, loads, builds and launches are all made on that device, never on the thread's current one,
+    so caches on several devices of one process stay apart.
 
     cuDNN's one-time start-up (the handle, then the device properties: 60-145 ms on an H200) runs on a thread
     started here, so it overlaps the client's first server round trip; the first use of :attr:`handle` waits
@@ -86,8 +94,8 @@ class GpuBackend:
         from ..environment import detect
 
         self._gpu, self._torch, self._cudnn = gpu, torch, cudnn
+        self._env = detect(device)  # GpuUnavailable for a device this process does not see
         self.device = torch.device("cuda", device)
-        self._env = detect(device)
         self._stream_id: int | None = None
         starter = ThreadPoolExecutor(1, thread_name_prefix="plancache-cudnn-start")
         self._native: Future[tuple[Any, Any]] = starter.submit(self._start)
@@ -97,7 +105,7 @@ class GpuBackend:
         """The cuDNN handle, and device properties (None where unavailable)."""
         handle = self._gpu.create_handle(self.device.index)
         try:  # deserializing through device properties skips the device warm-up (1.5-4x cheaper)
-            with self._torch.cuda.device(self.device):
+            with self.on_device():
                 return handle, self._cudnn.create_device_properties(self.device.index)
         except Exception as exc:  # noqa: BLE001 - only an optimisation; the handle path always works
             log.info("cudnn.create_device_properties unavailable (%s); deserializing through the handle", exc)
@@ -121,16 +129,16 @@ class GpuBackend:
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
                     plan_name: str, graph: Any = None) -> Any:
-        with self._torch.cuda.device(self.device):
+        with self.on_device():
             return self._gpu.deserialize_plan(spec, blob, self._handle_for(graph), engine_id=engine_id, knobs=knobs,
                                               plan_name=plan_name, device_property=self._device_property, graph=graph)
 
     def build_engine_config(self, spec: GraphSpec, engine_id: int, knobs: dict[str, int], *, graph: Any = None) -> Any:
-        with self._torch.cuda.device(self.device):
+        with self.on_device():
             return self._gpu.build_engine_config(spec, self._handle_for(graph), engine_id, knobs, graph=graph)
 
     def build_heuristic(self, spec: GraphSpec, kernel_cache: Any, *, graph: Any = None) -> Any:
-        with self._torch.cuda.device(self.device):
+        with self.on_device():
             return self._gpu.build_heuristic(spec, self._handle_for(graph), kernel_cache=kernel_cache, graph=graph)
 
     def prepare_graph(self, graph: Any, spec: GraphSpec) -> None:
@@ -141,6 +149,9 @@ class GpuBackend:
 
     def current_stream(self) -> Any:
         return self._torch.cuda.current_stream(self.device)
+
+    def on_device(self) -> AbstractContextManager[Any]:
+        return self._torch.cuda.device(self.device)
 
     def set_stream(self, stream: Any) -> None:
         sid = int(stream.cuda_stream)

@@ -211,7 +211,7 @@ class Plan:
             ws = self._workspaces.get(key)
             if ws is None:
                 ws = self._workspaces[key] = self._new_workspace(torch)
-        with self._lock:
+        with self._lock, self._backend.on_device():  # launched on the plan's device, whichever is current here
             self._backend.set_stream(run_on)
             self._built.execute(pack, ws, self._backend.handle)
 
@@ -231,7 +231,7 @@ class Plan:
         ws = self._check_workspace(workspace, torch) if workspace is not None else self._new_workspace(torch)
         device = self._backend.device
         handle = self._backend.handle
-        with torch.cuda.device(device), self._lock:
+        with self._backend.on_device(), self._lock:
             caller = self._backend.current_stream()
             side = torch.cuda.Stream(device=device)
             side.wait_stream(caller)

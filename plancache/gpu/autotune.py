@@ -23,7 +23,15 @@ from ..validation import MAX_ERROR
 from . import reference
 from .candidates import BuildPool, CandidateSet, build_in_process, list_candidates
 from .fegraph import graph_layouts
-from .runtime import canonical, check_memory, check_pack, deserialize_plan, expected_outputs, require_gpu
+from .runtime import (
+    canonical,
+    check_memory,
+    check_pack,
+    create_handle,
+    deserialize_plan,
+    expected_outputs,
+    require_gpu,
+)
 from .timing import median_ms
 
 #: Time budget for timing one candidate; slow candidates get fewer repeats (never fewer than 3).
@@ -94,7 +102,7 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
     env = detect(device)
     seed = int(time.time_ns() % 2**31) if seed is None else seed
     with torch.cuda.device(dev), contextlib.ExitStack() as cleanup:
-        handle = cudnn.create_handle()
+        handle = create_handle(device)
         cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
         ahead = builders.take(spec) if builders else None
         if ahead is None:

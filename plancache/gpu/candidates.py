@@ -24,11 +24,14 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..canonical import canonical_json
+from ..environment import device_selector
 from ..procpool import Crashed, OrderedPool, TimedOut
 from ..settings import DEFAULT_BUILD_TIMEOUT
 from ..spec import GraphSpec, parse_spec
-from .runtime import create_handle, plan_identity, prepare
+from .runtime import create_handle, plan_identity, prepare, require_gpu
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,12 @@ class BuiltCandidate:
     error: str | None = None
 
 
-def default_processes() -> int:
-    """Builder processes for this host: all cores but 4 (the timing process and the system), at least half of
-    them, at most :data:`MAX_DEFAULT_PROCESSES` (16 cores: 12); 0 (build in the tuning process) below 4 cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def default_processes(cores: int | None = None) -> int:
+    """Builder processes for ``cores`` CPU cores (default: those this process may run on): all but 4 (the timing
+    process and the system), at least half of them, at most :data:`MAX_DEFAULT_PROCESSES` (16 cores: 12); 0 (build
+    in the tuning process) below 4 cores. Workers sharing a host each size for their share of its cores."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 0 if cores < 4 else min(MAX_DEFAULT_PROCESSES, max(cores - 4, cores // 2))
 
 
@@ -120,12 +125,28 @@ def _document_key(spec: GraphSpec) -> tuple[str, str]:
 _state: dict[str, Any] = {}
 
 
-def _init_builder(device: int) -> None:
-    import cudnn
+def _init_builder(uuid: str) -> None:
+    """Set up a builder process, which sees one device, ``cuda:0`` (:func:`builder_environ`); it must be the
+    device of the tuning process (``uuid``), or this raises and the pool does not start."""
     import torch
 
-    torch.cuda.set_device(device)
-    _state.update(handle=cudnn.create_handle(), key=None, graph=None)
+    seen = str(torch.cuda.get_device_properties(0).uuid)
+    if torch.cuda.device_count() != 1 or seen != uuid:
+        raise RuntimeError(f"builder process pinned to the wrong device: it sees {torch.cuda.device_count()} "
+                           f"device(s), cuda:0 {seen}, not the tuning device {uuid} alone")
+    _state.update(handle=create_handle(0), key=None, graph=None)
+
+
+def builder_environ(device: int) -> dict[str, str]:
+    """The environment that pins a builder process to ordinal ``device`` of this process.
+
+    A builder is started with ``CUDA_VISIBLE_DEVICES`` naming that one device (:func:`~plancache.environment.
+    device_selector`: this process's own entry for it, so a renumbering by this process's ``CUDA_VISIBLE_DEVICES``
+    is followed), set before CUDA starts in it. Then no call in it, not FE's, cuDNN's or a library's reaching for
+    the current or first device, can touch another GPU, and no CUDA context is made on another: a stronger pin
+    than ``torch.cuda.set_device``, which moves only the calls that follow the current device. Its initializer
+    checks the device it sees by UUID."""
+    return {"CUDA_VISIBLE_DEVICES": device_selector(device)}
 
 
 def _build_task(task: tuple[str, str, int, tuple[int | None, tuple[tuple[str, int], ...]]]) -> BuiltCandidate:
@@ -151,12 +172,15 @@ def _build_task(task: tuple[str, str, int, tuple[int | None, tuple[tuple[str, in
 
 class BuildPool:
     """``processes`` builder processes on CUDA ``device``, started on first use and kept for later graphs; a build
-    may take ``build_timeout`` seconds before its process is killed (``PLANCACHE_BUILD_TIMEOUT``)."""
+    may take ``build_timeout`` seconds before its process is killed (``PLANCACHE_BUILD_TIMEOUT``). Each builder
+    sees that device alone (:func:`builder_environ`)."""
 
     def __init__(self, processes: int, *, device: int = 0, build_timeout: float = DEFAULT_BUILD_TIMEOUT) -> None:
         self.processes = processes
         self.device = device
-        self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(device,), task_timeout=build_timeout)
+        uuid = str(torch.cuda.get_device_properties(require_gpu(device)).uuid)
+        self._pool = OrderedPool(processes, initializer=_init_builder, initargs=(uuid,), task_timeout=build_timeout,
+                                 environ=builder_environ(device))
         self._pool.start()  # every builder sets up (CUDA, cuDNN handle) while the first graph is prepared
         self._ahead: dict[str, CandidateSet] = {}
         self._handle: Any = None

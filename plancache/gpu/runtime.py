@@ -14,7 +14,8 @@ from typing import Any
 import cudnn
 import torch
 
-from ..errors import DynamicShapesUnsupported, GpuUnavailable, InsufficientGpuMemory, TuningError
+from ..environment import require_device
+from ..errors import DynamicShapesUnsupported, InsufficientGpuMemory, TuningError
 from ..spec import GraphSpec, parse_spec
 from . import families, reference
 from .fegraph import decode, graph_layouts
@@ -29,15 +30,14 @@ MEMORY_HEADROOM_BYTES = 512 * 1024 * 1024
 
 
 def require_gpu(device: int = 0) -> torch.device:
-    if not torch.cuda.is_available():
-        raise GpuUnavailable("torch sees no CUDA device")
-    if device >= torch.cuda.device_count():
-        raise GpuUnavailable(f"CUDA device {device} does not exist ({torch.cuda.device_count()} visible)")
+    """``cuda:<device>``; :class:`GpuUnavailable` when this process sees no such device."""
+    require_device(device)
     return torch.device("cuda", device)
 
 
 def create_handle(device: int = 0) -> Any:
-    """A ``cudnn.Handle`` bound to ``device``.
+    """A ``cudnn.Handle`` bound to ``device`` (made the calling thread's current device while it is created: a
+    handle belongs to the device current at its creation).
 
     The first handle of a process pays cuDNN's one-time start-up (0.1 s alone on an H200, about 2 s when 16
     processes start at once) and FE's binding holds the GIL for all of it, so a thread creating it stops every
@@ -301,7 +301,7 @@ def verify_plan(spec: GraphSpec, blob: bytes, *, device: int = 0, seed: int = 12
     spec = canonical(spec)
     dev = require_gpu(device)
     with torch.cuda.device(dev):
-        handle = cudnn.create_handle()
+        handle = create_handle(device)
         plan = deserialize_plan(spec, blob, handle, graph=decode(spec, handle=handle))
         err, _ = run_and_check(plan, handle, dev, seed=seed)
     if not math.isfinite(err):

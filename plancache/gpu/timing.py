@@ -38,7 +38,8 @@ def median_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, bu
 def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, budget_s: float | None = 0.25,
                set_stream: SetStream | None = None, graph_below_ms: float = 0.5,
                best_ms: float | None = None) -> list[float]:
-    """Milliseconds of each timed ``run()`` on the current stream, bracketed by CUDA events.
+    """Milliseconds of each timed ``run()`` on the current stream of the current device, bracketed by CUDA events
+(every stream, event and synchronization here is on that device).
 
     With ``budget_s`` a slow ``run`` gets fewer repeats (never fewer than 3). With ``set_stream``
     (called with a stream id to point the caller's cuDNN handle at it; pass ``lambda s: None`` for
@@ -69,7 +70,7 @@ def timings_ms(run: Callable[[], None], *, warmup: int = 3, repeats: int = 20, b
         s.record(stream)
         run()
         e.record(stream)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(stream.device)
     return [s.elapsed_time(e) for s, e in events]
 
 
@@ -88,7 +89,7 @@ def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_strea
     warm-up replay, a first replay of :data:`REPLAY_GIVE_UP` times ``best_ms`` per run or more is the only one."""
     per = max(2, min(50, int(1.0 / max(first_ms, 1e-3))))
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(device=caller.device)
     side.wait_stream(caller)
     set_stream(side.cuda_stream)  # before capture: no cuDNN stream call happens while capturing
     try:
@@ -109,5 +110,5 @@ def _graph_timings(run: Callable[[], None], caller: torch.cuda.Stream, set_strea
         s.record(caller)
         graph.replay()
         e.record(caller)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(caller.device)
     return [s.elapsed_time(e) / per for s, e in events]
