@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from ..files import fsync_dir
 from .base import BlobStore, BlobStream, Data, checked, chunks, log, shard
 
 #: Opening a blob file: never through a symlink, never blocking on a FIFO planted under its name.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: A shard folder's name (``ab`` of ``ab/cd/<sha256>``), a blob file's, and a temporary file's: ``.<sha256>.*.tmp``,
+#: as :meth:`FolderBlobs.put` (and :func:`plancache.files.atomic_write`) name the file they write.
+_SHARD = re.compile(r"^[0-9a-f]{2}$")
+_BLOB_FILE = re.compile(r"^[0-9a-f]{64}$")
+_TEMPORARY = re.compile(r"^\.([0-9a-f]{64})\..+\.tmp$")
+
+
+class StoredFile(NamedTuple):
+    """A file of a blob folder: a blob's bytes, or a writer's temporary file; ``mtime`` its last modification."""
+
+    path: Path
+    sha256: str
+    size: int
+    temporary: bool
+    mtime: float
 
 
 class FolderBlobs(BlobStore):
@@ -23,9 +41,11 @@ class FolderBlobs(BlobStore):
     symlink, truncated or overwritten is never returned: :meth:`get` treats it as missing and logs it, a stream
     from :meth:`open` fails before its last chunk. :meth:`put` replaces such a file, even one of the right size."""
 
-    def __init__(self, root: Path, *, mode: int = 0o644) -> None:
-        """``mode``: the files' permissions (default readable by every replica sharing the folder)."""
-        root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: Path, *, mode: int = 0o644, create: bool = True) -> None:
+        """``mode``: the files' permissions (default readable by every replica sharing the folder). ``create``: make
+        ``root`` now; else the first :meth:`put` makes it (a reader of a folder never written creates nothing)."""
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
         self.root, self.url, self.mode = root, root.as_uri(), mode
 
     def path(self, sha256: str) -> Path:
@@ -70,9 +90,9 @@ class FolderBlobs(BlobStore):
             for _ in checked(sha256, chunks(data)):  # the caller's bytes are checked all the same
                 pass
             return
-        for folder in (path.parent.parent, path.parent):
+        for folder in (self.root, path.parent.parent, path.parent):
             if not folder.is_dir():
-                folder.mkdir(exist_ok=True)
+                folder.mkdir(parents=True, exist_ok=True)
                 fsync_dir(folder.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
@@ -90,3 +110,36 @@ class FolderBlobs(BlobStore):
 
     def delete(self, sha256: str) -> None:
         self.path(sha256).unlink(missing_ok=True)
+
+    def files(self) -> Iterator[StoredFile]:
+        """The blob files and writers' temporary files in ``root/ab/cd/``, as found (none when ``root`` is absent).
+        Nothing else is listed: another name, a file in the wrong shard, a symlink, a folder; nor a file renamed
+        into place or deleted between its folder's listing and its ``stat``."""
+        for first in _folders(self.root):
+            for second in _folders(first):
+                try:
+                    with os.scandir(second) as entries:
+                        found = list(entries)
+                except FileNotFoundError:
+                    continue
+                for entry in found:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    path = Path(entry.path)
+                    if _BLOB_FILE.match(entry.name) and entry.name[:4] == first.name + second.name:
+                        yield StoredFile(path, entry.name, st.st_size, False, st.st_mtime)
+                    elif (m := _TEMPORARY.match(entry.name)) is not None:
+                        yield StoredFile(path, m[1], st.st_size, True, st.st_mtime)
+
+
+def _folders(parent: Path) -> list[Path]:
+    """The shard folders (two hex digits, not symlinks) in ``parent``; none when it is absent."""
+    try:
+        with os.scandir(parent) as entries:
+            return [Path(e.path) for e in entries if _SHARD.match(e.name) and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []

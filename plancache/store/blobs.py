@@ -49,9 +49,6 @@ that meanwhile inserted a row for those bytes keeps them (:mod:`.retention`).
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import stat
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -62,6 +59,7 @@ from sqlalchemy.engine import Connection
 
 from ..blobs import BlobStore as ContentStore
 from ..blobs import BlobStream, FolderBlobs, blob_url_kind, open_blobs
+from ..blobs.folder import StoredFile
 from ..errors import BlobStoreMismatch, IntegrityError
 from .db import Database, lock_against_writers
 from .models import blobs, plans
@@ -158,22 +156,6 @@ class ContentBlobs(BlobStore):
         return self.content.open(sha256)
 
 
-#: A shard folder's name (``ab`` of ``ab/cd/<sha256>``), a blob file's, and a temporary file's: ``.<sha256>.*.tmp``,
-#: as :class:`plancache.blobs.FolderBlobs` (and :func:`plancache.files.atomic_write`) name the file they write.
-_SHARD = re.compile(r"^[0-9a-f]{2}$")
-_BLOB_FILE = re.compile(r"^[0-9a-f]{64}$")
-_TEMPORARY = re.compile(r"^\.([0-9a-f]{64})\..+\.tmp$")
-
-
-class StoredFile(NamedTuple):
-    """A file of a blob folder: a blob's bytes, or a writer's temporary file."""
-
-    path: Path
-    sha256: str
-    size: int
-    temporary: bool
-
-
 class FileBlobs(ContentBlobs):
     """Bytes in files ``root/ab/cd/<sha256>`` (:class:`plancache.blobs.FolderBlobs`)."""
 
@@ -183,29 +165,9 @@ class FileBlobs(ContentBlobs):
         self.root = root
 
     def files_older_than(self, cutoff: float) -> Iterator[StoredFile]:
-        """The blob files and temporary files in ``root/ab/cd/`` last modified before ``cutoff`` (seconds since the
-        epoch). Nothing else is listed: another name, a file in the wrong shard, a symlink, a folder."""
-        for first in _folders(self.root):
-            for second in _folders(first):
-                with os.scandir(second) as entries:
-                    for entry in entries:
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:  # renamed into place or deleted since the folder was listed
-                            continue
-                        if not stat.S_ISREG(st.st_mode) or st.st_mtime >= cutoff:
-                            continue
-                        path = Path(entry.path)
-                        if _BLOB_FILE.match(entry.name) and entry.name[:4] == first.name + second.name:
-                            yield StoredFile(path, entry.name, st.st_size, False)
-                        elif (m := _TEMPORARY.match(entry.name)) is not None:
-                            yield StoredFile(path, m[1], st.st_size, True)
-
-
-def _folders(parent: Path) -> list[Path]:
-    """The shard folders (two hex digits, not symlinks) in ``parent``."""
-    with os.scandir(parent) as entries:
-        return [Path(e.path) for e in entries if _SHARD.match(e.name) and e.is_dir(follow_symlinks=False)]
+        """The files of :meth:`plancache.blobs.FolderBlobs.files` last modified before ``cutoff`` (seconds since the
+        epoch)."""
+        return (f for f in self.folder.files() if f.mtime < cutoff)
 
 
 def check_blob_store_url(url: str) -> None:

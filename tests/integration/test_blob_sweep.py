@@ -148,7 +148,7 @@ def test_a_file_renamed_away_while_the_folder_is_listed_is_skipped(folder_store,
         def __exit__(self, *exc: Any) -> None:
             self.entries.__exit__(*exc)
 
-    monkeypatch.setattr("plancache.store.blobs.os.scandir", Listing)
+    monkeypatch.setattr("plancache.blobs.folder.os.scandir", Listing)
     report = gc(folder_store, grace=HOUR)
     assert report.temporaries_deleted == 1 and not stays.exists() and not gone.exists()
 

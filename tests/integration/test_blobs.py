@@ -214,6 +214,31 @@ def test_a_failed_rename_leaves_no_file(tmp_path, monkeypatch):
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
+def test_a_folder_opened_without_create_is_made_by_its_first_put(tmp_path):
+    root = tmp_path / "not" / "yet"
+    store = FolderBlobs(root, mode=0o600, create=False)
+    assert not root.exists() and store.get(sha(SMALL)) is None and list(store.files()) == []
+    store.put(sha(SMALL), SMALL)
+    assert store.get(sha(SMALL)) == SMALL and store.path(sha(SMALL)).stat().st_mode & 0o777 == 0o600
+
+
+def test_files_lists_blobs_and_temporaries_with_their_times_and_nothing_else(tmp_path):
+    store, digest = FolderBlobs(tmp_path / "blobs"), sha(SMALL)
+    store.put(digest, SMALL)
+    os.utime(store.path(digest), (1000.0, 1000.0))
+    shard = store.path(digest).parent
+    temporary = shard / f".{digest}.crashed.tmp"
+    temporary.write_bytes(b"half")
+    (shard / "notes.txt").write_bytes(b"keep")  # another name
+    (store.root / "00" / "00").mkdir(parents=True)
+    (store.root / "00" / "00" / digest).write_bytes(SMALL)  # the wrong shard
+    (shard / sha(LARGE)).symlink_to(store.path(digest))  # a symlink
+    listed = sorted(store.files(), key=lambda f: f.temporary)
+    assert [(f.path, f.sha256, f.size, f.temporary) for f in listed] == [
+        (store.path(digest), digest, len(SMALL), False), (temporary, digest, 4, True)]
+    assert listed[0].mtime == 1000.0
+
+
 # ------------------------------------------------------------------ memory
 
 
