@@ -16,6 +16,10 @@ Every route of the app uses :class:`CheckedRoute`. For a route that takes a body
    ``Settings.body_parse_threads`` at once, so the event loop keeps answering (``/healthz``) meanwhile.
    FastAPI then gets the validated model and does not validate it again.
 
+A raw blob upload (:data:`RAW_UPLOAD_ROUTES`) is not parsed: its handler streams the body into the blob store
+(:meth:`CheckedRequest.chunks`) under the same size limit (``Settings.max_blob_bytes``), deadline and budget,
+after its own checks of the token and the job.
+
 Strict JSON refuses what Python's ``json`` accepts but the store cannot keep or the wire models
 cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than
 :data:`MAX_INT_CHARS` characters (no field takes more than a 64-bit integer; refused before Python converts
@@ -32,7 +36,7 @@ import math
 import re
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, ClassVar
 
 import anyio
@@ -62,6 +66,10 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 MAX_INT_CHARS = 20
 #: Routes whose body carries a plan blob (base64) and so may be up to ``Settings.max_request_bytes``.
 UPLOAD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/complete")})
+#: Routes whose body is a blob's raw bytes, streamed by the handler (:meth:`CheckedRequest.chunks`), up to
+#: ``Settings.max_blob_bytes``. The in-flight budget counts such a body at its declared length: a folder or a bucket
+#: holds a chunk or a part of it at a time, the database store the whole blob once (the declared length bounds both).
+RAW_UPLOAD_ROUTES = frozenset({("PUT", "/v1/blobs/{sha256}")})
 #: Memory a body takes while its request runs, per byte of body, as the in-flight budget counts it: parsed JSON
 #: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text;
 #: an upload is its text, the base64 string, the decoded blob and the store's copies (4.4 times measured).
@@ -190,9 +198,14 @@ class CheckedRequest(Request):
     memory_factor: int = 1
     started: float = 0.0
     held_bytes: int = 0
+    admitted: bool = False
+    declared: int | None = None
 
     def _settings(self) -> Any:
         return self.app.state.settings
+
+    def _limit(self) -> int:
+        return self.body_limit if self.body_limit is not None else self._settings().max_request_bytes
 
     async def _take(self, n: int) -> None:
         """Count ``n`` more body bytes (times :attr:`memory_factor`) in the in-flight budget; a request can hold
@@ -210,39 +223,52 @@ class CheckedRequest(Request):
             budget.release(self.held_bytes)
         self.held_bytes = 0
 
-    async def body(self) -> bytes:
-        if not hasattr(self, "_body"):
-            settings = self._settings()
-            limit = self.body_limit if self.body_limit is not None else settings.max_request_bytes
-            started = self.started or time.monotonic()
+    async def admit(self) -> int | None:
+        """The declared ``Content-Length`` (None for a chunked body), once: over the body limit it is 413 before a
+        byte is read; else it is taken from the in-flight budget (waiting for room, else 503)."""
+        if not self.admitted:
+            limit = self._limit()
             declared_text = self.headers.get("content-length", "")
-            declared = None
             if declared_text.isdigit():  # h11 has checked it is one number; it may still have 16,000 digits
                 if len(declared_text) > 18 or int(declared_text) > limit:
                     raise _too_large(int(declared_text) if len(declared_text) <= 18 else limit + 1, limit,
                                      self.limit_reason)
-                declared = int(declared_text)
-                await self._take(declared)
+                self.declared = int(declared_text)
+                await self._take(self.declared)
+            self.admitted = True
+        return self.declared
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive, after :meth:`admit`: 413 once more than the body limit has come, 408
+        past the body's deadline; a chunked body is taken from the in-flight budget chunk by chunk."""
+        declared = await self.admit()
+        settings, limit = self._settings(), self._limit()
+        started = self.started or time.monotonic()
+        total = 0
+        stream = self.stream().__aiter__()
+        while True:
+            # the body's deadline: body_timeout, plus the time its bytes so far take at body_min_rate
+            left = started + settings.body_timeout + total / max(settings.body_min_rate, 1) - time.monotonic()
+            if left <= 0:
+                raise _too_slow(total, time.monotonic() - started)
+            try:
+                async with asyncio.timeout(left):
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _too_slow(total, time.monotonic() - started) from None
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(total, limit, self.limit_reason)
+            if declared is None:
+                await self._take(len(chunk))
+            yield chunk
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
             buffer = bytearray()  # grown in place: no whole-body copy on the event loop
-            total = 0
-            stream = self.stream().__aiter__()
-            while True:
-                # the body's deadline: body_timeout, plus the time its bytes so far take at body_min_rate
-                left = started + settings.body_timeout + total / max(settings.body_min_rate, 1) - time.monotonic()
-                if left <= 0:
-                    raise _too_slow(total, time.monotonic() - started)
-                try:
-                    async with asyncio.timeout(left):
-                        chunk = await stream.__anext__()
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise _too_slow(total, time.monotonic() - started) from None
-                total += len(chunk)
-                if total > limit:
-                    raise _too_large(total, limit, self.limit_reason)
-                if declared is None:
-                    await self._take(len(chunk))
+            async for chunk in self.chunks():
                 buffer += chunk
             self._body = buffer  # type: ignore[assignment]  # bytes-like: FastAPI and json.loads take a bytearray
         return self._body
@@ -325,24 +351,31 @@ class CheckedRoute(APIRoute):
         has_body = bool(body_params)
         role = _required_role(self.dependant)
         uploads = any((method, self.path_format) in UPLOAD_ROUTES for method in self.methods or ())
+        raw = any((method, self.path_format) in RAW_UPLOAD_ROUTES for method in self.methods or ())
 
         async def checked(request: Request) -> Response:
             if b"%00" in request.scope.get("query_string", b""):
                 raise HTTPException(422, "the query string may not contain NUL (%00)")
             req = CheckedRequest(request.scope, request.receive)
-            if not has_body:
+            if not has_body and not raw:
                 return await handler(req)
             settings = request.app.state.settings
             req.started = time.monotonic()
-            if uploads:
+            if raw:
+                req.body_limit = settings.max_blob_bytes
+                req.limit_reason = "PLANCACHE_MAX_BLOB_BYTES"  # counted at its length (memory_factor 1)
+            elif uploads:
                 req.body_limit = upload_body_limit(settings)
                 req.limit_reason = (f"a plan upload carries a blob of at most {settings.max_blob_bytes} bytes as "
                                     f"base64, and at most {2 * settings.max_json_bytes} bytes besides")
+                req.memory_factor = UPLOAD_MEMORY_FACTOR
             else:
                 req.body_limit = min(settings.max_json_bytes, settings.max_request_bytes)
                 req.limit_reason = "PLANCACHE_MAX_JSON_BYTES: the limit of every body but a plan upload's"
-            req.memory_factor = UPLOAD_MEMORY_FACTOR if uploads else JSON_MEMORY_FACTOR
+                req.memory_factor = JSON_MEMORY_FACTOR
             try:
+                if raw:  # the handler's dependencies check the token; it checks the job, then streams the body
+                    return await handler(req)
                 if role is not None:
                     store = await get_store(req)
                     await run_in_threadpool(authorize, req, store, settings, role[0], open_reads_apply=role[1])

@@ -35,6 +35,7 @@ _CODES_BY_STATUS = {
     405: "method_not_allowed",
     406: "not_acceptable",
     408: "request_timeout",
+    411: "length_required",
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "validation_error",

@@ -66,8 +66,29 @@ def test_size_limit_and_length_rules(store):
             yield b"x" * 10
 
         r = a.client.put(f"/v1/blobs/{sha(b'x' * 10)}", content=chunked(), headers=a.admin)
-        assert r.status_code == 411 and r.json()["error"]["code"]
+        assert r.status_code == 411 and r.json()["error"]["code"] == "length_required"
+        assert "Content-Length" in r.json()["error"]["message"] and a.store.blob_size(sha(b"x" * 10)) is None
         assert _put(a, b"x" * 1000, a.admin).status_code == 201
+        assert a.app.state.inflight.used == 0
+
+
+def test_an_upload_waits_for_room_in_the_in_flight_budget_then_gets_503(store):
+    """The blob's declared length is taken from the in-flight budget before its body is read (before: never
+    counted, so any number of uploads ran at once): with the budget full, 503 ``server_busy`` with Retry-After
+    after ``inflight_wait_seconds``, and nothing stored; with room, 201, and the bytes given back."""
+    from tests.server_util import open_api
+    data = b"y" * 4096
+    with open_api(store, max_inflight_bytes=10_000, inflight_wait_seconds=0.2) as a:
+        budget = a.app.state.inflight
+        assert budget.try_take(10_000 - 4095)  # one byte too few left
+        started = time.monotonic()
+        r = _put(a, data, a.admin)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_busy"
+        assert time.monotonic() - started >= 0.2  # it waited for room first
+        assert a.store.blob_size(sha(data)) is None
+        budget.release(1)
+        assert _put(a, data, a.admin).status_code == 201
+        assert budget.used == 10_000 - 4096  # the upload gave its bytes back
 
 
 def test_role_rules(api, gpu_env, make_spec):

@@ -8,18 +8,19 @@ may upload any blob; readers none. ``GET`` is :mod:`.plans`'s.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio.from_thread
 import anyio.to_thread
-from fastapi import APIRouter, Header, HTTPException, Path, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Path, Response
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import Forbidden, NotFound, PayloadTooLarge
+from ...errors import Forbidden, NotFound
 from ...protocol import SHA256_PATTERN
 from ..auth import Reader, Worker
-from ..bodies import CheckedRoute
-from ..deps import SettingsDep, StoreDep
+from ..bodies import CheckedRequest, CheckedRoute
+from ..deps import StoreDep
 from ..errors import documented_errors
 from .plans import BLOB_ROUTE
 
@@ -29,11 +30,11 @@ Sha256Path = Annotated[str, Path(pattern=SHA256_PATTERN)]
 
 
 class _Body:
-    """The request's body as a blocking binary stream, for a worker thread of anyio's (each read waits on the event
+    """A body's chunks as a blocking binary stream, for a worker thread of anyio's (each read waits on the event
     loop for the next chunk): the bytes go to the blob store as they arrive, never whole in memory."""
 
-    def __init__(self, request: Request) -> None:
-        self._chunks = request.stream().__aiter__()
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
         self._pending = b""
 
     async def _next(self) -> bytes:
@@ -57,8 +58,8 @@ class _Body:
                                                                                                  "format": "binary"}}}}},
             responses={200: {"description": "the blob was stored already"},
                        201: {"description": "the blob is stored"},
-                       **documented_errors(401, 403, 404, 409, 411, 413, 422, 503, 507)})
-async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settings: SettingsDep, principal: Worker,
+                       **documented_errors(401, 403, 404, 408, 409, 411, 413, 422, 503, 507)})
+async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep, principal: Worker,
                    x_plancache_job: Annotated[str | None, Header(description="the held job's id")] = None,
                    x_plancache_worker: Annotated[str | None, Header(description="the lease's worker id")] = None,
                    x_plancache_lease: Annotated[str | None, Header(description="the claim's lease token")] = None
@@ -66,8 +67,10 @@ async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settin
     """The body is the blob's bytes (``application/octet-stream``, with ``Content-Length``: 411 without), streamed
     into the blob store with its digest checked while it is written: 422 ``integrity_error`` when the bytes do not
     hash to ``sha256`` (nothing is stored). Over ``PLANCACHE_MAX_BLOB_BYTES`` is 413 from the declared length, before
-    the body is read. 201 when stored, 200 when it was there. A worker token needs the headers of a job it holds
-    (403 without them; 409 ``lease_lost`` or 403 ``not_lease_holder`` as heartbeat answers); an admin token none."""
+    the body is read; the body is read within the server's body deadline (408) and, at its declared length, the
+    in-flight budget (503 ``server_busy`` with ``Retry-After`` when it stays full). 201 when stored, 200 when it was
+    there. A worker token needs the headers of a job it holds (403 without them; 409 ``lease_lost`` or 403
+    ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
         job_id = int(x_plancache_job) if x_plancache_job and x_plancache_job.isdigit() and len(x_plancache_job) < 10 else 0
         if not job_id or not x_plancache_lease:
@@ -75,16 +78,13 @@ async def put_blob(sha256: Sha256Path, request: Request, store: StoreDep, settin
                             "job it holds (headers X-Plancache-Job: its id, X-Plancache-Worker, X-Plancache-Lease)")
         await run_in_threadpool(store.check_held, job_id, x_plancache_worker, x_plancache_lease,
                                 holder=principal.identity)
-    declared = request.headers.get("content-length", "")
-    if not declared.isdigit():
+    # A chunked body is refused rather than read with a running cap: the catalog row, its size included, is written
+    # before the bytes, and the size decides the 413 and the in-flight share before a byte is read. Every client
+    # knows a blob's size before sending it (plancache's sends Content-Length always).
+    content_length = await request.admit()  # 413 over the limit; waits for room in the budget, else 503
+    if content_length is None:
         raise HTTPException(411, "send the blob with a Content-Length header (its size in bytes)")
-    if len(declared) > 18:  # h11 checked it is a number; it may still have thousands of digits
-        declared = str(settings.max_blob_bytes + 1)
-    content_length = int(declared)
-    if content_length > settings.max_blob_bytes:
-        raise PayloadTooLarge(f"blob of {content_length} bytes exceeds the limit of {settings.max_blob_bytes} bytes "
-                              "(PLANCACHE_MAX_BLOB_BYTES)")
-    body: Any = _Body(request)
+    body: Any = _Body(request.chunks())
     created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body)
     return Response(status_code=201 if created else 200, headers={"ETag": f'"{sha256}"'})
 
