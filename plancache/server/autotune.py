@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from fastapi import Request
+
 from ..protocol import Job
 from ..settings import ServerSettings
 from ..store import Store
@@ -17,6 +19,12 @@ from ..store.autotune import AutotunePolicy, run_autotune
 from ..store.db import utcnow
 
 log = logging.getLogger("plancache.server")
+
+
+def autotune_policy(request: Request) -> AutotunePolicy | None:
+    """The app's autotune policy, or None when ``PLANCACHE_AUTOTUNE`` is off (for explaining misses)."""
+    policy: AutotunePolicy = request.app.state.autotuner.policy
+    return policy if request.app.state.settings.autotune else None
 
 
 def policy_from(settings: ServerSettings) -> AutotunePolicy:

@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from ..protocol import Job, Miss, PlanRecord
+from ..store.autotune import AutotunePolicy
 
 #: How much of each table the page reads and shows.
 PLANS_SHOWN = 500
@@ -32,7 +33,7 @@ class Status:
     generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
-def gather(store: Any) -> Status:
+def gather(store: Any, autotune: AutotunePolicy | None = None) -> Status:
     """Read the page's data: the newest plans, the most missed keys (with why each has no plan), recent jobs."""
     misses = store.list_misses(limit=MISSES_SHOWN)
     status = Status(store.list_plans(limit=PLANS_SHOWN), misses, store.list_jobs(limit=JOBS_SHOWN), store.job_counts())
@@ -40,7 +41,8 @@ def gather(store: Any) -> Status:
     for m in misses:
         by_env[m.env_id].append(m)
     for group in by_env.values():
-        for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group]).items():
+        for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group],
+                                                 autotune=autotune).items():
             status.miss_reasons[key] = reason.message
     return status
 

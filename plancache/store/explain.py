@@ -1,8 +1,9 @@
-"""Why graph keys have no plan on an environment: a withdrawal, registration, the newest job for it, plans elsewhere."""
+"""Why graph keys have no plan on an environment: a withdrawal, registration, the newest job for it, plans elsewhere,
+and for a registered key never queued, what the autotune policy will do about it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -11,8 +12,11 @@ from ..protocol import MissReason, Withdrawal, WithdrawalRecord
 from .db import Database
 from .environments import same_env
 from .jobs import row_to_job
-from .models import jobs, plans, specs, withdrawals
+from .models import jobs, misses, plans, specs, withdrawals, worker_environments
 from .plans import row_to_withdrawal
+
+if TYPE_CHECKING:
+    from .autotune import AutotunePolicy
 
 #: Job errors are quoted in a reason up to this many characters.
 ERROR_CHARS = 300
@@ -21,13 +25,21 @@ ERROR_CHARS = 300
 class Explanations:
     db: Database
 
-    def explain_misses(self, env: Environment, graph_keys: list[str]) -> dict[str, MissReason]:
-        """A :class:`~plancache.protocol.MissReason` for each distinct key: four queries whatever the count."""
+    def explain_misses(self, env: Environment, graph_keys: list[str], *,
+                       autotune: AutotunePolicy | None = None) -> dict[str, MissReason]:
+        """A :class:`~plancache.protocol.MissReason` for each distinct key: six queries whatever the count.
+        ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it)."""
         keys = list(dict.fromkeys(graph_keys))
         if not keys:
             return {}
         validity = env.validity()
         with self.db.read() as conn:
+            counts = dict(conn.execute(sa.select(misses.c.graph_key, misses.c.count).where(
+                misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id)).tuples().all())
+            served_at = conn.execute(sa.select(worker_environments.c.last_claim_at).where(
+                worker_environments.c.env_id == env.env_id)).scalar()
+            served = served_at is not None and autotune is not None and \
+                served_at >= self.db.now(conn) - autotune.worker_window
             registered = set(conn.execute(sa.select(specs.c.graph_key).where(specs.c.graph_key.in_(keys))).scalars())
             newest: dict[str, Any] = {}
             for row in conn.execute(sa.select(jobs).where(jobs.c.graph_key.in_(keys)).order_by(jobs.c.id.desc())):
@@ -41,12 +53,31 @@ class Explanations:
                 elsewhere.setdefault(m["graph_key"], []).append([f for f in VALIDITY_FIELDS if m[f] != validity[f]])
             withdrawn = {row.graph_key: row_to_withdrawal(row) for row in conn.execute(
                 sa.select(withdrawals).where(withdrawals.c.graph_key.in_(keys), *same_env(withdrawals, env)))}
-        return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k))
+        queueing = {k: _not_queued(env, counts.get(k, 0), autotune, served) for k in keys}
+        return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k])
                 for k in keys}
 
 
+def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, served: bool) -> str:
+    """Why a registered key with no job on ``env`` is not queued, and what will queue it."""
+    here = env.describe()
+    by_hand = "an admin enqueues it (POST /v1/admin/tune/misses, plancache enqueue)"
+    times = f"missed {missed} time{'s' if missed != 1 else ''} on {here}"
+    if autotune is None:
+        return f"the spec is registered but was never queued for tuning on {here} (autotune is off): {by_hand}"
+    if not served:
+        hours = autotune.worker_window.total_seconds() / 3600
+        return (f"the spec is registered, {times}; no worker claimed jobs for this environment in the last "
+                f"{hours:g} h, so autotune does not queue it: start a worker on this GPU, or {by_hand}")
+    if missed < autotune.min_misses:
+        return (f"the spec is registered, {times}; autotune queues it at {autotune.min_misses} misses "
+                f"(PLANCACHE_AUTOTUNE_MIN_MISSES), or {by_hand}")
+    return (f"the spec is registered, {times}; autotune queues it at its next step, within "
+            f"{autotune.jobs_per_hour} automatic jobs per hour for this environment (most-missed first)")
+
+
 def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, env: Environment,
-            withdrawal: WithdrawalRecord | None) -> MissReason:
+            withdrawal: WithdrawalRecord | None, not_queued: str) -> MissReason:
     here = env.describe()
     nearest = min(elsewhere, key=len) if elsewhere else None
     if nearest is not None and not nearest:
@@ -72,7 +103,6 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
                           message=f"tuned only for other environments; the nearest differs in {', '.join(nearest)} "
                                   f"(this one has {fields}): enqueue it for this environment")
     if registered:
-        return MissReason(reason="not_queued", message="the spec is registered but was never queued for tuning on "
-                                                       f"{here}: an admin enqueues it (POST /v1/admin/tune/misses)")
+        return MissReason(reason="not_queued", message=not_queued)
     return MissReason(reason="not_registered", message="the server has never seen this graph's spec: a client that "
                                                        "misses it registers it (a reader token may POST /v1/specs)")

@@ -53,6 +53,32 @@ def test_each_reason(store, make_spec, make_plan, gpu_env):
     assert store.explain_misses(gpu_env, []) == {}
 
 
+def test_a_registered_key_never_queued_says_what_autotune_will_do(store, make_spec, gpu_env):
+    """With the server's autotune policy, ``not_queued`` says how many times the key missed here, and whether
+    autotune will queue it (at how many misses, or at its next step) or cannot (no worker serves this GPU)."""
+    from datetime import timedelta
+
+    from plancache.store.autotune import AutotunePolicy
+
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    policy = AutotunePolicy(min_misses=3, jobs_per_hour=20, worker_window=timedelta(hours=2))
+
+    def message() -> str:
+        reason = store.explain_misses(gpu_env, [key], autotune=policy)[key]
+        assert reason.reason == "not_queued"
+        return reason.message
+
+    assert "autotune is off" in store.explain_misses(gpu_env, [key])[key].message
+    store.record_misses(gpu_env, [key])
+    assert "missed 1 time on" in message() and "no worker claimed jobs for this environment in the last 2 h" in message()
+    assert store.claim(gpu_env, "w1", lease_seconds=60) is None  # a worker polls for this GPU: it serves it now
+    assert "autotune queues it at 3 misses (PLANCACHE_AUTOTUNE_MIN_MISSES)" in message()
+    store.record_misses(gpu_env, [key])
+    store.record_misses(gpu_env, [key])
+    assert "missed 3 times" in message() and "autotune queues it at its next step" in message()
+
+
 def test_the_route_answers_reasons_and_records_nothing(api, make_spec, make_plan, gpu_env):  # noqa: F811
     keys = seed(api.store, make_spec, make_plan, gpu_env, other(gpu_env))
     body = {"environment": json.loads(gpu_env.model_dump_json()), "graph_keys": [keys["unknown"], keys["failed"]]}

@@ -47,7 +47,8 @@ def test_the_page_shows_coverage_misses_with_reasons_jobs_and_gains(store, make_
                     "Tuned versus heuristic"):
         assert heading in page
     assert gpu_env.describe() in page and "2 / 6" in page  # 2 graphs planned of 6 planned or missed
-    assert "the spec is registered but was never queued" in page and "never seen this graph&#x27;s spec" in page
+    assert "the spec is registered, missed 1 time on" in page and "autotune queues it at 3 misses" in page
+    assert "never seen this graph&#x27;s spec" in page
     assert "queued for tuning (job" in page  # the reasons of POST /v1/plans/explain
     assert "attempts): no candidate passed &lt;script&gt;" in page  # stored text is escaped
     assert "2.00x" in page and "3.00x" in page  # heuristic / tuned
