@@ -4,6 +4,7 @@
 
     import plancache.torch
     cache = plancache.torch.install()      # or install(PlanCache(...)); uninstall() undoes it
+    plancache.torch.install(warm="capture.json")  # warm start: every captured graph's plan fetched now, in one request
 
 Installs :mod:`plancache.client.hook` (every ``cudnn.pygraph`` build of the process: ``cudnn.sdpa_torch`` and
 ``torch.ops.cudnn.sdpa_fwd``/``sdpa_bwd``, ``cudnn.ops.norm``, ``cudnn.Graph``, ``@cudnn.jit``, ``g.build()``) and,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .client import hook
@@ -47,15 +49,19 @@ def sdpa_route() -> str:
     return "overrides"
 
 
-def install(cache: PlanCache | None = None, *, sdpa_provider: bool = True) -> PlanCache:
+def install(cache: PlanCache | None = None, *, sdpa_provider: bool = True, warm: hook.WarmSource | None = None,
+            warm_vary: Mapping[str, Sequence[int]] | None = None) -> PlanCache:
     """Serve every cuDNN FE build of this process from ``cache`` (default ``PlanCache()`` from the
     ``PLANCACHE_*`` settings) and, with ``sdpa_provider``, route PyTorch's cuDNN SDPA backend through FE's ops.
-    Returns the cache."""
+    ``warm`` (default ``PLANCACHE_WARM``) and ``warm_vary``: a warm start (:func:`plancache.client.hook.install`):
+    the plans of the graphs of a capture file (or of specs), and of their variants along shape axes, fetched and
+    verified in the background now, so each graph is served with no further request when it is built. Returns the
+    cache."""
     global _route, _overrides
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
 
-    hook.install(cache)
+    hook.install(cache, warm=warm, warm_vary=warm_vary)
     with _lock:
         if sdpa_provider and _route is None:
             _route, _overrides = _install_provider()

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,6 +96,23 @@ def parse_capture(doc: Any) -> list[tuple[GraphSpec, int]]:
                             "(the file was edited, or written by another plancache version)")
         graphs.append((spec, g.count))
     return graphs
+
+
+def read_capture(path: str | os.PathLike[str]) -> list[tuple[GraphSpec, int]]:
+    """:func:`parse_capture` of a file; :class:`SpecError` naming the file when it cannot be read or is not a valid
+    capture file."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the capture file ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SpecError(f"{path}: not a capture file (not JSON: {exc})") from None
+    if not is_capture(doc):
+        raise SpecError(f"{path}: not a capture file (write one with plancache capture or PLANCACHE_CAPTURE)")
+    try:
+        return parse_capture(doc)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc.message}") from None
 
 
 class Recorder:
@@ -192,6 +210,12 @@ def vary(spec: GraphSpec, sizes: dict[str, int]) -> GraphSpec:
     for uid, dims in moves.items():
         _resize(tensors[uid], dims)
     return parse_spec(doc)
+
+
+def variants(spec: GraphSpec, axes: Mapping[str, Sequence[int]]) -> list[GraphSpec]:
+    """``spec`` (:func:`vary`) at every combination of the sizes of ``axes`` (axis -> sizes); :class:`SpecError` as
+    :func:`vary`'s."""
+    return [vary(spec, dict(zip(axes, sizes))) for sizes in itertools.product(*axes.values())]
 
 
 def _resize(tensor: dict[str, Any], sizes: dict[int, int]) -> None:

@@ -23,6 +23,10 @@ FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` 
 - With a capture file (``install(..., capture=FILE)`` or ``PLANCACHE_CAPTURE=FILE``) every graph whose spec is read
   is also counted into that file (:mod:`plancache.client.capture`); ``install(None, capture=FILE)`` only captures
   (FE builds every graph itself), which is what ``plancache capture -- CMD`` does.
+- A warm start (``install(cache, warm=FILE)`` or ``PLANCACHE_WARM=FILE``, a capture file of an earlier run, or
+  ``warm=specs``): on a background thread, the plans of all those graphs (and of their variants along the shape axes
+  of ``warm_vary``) are fetched and verified in one resolve round trip (:meth:`PlanCache.warm`); a graph built later
+  waits for it, then loads its kept blob with no further request.
 - A call that chooses among FE's own candidates (``build_plans(ALL)``, the plan-index APIs, engine and note
   filters, ``create_execution_plan``), a graph the spec cannot represent (a ``score_mod`` callback), an
   override-shape graph and a graph validated before the hook was installed are built by FE unchanged, with
@@ -37,14 +41,15 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanCacheError, UnsupportedGraph
-from .core import PlanCache
+from ..errors import PlanCacheError, SpecError, UnsupportedGraph
+from .core import PlanCache, SpecLike
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec
@@ -92,16 +97,33 @@ _originals: dict[type, dict[str, Any]] = {}  # per patched class, what its own _
 _graphs: weakref.WeakKeyDictionary[Any, _Graph] = weakref.WeakKeyDictionary()
 _recorder: Any = None            # a capture.Recorder while capturing
 _counted: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs the recorder counted
+_warming: threading.Thread | None = None  # the warm start under way or done
+
+#: What a warm start takes: a capture file, or specs.
+WarmSource = str | os.PathLike[str] | Iterable[SpecLike]
 
 
-def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None) -> None:
+def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None,
+            warm: WarmSource | None = None, warm_vary: Mapping[str, Sequence[int]] | None = None) -> None:
     """Route every build of a ``graph_class`` (default ``cudnn.pygraph``) in this process through ``cache`` until
     :func:`uninstall`. Installing again switches the cache. ``capture`` (default ``PLANCACHE_CAPTURE``): a capture file
-    that counts every graph built; with ``cache`` None the hook only captures."""
+    that counts every graph built; with ``cache`` None the hook only captures.
+
+    ``warm`` (default ``PLANCACHE_WARM``): the graphs this process will build, as a capture file or specs; their plans
+    are fetched and verified on a background thread (:meth:`PlanCache.warm`) and each graph built later loads its own
+    with no further request. ``warm_vary``: their variants too, at every combination of these sizes of shape axes
+    (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes. A
+    capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
+    and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
     global _cache
     from ..settings import ClientSettings  # pydantic-settings: not on the import of this module
 
-    _start_capture(capture if capture is not None else ClientSettings().capture)
+    settings = ClientSettings()
+    if warm is not None and cache is None:
+        raise ValueError("a warm start fetches plans into a cache: give install() a PlanCache with warm=")
+    warm = warm if warm is not None else settings.warm
+    specs = _warm_specs(cache, warm, warm_vary or {}) if cache is not None and warm is not None else []
+    _start_capture(capture if capture is not None else settings.capture)
     if graph_class is None:
         import cudnn
 
@@ -116,11 +138,14 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
                 if hasattr(graph_class, name):
                     setattr(graph_class, name, _wrap(name, _find(graph_class, name), _plan_list_call))
         _cache = cache
+    if specs and cache is not None:
+        _start_warm(cache, specs)
 
 
 def uninstall() -> None:
-    """Give FE its methods back (graphs already served stay served)."""
+    """Give FE its methods back (graphs already served stay served), after the warm start under way."""
     global _cache
+    _await_warm()
     with _lock:
         for cls, methods in _originals.items():
             for name in (*_PIPELINE, *PLAN_LIST_CALLS):
@@ -145,6 +170,67 @@ def _start_capture(path: str | os.PathLike[str] | None) -> None:
             _recorder = Recorder(Path(path).absolute())
             atexit.register(_flush_at_exit, _recorder)
             log.info("plancache: capturing every graph built into %s", _recorder.path)
+
+
+def _warm_specs(cache: PlanCache, source: WarmSource, axes: Mapping[str, Sequence[int]]) -> list[GraphSpec]:
+    """The specs a warm start fetches: those of ``source``, then their variants along ``axes`` (of the specs that have
+    them all); an unusable capture file raises in strict and replay-only mode, and warms nothing in normal mode."""
+    from ..spec import parse_spec
+    from .capture import AXES, AXIS_ALIASES, axes_of, read_capture, variants
+
+    known = {axis for by_node in AXES.values() for axis in by_node} | set(AXIS_ALIASES)
+    unknown = sorted(set(axes) - known)
+    if unknown:
+        raise ValueError(f"warm_vary: no shape axis {', '.join(unknown)} (axes: {', '.join(sorted(known))})")
+    bad = [f"{axis}={n!r}" for axis, sizes in axes.items() for n in sizes
+           if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+    if bad:
+        raise ValueError(f"warm_vary: sizes are positive integers, not {', '.join(bad)}")
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            specs = [spec for spec, _ in read_capture(source)]
+        except SpecError as exc:
+            if cache.mode != "normal":
+                raise
+            log.warning("plancache: no warm start: %s", exc.message)
+            return []
+    else:
+        specs = [parse_spec(s) for s in source]
+    varied = []
+    for spec in specs:
+        if axes and set(axes) <= set(axes_of(spec)):
+            try:
+                varied += variants(spec, axes)
+            except SpecError as exc:  # a graph whose other tensors would have to move too: itself only
+                log.info("plancache: warm start: no variants of %s: %s", spec.name or spec.graph_key[:12], exc.message)
+    return specs + varied
+
+
+def _start_warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
+    global _warming
+    thread = threading.Thread(target=_warm, args=(cache, specs), name="plancache-warm", daemon=True)
+    with _lock:
+        _warming = thread
+    thread.start()
+
+
+def _warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
+    t0 = time.perf_counter()
+    try:
+        kept = cache.warm(specs)
+    except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
+        log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,
+                    exc)
+        return
+    log.info("plancache: warm start: verified plans of %d of %d graphs kept in %.0f ms", len(kept),
+             len({s.graph_key for s in specs}), (time.perf_counter() - t0) * 1000)
+
+
+def _await_warm() -> None:
+    """Wait for the warm start under way (bounded by the cache's request deadline), so a graph is served from it."""
+    thread = _warming
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 def _stop_capture() -> None:
@@ -314,6 +400,7 @@ def _build_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCa
         return original(graph, *args, **kwargs)
     if state.spec is None:  # unreachable: a graph without a spec has a why_not, so FE planned it
         raise RuntimeError("plancache hook: a deferred graph without a spec")
+    _await_warm()
     with _inside():
         plan = cache.serve(graph, state.spec)
     if plan is not None:

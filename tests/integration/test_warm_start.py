@@ -1,0 +1,274 @@
+"""Warm start: the hook, installed with a capture file of the program's graphs (``warm=``, ``PLANCACHE_WARM``), fetches
+and verifies all their plans in one resolve round trip, and each graph FE builds later loads its own with no request
+and one deserialization. A live server, FE's pipeline on the CPU (tests/unit/test_hook.py's StageGraph) and the
+recording backend; real FE ops on an H200: tests/integration/test_fe_ops_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+
+from plancache.client import PlanCache, hook  # noqa: E402
+from plancache.client.capture import Recorder  # noqa: E402
+from plancache.errors import PlanMiss, SpecError  # noqa: E402
+from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
+from tests.client_fakes import RecordingBackend  # noqa: E402
+from tests.factories import H200, make_meta, new_signer, trusted  # noqa: E402
+from tests.live_server import LiveServer  # noqa: E402
+from tests.unit.test_hook import StageGraph, five_steps, rmsnorm  # noqa: E402
+
+RESOLVE = "/v1/plans/resolve"
+BF16, FP32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+
+
+def attention(s: int, b: int = 2, h: int = 4, d: int = 64) -> StageGraph:
+    """FE's SDPA forward in BSHD layout, as ``cudnn.sdpa_torch`` lays it out (the shape axes vary moves)."""
+    g = StageGraph(io_data_type=BF16, intermediate_data_type=FP32, compute_data_type=FP32)
+    stride = [s * h * d, d, h * d, 1]
+    q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=stride, data_type=BF16) for n in ("q", "k", "v"))
+    o, stats = g.sdpa(name="attention", q=q, k=k, v=v, generate_stats=True, attn_scale=0.125)
+    o.set_output(True).set_dim([b, h, s, d]).set_stride(stride).set_data_type(BF16)
+    stats.set_output(True).set_data_type(FP32)
+    return g
+
+
+#: The graphs of a training step: two norms and an attention (distinct keys).
+def step_graphs() -> list[StageGraph]:
+    return [rmsnorm(1)[0], rmsnorm(5)[0], attention(256)]
+
+
+def spec_of(g: StageGraph) -> GraphSpec:
+    return from_pygraph(g)
+
+
+def blob_of(spec: GraphSpec) -> bytes:
+    return f"tuned plan of {spec.graph_key}".encode()
+
+
+@pytest.fixture
+def signer():
+    return new_signer()
+
+
+@pytest.fixture
+def srv(tmp_path):
+    with LiveServer(tmp_path / "server", autotune=False) as server:
+        yield server
+
+
+def seed(srv: LiveServer, signer: Any, *specs: GraphSpec) -> None:
+    for spec in specs:
+        srv.store.put_spec(spec.graph_key, spec.to_json())
+        srv.store.publish_plan(make_meta(spec.graph_key, H200, blob_of(spec), signer), blob_of(spec))
+
+
+def capture(path: Path, *graphs: StageGraph) -> Path:
+    recorder = Recorder(path)
+    for g in graphs:
+        recorder.add(spec_of(g))
+    recorder.flush()
+    return path
+
+
+def make_cache(srv: LiveServer, tmp_path: Path, signer: Any, **kw: Any) -> PlanCache:
+    return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
+                     trusted_keys=trusted(signer), **kw)
+
+
+@contextlib.contextmanager
+def installed(cache: PlanCache, **options: Any) -> Iterator[None]:
+    hook.install(cache, graph_class=StageGraph, **options)
+    try:
+        yield
+    finally:
+        hook.uninstall()
+
+
+def build_all(cache: PlanCache, graphs: list[StageGraph], **options: Any) -> None:
+    """Install the hook (``options``: warm start), build every graph through FE's five steps, uninstall."""
+    with installed(cache, **options):
+        for g in graphs:
+            five_steps(g)
+
+
+def test_a_warm_start_asks_once_for_every_graph_and_loads_each_once_into_its_own_graph(srv, tmp_path, signer):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    path = capture(tmp_path / "capture.json", *step_graphs())
+    cache = make_cache(srv, tmp_path, signer)
+    graphs = step_graphs()
+    build_all(cache, graphs, warm=path)
+    assert srv.requests[RESOLVE] == 1  # one for the three graphs, at install; none when they are built
+    assert cache._backend.deserialized == [blob_of(s) for s in specs]  # once each, into the caller's graph
+    assert all(g.stages == [("validate",), ("build_operation_graph",)] for g in graphs)  # no FE planning
+    s = cache.stats()
+    assert s.hits == {"server": 3, "memory": 3} and s.fe_builds == {} and s.misses == 0
+
+
+def test_without_a_warm_start_each_graph_asks_when_it_is_built(srv, tmp_path, signer):
+    """What the warm start saves: a round trip per graph."""
+    seed(srv, signer, *(spec_of(g) for g in step_graphs()))
+    cache = make_cache(srv, tmp_path, signer)
+    build_all(cache, step_graphs())
+    assert srv.requests[RESOLVE] == 3 and len(cache._backend.deserialized) == 3
+
+
+def test_prefetch_loads_a_throwaway_plan_that_a_warm_start_does_not(srv, tmp_path, signer):
+    """prefetch() deserializes each spec into a graph of its own, and the hook again into the caller's; warm() keeps
+    the verified blob for the caller's graph."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    prefetched = make_cache(srv, tmp_path / "a", signer)
+    prefetched.prefetch(specs)
+    build_all(prefetched, step_graphs())
+    assert len(prefetched._backend.deserialized) == 6
+    warmed = make_cache(srv, tmp_path / "b", signer)
+    assert warmed.warm(specs) == [s.graph_key for s in specs]
+    assert warmed._backend.deserialized == []  # fetched and verified, not loaded
+    build_all(warmed, step_graphs())
+    assert len(warmed._backend.deserialized) == 3 and srv.requests[RESOLVE] == 2
+
+
+def test_a_warm_start_from_disk_asks_nothing(srv, tmp_path, signer):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    with make_cache(srv, tmp_path, signer) as first:  # closing finishes the disk cache's writes
+        first.warm(specs)
+    second = make_cache(srv, tmp_path, signer)
+    assert second.warm(specs) == [s.graph_key for s in specs] and second._backend.deserialized == []
+    build_all(second, step_graphs())
+    assert srv.requests[RESOLVE] == 1 and len(second._backend.deserialized) == 3
+    assert second.stats().hits == {"disk": 3, "memory": 3}
+
+
+def test_warm_vary_fetches_the_variants_the_program_will_build(srv, tmp_path, signer):
+    later = attention(1024)
+    seed(srv, signer, spec_of(attention(256)), spec_of(later))
+    blob = blob_of(spec_of(later))
+    path = capture(tmp_path / "capture.json", attention(256), rmsnorm(1)[0])  # the norm has no axis s: itself only
+    cache = make_cache(srv, tmp_path, signer)
+    build_all(cache, [later], warm=path, warm_vary={"s": [512, 1024]})
+    assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 2, "memory": 1}
+    assert cache._backend.deserialized == [blob]
+
+
+def test_a_graph_the_server_lacks_is_built_by_fe_in_normal_mode(srv, tmp_path, signer):
+    graphs = step_graphs()
+    seed(srv, signer, spec_of(graphs[0]), spec_of(graphs[1]))  # not the attention
+    path = capture(tmp_path / "capture.json", *step_graphs())
+    cache = make_cache(srv, tmp_path, signer)
+    build_all(cache, graphs, warm=path)
+    assert graphs[2].stages[-1] == ("build_plans", ())  # FE planned and built it, as the caller asked
+    s = cache.stats()
+    assert s.fe_builds == {"miss": 1} and s.hits == {"server": 2, "memory": 2}
+    assert srv.requests[RESOLVE] == 2  # the warm start's, and the missing graph's own, as without a warm start
+
+
+def test_strict_mode_raises_plan_miss_when_the_missing_graph_is_built_not_at_the_warm_start(srv, tmp_path, signer):
+    graphs = step_graphs()
+    seed(srv, signer, spec_of(graphs[0]))
+    blob = blob_of(spec_of(graphs[0]))
+    path = capture(tmp_path / "capture.json", *step_graphs())
+    cache = make_cache(srv, tmp_path, signer, mode="strict")
+    with installed(cache, warm=path):
+        five_steps(graphs[0])
+        with pytest.raises(PlanMiss, match="no verified tuned plan"):
+            five_steps(graphs[1])
+    assert cache._backend.deserialized == [blob]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read the capture file"),
+    ("{not json", "not a capture file \\(not JSON"),
+    ('{"graphs": []}', "not a capture file \\(write one"),
+    ('{"format": "plancache-capture", "version": 1, "graphs": [{"graph_key": "00", "count": 1, "spec": {}}]}',
+     "not a valid capture file"),
+])
+def test_an_unusable_capture_file_fails_strict_mode_and_is_one_warning_in_normal_mode(
+        srv, tmp_path, signer, caplog, content, message):
+    path = tmp_path / "capture.json"
+    if content is not None:
+        path.write_text(content)
+    strict = make_cache(srv, tmp_path, signer, mode="strict")
+    original = StageGraph.build_plans
+    with pytest.raises(SpecError, match=f"{path}: {message}"):
+        hook.install(strict, graph_class=StageGraph, warm=path)
+    assert StageGraph.build_plans is original  # nothing installed
+    normal = make_cache(srv, tmp_path, signer)
+    seed(srv, signer, spec_of(rmsnorm()[0]))
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        build_all(normal, [rmsnorm()[0]], warm=path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"no warm start: {path}" in warnings[0]
+    assert normal.stats().hits == {"server": 1} and srv.requests[RESOLVE] == 1  # served as without a warm start
+
+
+def test_plancache_warm_names_the_file(srv, tmp_path, signer, monkeypatch):
+    seed(srv, signer, *(spec_of(g) for g in step_graphs()))
+    monkeypatch.setenv("PLANCACHE_WARM", str(capture(tmp_path / "capture.json", *step_graphs())))
+    cache = make_cache(srv, tmp_path, signer)
+    build_all(cache, step_graphs())
+    assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3, "memory": 3}
+
+
+def test_bad_arguments_are_refused(srv, tmp_path, signer):
+    cache = make_cache(srv, tmp_path, signer)
+    for vary, message in (({"seq": [1]}, "no shape axis seq"), ({"s": [0]}, "positive integers, not s=0")):
+        with pytest.raises(ValueError, match=message):
+            hook.install(cache, graph_class=StageGraph, warm=[], warm_vary=vary)
+    with pytest.raises(ValueError, match="give install\\(\\) a PlanCache"):
+        hook.install(None, graph_class=StageGraph, warm=[])
+
+
+def test_install_returns_at_once_and_the_first_build_waits_for_the_warm_start(srv, tmp_path, signer):
+    """The fetch runs on a thread, bounded by the request deadline; a build that comes first waits for it."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    srv.delay = 0.5
+    cache = make_cache(srv, tmp_path, signer)
+    t0 = time.monotonic()
+    with installed(cache, warm=specs):
+        assert time.monotonic() - t0 < 0.25
+        for g in step_graphs():
+            five_steps(g)
+    assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3, "memory": 3}
+
+
+def test_a_warm_start_past_the_deadline_leaves_each_graph_to_the_ladder(srv, tmp_path, signer):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    srv.delay = 2.0
+    cache = make_cache(srv, tmp_path, signer, request_deadline=0.3, cooldown=0.1)
+    t0 = time.monotonic()
+    assert cache.warm(specs) == []
+    assert time.monotonic() - t0 < 1.5
+    srv.delay = 0.0
+    time.sleep(0.2)  # past the breaker's cool-down
+    build_all(cache, step_graphs())
+    assert cache.stats().hits == {"server": 3}
+
+
+def test_processes_warming_on_one_cache_folder_ask_the_server_once(srv, tmp_path, signer):
+    """The host's fetch lock: caches on one folder (here two in one process; flock is per open file) warming the same
+    graphs together make one resolve; the other reads what the first wrote."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    srv.delay = 0.3
+    caches = [make_cache(srv, tmp_path, signer) for _ in range(2)]
+    kept: list[list[str]] = []
+    threads = [threading.Thread(target=lambda c=c: kept.append(c.warm(specs))) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert srv.requests[RESOLVE] == 1 and kept == [[s.graph_key for s in specs]] * 2
+    assert sorted(tuple(sorted(c.stats().hits)) for c in caches) == [("disk",), ("server",)]
