@@ -11,8 +11,11 @@ per call, so the whole step cannot be captured in a CUDA graph). Variants:
 
 - ``fe``: FE alone (no plancache);
 - ``capture``: plancache installed in normal mode against a live server: every graph misses, FE builds it and
-  its spec is registered; every registered miss is then autotuned (one process per graph) and published signed;
-- ``served``: a fresh strict-mode process: every graph from the server;
+  its spec is registered (and counted into a capture file, ``PLANCACHE_CAPTURE``); every registered miss is then
+  autotuned (one process per graph) and published signed;
+- ``served``: a fresh strict-mode process: every graph from the server, one resolve per graph when it is built;
+- ``served_warm``: the same, warm-started from the capture file (``PLANCACHE_WARM``): every graph's plan fetched
+  and verified in one resolve at install, in the background; each graph built then loads its own, with no request;
 - ``torch_cudnn`` / ``torch_flash``: ``F.layer_norm`` and PyTorch's native ``F.scaled_dot_product_attention``
   under the cuDNN or the flash backend (no plancache, no FE provider).
 """
@@ -75,7 +78,7 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
     import torch
 
     pc = None
-    if variant in ("capture", "served"):
+    if variant in ("capture", "served", "served_warm"):
         import plancache.torch
         from plancache.client import PlanCache
 
@@ -109,8 +112,9 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
     print(json.dumps(out))
 
 
-def _run(*args: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
+def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    """A child with ``args``; ``settings``: its only ``PLANCACHE_*`` variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
     env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(Path(__file__)), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
@@ -147,7 +151,8 @@ def main() -> None:
             results[variant] = _run("--child", variant)
         with LiveServer(root / "server") as srv:
             common = ["--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys")]
-            results["capture"] = _run("--child", "capture", *common, "--cache", str(root / "c1"))
+            captured = {"PLANCACHE_CAPTURE": str(root / "capture.json")}
+            results["capture"] = _run("--child", "capture", *common, "--cache", str(root / "c1"), settings=captured)
             t0 = time.perf_counter()
             tuned = 0
             for miss in srv.store.list_misses(limit=500):
@@ -166,17 +171,22 @@ def main() -> None:
                 tuned += 1
             results["tuning"] = {"graphs": tuned, "seconds": time.perf_counter() - t0}
             results["served"] = _run("--child", "served", *common, "--cache", str(root / "c2"), "--mode", "strict")
+            before = srv.requests["/v1/plans/resolve"]
+            results["served_warm"] = _run("--child", "served_warm", *common, "--cache", str(root / "c3"), "--mode",
+                                          "strict", settings={"PLANCACHE_WARM": captured["PLANCACHE_CAPTURE"]})
+            results["served_warm"]["resolves"] = srv.requests["/v1/plans/resolve"] - before
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'seq':>6} | {'first step ms: FE':>18} {'served':>8} {'torch cuDNN':>12} {'flash':>7} | "
+    print(f"{'seq':>6} | {'first step ms: FE':>18} {'served':>8} {'served, warm':>13} {'torch cuDNN':>12} {'flash':>7} | "
           f"{'steady ms: FE':>14} {'served':>8} {'torch cuDNN':>12} {'flash':>7}")
     for s in LENGTHS:
-        row = [results[v]["lengths"][str(s)] for v in ("fe", "served", "torch_cudnn", "torch_flash")]
-        print(f"{s:>6} | {row[0]['first_ms']:>18.1f} {row[1]['first_ms']:>8.1f} {row[2]['first_ms']:>12.1f} "
-              f"{row[3]['first_ms']:>7.1f} | {row[0]['steady_ms']:>14.3f} {row[1]['steady_ms']:>8.3f} "
-              f"{row[2]['steady_ms']:>12.3f} {row[3]['steady_ms']:>7.3f}")
+        row = [results[v]["lengths"][str(s)] for v in ("fe", "served", "served_warm", "torch_cudnn", "torch_flash")]
+        print(f"{s:>6} | {row[0]['first_ms']:>18.1f} {row[1]['first_ms']:>8.1f} {row[2]['first_ms']:>13.1f} "
+              f"{row[3]['first_ms']:>12.1f} {row[4]['first_ms']:>7.1f} | {row[0]['steady_ms']:>14.3f} "
+              f"{row[1]['steady_ms']:>8.3f} {row[3]['steady_ms']:>12.3f} {row[4]['steady_ms']:>7.3f}")
     print(f"tuned {results['tuning']['graphs']} graphs in {results['tuning']['seconds']:.0f} s; "
           f"served stats {results['served'].get('stats', {}).get('hits')}, "
-          f"FE builds {results['served'].get('stats', {}).get('fe_builds')}")
+          f"FE builds {results['served'].get('stats', {}).get('fe_builds')}; served, warm: "
+          f"{results['served_warm']['resolves']} resolve(s), stats {results['served_warm'].get('stats', {}).get('hits')}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 ``plancache.torch.install`` runs every path, each graph misses, FE builds it as it asked and its spec is
 registered; every registered miss is then autotuned here from its document alone and published signed; a fresh
 strict-mode process (``CUDA_CACHE_DISABLE=1``) then gets every graph from the server, FE plans none of them,
-and forward and backward match a float32 reference -- also offline from the disk cache in replay-only mode."""
+and forward and backward match a float32 reference -- also offline from the disk cache in replay-only mode, and
+warm-started from the capture file the first process wrote (one resolve for every graph, none when they are built)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from tests.live_server import LiveServer
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 ROOT = Path(__file__).resolve().parents[2]
+RESOLVE = "/v1/plans/resolve"
 TOLERANCE = 2e-2  # bfloat16 outputs and gradients, normalised max error (plancache.gpu.reference.TOLERANCE)
 #: Paths whose graphs the tuner cannot tune yet, and why (their strict run is a PlanMiss, as strict mode promises).
 UNTUNED = {"sdpa_thd": "tuning FE's ragged (THD) attention backward graph hits an illegal instruction in the tuning "
                        "process (docs/FE.md)"}
 
 
-def child(*args: str, check: bool = True) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
+def child(*args: str, check: bool = True, settings: dict[str, str] | None = None) -> dict:
+    """Run tests/fe_ops_gpu_child.py with ``args``; ``settings``: its only ``PLANCACHE_*`` variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env["CUDA_CACHE_DISABLE"] = "1"
     proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", *args], capture_output=True, text=True,
@@ -74,7 +77,8 @@ def fleet(tmp_path_factory):
     signer = Signer.from_file(priv)
     with LiveServer(root / "server") as srv:
         capture = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
-                        "--cache", str(root / "capture-cache"), "--mode", "normal")
+                        "--cache", str(root / "capture-cache"), "--mode", "normal",
+                        settings={"PLANCACHE_CAPTURE": str(root / "capture.json")})
         tuned, failed = {}, {}
         for miss in srv.store.list_misses(limit=500):
             doc = srv.store.get_spec(miss.graph_key)
@@ -124,6 +128,26 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
         worst = max((e for o, e in got["errors"].items() if not o.startswith("provider_")), default=0.0)
         print(f"{name:<20}{n:>7}{cap.get('first_ms', float('nan')):>15.1f}{got['first_ms']:>19.1f}"
               f"{offline['paths'][name].get('first_ms', float('nan')):>9.1f}  {worst:.2e}")
+
+
+def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path):
+    """PLANCACHE_WARM: a fresh strict process fetches every captured graph's plan in one resolve at install; each
+    path's graphs then load from the kept blobs (memory), none asks the server -- but a graph without a tuned plan
+    (:data:`UNTUNED`), which asks again when built and raises PlanMiss."""
+    srv, root, capture, tuned, failed = fleet
+    before = srv.requests[RESOLVE]
+    warm = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
+                 "--cache", str(tmp_path / "cache"), "--mode", "strict",
+                 settings={"PLANCACHE_WARM": str(root / "capture.json")})
+    check_numerics(warm, "warm", untuned=bool(failed))
+    assert srv.requests[RESOLVE] - before == 1 + len(failed)
+    stats = warm["stats"]
+    assert stats["hits"] == {"server": len(tuned), "memory": len(tuned)} and stats["fe_builds"] == {}
+    assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
+    print(f"\n{'path':<20}{'first ms (FE)':>15}{'first ms (served, warm)':>25}")
+    for name, got in warm["paths"].items():
+        if "first_ms" in got:
+            print(f"{name:<20}{capture['paths'][name].get('first_ms', float('nan')):>15.1f}{got['first_ms']:>25.1f}")
 
 
 def test_torch_sdpa_routes_through_fes_provider(fleet):
