@@ -272,3 +272,16 @@ def test_processes_warming_on_one_cache_folder_ask_the_server_once(srv, tmp_path
         t.join()
     assert srv.requests[RESOLVE] == 1 and kept == [[s.graph_key for s in specs]] * 2
     assert sorted(tuple(sorted(c.stats().hits)) for c in caches) == [("disk",), ("server",)]
+
+
+def test_plancache_torch_install_passes_the_warm_start_on(srv, tmp_path, signer):
+    pytest.importorskip("torch")
+    import plancache.torch
+
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    assert plancache.torch.install(cache, sdpa_provider=False, warm=specs) is cache
+    plancache.torch.uninstall()  # after the warm start under way
+    assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3}
+    assert cache._backend.deserialized == []
