@@ -593,7 +593,7 @@ class ClientStats:
     others: FE.md's "built by FE" table). ``miss_reasons[reason]``: keys the server had no plan for, by the
     reason it gave (:class:`~plancache.protocol.MissReason`: ``not_registered``, ``not_queued``, ``queued``,
     ``running``, ``failed``, ``other_environments``, ``withdrawn``; ``unexplained`` when it gave none). Seconds: ``load``
-    (inside ``plan``/``prefetch``/``serve``), ``deserialize``, ``build`` (rebuilds and heuristic builds).
+    (inside ``plan``/``prefetch``/``serve``/``warm``), ``deserialize``, ``build`` (rebuilds and heuristic builds).
     ``revalidations[outcome]``: keys loaded from disk asked about again (:data:`~plancache.client.revalidate.OUTCOMES`:
     ``current``, ``replaced``, ``withdrawn``, ``kept``, ``failed``); ``withdrawals[what]``: withdrawals the server gave
     (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``).
