@@ -106,3 +106,21 @@ def test_a_plan_sets_its_stream_and_launches_on_its_own_device():
     plan.execute(X=torch.zeros(1, 4), Y=torch.zeros(1, 4))
     assert seen == [("set_stream", True), ("execute", True)]
     assert not backend.on_device_now
+
+
+def test_the_two_gpu_benchmark_compares_winners_by_the_one_worker_runs_table():
+    from bench.multi_gpu import compare, per_worker
+
+    def graph(name, engine, ms, worker, table):
+        return {"name": name, "engine_id": engine, "knobs": {"K": 1}, "winner_ms": ms, "tuning_s": 2.0,
+                "worker": worker, "candidates": table}
+
+    table = [[1, {"K": 1}, 1.0], [2, {"K": 1}, 1.02], [3, {"K": 1}, 1.5]]
+    one = {"graphs": [graph("a", 1, 1.0, "one", table), graph("b", 1, 1.0, "one", table),
+                      graph("c", 1, 1.0, "one", table)]}
+    two = {"graphs": [graph("a", 1, 1.0, "w-gpu0", []), graph("b", 2, 0.99, "w-gpu1", []),
+                      graph("c", 3, 0.98, "w-gpu1", [])]}
+    result = compare(one, two, noise=0.03)
+    assert [g["verdict"] for g in result["per_graph"]] == ["same", "tie", "different"]
+    assert result["different"] == ["c"] and result["per_graph"][2]["tuned_by"] == "w-gpu1"
+    assert per_worker(two) == {"w-gpu0": {"graphs": 1, "tuning_s": 2.0}, "w-gpu1": {"graphs": 2, "tuning_s": 4.0}}
