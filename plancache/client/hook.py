@@ -144,9 +144,10 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
 
 def uninstall() -> None:
     """Give FE its methods back (graphs already served stay served), after the warm start under way."""
-    global _cache
+    global _cache, _warming
     _await_warm()
     with _lock:
+        _warming = None
         for cls, methods in _originals.items():
             for name in (*_PIPELINE, *PLAN_LIST_CALLS):
                 if name in methods:
@@ -227,7 +228,8 @@ def _warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
 
 
 def _await_warm() -> None:
-    """Wait for the warm start under way (bounded by the cache's request deadline), so a graph is served from it."""
+    """Wait for the warm start under way, so a graph is served from it (bounded: the host's turn to fetch and the
+    server exchange each take at most the cache's request deadline)."""
     thread = _warming
     if thread is not None and thread is not threading.current_thread():
         thread.join()

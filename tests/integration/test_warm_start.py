@@ -79,6 +79,11 @@ def capture(path: Path, *graphs: StageGraph) -> Path:
     return path
 
 
+def loaded(cache: PlanCache) -> list[bytes]:
+    """The blobs the cache's recording backend deserialized, in order."""
+    return cache.config.backend.deserialized
+
+
 def make_cache(srv: LiveServer, tmp_path: Path, signer: Any, **kw: Any) -> PlanCache:
     return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
                      trusted_keys=trusted(signer), **kw)
@@ -108,7 +113,7 @@ def test_a_warm_start_asks_once_for_every_graph_and_loads_each_once_into_its_own
     graphs = step_graphs()
     build_all(cache, graphs, warm=path)
     assert srv.requests[RESOLVE] == 1  # one for the three graphs, at install; none when they are built
-    assert cache._backend.deserialized == [blob_of(s) for s in specs]  # once each, into the caller's graph
+    assert loaded(cache) == [blob_of(s) for s in specs]  # once each, into the caller's graph
     assert all(g.stages == [("validate",), ("build_operation_graph",)] for g in graphs)  # no FE planning
     s = cache.stats()
     assert s.hits == {"server": 3, "memory": 3} and s.fe_builds == {} and s.misses == 0
@@ -119,7 +124,7 @@ def test_without_a_warm_start_each_graph_asks_when_it_is_built(srv, tmp_path, si
     seed(srv, signer, *(spec_of(g) for g in step_graphs()))
     cache = make_cache(srv, tmp_path, signer)
     build_all(cache, step_graphs())
-    assert srv.requests[RESOLVE] == 3 and len(cache._backend.deserialized) == 3
+    assert srv.requests[RESOLVE] == 3 and len(loaded(cache)) == 3
 
 
 def test_prefetch_loads_a_throwaway_plan_that_a_warm_start_does_not(srv, tmp_path, signer):
@@ -130,12 +135,12 @@ def test_prefetch_loads_a_throwaway_plan_that_a_warm_start_does_not(srv, tmp_pat
     prefetched = make_cache(srv, tmp_path / "a", signer)
     prefetched.prefetch(specs)
     build_all(prefetched, step_graphs())
-    assert len(prefetched._backend.deserialized) == 6
+    assert len(loaded(prefetched)) == 6
     warmed = make_cache(srv, tmp_path / "b", signer)
     assert warmed.warm(specs) == [s.graph_key for s in specs]
-    assert warmed._backend.deserialized == []  # fetched and verified, not loaded
+    assert loaded(warmed) == []  # fetched and verified, not loaded
     build_all(warmed, step_graphs())
-    assert len(warmed._backend.deserialized) == 3 and srv.requests[RESOLVE] == 2
+    assert len(loaded(warmed)) == 3 and srv.requests[RESOLVE] == 2
 
 
 def test_a_warm_start_from_disk_asks_nothing(srv, tmp_path, signer):
@@ -144,9 +149,9 @@ def test_a_warm_start_from_disk_asks_nothing(srv, tmp_path, signer):
     with make_cache(srv, tmp_path, signer) as first:  # closing finishes the disk cache's writes
         first.warm(specs)
     second = make_cache(srv, tmp_path, signer)
-    assert second.warm(specs) == [s.graph_key for s in specs] and second._backend.deserialized == []
+    assert second.warm(specs) == [s.graph_key for s in specs] and loaded(second) == []
     build_all(second, step_graphs())
-    assert srv.requests[RESOLVE] == 1 and len(second._backend.deserialized) == 3
+    assert srv.requests[RESOLVE] == 1 and len(loaded(second)) == 3
     assert second.stats().hits == {"disk": 3, "memory": 3}
 
 
@@ -158,7 +163,7 @@ def test_warm_vary_fetches_the_variants_the_program_will_build(srv, tmp_path, si
     cache = make_cache(srv, tmp_path, signer)
     build_all(cache, [later], warm=path, warm_vary={"s": [512, 1024]})
     assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 2, "memory": 1}
-    assert cache._backend.deserialized == [blob]
+    assert loaded(cache) == [blob]
 
 
 def test_a_graph_the_server_lacks_is_built_by_fe_in_normal_mode(srv, tmp_path, signer):
@@ -183,7 +188,7 @@ def test_strict_mode_raises_plan_miss_when_the_missing_graph_is_built_not_at_the
         five_steps(graphs[0])
         with pytest.raises(PlanMiss, match="no verified tuned plan"):
             five_steps(graphs[1])
-    assert cache._backend.deserialized == [blob]
+    assert loaded(cache) == [blob]
 
 
 @pytest.mark.parametrize("content, message", [
@@ -284,4 +289,4 @@ def test_plancache_torch_install_passes_the_warm_start_on(srv, tmp_path, signer)
     assert plancache.torch.install(cache, sdpa_provider=False, warm=specs) is cache
     plancache.torch.uninstall()  # after the warm start under way
     assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3}
-    assert cache._backend.deserialized == []
+    assert loaded(cache) == []
