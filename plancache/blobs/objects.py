@@ -8,10 +8,12 @@ for a plain-http endpoint (``GOOGLE_*`` and ``AZURE_*`` for the other two). obst
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import partial
 from types import ModuleType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from ..errors import BlobStoreUnavailable
 from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked, chunks, shard
@@ -26,8 +28,20 @@ MAX_PRESIGN_EXPIRY = timedelta(days=7)
 #: A request failing on the network or with a 5xx is tried again with backoff, this often and this long at most
 #: (obstore's defaults, 10 times and 3 minutes, would hold a publish that long).
 RETRIES, RETRY_TIMEOUT = 3, timedelta(seconds=30)
+#: Objects per page of :meth:`ObjectStoreBlobs.objects_older_than` and per request of :meth:`ObjectStoreBlobs.delete_many`
+#: (S3 answers and deletes at most 1,000 at a time).
+LIST_BATCH = 500
+#: A blob's key under the prefix: ``ab/cd/<sha256>``, its shard folders the digest's first four hex digits.
+_BLOB_KEY = re.compile(r"([0-9a-f]{2})/([0-9a-f]{2})/(\1\2[0-9a-f]{60})")
 
 T = TypeVar("T")
+
+
+class StoredObject(NamedTuple):
+    """An object holding a blob's bytes, as the listing describes it."""
+
+    sha256: str
+    size: int
 
 
 def _obstore() -> ModuleType:
@@ -97,6 +111,22 @@ class ObjectStoreBlobs(BlobStore):
 
     def delete(self, sha256: str) -> None:
         self._call(lambda: self._obs.delete(self._store, shard(sha256)))
+
+    def delete_many(self, digests: list[str]) -> None:
+        """Delete the objects of ``digests`` (absent ones are no error), :data:`LIST_BATCH` per request."""
+        for start in range(0, len(digests), LIST_BATCH):
+            self._call(partial(self._obs.delete, self._store, [shard(d) for d in digests[start:start + LIST_BATCH]]))
+
+    def objects_older_than(self, cutoff: datetime) -> Iterator[list[StoredObject]]:
+        """The blob objects (``ab/cd/<sha256>`` under the prefix) last modified before ``cutoff``, a page of the
+        listing (:data:`LIST_BATCH` objects or fewer) at a time, so a bucket of any size is listed in bounded
+        memory. Any other key under the prefix (another name, a blob's name in the wrong shard) is left out."""
+        pages = self._call(lambda: self._obs.list(self._store, chunk_size=LIST_BATCH))
+        while page := self._call(lambda: next(pages, None)):
+            old = [StoredObject(m[3], int(meta["size"])) for meta in page
+                   if meta["last_modified"] < cutoff and (m := _BLOB_KEY.fullmatch(meta["path"]))]
+            if old:
+                yield old
 
     def presign(self, sha256: str, expires_in: timedelta = timedelta(minutes=5)) -> str:
         """A URL that GETs the blob without credentials until ``expires_in`` from now (at most

@@ -121,8 +121,8 @@ def plans_list(
 @command
 def plans_gc(
     grace_hours: float = typer.Option(24.0, "--grace-hours", min=0.0,
-                                      help="keep unreferenced blobs stored less than this many hours ago (and, in a "
-                                           "blob folder, files of crashed writers modified less long ago)"),
+                                      help="keep unreferenced blobs stored less than this many hours ago (and what "
+                                           "crashes left in a blob folder or bucket, modified less long ago)"),
     keep_environment: list[str] | None = typer.Option(
         None, "--keep-environment",
         help="an environment still in use: its env id (or the first 8+ characters `plans list` prints), or its "
@@ -132,10 +132,13 @@ def plans_gc(
 ) -> None:
     """Delete plan records of environments no longer in use, then blobs no record references."""
     from datetime import timedelta
+    from urllib.parse import urlsplit
 
+    from ..blobs.objects import OBJECT_STORE_SCHEMES
     from ..store.retention import gc
 
     with open_database(database_url) as store:
+        in_bucket = urlsplit(store.blob_store.url).scheme in OBJECT_STORE_SCHEMES
         keep = None
         if keep_environment:
             keep = {resolve_env_id(store, v, "--keep-environment") for v in keep_environment}
@@ -148,9 +151,11 @@ def plans_gc(
     for env_id, n in sorted(report.records_by_env.items()):
         typer.echo(f"  environment {env_id}: {n}")
     typer.echo(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.blob_bytes_freed} bytes)")
-    if report.temporaries_deleted or report.orphans_deleted:
+    if in_bucket and report.orphans_deleted:
+        typer.echo(f"{verb} {report.orphans_deleted} objects no catalog row names ({report.leftover_bytes_freed} bytes)")
+    elif report.temporaries_deleted or report.orphans_deleted:
         typer.echo(f"{verb} {report.temporaries_deleted} temporary files of crashed writers and "
-                   f"{report.orphans_deleted} blob files no catalog row names ({report.file_bytes_freed} bytes)")
+                   f"{report.orphans_deleted} blob files no catalog row names ({report.leftover_bytes_freed} bytes)")
 
 
 def _all_records(store: Store, env_id: str | None) -> list[PlanRecord]:

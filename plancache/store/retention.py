@@ -5,8 +5,9 @@
 1. with ``keep_env_ids``, delete the plan records whose environment is not among them;
 2. delete the blobs that no plan record references and that were stored longer than ``grace`` ago:
    their catalog rows, then their bytes in the blob store (:mod:`.blobs`), before the commit;
-3. on a file blob store, delete what crashes left that is older than ``grace``: writers' temporary files, and
-   blob files that no catalog row names (those under the lock of step 2, in a transaction of their own).
+3. delete what crashes left in a folder or a bucket that is older than ``grace``: a folder's temporary files of
+   writers, and blob files or objects that no catalog row names (those under the lock of step 2, in a transaction
+   of their own; a bucket is listed and swept a page of objects at a time).
 
 A blob still referenced is never deleted, and a publish running at the same time neither fails nor
 loses its blob. The DELETE re-checks that no record points at a blob, and the foreign key from
@@ -28,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .blobs import FileBlobs, StoredFile
+from ..blobs import ObjectStoreBlobs
+from ..blobs.folder import StoredFile
+from .blobs import ContentBlobs, FileBlobs
 from .db import lock_against_writers
 from .models import blobs, plans
 
@@ -45,8 +48,8 @@ class GcReport:
     blobs_deleted: int = 0
     blob_bytes_freed: int = 0
     temporaries_deleted: int = 0  # a file blob store's files of crashed writers
-    orphans_deleted: int = 0  # a file blob store's blob files that no catalog row names
-    file_bytes_freed: int = 0  # by those two
+    orphans_deleted: int = 0  # a folder's blob files or a bucket's objects that no catalog row names
+    leftover_bytes_freed: int = 0  # by those two
 
 
 def _check_keep(store: Store, keep_env_ids: set[str]) -> None:
@@ -99,9 +102,11 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
     else:
         n, size = _delete_blobs(store, cutoff)
     temporaries, orphans = _leftover_files(store, cutoff, dry_run=dry_run)
+    orphan_objects, object_bytes = _leftover_objects(store, cutoff, dry_run=dry_run)
     return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,
                     blobs_deleted=int(n), blob_bytes_freed=int(size), temporaries_deleted=len(temporaries),
-                    orphans_deleted=len(orphans), file_bytes_freed=sum(f.size for f in temporaries + orphans))
+                    orphans_deleted=len(orphans) + orphan_objects,
+                    leftover_bytes_freed=sum(f.size for f in temporaries + orphans) + object_bytes)
 
 
 def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[StoredFile], list[StoredFile]]:
@@ -117,15 +122,43 @@ def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[S
     with store.db.read() if dry_run else store.db.write() as conn:
         if not dry_run:
             lock_against_writers(conn, blobs)
-        digests, named = list(candidates), set[str]()
-        for start in range(0, len(digests), 500):
-            batch = digests[start:start + 500]
-            named.update(conn.execute(sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(batch))).scalars())
+        named = _named(conn, list(candidates))
         orphans = [f for sha256, f in candidates.items() if sha256 not in named]
         if not dry_run:
             for f in temporaries + orphans:
                 f.path.unlink(missing_ok=True)
     return temporaries, orphans
+
+
+def _leftover_objects(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[int, int]:
+    """On an object blob store, delete the blob objects without a catalog row last modified before ``cutoff``;
+    how many were deleted (with ``dry_run``: would be) and their bytes. The bucket is listed a page at a time; each
+    page's rows are looked up and its orphans deleted in a transaction of its own holding the catalog against
+    writers, so a publish that inserted a row for an old object's bytes meanwhile keeps them, and memory and the
+    lock's time stay bounded however many objects there are."""
+    if not (isinstance(store.blob_store, ContentBlobs) and isinstance(store.blob_store.content, ObjectStoreBlobs)):
+        return 0, 0
+    bucket = store.blob_store.content
+    count = size = 0
+    for page in bucket.objects_older_than(cutoff):
+        with store.db.read() if dry_run else store.db.write() as conn:
+            if not dry_run:
+                lock_against_writers(conn, blobs)
+            named = _named(conn, [o.sha256 for o in page])
+            orphans = [o for o in page if o.sha256 not in named]
+            if not dry_run and orphans:
+                bucket.delete_many([o.sha256 for o in orphans])
+        count, size = count + len(orphans), size + sum(o.size for o in orphans)
+    return count, size
+
+
+def _named(conn: Any, digests: list[str]) -> set[str]:
+    """Those of ``digests`` that have a catalog row (looked up 500 at a time)."""
+    named = set[str]()
+    for start in range(0, len(digests), 500):
+        batch = digests[start:start + 500]
+        named.update(conn.execute(sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(batch))).scalars())
+    return named
 
 
 def _delete_blobs(store: Store, cutoff: Any) -> tuple[int, int]:
