@@ -41,8 +41,8 @@ def attention(s: int, b: int = 2, h: int = 4, d: int = 64) -> StageGraph:
     return g
 
 
-#: The graphs of a training step: two norms and an attention (distinct keys).
 def step_graphs() -> list[StageGraph]:
+    """The graphs of a training step, new each call: two norms and an attention (distinct keys)."""
     return [rmsnorm(1)[0], rmsnorm(5)[0], attention(256)]
 
 
