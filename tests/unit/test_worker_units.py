@@ -55,6 +55,25 @@ def test_a_lease_lost_answer_is_raised_as_lease_lost():
         _jobs(lambda r: answer).fail(1, FailRequest(worker_id="w1", lease_token="tok", error="x", retryable=True))
 
 
+def test_a_blob_put_always_carries_its_content_length_also_when_retried():
+    """The server refuses a blob sent without Content-Length (411, chunked): the worker's PUT sends its length on
+    every attempt, and the same bytes again after a 503."""
+    data = b"plan bytes" * 1000
+    puts: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "HEAD":
+            return httpx.Response(404, json={"error": {"code": "not_found", "message": "no blob"}})
+        puts.append(request)
+        return httpx.Response(503 if len(puts) == 1 else 201, json={"error": {"code": "server_busy", "message": "x"}})
+
+    _jobs(handler).put_blob("ab" * 32, data, job_id=7, lease=LeaseRequest(worker_id="w1", lease_token="t" * 8))
+    assert len(puts) == 2
+    for request in puts:
+        assert request.headers["content-length"] == str(len(data)) and "transfer-encoding" not in request.headers
+        assert request.read() == data and request.headers["content-type"] == "application/octet-stream"
+
+
 def test_a_heartbeat_is_one_attempt():
     calls = []
 
