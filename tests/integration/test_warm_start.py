@@ -18,7 +18,7 @@ import pytest
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
 
 from plancache.client import PlanCache, hook  # noqa: E402
-from plancache.client.capture import Recorder  # noqa: E402
+from plancache.client.capture import Recorder, variants, vary  # noqa: E402
 from plancache.errors import PlanMiss, SpecError  # noqa: E402
 from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
 from tests.client_fakes import RecordingBackend  # noqa: E402
@@ -166,6 +166,13 @@ def test_warm_vary_fetches_the_variants_the_program_will_build(srv, tmp_path, si
     assert loaded(cache) == [blob]
 
 
+def test_variants_are_every_combination_of_the_sizes():
+    base = spec_of(attention(256))
+    keys = [v.graph_key for v in variants(base, {"s": [128, 512], "b": [1, 3]})]
+    assert keys == [vary(base, {"s": s, "b": b}).graph_key for s in (128, 512) for b in (1, 3)]
+    assert len(set(keys)) == 4 and spec_of(attention(512, b=3)).graph_key in keys
+
+
 def test_a_graph_the_server_lacks_is_built_by_fe_in_normal_mode(srv, tmp_path, signer):
     graphs = step_graphs()
     seed(srv, signer, spec_of(graphs[0]), spec_of(graphs[1]))  # not the attention
@@ -227,9 +234,9 @@ def test_plancache_warm_names_the_file(srv, tmp_path, signer, monkeypatch):
 
 def test_bad_arguments_are_refused(srv, tmp_path, signer):
     cache = make_cache(srv, tmp_path, signer)
-    for vary, message in (({"seq": [1]}, "no shape axis seq"), ({"s": [0]}, "positive integers, not s=0")):
+    for axes, message in (({"seq": [1]}, "no shape axis seq"), ({"s": [0]}, "positive integers, not s=0")):
         with pytest.raises(ValueError, match=message):
-            hook.install(cache, graph_class=StageGraph, warm=[], warm_vary=vary)
+            hook.install(cache, graph_class=StageGraph, warm=[], warm_vary=axes)
     with pytest.raises(ValueError, match="give install\\(\\) a PlanCache"):
         hook.install(None, graph_class=StageGraph, warm=[])
 
