@@ -124,3 +124,24 @@ def test_the_two_gpu_benchmark_compares_winners_by_the_one_worker_runs_table():
     assert [g["verdict"] for g in result["per_graph"]] == ["same", "tie", "different"]
     assert result["different"] == ["c"] and result["per_graph"][2]["tuned_by"] == "w-gpu1"
     assert per_worker(two) == {"w-gpu0": {"graphs": 1, "tuning_s": 2.0}, "w-gpu1": {"graphs": 2, "tuning_s": 4.0}}
+
+
+def test_the_docs_start_workers_with_options_the_worker_has():
+    import re
+    from pathlib import Path
+
+    import typer.main
+
+    from plancache.cli import make_app
+
+    worker = typer.main.get_command(make_app()).commands["worker"]
+    options = {o for p in worker.params for o in p.opts}
+    assert {"--device", "--all-devices", "--spool-dir", "--worker-id"} <= options
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    used = []
+    for path in (docs / "DEPLOYMENT.md", docs / "CLI.md"):
+        for line in path.read_text().splitlines():
+            for command in re.findall(r"plancache worker([^#`|]*)", line):
+                used += re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)
+    assert "--all-devices" in used
+    assert set(used) <= options, sorted(set(used) - options)
