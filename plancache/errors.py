@@ -96,6 +96,70 @@ class PayloadTooLarge(PlanCacheError):
     http_status = 413
 
 
+class BadRequest(PlanCacheError):
+    """The request is malformed."""
+
+    code = "bad_request"
+    http_status = 400
+
+
+class MethodNotAllowed(PlanCacheError):
+    """This path does not take that method. ``allowed``: the methods it takes."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+    def __init__(self, message: str | None = None, *, allowed: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
+class RequestTimeout(PlanCacheError):
+    """The request body did not arrive in time."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
+class LengthRequired(PlanCacheError):
+    """The request has no Content-Length: send the size of the body."""
+
+    code = "length_required"
+    http_status = 411
+
+
+class UnsupportedMediaType(PlanCacheError):
+    """The body is not JSON sent with Content-Type: application/json."""
+
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class RetryLater(PlanCacheError):
+    """Not now: retry after ``retry_after`` seconds (the answer's ``Retry-After``)."""
+
+    code = "retry_later"
+    http_status = 503
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooManyRequests(RetryLater):
+    """This token's budget for the operation is spent."""
+
+    code = "too_many_requests"
+    http_status = 429
+
+
+class ServerBusy(RetryLater):
+    """The server holds too many requests in flight."""
+
+    code = "server_busy"
+    http_status = 503
+
+
 class EnvironmentMismatch(PlanCacheError):
     """A plan was built for another GPU environment than the one asking."""
 

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import anyio
 import anyio.to_thread
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.dependencies.utils import get_dependant
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match, compile_path
 from starlette.types import Receive, Scope, Send
 
+from ..errors import InvalidValue, MethodNotAllowed, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from ..protocol import Role
 from ..validation import INT64_MAX
 from .auth import authorize
@@ -180,13 +181,12 @@ def _is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def _too_large(size: int, limit: int, why: str) -> HTTPException:
-    # FastAPI passes HTTPException from body reading through unchanged (other exceptions become 400).
-    return HTTPException(413, f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({why})")
+def _too_large(size: int, limit: int, why: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({why})")
 
 
-def _too_slow(received: int, seconds: float) -> HTTPException:
-    return HTTPException(408, f"request body not received in time ({received} bytes in {seconds:.0f} s)")
+def _too_slow(received: int, seconds: float) -> RequestTimeout:
+    return RequestTimeout(f"request body not received in time ({received} bytes in {seconds:.0f} s)")
 
 
 class CheckedRequest(Request):
@@ -332,7 +332,7 @@ class CheckedRoute(APIRoute):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.methods and scope["method"] not in self.methods:
-            raise HTTPException(405, headers={"Allow": ", ".join(sorted(CheckedRoute.methods_by_path[self.path]))})
+            raise MethodNotAllowed(allowed=tuple(sorted(CheckedRoute.methods_by_path[self.path])))
         await super().handle(scope, receive, send)
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
@@ -355,7 +355,7 @@ class CheckedRoute(APIRoute):
 
         async def checked(request: Request) -> Response:
             if b"%00" in request.scope.get("query_string", b""):
-                raise HTTPException(422, "the query string may not contain NUL (%00)")
+                raise InvalidValue("the query string may not contain NUL (%00)")
             req = CheckedRequest(request.scope, request.receive)
             if not has_body and not raw:
                 return await handler(req)
@@ -382,8 +382,8 @@ class CheckedRoute(APIRoute):
                 body = await req.body()
                 content_type = req.headers.get("content-type")
                 if body and not _is_json(content_type):
-                    raise HTTPException(415, "the body must be JSON sent with Content-Type: application/json "
-                                             f"(this request says {content_type or 'no Content-Type'})")
+                    raise UnsupportedMediaType("the body must be JSON sent with Content-Type: application/json "
+                                               f"(this request says {content_type or 'no Content-Type'})")
                 if body:
                     req._json = await run_parser(request.app, _parse_and_validate, body, body_field)
                 return await handler(req)

@@ -1,8 +1,8 @@
 """The one mapping from errors to HTTP responses. Every error body is ``{"error": {"code", "message"}}``.
 
 Domain errors (:class:`plancache.errors.PlanCacheError`) carry their own ``http_status`` and ``code``;
-request validation becomes 422 ``validation_error`` naming the field; routing errors keep their
-status (404, 405, 413); an unreachable or locked database is a retryable 503; a blob store that cannot
+request validation becomes 422 ``validation_error`` naming the field; what the framework refuses (an unknown
+path, a body it cannot parse) keeps its status and takes the code of the class for it; an unreachable or locked database is a retryable 503; a blob store that cannot
 take a write (full disk or quota, folder not writable: :data:`STORAGE_ERRNOS`) is 507 ``insufficient_storage``,
 logged in one line (the write is atomic and inside the record's transaction: nothing half-written stays);
 anything else is a bug, logged with its traceback and answered 500 ``internal_error`` with ``Connection: close``.
@@ -21,28 +21,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import PlanCacheError
+from ..errors import (
+    BadRequest,
+    Forbidden,
+    LengthRequired,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    PlanCacheError,
+    RequestTimeout,
+    RetryLater,
+    ServerBusy,
+    TooManyRequests,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from ..protocol import ErrorResponse
 from ..validation import validation_message
 
 log = logging.getLogger("plancache.server")
 
-_CODES_BY_STATUS = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    406: "not_acceptable",
-    408: "request_timeout",
-    411: "length_required",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-    422: "validation_error",
-    429: "too_many_requests",
-    503: "server_busy",
-    507: "insufficient_storage",
-}
+#: The error each status means when the framework answers it (an unknown path, an unparsable body); plancache's
+#: own code raises :mod:`plancache.errors` classes, never ``HTTPException``.
+_FRAMEWORK_ERRORS: dict[int, type[PlanCacheError]] = {
+    e.http_status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, RequestTimeout,
+                               LengthRequired, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServerBusy)}
 #: ``OSError`` numbers that mean the blob store cannot take a write now: full disk or quota, read-only or
 #: unwritable folder. An operator's fix; the request may succeed later.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
@@ -76,11 +79,20 @@ def error_response(status: int, code: str, message: str, headers: Mapping[str, s
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=dict(headers or {}))
 
 
+def _headers(exc: PlanCacheError) -> dict[str, str]:
+    """The headers an error's status asks for: the scheme of a 401, the methods of a 405, when to retry a 429/503."""
+    if exc.http_status == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, MethodNotAllowed):
+        return {"Allow": ", ".join(exc.allowed)}
+    if isinstance(exc, RetryLater):
+        return {"Retry-After": str(exc.retry_after)}
+    return {"Retry-After": "1"} if exc.http_status == 503 else {}
+
+
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PlanCacheError)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else {"Retry-After": "1"} \
-        if exc.http_status == 503 else None
-    return error_response(exc.http_status, exc.code, exc.message, headers)
+    return error_response(exc.http_status, exc.code, exc.message, _headers(exc))
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -89,8 +101,10 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    """An error the framework raised, answered as the class of its status (:data:`_FRAMEWORK_ERRORS`)."""
     assert isinstance(exc, StarletteHTTPException)
-    code = _CODES_BY_STATUS.get(exc.status_code, f"http_{exc.status_code}")
+    error = _FRAMEWORK_ERRORS.get(exc.status_code)
+    code = error.code if error is not None else f"http_{exc.status_code}"
     return error_response(exc.status_code, code, str(exc.detail), exc.headers)
 
 

@@ -17,15 +17,14 @@ import threading
 import time
 from typing import Any
 
-from fastapi import HTTPException
+from ..errors import ServerBusy
 
 #: How long a client told to come back (Retry-After) waits when the server is busy, in seconds.
 BUSY_RETRY_AFTER = 1
 
 
-def server_busy(what: str) -> HTTPException:
-    return HTTPException(503, f"the server holds too many {what} in flight; retry later",
-                         headers={"Retry-After": str(BUSY_RETRY_AFTER)})
+def server_busy(what: str) -> ServerBusy:
+    return ServerBusy(f"the server holds too many {what} in flight; retry later", retry_after=BUSY_RETRY_AFTER)
 
 
 class ByteBudget:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,12 +17,16 @@ from plancache.errors import (
     Conflict,
     InvalidValue,
     LeaseLost,
+    LengthRequired,
     NotFound,
+    PayloadTooLarge,
     PlanCacheError,
     RequestRefused,
+    RequestTimeout,
     ServerUnavailable,
     SpecError,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from plancache.http import Backoff, CircuitBreaker, HttpClient, Policy, Retry, error_body, error_from_response, json_as
 from plancache.server.errors import error_response
@@ -99,11 +104,26 @@ def test_error_body_messages_are_cut():
 @pytest.mark.parametrize("status,code,cls", [
     (409, "lease_lost", LeaseLost), (409, "conflict", Conflict), (401, "unauthorized", Unauthorized),
     (422, "invalid_spec", SpecError), (404, "not_found", NotFound), (422, "invalid_value", InvalidValue),
+    (411, "length_required", LengthRequired), (408, "request_timeout", RequestTimeout),
+    (415, "unsupported_media_type", UnsupportedMediaType), (413, "payload_too_large", PayloadTooLarge),
 ])
 def test_a_4xx_is_raised_as_the_class_of_its_code(status, code, cls):
     err = error_from_response(_answer(status, json={"error": {"code": code, "message": "detail here"}}))
     assert type(err) is cls and err.http_status == status and err.code == code
     assert err.message == f"POST {URL}/v1/jobs/7/complete: {status} {code}: detail here"
+
+
+def test_the_servers_own_refusals_are_the_error_tree_never_http_exception():
+    """Every refusal plancache's code makes is a :mod:`plancache.errors` class (so clients raise it as what it is);
+    ``HTTPException`` is only the framework's, answered under the code of the class of its status."""
+    import inspect
+
+    import plancache.server
+
+    package = Path(inspect.getfile(plancache.server)).parent
+    raising = [f"{p.relative_to(package)}:{n}" for p in package.rglob("*.py")
+               for n, line in enumerate(p.read_text().splitlines(), 1) if "HTTPException(" in line]
+    assert raising == []
 
 
 def test_a_4xx_without_a_class_is_request_refused_with_its_code_and_status():

@@ -13,10 +13,10 @@ from typing import Annotated, Any
 
 import anyio.from_thread
 import anyio.to_thread
-from fastapi import APIRouter, Header, HTTPException, Path, Response
+from fastapi import APIRouter, Header, Path, Response
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import Forbidden, NotFound
+from ...errors import Forbidden, LengthRequired, NotFound
 from ...protocol import SHA256_PATTERN
 from ..auth import Reader, Worker
 from ..bodies import CheckedRequest, CheckedRoute
@@ -83,7 +83,7 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     # knows a blob's size before sending it (plancache's sends Content-Length always).
     content_length = await request.admit()  # 413 over the limit; waits for room in the budget, else 503
     if content_length is None:
-        raise HTTPException(411, "send the blob with a Content-Length header (its size in bytes)")
+        raise LengthRequired("send the blob with a Content-Length header (its size in bytes)")
     body: Any = _Body(request.chunks())
     created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body)
     return Response(status_code=201 if created else 200, headers={"ETag": f'"{sha256}"'})

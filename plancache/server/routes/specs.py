@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, HTTPException, Path, Request, Response
+from fastapi import APIRouter, Body, Path, Request, Response
 
-from ...errors import NotFound
+from ...errors import NotFound, TooManyRequests
 from ...protocol import GRAPH_KEY_PATTERN, SpecCreated
 from ...spec import graph_key
 from ..auth import Reader, TokenReader
@@ -31,8 +31,8 @@ def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec do
         limiter = request.app.state.spec_writes
         if not limiter.take(rate_key(principal)):
             seconds = limiter.retry_after(rate_key(principal))
-            raise HTTPException(429, f"token {principal.name!r} registered too many specs; retry in {seconds} s",
-                                headers={"Retry-After": str(seconds)})
+            raise TooManyRequests(f"token {principal.name!r} registered too many specs; retry in {seconds} s",
+                                  retry_after=seconds)
     key = graph_key(spec)
     created = store.put_spec(key, spec)
     if not created:
