@@ -51,6 +51,7 @@ def worker(
 ) -> None:
     """Claim tuning jobs for this GPU's environment, tune, verify, sign and publish the plans."""
     import logging
+    import os
     import threading
 
     from ..http import Retry
@@ -81,6 +82,8 @@ def worker(
     client = open_jobs_api(server, token, settings, retry=Retry())
     stop = threading.Event()
     stop_on_signals(stop)
+    logging.getLogger("plancache.worker").info("tuning on CUDA device %d of those visible (CUDA_VISIBLE_DEVICES=%s)",
+                                               device or 0, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
     tuner = GpuTuner(device or 0,
                      build_processes=settings.build_processes if build_processes is None else build_processes,
                      build_timeout=settings.build_timeout)

@@ -192,7 +192,8 @@ class Plan:
 
     def execute(self, tensors: Tensors | None = None, /, *, workspace: Any = None, stream: Any = None,
                 **named: Any) -> None:
-        """Launch the plan on ``stream`` (default: the caller's current torch stream) — asynchronous, like torch ops.
+        """Launch the plan on ``stream`` (default: the caller's current torch stream on the plan's device, which need
+        not be the thread's current device) — asynchronous, like torch ops.
 
         Tensors are given by name, as keywords (``X=x, W=w, Y=y``), or in a mapping by name or by uid
         (for names that are not identifiers, or unnamed tensors). Every input and output is required; each is checked against the
