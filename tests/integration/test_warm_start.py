@@ -245,11 +245,11 @@ def test_install_returns_at_once_and_the_first_build_waits_for_the_warm_start(sr
     """The fetch runs on a thread, bounded by the request deadline; a build that comes first waits for it."""
     specs = [spec_of(g) for g in step_graphs()]
     seed(srv, signer, *specs)
-    srv.delay = 0.5
+    srv.delay = 1.0
     cache = make_cache(srv, tmp_path, signer)
     t0 = time.monotonic()
     with installed(cache, warm=specs):
-        assert time.monotonic() - t0 < 0.25
+        assert time.monotonic() - t0 < 0.5
         for g in step_graphs():
             five_steps(g)
     assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3, "memory": 3}
@@ -258,11 +258,11 @@ def test_install_returns_at_once_and_the_first_build_waits_for_the_warm_start(sr
 def test_a_warm_start_past_the_deadline_leaves_each_graph_to_the_ladder(srv, tmp_path, signer):
     specs = [spec_of(g) for g in step_graphs()]
     seed(srv, signer, *specs)
-    srv.delay = 2.0
-    cache = make_cache(srv, tmp_path, signer, request_deadline=0.3, cooldown=0.1)
+    srv.delay = 5.0
+    cache = make_cache(srv, tmp_path, signer, request_deadline=1.0, cooldown=0.1)
     t0 = time.monotonic()
     assert cache.warm(specs) == []
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 2.5 and cache.stats().remote_errors == 1
     srv.delay = 0.0
     time.sleep(0.2)  # past the breaker's cool-down
     build_all(cache, step_graphs())
