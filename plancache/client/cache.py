@@ -1,11 +1,16 @@
 """The client's local disk cache of verified plans, so a process with no network starts from it.
 
-Layout: ``<cache_dir>/<env_id>/<graph_key>.json`` (the plan record) and
-``<cache_dir>/<env_id>/<sha256>.blob`` (the blob). Every file is written with
-:func:`~plancache.files.atomic_write` (a temporary file in the same folder, fsynced and renamed into place), so
-readers see a whole file or none, and a crash loses no file that was written.
-Nothing read from here is trusted: the client verifies every entry exactly like a network blob,
-and writes only plans whose signature it verified.
+Layout, per environment: ``<cache_dir>/<env_id>/<graph_key>.json`` (the signed plan record, written with
+:func:`~plancache.files.atomic_write`: a temporary file in the same folder, fsynced and renamed into place) and the
+blobs in a :class:`~plancache.blobs.FolderBlobs`, ``<cache_dir>/<env_id>/blobs/ab/cd/<sha256>`` (owner-only files,
+written the same way; every read hashed against the name, so a damaged or swapped file is never returned). Readers
+see a whole file or none, and a crash loses no file that was written. Nothing read from here is trusted: the client
+verifies every entry exactly like a network blob, and writes only plans whose signature it verified.
+
+A folder of the earlier layout (each blob a file ``<cache_dir>/<env_id>/<sha256>.blob`` beside the records) is
+moved into the blob folder when the cache is opened (:meth:`DiskCache.sweep`): each blob checked against its name
+on the way (a damaged one is dropped) and keeping its time of last use, so an upgraded host without network still
+starts from its cache. A folder that cannot be written keeps its old blob files, which are not read.
 
 Revisions: ``<cache_dir>/<env_id>/<graph_key>.revision`` holds the highest revision of a signed record the
 client accepted for that graph key and environment (:meth:`DiskCache.accept_revision`), so that no process
@@ -59,8 +64,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..blobs.folder import FolderBlobs
 from ..environment import ENV_ID_PATTERN, Environment
-from ..errors import Reason, VerificationError
+from ..errors import IntegrityError, Reason, VerificationError
 from ..files import atomic_write
 from ..protocol import GRAPH_KEY_PATTERN, PlanRecord
 from ..validation import validation_message
@@ -69,6 +75,12 @@ log = logging.getLogger("plancache.client")
 
 _GRAPH_KEY = re.compile(GRAPH_KEY_PATTERN)
 _ENV_DIR = re.compile(ENV_ID_PATTERN)
+#: A blob file of the earlier layout, beside the records (see the module docstring).
+_OLD_BLOB = re.compile(r"^([0-9a-f]{64})\.blob$")
+#: In an environment folder: the folder of its blob store.
+BLOBS = "blobs"
+#: Suffix of a record file.
+RECORD_SUFFIX = ".json"
 #: In an environment folder: its modification time is when a process last opened or wrote the folder.
 USED_MARKER = ".used"
 #: Name prefix of the lock files of fetches (:meth:`DiskCache.fetch_lock`).
@@ -116,13 +128,15 @@ class FetchLock:
 
 
 class DiskCache:
-    """Plan records and blobs for one environment under ``root``; see the module docstring for the size cap
-    (``max_bytes``, 0 or None: none) and the folders of other environments (``max_age_days``)."""
+    """Plan records and blobs (:attr:`blobs`) for one environment under ``root``; see the module docstring for the
+    size cap (``max_bytes``, 0 or None: none) and the folders of other environments (``max_age_days``)."""
 
     def __init__(self, root: Path | str, environment: Environment, *, max_bytes: int | None = None,
                  max_age_days: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
         self.dir = self.root / environment.env_id
+        #: The blobs of this environment (created with the first write, never by a reader).
+        self.blobs = _blob_store(self.dir)
         self.max_bytes = max_bytes or None
         self.max_age_days = max_age_days or None
         self._clock = clock
@@ -135,10 +149,7 @@ class DiskCache:
     def _record_path(self, graph_key: str) -> Path:
         if not _GRAPH_KEY.match(graph_key):
             raise ValueError(f"graph key {graph_key[:80]!r} is not 64 lowercase hex characters")
-        return self.dir / f"{graph_key}.json"
-
-    def _blob_path(self, sha256: str) -> Path:
-        return self.dir / f"{sha256}.blob"  # PlanRecord validated the pattern: no path tricks
+        return self.dir / f"{graph_key}{RECORD_SUFFIX}"
 
     def _stored_revision(self, path: Path) -> int:
         try:
@@ -156,10 +167,10 @@ class DiskCache:
         """The highest revision this folder knows for ``graph_key``: accepted (:meth:`revision`) or of the record
         it holds; 0 for none."""
         try:
-            entry = self.load(graph_key)
+            record = self.record(graph_key)
         except VerificationError:
-            entry = None
-        return max(self.revision(graph_key), entry[0].revision if entry else 0)
+            record = None
+        return max(self.revision(graph_key), record.revision if record else 0)
 
     def accept_revision(self, graph_key: str, revision: int, *, background: bool = True) -> None:
         """Remember that a signed record (or withdrawal) of ``revision`` was accepted for ``graph_key`` (a higher one
@@ -222,35 +233,39 @@ class DiskCache:
             self._writer.shutdown(wait=True)
             self._writer = None
 
-    def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
-        """The stored record and blob for ``graph_key``, unverified; ``None`` when there is no whole entry
-        (one deleted under us by another process is a miss). Marks the entry used (see the size cap).
-
-        Raises :class:`VerificationError` (reason ``malformed``) for a record file that does not parse."""
+    def record(self, graph_key: str) -> PlanRecord | None:
+        """The stored record of ``graph_key``, unverified; None when there is none (or it cannot be read, logged).
+        Its blob is in :attr:`blobs`. Raises :class:`VerificationError` (reason ``malformed``) for a record file
+        that does not parse."""
         self.flush()
-        path = self._record_path(graph_key)
         try:
-            text = path.read_bytes()
+            text = self._record_path(graph_key).read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("plan cache: cannot read the record of %s: %s", graph_key[:12], exc)
             return None
         try:
-            record = PlanRecord.model_validate_json(text)
+            return PlanRecord.model_validate_json(text)
         except ValidationError as exc:
             raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} does not parse: "
-                                                 f"{validation_message(exc.errors(), 1)}") from None
-        blob_path = self._blob_path(record.blob_sha256)
-        try:
-            blob = blob_path.read_bytes()
-        except FileNotFoundError:
-            log.debug("plan cache: the blob of %s is gone (evicted); a miss", graph_key[:12])
+                                                      f"{validation_message(exc.errors(), 1)}") from None
+
+    def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
+        """The stored record (unverified) and its blob (checked against its name by :attr:`blobs`) for
+        ``graph_key``; None when there is no whole entry (one deleted under us by another process is a miss, a
+        damaged blob is missing). Marks the entry used (:meth:`touch`). Raises as :meth:`record` does."""
+        record = self.record(graph_key)
+        if record is None:
             return None
+        try:
+            blob = self.blobs.get(record.blob_sha256)
         except OSError as exc:
             log.warning("plan cache: cannot read the blob of %s (%s); ignoring the entry", graph_key[:12], exc)
             return None
-        self._touch(blob_path, path)
+        if blob is None:
+            return None
+        self.touch(record)
         return record, blob
 
     def fetch_lock(self, graph_keys: Iterable[str], timeout: float) -> FetchLock | None:
@@ -285,9 +300,10 @@ class DiskCache:
             os.utime(fd)  # in use: not stale for the scan
         return FetchLock(fd, waited)
 
-    def _touch(self, *paths: Path) -> None:
-        """Mark files used now (least recently used eviction); a read-only cache stays as it is."""
-        for path in paths:
+    def touch(self, record: PlanRecord) -> None:
+        """Mark the entry of ``record`` (its record and blob files) used now, for the least recently used eviction;
+        a read-only cache stays as it is."""
+        for path in (self._record_path(record.graph_key), self.blobs.path(record.blob_sha256)):
             with contextlib.suppress(OSError):
                 os.utime(path)
 
@@ -299,8 +315,11 @@ class DiskCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             record_json = record.model_dump_json().encode()
-            atomic_write(self._blob_path(record.blob_sha256), blob)
+            self.blobs.put(record.blob_sha256, blob)
             atomic_write(self._record_path(record.graph_key), record_json)
+        except IntegrityError as exc:
+            log.warning("plan cache: not writing the plan %s: %s", record.graph_key[:12], exc)
+            return False
         except OSError as exc:
             log.warning("plan cache: cannot write %s: %s", self.dir, exc)
             return False
@@ -323,7 +342,7 @@ class DiskCache:
         _unlink(self._record_path(graph_key))
         _unlink(self._record_path(graph_key).with_suffix(CHECKED_SUFFIX))
         if sha256:
-            _unlink(self._blob_path(sha256))
+            _unlink(self.blobs.path(sha256))
 
     # ------------------------------------------------------------ housekeeping
 
@@ -348,8 +367,13 @@ class DiskCache:
             return []
 
     def _files(self) -> list[tuple[float, int, Path]]:
-        """``(last use, size, path)`` of every entry file under root; crashed writers' temporary files are deleted."""
+        """``(last use, size, path)`` of every record and blob file under root; crashed writers' temporary files and
+        unused fetch locks are deleted."""
         now, files = self._clock(), []
+
+        def stale(mtime: float) -> bool:
+            return now - mtime > STALE_TEMP_SECONDS
+
         for folder in self._env_dirs():
             try:
                 entries = list(os.scandir(folder))
@@ -362,10 +386,19 @@ class DiskCache:
                     continue  # deleted meanwhile
                 path = Path(entry.path)
                 if entry.name.startswith(".") and entry.name.endswith((".tmp", ".lock")):
-                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                    if stale(st.st_mtime):
                         _unlink(path)
-                elif entry.name.endswith((".json", ".blob")) and entry.is_file(follow_symlinks=False):
+                elif entry.name.endswith(RECORD_SUFFIX) and entry.is_file(follow_symlinks=False):
                     files.append((st.st_mtime, st.st_size, path))
+            try:
+                stored = list(_blob_store(folder).files())
+            except OSError:
+                continue
+            for f in stored:
+                if not f.temporary:
+                    files.append((f.mtime, f.size, f.path))
+                elif stale(f.mtime):
+                    _unlink(f.path)
         return files
 
     def size(self) -> int:
@@ -377,7 +410,7 @@ class DiskCache:
         returns the bytes this call deleted."""
         if self.max_bytes is None:
             return 0
-        files = sorted(self._files(), key=lambda f: (f[0], f[2].suffix != ".json"))  # a record before its blob
+        files = sorted(self._files(), key=lambda f: (f[0], f[2].suffix != RECORD_SUFFIX))  # a record before its blob
         total = sum(size for _, size, _ in files)
         target, freed = int(self.max_bytes * LOW_WATER), 0
         for _, size, path in files:
@@ -402,6 +435,7 @@ class DiskCache:
     def _sweep(self) -> list[Path]:
         with contextlib.suppress(OSError):  # no folder for this environment yet, or a read-only cache
             self._mark_used()
+            self._move_old_blobs()
         if self.max_age_days is None:
             return []
         oldest = self._clock() - self.max_age_days * 86400.0
@@ -419,3 +453,27 @@ class DiskCache:
                 dropped.append(folder)
                 log.info("plan cache: dropped %s, an environment unused for over %g days", folder, self.max_age_days)
         return dropped
+
+    def _move_old_blobs(self) -> None:
+        """Move the blob files of the earlier layout into :attr:`blobs` (see the module docstring)."""
+        with os.scandir(self.dir) as entries:
+            old = [(e, m[1]) for e in entries if (m := _OLD_BLOB.match(e.name)) and e.is_file(follow_symlinks=False)]
+        for entry, sha256 in old:
+            path = Path(entry.path)
+            try:
+                st = entry.stat(follow_symlinks=False)
+                with path.open("rb") as fh:
+                    self.blobs.put(sha256, fh)
+                os.utime(self.blobs.path(sha256), ns=(st.st_atime_ns, st.st_mtime_ns))
+            except FileNotFoundError:
+                continue  # another process moved it meanwhile
+            except IntegrityError as exc:
+                log.warning("plan cache: dropped %s, a damaged blob: %s", path, exc)
+            path.unlink(missing_ok=True)
+        if old:
+            log.info("plan cache: moved %d blobs of %s into %s", len(old), self.dir, self.blobs.root)
+
+
+def _blob_store(folder: Path) -> FolderBlobs:
+    """The blob store of an environment folder: owner-only files, its folder made by the first write."""
+    return FolderBlobs(folder / BLOBS, mode=0o600, create=False)

@@ -30,7 +30,10 @@ The server is asked once per load (one ``plan``/``prefetch``) and all of it — 
 registrations — must be done within ``request_deadline`` seconds; every answer is read with a size limit
 (:mod:`plancache.client.remote`). Past either, the server counts as failed for that load and its breaker opens.
 
-A new step is one :class:`Step` subclass and one entry in :data:`LADDER` (or in ``ClientConfig.steps``).
+A new step is one :class:`Step` subclass and one entry in :data:`LADDER` (or in ``ClientConfig.steps``); a step
+sees only its cache's :class:`LoadContext` (verify, deserialize, counters, the disk cache, the remote). A step that
+serves stored plans reads a record, then its blob from a :class:`~plancache.blobs.BlobReader` (:meth:`Step.read`,
+checked against its name as it is read), then admits it (:meth:`Step.admit`).
 
 A shape family (the same graph with other dims) shares one cuDNN kernel cache, so the heuristic
 build of a further shape of a family reuses the kernels compiled for the first.
@@ -56,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import SPEC_SCHEMA_VERSION
 from ..canonical import canonical_json
-from ..errors import PlanCacheError, PlanMiss, Reason, ServerUnavailable, VerificationError
+from ..errors import IntegrityError, PlanCacheError, PlanMiss, Reason, ServerUnavailable, VerificationError
 from ..verify import verify_blob
 from .backend import Backend, BuiltPlanLike
 from .plan import Plan
@@ -64,13 +67,15 @@ from .plan import Plan
 if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module (plancache.client's docstring)
     import httpx
 
+    from ..blobs import BlobReader
     from ..environment import Environment
     from ..protocol import MissReason, PlanRecord, ResolvedPlan
     from ..settings import ClientSettings
     from ..signing import TrustedKeys
     from ..spec import GraphSpec
-    from .cache import FetchLock
+    from .cache import DiskCache, FetchLock
     from .remote import Remote
+    from .revalidate import Revalidator
 
 log = logging.getLogger("plancache.client")
 
@@ -146,29 +151,33 @@ class Pending:
 
 
 class Step(ABC):
-    """One rung of the ladder, made per cache as ``step(cache)``. :meth:`resolve` gets the loads still pending,
-    in order, and returns the plans it found; for a load it passes on it notes why (:meth:`Pending.note`) and may
-    leave an authentic record for a later step (:meth:`learn`)."""
+    """One rung of the ladder, made per cache as ``step(context)`` (:class:`LoadContext`). :meth:`resolve` gets the
+    loads still pending, in order, and returns the plans it found; for a load it passes on it notes why
+    (:meth:`Pending.note`) and may leave an authentic record for a later step (:meth:`learn`). :meth:`finish` runs
+    after each load, whatever happened."""
 
     name: str  # key of stats().hits and fallbacks, Plan.source, prefix of its PlanMiss notes
     builds: Builds
     counts_fallbacks = True  # a load it passes on counts in stats().fallbacks[name]
 
-    def __init__(self, cache: PlanCache) -> None:
-        self.cache = cache
+    def __init__(self, context: LoadContext) -> None:
+        self.context = context
 
     @abstractmethod
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
         """The plans found for loads of ``batch``."""
 
+    def finish(self) -> None:  # noqa: B027 - a hook: most steps hold nothing across a load
+        """Called once the load is over (the ladder's lock still held); nothing by default."""
+
     def wrap(self, p: Pending, built: BuiltPlanLike) -> Plan:
         """``built`` as a :class:`Plan` from this step."""
-        c = self.cache
-        return Plan(p.spec, p.key, built, c._backend, source=str(self.name), lock=c._handle_lock)
+        c = self.context
+        return Plan(p.spec, p.key, built, c.backend, source=str(self.name), lock=c.handle_lock)
 
     def reject(self, p: Pending, reason: Reason, message: str) -> None:
         """Count, note and log a refused blob."""
-        _bump(self.cache._stats.rejects, reason)
+        _bump(self.context.stats.rejects, reason)
         p.refused = reason
         p.note(self.name, f"rejected ({reason})")
         log.warning("plancache: rejected the %s plan %s (%s): %s", self.name, p.key[:12], reason, message)
@@ -176,15 +185,32 @@ class Step(ABC):
     def learn(self, p: Pending, record: PlanRecord) -> None:
         """Keep ``record`` for the rebuild step when it is authentic (its signature verified by a trusted key),
         whatever its blob."""
-        if self.cache._authentic(record, p.key):
+        if self.context.authentic(record, p.key):
             p.record = record
+
+    def read(self, p: Pending, record: PlanRecord, blobs: BlobReader) -> bytes | None:
+        """The blob of ``record`` from ``blobs``, checked against its name as it is read; None when absent (noted)
+        or damaged (refused as :meth:`admit` refuses it: ``size`` when its length is not the record's, else
+        ``sha256``)."""
+        stream = blobs.open(record.blob_sha256)
+        if stream is None:
+            p.note(self.name, "no blob")
+            return None
+        with stream:
+            try:
+                return stream.read()
+            except IntegrityError as exc:
+                reason = Reason.SIZE if stream.size != record.blob_size else Reason.SHA256
+                self.reject(p, reason, f"plan {p.key[:12]}: {exc.message}")
+        self.learn(p, record)
+        return None
 
     def admit(self, p: Pending, record: PlanRecord, blob: bytes) -> Plan | None:
         """Verify, then deserialize (a warm load: keep, see :class:`Kept`); None when refused (counted, and an
         authentic record is learned)."""
-        c = self.cache
+        c = self.context
         try:
-            c._verify(record, blob, p.key)
+            c.verify(record, blob, p.key)
         except VerificationError as exc:
             self.reject(p, exc.reason, exc.message)
             if exc.reason in ("size", "sha256"):
@@ -192,14 +218,14 @@ class Step(ABC):
             return None
         t0 = time.perf_counter()
         try:
-            built = Kept(record) if p.warm else c._deserialize(p, record, blob)
+            built = Kept(record) if p.warm else c.deserialize(p, record, blob)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
             self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
             self.learn(p, record)
             return None
         finally:
-            c._stats.deserialize_seconds += time.perf_counter() - t0
-        c._verified[p.key] = (record, blob)
+            c.stats.deserialize_seconds += time.perf_counter() - t0
+        c.verified[p.key] = (record, blob)
         if c.signatures_checked:  # the revision of a signed record only: an unsigned one may say anything
             c.disk.accept_revision(p.key, record.revision)
         return self.wrap(p, built)
@@ -228,57 +254,70 @@ class MemoryStep(Step):
     counts_fallbacks = False
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        c = self.cache
+        c = self.context
         found: dict[Pending, Plan] = {}
         for p in batch:
-            if p.graph is None and (plan := c._memory.get(p.key)) is not None:
+            if p.graph is None and (plan := c.memory.get(p.key)) is not None:
                 found[p] = plan
-            elif (held := c._verified.get(p.key)) is not None:
-                found[p] = self.wrap(p, c._deserialize(p, *held))
+            elif (held := c.verified.get(p.key)) is not None:
+                found[p] = self.wrap(p, c.deserialize(p, *held))
         return found
 
 
 class DiskStep(Step):
-    """The local disk cache; an entry is verified like a server blob, and a bad one is dropped."""
+    """The local disk cache: a record from its folder, the blob from its blob store (:meth:`Step.read`), verified
+    like a server blob; a bad entry is dropped."""
 
     name = StepName.DISK
     builds = Builds.NOTHING
+
+    def __init__(self, context: LoadContext) -> None:
+        super().__init__(context)
+        self._fetch_lock: FetchLock | None = None  # this host's turn to fetch the load's missing keys
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
         """The entries on disk; for the rest, when they would be fetched and saved here, the host's turn to fetch
         them (:meth:`~plancache.client.cache.DiskCache.fetch_lock`): held through the server step, or, when another
         process held it, what that process wrote."""
         found = self._read(batch)
-        c, left = self.cache, [p for p in batch if p not in found]
-        if left and c._remote is not None and c.signatures_checked:
+        c, left = self.context, [p for p in batch if p not in found]
+        if left and c.remote is not None and c.signatures_checked:
             lock = c.disk.fetch_lock([p.key for p in left], c.request_deadline)
             if lock is not None and lock.waited:
                 lock.release()
                 found.update(self._read(left))
             else:
-                c._fetch_lock = lock  # released after this load's disk writes (PlanCache._load_many)
+                self._fetch_lock = lock  # released by finish(), after this load's disk writes
         return found
 
+    def finish(self) -> None:
+        """Release the host's turn to fetch once the plans fetched are written: the processes waiting read them."""
+        if self._fetch_lock is not None:
+            self.context.disk.later(self._fetch_lock.release)
+            self._fetch_lock = None
+
     def _read(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        disk, revalidator = self.cache.disk, self.cache._revalidator
+        disk, revalidator = self.context.disk, self.context.revalidator
         found: dict[Pending, Plan] = {}
         due: list[str] = []
         for p in batch:
             try:
-                entry = disk.load(p.key)
+                record = disk.record(p.key)
             except VerificationError as exc:
                 self.reject(p, exc.reason, exc.message)
                 disk.discard(p.key)
                 continue
-            if entry is None:
+            if record is None:
                 p.note(self.name, "no entry")
                 continue
-            record, blob = entry
-            if (plan := self.admit(p, record, blob)) is not None:
+            p.refused = None  # from here: this entry's refusal, if any
+            blob = self.read(p, record, disk.blobs)
+            if blob is not None and (plan := self.admit(p, record, blob)) is not None:
                 found[p] = plan
+                disk.touch(record)
                 if revalidator.due(p.key):
                     due.append(p.key)
-            elif p.refused != Reason.NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
+            elif p.refused not in (None, Reason.NO_TRUSTED_KEYS):  # refused for want of keys: the entry not judged
                 disk.discard(p.key, record.blob_sha256)
         revalidator.schedule(due)  # in the background, after this load
         return found
@@ -298,18 +337,18 @@ class ServerStep(Step):
     name = StepName.SERVER
     builds = Builds.NOTHING
 
-    def __init__(self, cache: PlanCache) -> None:
-        super().__init__(cache)
-        self.counts_fallbacks = cache._remote is not None
+    def __init__(self, context: LoadContext) -> None:
+        super().__init__(context)
+        self.counts_fallbacks = context.remote is not None
         self._reported: set[str] = set()
         self._may_register = True
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        if self.cache._remote is None:
+        if self.context.remote is None:
             for p in batch:
                 p.note(self.name, "none configured")
             return {}
-        deadline = time.monotonic() + self.cache.request_deadline
+        deadline = time.monotonic() + self.context.request_deadline
         specs = {p.key: p.spec for p in batch}
         answers, missing = self._ask(specs, deadline)
         reasons = self._explain([k for k in missing if k in specs], deadline)
@@ -321,11 +360,11 @@ class ServerStep(Step):
             elif p.key not in answers:
                 reason = reasons.get(p.key)
                 p.note(self.name, f"no plan: {reason.message}" if reason else "no plan for this environment")
-                _bump(self.cache._stats.miss_reasons, reason.reason if reason else "unexplained")
+                _bump(self.context.stats.miss_reasons, reason.reason if reason else "unexplained")
                 if reason is not None and reason.withdrawal is not None:
                     from .revalidate import apply_withdrawal
 
-                    apply_withdrawal(self.cache, p.key, reason.withdrawal)
+                    apply_withdrawal(self.context, p.key, reason.withdrawal)
             elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
                 found[p] = plan
         for key in missing:
@@ -344,7 +383,7 @@ class ServerStep(Step):
                 blobs[p] = self._inline(p, answer)
                 continue
             try:  # the record alone first: no download for a record that cannot be admitted anyway
-                self.cache._verify(answer.record, None, p.key)
+                self.context.verify(answer.record, None, p.key)
             except VerificationError as exc:
                 self.reject(p, exc.reason, exc.message)
                 blobs[p] = None
@@ -356,7 +395,7 @@ class ServerStep(Step):
 
         with ThreadPoolExecutor(min(FETCH_THREADS, len(downloads)), thread_name_prefix="plancache-blob") as pool:
             results = list(pool.map(lambda d: self._download(d[1], deadline), downloads))
-        stats = self.cache._stats
+        stats = self.context.stats
         for (p, answer), (blob, source, fell_back) in zip(downloads, results, strict=True):
             stats.presigned_fallbacks += fell_back
             if isinstance(blob, PlanCacheError):
@@ -379,7 +418,7 @@ class ServerStep(Step):
             self.reject(p, Reason.MALFORMED, str(exc))
             self.learn(p, answer.record)
             return None
-        _bump(self.cache._stats.blob_sources, "inline")
+        _bump(self.context.stats.blob_sources, "inline")
         return blob
 
     def _download(self, answer: ResolvedPlan, deadline: float) -> tuple[bytes | PlanCacheError, str, bool]:
@@ -403,18 +442,18 @@ class ServerStep(Step):
     def _take(self, p: Pending, answer: ResolvedPlan, blob: bytes | None) -> Plan | None:
         if blob is None:  # refused or not downloaded, and noted so
             return None
-        c, record = self.cache, answer.record
+        c, record = self.context, answer.record
         plan = self.admit(p, record, blob)
         if plan is not None and c.signatures_checked:  # an unsigned plan is used, never kept
             c.disk.later(partial(c.disk.save, checked=True), record, blob)  # written after the plans are ready
         return plan
 
     def _remote(self) -> Remote:
-        assert self.cache._remote is not None
-        return self.cache._remote
+        assert self.context.remote is not None
+        return self.context.remote
 
     def _count_failure(self, exc: PlanCacheError) -> None:
-        stats = self.cache._stats
+        stats = self.context.stats
         if isinstance(exc, ServerUnavailable) and exc.skipped:
             stats.remote_skipped += 1
         else:
@@ -424,7 +463,7 @@ class ServerStep(Step):
     def _ask(self, specs: dict[str, GraphSpec], deadline: float) -> tuple[dict[str, ResolvedPlan] | None, list[str]]:
         """One resolve for all keys of ``specs``: the plans (None: no answer) and the keys the server misses.
         Without a way to check signatures, only records are asked for (they are refused all the same)."""
-        c = self.cache
+        c = self.context
         try:
             resp = self._remote().resolve(c.environment, list(specs), include_blobs=c.signatures_checked or
                                           c.insecure_allow_unsigned, deadline=deadline)
@@ -438,7 +477,7 @@ class ServerStep(Step):
         if not keys or time.monotonic() >= deadline:
             return {}
         try:
-            return self._remote().explain(self.cache.environment, keys, deadline=deadline)
+            return self._remote().explain(self.context.environment, keys, deadline=deadline)
         except PlanCacheError as exc:
             log.debug("plancache: the server did not explain its misses: %s", exc.message)
             return {}
@@ -478,16 +517,16 @@ class RebuildStep(Step):
         return found
 
     def _rebuild(self, p: Pending, record: PlanRecord) -> Plan | None:
-        c, t0 = self.cache, time.perf_counter()
+        c, t0 = self.context, time.perf_counter()
         try:
-            with c._handle_lock:
-                built = c._backend.build_engine_config(p.spec, record.engine_id, record.knobs, graph=p.graph)
+            with c.handle_lock:
+                built = c.backend.build_engine_config(p.spec, record.engine_id, record.knobs, graph=p.graph)
         except Exception as exc:  # noqa: BLE001 - the recorded config may not build here; the next rung decides
             p.note(self.name, f"engine {record.engine_id} failed ({type(exc).__name__})")
             log.warning("plancache: rebuilding engine %s of %s failed: %s", record.engine_id, p.key[:12], exc)
             return None
         finally:
-            c._stats.build_seconds += time.perf_counter() - t0
+            c.stats.build_seconds += time.perf_counter() - t0
         return self.wrap(p, built)
 
 
@@ -498,8 +537,8 @@ class HeuristicStep(Step):
     name = StepName.HEURISTIC
     builds = Builds.HEURISTIC
 
-    def __init__(self, cache: PlanCache) -> None:
-        super().__init__(cache)
+    def __init__(self, context: LoadContext) -> None:
+        super().__init__(context)
         self.kernel_caches: dict[str, Any] = {}
         self.static_families: set[str] = set()  # families whose dynamic-shape build failed
 
@@ -507,29 +546,29 @@ class HeuristicStep(Step):
         return {p: self._build(p) for p in batch}
 
     def _build(self, p: Pending) -> Plan:
-        c, family = self.cache, family_key(p.spec)
+        c, family = self.context, family_key(p.spec)
         t0 = time.perf_counter()
         try:
-            with c._handle_lock:
+            with c.handle_lock:
                 if p.graph is not None:
-                    return self.wrap(p, c._backend.build_heuristic(p.spec, None, graph=p.graph))
+                    return self.wrap(p, c.backend.build_heuristic(p.spec, None, graph=p.graph))
                 if family not in self.static_families:
                     try:
                         kc = self.kernel_caches.get(family)
                         if kc is None:
-                            kc = self.kernel_caches[family] = c._backend.create_kernel_cache()
-                        return self.wrap(p, c._backend.build_heuristic(p.spec, kc))
+                            kc = self.kernel_caches[family] = c.backend.create_kernel_cache()
+                        return self.wrap(p, c.backend.build_heuristic(p.spec, kc))
                     except Exception as exc:  # noqa: BLE001 - dynamic shapes unsupported for this graph
                         log.info("plancache: dynamic-shape build of %s failed (%s: %s); building its family statically",
                                  p.key[:12], type(exc).__name__, exc)
                         self.static_families.add(family)
                         self.kernel_caches.pop(family, None)
-                return self.wrap(p, c._backend.build_heuristic(p.spec, None))
+                return self.wrap(p, c.backend.build_heuristic(p.spec, None))
         finally:
-            c._stats.build_seconds += time.perf_counter() - t0
+            c.stats.build_seconds += time.perf_counter() - t0
 
 
-StepFactory = Callable[["PlanCache"], Step]
+StepFactory = Callable[["LoadContext"], Step]
 #: The ladder, in order; a mode keeps the steps it allows.
 LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, ServerStep, RebuildStep, HeuristicStep)
 
@@ -621,6 +660,73 @@ class ClientStats:
         return asdict(self)
 
 
+@dataclass(eq=False)
+class LoadContext:
+    """All that the ladder's steps, and the revalidation of disk entries, use of their :class:`PlanCache` (one per
+    cache; a step is made as ``step(context)``).
+
+    :meth:`verify` checks a plan against ``environment``, ``trusted_keys`` (``insecure_allow_unsigned``: normal mode
+    without keys admits unsigned plans) and the revisions ``disk`` accepted; :meth:`deserialize` loads one on
+    ``backend``, holding ``handle_lock`` (the cuDNN handle, also held by builds and executions). ``stats``: the
+    counters, guarded by ``lock`` (held by the ladder; :meth:`count` takes it off the ladder's thread). ``disk``: the
+    disk cache; ``remote``: the server (None: none), each load's exchange within ``request_deadline`` seconds.
+    ``memory``: the plans loaded, ``verified``: the blobs admitted (for the callers' own graphs), by graph key.
+    ``revalidator`` asks the server about entries loaded from disk last confirmed ``revalidate_seconds`` ago."""
+
+    environment: Environment
+    trusted_keys: TrustedKeys
+    insecure_allow_unsigned: bool
+    backend: Backend
+    disk: DiskCache
+    remote: Remote | None
+    request_deadline: float
+    revalidate_seconds: float
+    stats: ClientStats = field(default_factory=ClientStats)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    handle_lock: threading.Lock = field(default_factory=threading.Lock)
+    memory: dict[str, Plan] = field(default_factory=dict)
+    verified: dict[str, tuple[PlanRecord, bytes]] = field(default_factory=dict)
+    revalidator: Revalidator = field(init=False)
+
+    def __post_init__(self) -> None:
+        from .revalidate import Revalidator
+
+        self.revalidator = Revalidator(self, self.revalidate_seconds)
+
+    @property
+    def signatures_checked(self) -> bool:
+        """Whether trusted keys are configured, so that a plan's signature can be verified."""
+        return len(self.trusted_keys) > 0
+
+    def verify(self, record: PlanRecord, blob: bytes | None, key: str, *, signed: bool | None = None) -> None:
+        """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone. A signature
+        by a trusted key is required (``signed``, default: unless unsigned plans are allowed); without trusted
+        keys that fails with ``no_trusted_keys``. The revision must not be below the highest one accepted."""
+        verify_blob(record, blob, what=f"plan {key[:12]}", trusted=self.trusted_keys, graph_key=key,
+                    environment=self.environment,
+                    require_signature=not self.insecure_allow_unsigned if signed is None else signed,
+                    min_revision=self.disk.revision(key))
+
+    def authentic(self, record: PlanRecord, key: str) -> bool:
+        """The record's signature verifies by a trusted key and it is meant for this graph and GPU, whatever its
+        blob: only such a record's ``(engine_id, knobs)`` may be rebuilt."""
+        try:
+            self.verify(record, None, key, signed=True)
+        except VerificationError:
+            return False
+        return True
+
+    def deserialize(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike:
+        with self.handle_lock:
+            return self.backend.deserialize(p.spec, blob, engine_id=record.engine_id, knobs=record.knobs,
+                                            plan_name=record.plan_name, graph=p.graph)
+
+    def count(self, counter: str, key: str) -> None:
+        """Add one to ``stats.<counter>[key]`` from any thread."""
+        with self.lock:
+            _bump(getattr(self.stats, counter), key)
+
+
 def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> TrustedKeys:
     from ..signing import TrustedKeys
 
@@ -647,7 +753,6 @@ class PlanCache:
         from ..settings import ClientSettings
         from .cache import DiskCache
         from .remote import Remote
-        from .revalidate import Revalidator
 
         if not isinstance(config, ClientConfig):
             config = ClientConfig(**{"server_url": config, **options})
@@ -687,18 +792,16 @@ class PlanCache:
                               max_age_days=settings.cache_max_age_days)
         self.disk.sweep()
         revalidate = config.revalidate_seconds
-        self._revalidator = Revalidator(self, settings.revalidate_seconds if revalidate is None else revalidate)
-        self._lock = threading.RLock()      # the ladder's state
-        self._handle_lock = threading.Lock()  # the cuDNN handle: builds, loads and executions
-        self._memory: dict[str, Plan] = {}
-        self._fetch_lock: FetchLock | None = None  # this host's turn to fetch the load's missing keys (DiskStep)
-        self._verified: dict[str, tuple[PlanRecord, bytes]] = {}  # admitted blobs, for the callers' own graphs
-        self._stats = ClientStats()
+        #: What the ladder's steps see of this cache.
+        self.context = LoadContext(self.environment, self.trusted_keys, self.insecure_allow_unsigned, backend,
+                                   self.disk, self._remote, self.request_deadline,
+                                   settings.revalidate_seconds if revalidate is None else revalidate)
         self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
         self._memory_hits_lock = threading.Lock()
         allowed = MODE_STEPS[self.mode]
         #: The ladder of this cache: ``config.steps`` the mode allows, in order.
-        self.steps: list[Step] = [step for step in (make(self) for make in config.steps) if step.builds in allowed]
+        self.steps: list[Step] = [step for step in (make(self.context) for make in config.steps)
+                                  if step.builds in allowed]
 
     @property
     def signatures_checked(self) -> bool:
@@ -740,7 +843,7 @@ class PlanCache:
         """A ready plan for a spec or a caller's pygraph (see the module docstring for the ladder and the modes)."""
         p = self._pending(spec)
         if p.graph is None:
-            plan = self._memory.get(p.key)  # no waiting on the ladder lock while another thread builds
+            plan = self.context.memory.get(p.key)  # no waiting on the ladder lock while another thread builds
             if plan is not None:
                 with self._memory_hits_lock:
                     self._memory_hits += 1
@@ -784,10 +887,10 @@ class PlanCache:
         from ..spec import graph_key, parse_spec
 
         wanted = {graph_key(s): s for s in map(parse_spec, specs)}
-        batch = [Pending(key, spec, None, warm=True) for key, spec in wanted.items() if key not in self._verified]
+        batch = [Pending(key, spec, None, warm=True) for key, spec in wanted.items() if key not in self.context.verified]
         if batch:
             self._load_many(batch, frozenset({Builds.NOTHING}))
-        return [key for key in wanted if key in self._verified]
+        return [key for key in wanted if key in self.context.verified]
 
     def serve(self, graph: Any, spec: GraphSpec) -> Plan | None:
         """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its
@@ -807,8 +910,7 @@ class PlanCache:
 
     def count_fe_build(self, reason: str) -> None:
         """Count a graph of the process that FE built itself, by why (``stats().fe_builds``)."""
-        with self._lock:
-            _bump(self._stats.fe_builds, reason)
+        self.context.count("fe_builds", reason)
 
     def _pending(self, obj: SpecLike) -> Pending:
         from ..spec import from_pygraph, graph_key, is_pygraph, parse_spec
@@ -822,8 +924,8 @@ class PlanCache:
 
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
-        with self._lock, self._memory_hits_lock:
-            s = self._stats
+        with self.context.lock, self._memory_hits_lock:
+            s = self.context.stats
             hits = dict(s.hits)
             if self._memory_hits:
                 _bump(hits, StepName.MEMORY.value, self._memory_hits)
@@ -835,7 +937,7 @@ class PlanCache:
     def close(self) -> None:
         """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, and close the
         connection to the server."""
-        self._revalidator.join(self.request_deadline)
+        self.context.revalidator.join(self.request_deadline)
         self.disk.close()
         if self._remote is not None:
             self._remote.close()
@@ -851,8 +953,8 @@ class PlanCache:
     def _load_many(self, batch: list[Pending], builds: frozenset[Builds] | None = None) -> list[Plan | PlanMiss]:
         """Each step in turn (those that build what ``builds`` allows, default all) for the loads still pending;
         results in the order of ``batch``."""
-        t0 = time.perf_counter()
-        with self._lock:
+        t0, c = time.perf_counter(), self.context
+        with c.lock:
             try:
                 plans: dict[Pending, Plan] = {}
                 left = batch
@@ -864,21 +966,20 @@ class PlanCache:
                     name, found = str(step.name), step.resolve(left)
                     for p, plan in found.items():
                         if p.graph is None and not p.warm:  # a plan in a caller's own graph is that caller's alone
-                            self._memory[p.key] = plan
-                        _bump(self._stats.hits, name)
+                            c.memory[p.key] = plan
+                        _bump(c.stats.hits, name)
                     plans.update(found)
                     left = [p for p in left if p not in found]
                     if step.builds is not Builds.NOTHING:  # a miss: built, not served
-                        self._stats.misses += len(found)
+                        c.stats.misses += len(found)
                     if left and step.counts_fallbacks:
-                        _bump(self._stats.fallbacks, name, len(left))
-                self._stats.misses += len(left)
+                        _bump(c.stats.fallbacks, name, len(left))
+                c.stats.misses += len(left)
                 return [plans[p] if p in plans else self._miss(p) for p in batch]
             finally:
-                if self._fetch_lock is not None:  # after the plans fetched are written: the processes waiting read them
-                    self.disk.later(self._fetch_lock.release)
-                    self._fetch_lock = None
-                self._stats.load_seconds += time.perf_counter() - t0
+                for step in self.steps:
+                    step.finish()
+                c.stats.load_seconds += time.perf_counter() - t0
 
     def _miss(self, p: Pending) -> PlanMiss:
         hint = "" if self.signatures_checked else (
@@ -886,26 +987,3 @@ class PlanCache:
             "(PLANCACHE_TRUSTED_KEYS or trusted_keys=)")
         return PlanMiss(f"no verified tuned plan for {p.spec.name or 'graph'} ({p.key}) on "
                         f"{self.environment.describe()} ({self.mode} mode): {'; '.join(p.trail)}{hint}")
-
-    def _deserialize(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike:
-        with self._handle_lock:
-            return self._backend.deserialize(p.spec, blob, engine_id=record.engine_id, knobs=record.knobs,
-                                             plan_name=record.plan_name, graph=p.graph)
-
-    def _verify(self, record: PlanRecord, blob: bytes | None, key: str, *, signed: bool | None = None) -> None:
-        """Every step of :func:`~plancache.verify.verify_blob`; with ``blob`` None, the record's alone. A signature
-        by a trusted key is required (``signed``, default: unless unsigned plans are allowed); without trusted
-        keys that fails with ``no_trusted_keys``. The revision must not be below the highest one accepted."""
-        verify_blob(record, blob, what=f"plan {key[:12]}", trusted=self.trusted_keys, graph_key=key,
-                    environment=self.environment,
-                    require_signature=not self.insecure_allow_unsigned if signed is None else signed,
-                    min_revision=self.disk.revision(key))
-
-    def _authentic(self, record: PlanRecord, key: str) -> bool:
-        """The record's signature verifies by a trusted key and it is meant for this graph and GPU, whatever its
-        blob: only such a record's ``(engine_id, knobs)`` may be rebuilt."""
-        try:
-            self._verify(record, None, key, signed=True)
-        except VerificationError:
-            return False
-        return True

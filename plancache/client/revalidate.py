@@ -29,7 +29,7 @@ from ..protocol import MissReason, PlanRecord, Withdrawal
 from ..verify import verify_withdrawal
 
 if TYPE_CHECKING:
-    from .core import PlanCache
+    from .core import LoadContext
 
 log = logging.getLogger("plancache.client")
 
@@ -37,52 +37,46 @@ log = logging.getLogger("plancache.client")
 OUTCOMES: tuple[str, ...] = ("current", "replaced", "withdrawn", "kept", "failed")
 
 
-def _count(cache: PlanCache, counter: str, key: str) -> None:
-    with cache._lock:
-        bucket = getattr(cache._stats, counter)
-        bucket[key] = bucket.get(key, 0) + 1
-
-
-def apply_withdrawal(cache: PlanCache, key: str, withdrawal: Withdrawal) -> bool:
+def apply_withdrawal(context: LoadContext, key: str, withdrawal: Withdrawal) -> bool:
     """Act on a withdrawal of the plan of ``key`` the server gave: when it verifies (signed by a trusted key, for this
     graph and GPU) and its revision is above every revision the disk cache knows for the key, delete the entry and
     raise the revision floor to it. Counted in ``stats().withdrawals`` (``applied``, ``not_newer``, or the reason it was
     refused); returns whether it was applied."""
     what = f"withdrawal of plan {key[:12]}"
     try:
-        verify_withdrawal(withdrawal, what=what, trusted=cache.trusted_keys, graph_key=key,
-                          environment=cache.environment)
+        verify_withdrawal(withdrawal, what=what, trusted=context.trusted_keys, graph_key=key,
+                          environment=context.environment)
     except VerificationError as exc:
         log.warning("plancache: ignored the %s (%s): %s", what, exc.reason, exc.message)
-        _count(cache, "withdrawals", exc.reason)
+        context.count("withdrawals", exc.reason)
         return False
-    disk = cache.disk
+    disk = context.disk
     try:
-        entry = disk.load(key)
+        record = disk.record(key)
     except VerificationError:
-        entry = None
-    known = max(disk.revision(key), entry[0].revision if entry else 0)
+        record = None
+    known = max(disk.revision(key), record.revision if record else 0)
     if withdrawal.revision <= known:
         log.info("plancache: ignored the %s: its revision %d is not above revision %d known here", what,
                  withdrawal.revision, known)
-        _count(cache, "withdrawals", "not_newer")
+        context.count("withdrawals", "not_newer")
         return False
-    disk.discard(key, entry[0].blob_sha256 if entry else None)
+    disk.discard(key, record.blob_sha256 if record else None)
     disk.accept_revision(key, withdrawal.revision, background=False)
     log.warning("plancache: the plan %s for this GPU was withdrawn (revision %d): %s; it will not be loaded again",
                 key[:12], withdrawal.withdrawn_revision, withdrawal.reason)
-    _count(cache, "withdrawals", "applied")
+    context.count("withdrawals", "applied")
     return True
 
 
 class Revalidator:
-    """Asks the server about plans ``cache`` loaded from disk, on one background thread (see the module docstring).
-    ``max_age``: seconds since the server last confirmed an entry past which it is asked about."""
+    """Asks the server about plans loaded from ``context``'s disk cache, on one background thread (see the module
+    docstring). ``max_age``: seconds since the server last confirmed an entry past which it is asked about."""
 
-    def __init__(self, cache: PlanCache, max_age: float) -> None:
+    def __init__(self, context: LoadContext, max_age: float) -> None:
         if max_age < 0:
             raise ValueError("revalidate_seconds must be >= 0")
-        self.cache = cache
+        self.context = context
         self.max_age = max_age
         self._asked: set[str] = set()
         self._queue: list[str] = []
@@ -91,9 +85,9 @@ class Revalidator:
 
     def due(self, key: str) -> bool:
         """Whether the entry of ``key``, just loaded from disk, is to be asked about."""
-        if self.cache._remote is None or key in self._asked:
+        if self.context.remote is None or key in self._asked:
             return False
-        checked = self.cache.disk.checked_at(key)
+        checked = self.context.disk.checked_at(key)
         return checked is None or time.time() - checked >= self.max_age
 
     def schedule(self, keys: list[str]) -> None:
@@ -126,20 +120,20 @@ class Revalidator:
 
     def revalidate(self, keys: list[str]) -> None:
         """Ask the server about ``keys`` and act on the answers, within the cache's ``request_deadline``."""
-        c = self.cache
-        assert c._remote is not None
+        c = self.context
+        assert c.remote is not None
         deadline = time.monotonic() + c.request_deadline
         try:
-            answer = c._remote.resolve(c.environment, keys, include_blobs=False, deadline=deadline)
+            answer = c.remote.resolve(c.environment, keys, include_blobs=False, deadline=deadline)
         except PlanCacheError as exc:
             log.info("plancache: could not revalidate %d plans from the disk cache: %s", len(keys), exc.message)
             for _ in keys:
-                _count(c, "revalidations", "failed")
+                c.count("revalidations", "failed")
             return
         reasons: dict[str, MissReason] = {}
         if answer.missing:
             try:
-                reasons = c._remote.explain(c.environment, answer.missing, deadline=deadline)
+                reasons = c.remote.explain(c.environment, answer.missing, deadline=deadline)
             except PlanCacheError as exc:
                 log.info("plancache: the server did not say why it no longer has %d plans: %s", len(answer.missing),
                          exc.message)
@@ -151,18 +145,17 @@ class Revalidator:
                 outcome = "withdrawn" if apply_withdrawal(c, key, reason.withdrawal) else "kept"
             else:
                 outcome = "kept"
-            _count(c, "revalidations", outcome)
+            c.count("revalidations", outcome)
 
     def _compare(self, key: str, record: PlanRecord, deadline: float) -> str:
         """The server's record of ``key`` against the disk entry: confirm it, or replace it by a newer one."""
-        c = self.cache
+        c = self.context
         try:
-            entry = c.disk.load(key)
+            have = c.disk.record(key)
         except VerificationError:
-            entry = None
-        if entry is None:  # deleted meanwhile: the next load asks the server itself
+            have = None
+        if have is None:  # deleted meanwhile: the next load asks the server itself
             return "kept"
-        have = entry[0]
         if record.revision == have.revision and record.blob_sha256 == have.blob_sha256:
             c.disk.mark_checked(key)
             return "current"
@@ -170,14 +163,14 @@ class Revalidator:
             log.info("plancache: the server's plan %s has revision %d, older than the cached %d; kept the cached one",
                      key[:12], record.revision, have.revision)
             return "kept"
-        assert c._remote is not None
+        assert c.remote is not None
         try:
-            c._verify(record, None, key, signed=True)  # no download for a record that cannot be admitted
-            blob = c._remote.fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
-            c._verify(record, blob, key, signed=True)
+            c.verify(record, None, key, signed=True)  # no download for a record that cannot be admitted
+            blob = c.remote.fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
+            c.verify(record, blob, key, signed=True)
         except VerificationError as exc:
             log.warning("plancache: refused the server's newer plan %s (%s): %s", key[:12], exc.reason, exc.message)
-            _count(c, "rejects", exc.reason)
+            c.count("rejects", exc.reason)
             return "kept"
         except PlanCacheError as exc:
             log.info("plancache: could not fetch the newer plan %s: %s", key[:12], exc.message)

@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from plancache.blobs import FolderBlobs
 from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step, family_key
+from plancache.client.cache import BLOBS
 from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec
@@ -216,7 +218,7 @@ def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(s
     with client(srv, tmp_path, signer) as first:  # closing finishes the disk cache's background writes
         first.plan(CONV)
     folder = tmp_path / "cache" / H200.env_id
-    blob_file = next(folder.glob("*.blob"))
+    blob_file = blob_path(folder, hashlib.sha256(blob).hexdigest())
     data = bytearray(blob_file.read_bytes())
     data[3] ^= 0xFF
     blob_file.write_bytes(bytes(data))
@@ -433,7 +435,7 @@ def test_a_verified_blob_that_cudnn_refuses_falls_back_to_the_engine_config(srv,
     pc = client(srv, tmp_path, signer, backend=RecordingBackend(fail=("deserialize",)))
     assert pc.plan(CONV).source == "rebuild"
     assert pc.stats().rejects == {"deserialize": 1}
-    assert not list((tmp_path / "cache").rglob("*.blob"))
+    assert not blob_files(tmp_path / "cache")
     both = client(srv, tmp_path / "b", signer, backend=RecordingBackend(fail=("deserialize", "engine_config")))
     assert both.plan(CONV).source == "heuristic" and both.stats().fallbacks["rebuild"] == 1
 
@@ -484,8 +486,21 @@ def forged_server(srv: LiveServer, signer: Any, how: str) -> Wire:
     return wire
 
 
+def blob_path(folder: Path, sha256: str) -> Path:
+    """Where the disk cache's folder of an environment keeps blob ``sha256`` (its shard folders made)."""
+    path = FolderBlobs(folder / BLOBS, create=False).path(sha256)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def blob_files(cache_dir: Path) -> list[Path]:
+    return [p for p in cache_dir.glob(f"*/{BLOBS}/*/*/*") if p.is_file()]
+
+
 def cached_files(tmp_path: Path) -> list[str]:
-    return sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.suffix in (".json", ".blob"))
+    """The record and blob files of the disk cache under ``tmp_path``."""
+    cache_dir = tmp_path / "cache"
+    return sorted([p.name for p in cache_dir.glob("*/*.json")] + [p.name for p in blob_files(cache_dir)])
 
 
 @pytest.mark.parametrize("how", FORGERIES)
@@ -737,7 +752,7 @@ def test_an_older_signed_record_is_refused_once_a_newer_one_was_accepted(srv, tm
     assert replayed.stats().rejects == {"revision": 1}
 
     (folder / f"{key}.json").write_text(old.model_dump_json())  # the older plan put back in the disk cache
-    (folder / f"{old.blob_sha256}.blob").write_bytes(old_blob)
+    blob_path(folder, old.blob_sha256).write_bytes(old_blob)
     offline = client(None, tmp_path, signer)
     assert offline.plan(CONV).source == "heuristic" and offline._backend.deserialized == []
     assert offline.stats().rejects == {"revision": 1}

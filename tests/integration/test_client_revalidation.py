@@ -15,7 +15,7 @@ from plancache.errors import PlanMiss
 from plancache.protocol import Withdrawal
 from plancache.settings import Settings
 from tests.factories import H200, OTHER_GPU, make_meta, new_signer
-from tests.integration.test_client_ladder import CONV, SDPA, Wire, client, seed, signer, srv, wire  # noqa: F401
+from tests.integration.test_client_ladder import CONV, SDPA, Wire, blob_path, client, seed, signer, srv, wire  # noqa: F401
 
 KEY = CONV.graph_key
 
@@ -96,7 +96,7 @@ def test_a_withdrawn_plan_leaves_warm_hosts(srv, tmp_path, signer, wire):  # noq
     assert warm.stats().revalidations == {"withdrawn": 1} and warm.stats().withdrawals == {"applied": 1}
     assert wire.paths == {"/v1/plans/resolve": 1, "/v1/plans/explain": 1}
     folder = tmp_path / "cache" / H200.env_id
-    assert not (folder / f"{KEY}.json").exists() and not (folder / f"{record.blob_sha256}.blob").exists()
+    assert not (folder / f"{KEY}.json").exists() and not blob_path(folder, record.blob_sha256).exists()
     assert warm.disk.revision(KEY) == w.revision
 
     with client(srv, tmp_path, signer) as later:
@@ -108,7 +108,7 @@ def test_a_withdrawn_plan_leaves_warm_hosts(srv, tmp_path, signer, wire):  # noq
     assert strict.disk.revision(KEY) == w.revision  # a host that never had it learns the floor too
 
     (folder / f"{KEY}.json").write_text(record.model_dump_json())  # the withdrawn plan put back on disk
-    (folder / f"{record.blob_sha256}.blob").write_bytes(old_blob)
+    blob_path(folder, record.blob_sha256).write_bytes(old_blob)
     with client(None, tmp_path, signer) as offline:
         assert offline.plan(CONV).source == "heuristic" and offline.stats().rejects == {"revision": 1}
 

@@ -25,13 +25,17 @@ def plan_files(folder: Path) -> list[str]:
 
 
 def test_save_then_load_round_trips_under_the_environment_folder(tmp_path):
-    cache = DiskCache(tmp_path, H200)
+    cache = DiskCache(tmp_path / "cache", H200)
+    assert cache.load(KEY) is None and not (tmp_path / "cache").exists()  # a reader creates nothing
     record = make_record(KEY, H200, BLOB)
     assert cache.save(record, BLOB)
-    folder = tmp_path / H200.env_id
-    assert plan_files(folder) == sorted([f"{KEY}.json", f"{record.blob_sha256}.blob"])
+    folder = tmp_path / "cache" / H200.env_id
+    assert plan_files(folder) == sorted([f"{KEY}.json", "blobs"])
+    sha = record.blob_sha256
+    blob_file = folder / "blobs" / sha[:2] / sha[2:4] / sha
+    assert blob_file.read_bytes() == BLOB and blob_file.stat().st_mode & 0o777 == 0o600
     loaded, blob = cache.load(KEY)
-    assert loaded == record and blob == BLOB
+    assert loaded == record and blob == BLOB and cache.record(KEY) == record
     # Another environment sees nothing.
     assert DiskCache(tmp_path, OTHER_GPU).load(KEY) is None
 
@@ -41,8 +45,8 @@ def test_absent_entries_and_a_record_without_its_blob_are_misses(tmp_path):
     assert cache.load(KEY) is None
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
-    (tmp_path / H200.env_id / f"{record.blob_sha256}.blob").unlink()
-    assert cache.load(KEY) is None
+    cache.blobs.path(record.blob_sha256).unlink()
+    assert cache.load(KEY) is None and cache.record(KEY) == record
 
 
 def test_a_record_that_does_not_parse_is_malformed(tmp_path):
@@ -55,13 +59,15 @@ def test_a_record_that_does_not_parse_is_malformed(tmp_path):
     assert exc.value.reason == "malformed"
 
 
-def test_a_damaged_blob_is_returned_as_is_for_the_caller_to_verify(tmp_path):
+def test_a_damaged_blob_is_never_returned_and_the_next_save_replaces_it(tmp_path, caplog):
+    """The blob store hashes every read: a truncated or overwritten blob file is a miss (the ladder's disk step
+    counts it as a rejected blob, reason ``size`` or ``sha256``: tests/integration/test_client_ladder.py)."""
     cache = DiskCache(tmp_path, H200)
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
-    (tmp_path / H200.env_id / f"{record.blob_sha256}.blob").write_bytes(BLOB[:10])
-    _, blob = cache.load(KEY)
-    assert blob == BLOB[:10]
+    cache.blobs.path(record.blob_sha256).write_bytes(BLOB[:10])
+    assert cache.load(KEY) is None and "damaged" in caplog.text
+    assert cache.save(record, BLOB) and cache.load(KEY) == (record, BLOB)
 
 
 def test_discard_removes_the_record_and_the_blob(tmp_path):
@@ -69,7 +75,7 @@ def test_discard_removes_the_record_and_the_blob(tmp_path):
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
     cache.discard(KEY, record.blob_sha256)
-    assert plan_files(tmp_path / H200.env_id) == []
+    assert plan_files(tmp_path / H200.env_id) == ["blobs"] and list(cache.blobs.files()) == []
     cache.discard(KEY, record.blob_sha256)  # absent: no error
 
 
@@ -91,7 +97,7 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path, monkeypatch):
     # The old record is still whole and still points at its own (intact) blob; no temp files remain.
     record, blob = cache.load(KEY)
     assert record == old and blob == BLOB
-    assert not [p for p in (tmp_path / H200.env_id).iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in (tmp_path / H200.env_id).rglob("*.tmp")]
 
 
 def test_an_unwritable_folder_is_reported_not_raised(tmp_path):
@@ -125,7 +131,7 @@ def entry_bytes(cache: DiskCache, i: int) -> int:
 
 def set_last_use(cache: DiskCache, i: int, when: float) -> None:
     record, _ = cache.load(key(i))
-    for path in (cache.dir / f"{key(i)}.json", cache.dir / f"{record.blob_sha256}.blob"):
+    for path in (cache.dir / f"{key(i)}.json", cache.blobs.path(record.blob_sha256)):
         os.utime(path, (when, when))
 
 
@@ -144,7 +150,7 @@ def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
     assert cache.size() <= 0.9 * cache.max_bytes
     kept = [i for i in range(11) if cache.load(key(i)) is not None]
     assert kept == [0, 1, 2, 3, 4, 5, 6, 8, 10], "evicted out of least-recently-used order"
-    assert not list(cache.dir.glob("*.tmp"))
+    assert not list(cache.dir.rglob("*.tmp"))
     # Without a cap nothing is evicted.
     free = DiskCache(tmp_path / "free", H200, max_bytes=0)
     for i in range(30):
@@ -236,12 +242,15 @@ def test_folders_of_environments_unused_for_max_age_days_are_dropped(tmp_path):
 def test_a_crashed_writers_temporary_files_are_removed_by_a_scan(tmp_path):
     cache = DiskCache(tmp_path, H200, max_bytes=1 << 30)
     cache.save(make_record(KEY, H200, BLOB), BLOB)
+    shard = cache.blobs.path(hashlib.sha256(BLOB).hexdigest()).parent
     fresh, stale = cache.dir / f".{KEY}.json.fresh.tmp", cache.dir / f".{KEY}.json.stale.tmp"
-    for p in (fresh, stale):
+    fresh_blob, stale_blob = shard / f".{'d' * 64}.fresh.tmp", shard / f".{'d' * 64}.stale.tmp"
+    for p in (fresh, stale, fresh_blob, stale_blob):
         p.write_bytes(b"half")
-    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    for p in (stale, stale_blob):
+        os.utime(p, (time.time() - 2 * 3600,) * 2)
     cache.size()
-    assert fresh.exists() and not stale.exists()
+    assert fresh.exists() and fresh_blob.exists() and not stale.exists() and not stale_blob.exists()
 
 
 def test_fetch_lock_files_unused_for_an_hour_are_removed_by_a_scan(tmp_path):
@@ -284,7 +293,8 @@ def test_accepted_revisions_only_grow_survive_eviction_and_are_shared(tmp_path):
     assert DiskCache(tmp_path, H200).revision(KEY) == 5
     assert DiskCache(tmp_path, OTHER_GPU).revision(KEY) == 0  # per environment
     cache.save(make_record(KEY, H200, BLOB), BLOB)  # over the cap: the entry is evicted, the revision stays
-    assert plan_files(tmp_path / H200.env_id) == [f"{KEY}.revision"]
+    assert plan_files(tmp_path / H200.env_id) == sorted([f"{KEY}.revision", "blobs"])
+    assert list(cache.blobs.files()) == []
     (tmp_path / H200.env_id / f"{KEY}.revision").write_text("not a number")
     assert DiskCache(tmp_path, H200).revision(KEY) == 0 and cache.revision(KEY) == 5
     os.chmod(tmp_path / H200.env_id, 0o500)
@@ -308,8 +318,8 @@ def test_an_entry_from_the_server_is_marked_confirmed_and_loses_the_mark_with_th
     assert cache.checked_at(imported.graph_key) is not None
     cache.discard(fetched.graph_key, fetched.blob_sha256)
     assert cache.checked_at(fetched.graph_key) is None and cache.load(fetched.graph_key) is None
-    assert plan_files(tmp_path / H200.env_id) == sorted([f"{'b' * 64}.json", f"{'b' * 64}.checked",
-                                                         f"{imported.blob_sha256}.blob"])
+    assert plan_files(tmp_path / H200.env_id) == sorted([f"{'b' * 64}.json", f"{'b' * 64}.checked", "blobs"])
+    assert cache.blobs.get(fetched.blob_sha256) is None and cache.blobs.get(imported.blob_sha256) == b"from a bundle"
 
 
 def test_a_revision_accepted_in_the_foreground_is_on_disk_at_once(tmp_path):
@@ -317,3 +327,40 @@ def test_a_revision_accepted_in_the_foreground_is_on_disk_at_once(tmp_path):
     cache.accept_revision("a" * 64, 42, background=False)
     assert (tmp_path / H200.env_id / f"{'a' * 64}.revision").read_text() == "42"
     assert DiskCache(tmp_path, H200).revision("a" * 64) == 42
+
+
+def old_layout(folder: Path, entries: dict[str, bytes]) -> dict[str, Path]:
+    """Entries written as the earlier layout did: ``<graph_key>.json`` and ``<sha256>.blob`` side by side."""
+    folder.mkdir(parents=True, mode=0o700)
+    files = {}
+    for graph_key, data in entries.items():
+        record = make_record(graph_key, H200, data)
+        (folder / f"{graph_key}.json").write_text(record.model_dump_json())
+        files[graph_key] = folder / f"{record.blob_sha256}.blob"
+        files[graph_key].write_bytes(data)
+    return files
+
+
+def test_a_folder_of_the_earlier_layout_is_moved_into_the_blob_store_when_opened(tmp_path):
+    """Before: blobs were ``<env_id>/<sha256>.blob``; they are moved, checked, keeping their time of last use."""
+    old = old_layout(tmp_path / H200.env_id, {key(1): blob(1), key(2): blob(2), key(3): blob(3)})
+    os.utime(old[key(1)], (1000.0, 1000.0))
+    old[key(3)].write_bytes(blob(3)[:-1])  # damaged: dropped, the entry is a miss
+    cache = DiskCache(tmp_path, H200)
+    assert cache.load(key(1)) is None  # not read before the cache is opened (swept)
+    cache.sweep()
+    assert not list(cache.dir.glob("*.blob"))
+    assert cache.blobs.path(hashlib.sha256(blob(1)).hexdigest()).stat().st_mtime == 1000.0  # its last use kept
+    assert sorted(f.sha256 for f in cache.blobs.files()) == sorted(hashlib.sha256(blob(i)).hexdigest() for i in (1, 2))
+    assert [cache.load(key(i)) is not None for i in (1, 2, 3)] == [True, True, False]
+
+
+def test_a_folder_of_the_earlier_layout_that_cannot_be_written_is_left_as_it_is(tmp_path, monkeypatch):
+    old = old_layout(tmp_path / H200.env_id, {KEY: BLOB})
+    cache = DiskCache(tmp_path, H200)
+
+    def read_only(sha256: str, data: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(cache.blobs, "put", read_only)
+    assert cache.sweep() == [] and old[KEY].read_bytes() == BLOB and cache.load(KEY) is None
