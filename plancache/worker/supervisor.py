@@ -26,6 +26,8 @@ log = logging.getLogger("plancache.worker")
 
 #: The signals passed on to the children.
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+#: How long the output of a child that exited is still copied.
+PUMP_GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -72,23 +74,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start every child, wait for all of them; 0, or the exit status of the first that failed."""
-        procs: list[subprocess.Popen[str]] = []
-        pumps: list[threading.Thread] = []
-        try:
-            for child in self.children:
-                proc = subprocess.Popen(list(child.argv), env=dict(child.env), stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-                procs.append(proc)
-                log.info("%s: started worker process %d", child.label, proc.pid)
-                pump = threading.Thread(target=self._pump, args=(child.label, proc), daemon=True,
-                                        name=f"supervisor-{child.label}")
-                pump.start()
-                pumps.append(pump)
-        except OSError:
-            self._signal(procs, signal.SIGTERM)
-            for proc in procs:
-                proc.wait()
-            raise
+        procs, pumps = self._start()
         failed: int | None = None
         running = {child.label: proc for child, proc in zip(self.children, procs)}
         while running:
@@ -112,9 +98,30 @@ class Supervisor:
                         self._signal(running.values(), signal.SIGTERM)
             if running:
                 time.sleep(self.poll)
-        for pump in pumps:
-            pump.join()
+        for pump in pumps:  # a builder process outliving its worker may hold the pipe a little longer
+            pump.join(PUMP_GRACE_SECONDS)
         return failed or 0
+
+    def _start(self) -> tuple[list[subprocess.Popen[str]], list[threading.Thread]]:
+        """Every child started, and the threads copying their output; none left running when one cannot start."""
+        procs: list[subprocess.Popen[str]] = []
+        pumps: list[threading.Thread] = []
+        try:
+            for child in self.children:
+                proc = subprocess.Popen(list(child.argv), env=dict(child.env), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+                procs.append(proc)
+                log.info("%s: started worker process %d", child.label, proc.pid)
+                pump = threading.Thread(target=self._pump, args=(child.label, proc), daemon=True,
+                                        name=f"supervisor-{child.label}")
+                pump.start()
+                pumps.append(pump)
+        except OSError:
+            self._signal(procs, signal.SIGTERM)
+            for proc in procs:
+                proc.wait()
+            raise
+        return procs, pumps
 
     @staticmethod
     def _signal(procs: Iterable[subprocess.Popen[str]], signum: int) -> None:

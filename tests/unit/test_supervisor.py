@@ -129,3 +129,12 @@ def test_a_supervisor_needs_children_with_distinct_labels():
         Supervisor([])
     with pytest.raises(ValueError, match="distinct labels"):
         Supervisor([fake("gpu0"), fake("gpu0")])
+
+
+def test_a_child_that_cannot_start_stops_those_started():
+    sup = Supervisor([fake("gpu0"), Child("gpu1", [str(ROOT / "no-such-program")], dict(os.environ))],
+                     out=io.StringIO())
+    t0 = time.monotonic()
+    with pytest.raises(FileNotFoundError):
+        sup.run()  # returns once gpu0, which would wait for a signal forever, was stopped and reaped
+    assert time.monotonic() - t0 < 10
