@@ -3,7 +3,6 @@ optionally the variants of each graph along shape axes (``--vary``)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,7 +126,7 @@ def _parse_vary(values: list[str]) -> dict[str, list[int]]:
 
 def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int]]) -> list[tuple[str, GraphSpec, bool]]:
     """Every graph that has each axis, at every combination of the sizes; the others are skipped (said on stderr)."""
-    from ..client.capture import axes_of, vary
+    from ..client.capture import axes_of, variants
     from ..errors import SpecError
 
     out, skipped = [], []
@@ -136,13 +135,12 @@ def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int
         if missing:
             skipped.append(f"skipped {name}: no axis {', '.join(missing)} (it has {', '.join(axes_of(spec)) or 'none'})")
             continue
-        for sizes in itertools.product(*axes.values()):
-            chosen = dict(zip(axes, sizes))
-            try:
-                variant = vary(spec, chosen)
-            except SpecError as exc:
-                raise Failure(f"{name}: {exc.message}", "vary moves plain attention graphs (docs/CLI.md, "
-                              "\"enqueue --vary\")", ExitCode.FAILED) from None
+        try:
+            varied = variants(spec, axes)
+        except SpecError as exc:
+            raise Failure(f"{name}: {exc.message}", "vary moves plain attention graphs (docs/CLI.md, "
+                          "\"enqueue --vary\")", ExitCode.FAILED) from None
+        for chosen, variant in varied:
             label = ",".join(f"{a}={n}" for a, n in chosen.items())
             out.append((f"{name} [{label}]", variant, captured))
     if not out:

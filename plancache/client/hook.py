@@ -201,7 +201,7 @@ def _warm_specs(cache: PlanCache, source: WarmSource, axes: Mapping[str, Sequenc
     for spec in specs:
         if axes and set(axes) <= set(axes_of(spec)):
             try:
-                varied += variants(spec, axes)
+                varied += [variant for _, variant in variants(spec, axes)]
             except SpecError as exc:  # a graph whose other tensors would have to move too: itself only
                 log.info("plancache: warm start: no variants of %s: %s", spec.name or spec.graph_key[:12], exc.message)
     return specs + varied

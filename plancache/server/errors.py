@@ -2,10 +2,11 @@
 
 Domain errors (:class:`plancache.errors.PlanCacheError`) carry their own ``http_status`` and ``code``;
 request validation becomes 422 ``validation_error`` naming the field; what the framework refuses (an unknown
-path, a body it cannot parse) keeps its status and takes the code of the class for it; an unreachable or locked database is a retryable 503; a blob store that cannot
-take a write (full disk or quota, folder not writable: :data:`STORAGE_ERRNOS`) is 507 ``insufficient_storage``,
-logged in one line (the write is atomic and inside the record's transaction: nothing half-written stays);
-anything else is a bug, logged with its traceback and answered 500 ``internal_error`` with ``Connection: close``.
+path, a body it cannot parse) keeps its status and takes the code of the class for it; an unreachable or locked
+database is a retryable 503; a blob store that cannot take a write (full disk or quota, folder not writable:
+:data:`STORAGE_ERRNOS`) is 507 ``insufficient_storage``, logged in one line (the write is atomic and inside the
+record's transaction: nothing half-written stays); anything else is a bug, logged with its traceback and answered
+500 ``internal_error`` with ``Connection: close``.
 """
 
 from __future__ import annotations
