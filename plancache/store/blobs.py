@@ -41,10 +41,11 @@ those bytes writes them again. A failed publish leaves the uploaded blob unrefer
 grace period.
 
 Gc also collects what crashes leave: in a folder (:meth:`FileBlobs.files_older_than` lists it) temporary files of a
-writer that died before its rename, and in a folder or bucket (:meth:`plancache.blobs.ObjectStoreBlobs.
-objects_older_than`, a page at a time) blob files or objects no catalog row names (a publish that crashed between
-its put and its commit). Both go once older than the grace period, the latter under the same lock, so a publish
-that meanwhile inserted a row for those bytes keeps them (:mod:`.retention`).
+writer that died before its rename, and in a folder or bucket
+(:meth:`plancache.blobs.ObjectStoreBlobs.objects_older_than` lists a page at a time) blob files or objects no
+catalog row names (a publish that crashed between its put and its commit). Both go once older than the grace
+period, the latter under the same lock, so a publish that meanwhile inserted a row for those bytes keeps them
+(:mod:`.retention`).
 """
 
 from __future__ import annotations
