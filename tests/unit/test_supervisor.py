@@ -19,21 +19,24 @@ from plancache.worker.supervisor import Child, Supervisor, exit_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: A stand-in worker: says it is ready, then waits for a signal (or exits at once with EXIT), and on SIGTERM or
-#: SIGINT says which and exits with DRAIN_EXIT (default 0); with KILL it kills itself (SIGKILL).
+#: A stand-in worker: says it is ready, then waits for a signal; on SIGTERM or SIGINT it says which and exits with
+#: DRAIN_EXIT (default 0). With EXIT it exits with that status instead (once the file WHEN exists, if given), with
+#: KILL it kills itself (SIGKILL) the same way.
 FAKE_WORKER = """
 import os, signal, sys, time
-exit_now = os.environ.get("EXIT")
-print(f"ready {os.environ['LABEL']} {' '.join(sys.argv[1:])}", flush=True)
-if exit_now is not None:
-    sys.exit(int(exit_now))
-if os.environ.get("KILL"):
-    os.kill(os.getpid(), signal.SIGKILL)
 def drain(signum, frame):
     print(f"draining on {signal.Signals(signum).name}", flush=True)
     sys.exit(int(os.environ.get("DRAIN_EXIT", "0")))
 signal.signal(signal.SIGTERM, drain)
 signal.signal(signal.SIGINT, drain)
+print(f"ready {os.environ['LABEL']} {' '.join(sys.argv[1:])}", flush=True)
+when = os.environ.get("WHEN")
+while when and not os.path.exists(when):
+    time.sleep(0.02)
+if os.environ.get("EXIT") is not None:
+    sys.exit(int(os.environ["EXIT"]))
+if os.environ.get("KILL"):
+    os.kill(os.getpid(), signal.SIGKILL)
 while True:
     time.sleep(0.05)
 """
@@ -78,10 +81,15 @@ def test_a_signal_is_passed_on_to_every_child_which_drains(signum):
         assert f"[gpu{n}] draining on {signal.Signals(signum).name}" in out.getvalue()
 
 
-def test_a_failing_child_stops_the_others_and_its_status_is_the_supervisors():
+def test_a_failing_child_stops_the_others_and_its_status_is_the_supervisors(tmp_path):
     out = io.StringIO()
-    sup = Supervisor([fake("gpu0"), fake("gpu1", EXIT="3"), fake("gpu2")], out=out, poll=0.02)
-    assert sup.run() == 3
+    go = tmp_path / "go"
+    sup = Supervisor([fake("gpu0"), fake("gpu1", EXIT="3", WHEN=str(go)), fake("gpu2")], out=out, poll=0.02)
+    thread, result = run_in_thread(sup)
+    wait_for(out, "ready", 3)
+    go.touch()  # gpu1 fails now
+    thread.join(20)
+    assert result == [3]
     assert "[gpu0] draining on SIGTERM" in out.getvalue() and "[gpu2] draining on SIGTERM" in out.getvalue()
 
 
@@ -95,11 +103,16 @@ def test_a_child_failing_its_drain_fails_the_supervisor():
     assert result == [7]
 
 
-def test_a_child_killed_by_a_signal_exits_128_plus_it():
+def test_a_child_killed_by_a_signal_exits_128_plus_it(tmp_path):
     assert exit_status(-signal.SIGKILL) == 128 + signal.SIGKILL and exit_status(0) == 0 and exit_status(4) == 4
     out = io.StringIO()
-    sup = Supervisor([fake("gpu0"), fake("gpu1", KILL="1")], out=out, poll=0.02)
-    assert sup.run() == 128 + signal.SIGKILL
+    go = tmp_path / "go"
+    sup = Supervisor([fake("gpu0"), fake("gpu1", KILL="1", WHEN=str(go))], out=out, poll=0.02)
+    thread, result = run_in_thread(sup)
+    wait_for(out, "ready", 2)
+    go.touch()
+    thread.join(20)
+    assert result == [128 + signal.SIGKILL]
     assert "[gpu0] draining on SIGTERM" in out.getvalue()
 
 
