@@ -137,9 +137,9 @@ def test_the_docs_start_workers_with_options_the_worker_has():
     worker = typer.main.get_command(make_app()).commands["worker"]
     options = {o for p in worker.params for o in p.opts}
     assert {"--device", "--all-devices", "--spool-dir", "--worker-id"} <= options
-    docs = Path(__file__).resolve().parents[2] / "docs"
+    root = Path(__file__).resolve().parents[2]
     used = []
-    for path in (docs / "DEPLOYMENT.md", docs / "CLI.md"):
+    for path in (root / "README.md", root / "docs" / "DEPLOYMENT.md", root / "docs" / "CLI.md"):
         for line in path.read_text().splitlines():
             for command in re.findall(r"plancache worker([^#`|]*)", line):
                 used += re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)
