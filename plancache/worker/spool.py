@@ -1,10 +1,16 @@
 """Finished job results on local disk, so a result survives the server being down or the worker restarting.
 
-Each entry is ``job-<id>-<lease>.blob`` (the plan bytes; ``<lease>`` a digest of the lease token) plus
-``.json`` (the signed record, the spec, the bounded candidates table and the lease that completes the job, its secret
-token included: keep the spool directory private to the worker). The blob is written first and the
-JSON last, each atomically (temporary file, fsync, rename), so a JSON file always names a
-complete blob. An entry is removed once the server accepted (or definitively refused) it.
+Each entry is ``job-<id>-<lease>.json`` (``<lease>`` a digest of the lease token): the signed record, the spec, the
+bounded candidates table and the lease that completes the job, its secret token included (keep the spool directory
+private to the worker). Its blob, the plan bytes, is in a :class:`~plancache.blobs.FolderBlobs` under the directory,
+``blobs/ab/cd/<sha256>`` (owner-only files), checked against its name when written and when read. The blob is written
+first and the JSON last, each atomically (temporary file, fsync, rename), so a JSON file always names a complete
+blob. Once the server accepted (or definitively refused) an entry, its JSON goes, and its blob with it unless another
+entry names the same bytes; a blob no entry names for :data:`ORPHAN_SECONDS` (a crash between the two writes) goes
+with the next :meth:`Spool.pending`.
+
+An entry of the earlier layout (its blob ``job-<id>-<lease>.blob`` beside the JSON) is moved into the blob folder
+when read, checked on the way.
 """
 
 from __future__ import annotations
@@ -13,13 +19,15 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import VerificationError
+from ..blobs import FolderBlobs
+from ..errors import IntegrityError, VerificationError
 from ..files import atomic_write
 from ..protocol import Candidate, CandidateTable, PlanMeta, PlanUpload
 from ..verify import verify_blob
@@ -28,6 +36,10 @@ log = logging.getLogger("plancache.worker")
 
 #: 2: lease tokens are secret strings (version 1 entries held the counters servers no longer accept).
 SPOOL_VERSION = 2
+#: Seconds after which a blob no entry names is a crashed writer's (a live one writes its JSON right after the blob).
+ORPHAN_SECONDS = 3600.0
+#: The folder of the spool's blob store.
+BLOBS = "blobs"
 
 
 @dataclass(frozen=True)
@@ -52,36 +64,42 @@ class SpoolEntry:
 
 
 class Spool:
-    """A directory of :class:`SpoolEntry` files."""
+    """A directory of :class:`SpoolEntry` files (see the module docstring)."""
 
     def __init__(self, directory: Path | str) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.blobs = FolderBlobs(self.directory / BLOBS, mode=0o600)
 
     def save(self, entry: SpoolEntry) -> Path:
-        """Persist ``entry`` durably; return the path of its JSON file."""
-        blob_path = self.directory / f"{entry.name}.blob"
+        """Persist ``entry`` durably; return the path of its JSON file. :class:`~plancache.errors.IntegrityError`
+        when its blob does not hash to its record's sha256 (nothing is spooled)."""
+        self.blobs.put(entry.meta.blob_sha256, entry.blob)
         json_path = self.directory / f"{entry.name}.json"
-        atomic_write(blob_path, entry.blob)  # both files owner-only (atomic_write's 0600): the JSON holds a lease token
         doc = {"version": SPOOL_VERSION, "job_id": entry.job_id, "lease_token": entry.lease_token,
                "worker_id": entry.worker_id, "meta": entry.meta.model_dump(mode="json"), "spec": entry.spec,
                "candidates": entry.candidates.model_dump(mode="json")}
-        atomic_write(json_path, json.dumps(doc, sort_keys=True).encode())
+        atomic_write(json_path, json.dumps(doc, sort_keys=True).encode())  # owner-only: it holds a lease token
         return json_path
 
     def pending(self) -> list[SpoolEntry]:
         """Entries waiting for upload, oldest first. An unreadable or inconsistent one is renamed
         ``*.corrupt`` (kept for inspection) with a log line, never uploaded."""
         entries = []
-        for path in sorted(self.directory.glob("job-*.json"), key=lambda p: p.stat().st_mtime):
+        for path in sorted(self._entry_files(), key=lambda p: p.stat().st_mtime):
             try:
                 entries.append(self._load(path))
-            except (OSError, ValueError, KeyError, TypeError, ValidationError, VerificationError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, ValidationError, VerificationError,
+                    IntegrityError) as exc:
                 log.error("spool entry %s is unreadable (%s); renamed to %s.corrupt", path, exc, path.name)
-                for p in (path, path.with_suffix(".blob")):
+                for p in (path, path.with_suffix(".blob")):  # the latter: an entry of the earlier layout
                     if p.exists():
                         os.replace(p, p.with_name(p.name + ".corrupt"))
+        self._drop_orphans()
         return entries
+
+    def _entry_files(self) -> list[Path]:
+        return list(self.directory.glob("job-*.json"))
 
     def _load(self, path: Path) -> SpoolEntry:
         doc = json.loads(path.read_text())
@@ -91,14 +109,45 @@ class Spool:
         meta = PlanMeta.model_validate(doc["meta"])
         candidates = (CandidateTable.best_of([Candidate.model_validate(c) for c in legacy]) if legacy is not None
                       else CandidateTable.model_validate(doc.get("candidates", {})))
-        blob = path.with_suffix(".blob").read_bytes()
-        verify_blob(meta, blob, what=path.with_suffix(".blob").name)
-        entry = SpoolEntry(int(doc["job_id"]), str(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]), blob,
-                           candidates)
+        entry = SpoolEntry(int(doc["job_id"]), str(doc["lease_token"]), str(doc["worker_id"]), meta, dict(doc["spec"]),
+                           self._blob(meta, path), candidates)
         if entry.name != path.stem:
             raise ValueError(f"file name does not match job {entry.job_id} and its lease")
         return entry
 
+    def _blob(self, meta: PlanMeta, path: Path) -> bytes:
+        """The blob of the entry at ``path``, checked against its record (the store checks its digest as it reads
+        it, :func:`~plancache.verify.verify_blob` its size and digest); one of the earlier layout moved in first."""
+        old = path.with_suffix(".blob")
+        if old.exists():
+            with old.open("rb") as fh:
+                self.blobs.put(meta.blob_sha256, fh)
+            old.unlink()
+        blob = self.blobs.get(meta.blob_sha256)
+        if blob is None:
+            raise ValueError(f"its blob {meta.blob_sha256} is missing or damaged")
+        verify_blob(meta, blob, what=path.name)
+        return blob
+
+    def _named(self) -> set[str]:
+        """The blobs the entries' records name (an unreadable entry names none)."""
+        named = set()
+        for path in self._entry_files():
+            try:
+                named.add(str(json.loads(path.read_bytes())["meta"]["blob_sha256"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return named
+
+    def _drop_orphans(self) -> None:
+        """Delete the blobs and temporary files no entry names that are older than :data:`ORPHAN_SECONDS`."""
+        named, cutoff = self._named(), time.time() - ORPHAN_SECONDS
+        for f in self.blobs.files():
+            if f.mtime < cutoff and (f.temporary or f.sha256 not in named):
+                f.path.unlink(missing_ok=True)
+
     def remove(self, entry: SpoolEntry) -> None:
-        for suffix in (".json", ".blob"):
-            (self.directory / f"{entry.name}{suffix}").unlink(missing_ok=True)
+        """Delete ``entry``, and its blob unless another entry names the same bytes."""
+        (self.directory / f"{entry.name}.json").unlink(missing_ok=True)
+        if entry.meta.blob_sha256 not in self._named():
+            self.blobs.delete(entry.meta.blob_sha256)

@@ -49,7 +49,7 @@ def test_real_worker_tunes_publishes_and_signs_the_seed_examples(tmp_path):
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BUDGET_S)
         elapsed = time.perf_counter() - t0
         assert proc.returncode == 0, proc.stderr[-4000:]
-        assert list((tmp_path / "spool").iterdir()) == []
+        assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]
 
         headers = {"Authorization": f"Bearer {srv.token('reader')}"}
         rows = []

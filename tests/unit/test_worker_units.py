@@ -3,10 +3,14 @@ the job calls: tests/unit/test_http.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,13 +20,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from plancache.errors import LeaseLost, ServerUnavailable
+from plancache.errors import IntegrityError, LeaseLost, ServerUnavailable
 from plancache.http import Backoff, HttpClient, Retry
 from plancache.protocol import ClaimResponse, FailRequest, Job, LeaseRequest, TargetEnvironment
 from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.spec import parse_spec
 from plancache.worker import JobsApi, Spool, SpoolEntry, Worker
 from plancache.worker.loop import lease_duration
+from plancache.worker.spool import ORPHAN_SECONDS
 from tests.gpu_util import gpu_skip_reason
 from tests.worker_fakes import FAKE_ENV, FakeTuner
 
@@ -94,13 +99,19 @@ def _entry(tmp_path: Path, job_id: int = 3) -> SpoolEntry:
     return SpoolEntry(job_id, "secret-lease-token", "w1", meta, spec.to_json(), tuned.blob)
 
 
+def spool_files(spool: Spool) -> list[str]:
+    """The files of a spool, by path under its directory (empty folders left out)."""
+    return sorted(str(p.relative_to(spool.directory)) for p in spool.directory.rglob("*") if p.is_file())
+
+
 def test_spool_round_trip_and_remove(tmp_path):
     spool = Spool(tmp_path / "spool")
     entry = _entry(tmp_path)
     spool.save(entry)
-    assert sorted(p.name for p in spool.directory.iterdir()) == [f"{entry.name}.blob", f"{entry.name}.json"]
+    sha = entry.meta.blob_sha256
+    assert spool_files(spool) == [f"blobs/{sha[:2]}/{sha[2:4]}/{sha}", f"{entry.name}.json"]
     assert entry.name.startswith("job-3-") and "secret" not in entry.name and "secret" not in repr(entry)
-    assert all(p.stat().st_mode & 0o777 == 0o600 for p in spool.directory.iterdir())  # they hold the lease token
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in spool.directory.rglob("*") if p.is_file())  # a lease token
     (loaded,) = spool.pending()
     assert loaded == entry
     up = loaded.upload()
@@ -108,20 +119,77 @@ def test_spool_round_trip_and_remove(tmp_path):
     assert up.blob_sha256 == entry.meta.blob_sha256 and up.spec == entry.spec and up.envelope == entry.meta.envelope
     TrustedKeys.from_files([tmp_path / "keys" / "w.pub"]).verify(up)
     spool.remove(loaded)
-    assert spool.pending() == [] and list(spool.directory.iterdir()) == []
+    assert spool.pending() == [] and spool_files(spool) == []
 
 
 def test_spool_sets_aside_a_corrupt_entry(tmp_path, caplog):
     spool = Spool(tmp_path / "spool")
     entry = _entry(tmp_path)
     spool.save(entry)
-    blob = spool.directory / f"{entry.name}.blob"
+    blob = spool.blobs.path(entry.meta.blob_sha256)
     blob.write_bytes(b"x" + blob.read_bytes()[1:])
     (spool.directory / "job-4-1.json").write_text("{not json")
     assert spool.pending() == []
-    assert sorted(p.name for p in spool.directory.iterdir()) == [
-        f"{entry.name}.blob.corrupt", f"{entry.name}.json.corrupt", "job-4-1.json.corrupt"]
-    assert "does not match" in caplog.text
+    assert [f for f in spool_files(spool) if not f.startswith("blobs/")] == [
+        f"{entry.name}.json.corrupt", "job-4-1.json.corrupt"]
+    assert "is missing or damaged" in caplog.text and "is damaged, treated as missing" in caplog.text
+
+
+def test_spool_refuses_a_blob_that_does_not_hash_to_its_record(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    with pytest.raises(IntegrityError):
+        spool.save(dataclasses.replace(entry, blob=entry.blob[:-1]))
+    assert spool_files(spool) == []
+
+
+def test_spool_entries_of_one_blob_share_it_until_the_last_is_removed(tmp_path):
+    """A job tuned again under a new lease may spool the same bytes: removing one entry keeps the other's blob."""
+    spool = Spool(tmp_path / "spool")
+    first = _entry(tmp_path, 3)
+    second = dataclasses.replace(first, lease_token="another-lease")
+    spool.save(first)
+    spool.save(second)
+    spool.remove(first)
+    assert spool.pending() == [second]
+    spool.remove(second)
+    assert spool_files(spool) == []
+
+
+def test_spool_drops_blobs_no_entry_names_once_an_hour_old(tmp_path):
+    """A crash between the blob and its JSON leaves a blob no entry names: kept while young (a writer may be
+    about to write its JSON), deleted by a later ``pending`` once old, with crashed writers' temporary files."""
+    spool = Spool(tmp_path / "spool")
+    young, old = b"young orphan", b"old orphan"
+    for data in (young, old):
+        spool.blobs.put(hashlib.sha256(data).hexdigest(), data)
+    old_path = spool.blobs.path(hashlib.sha256(old).hexdigest())
+    temporary = old_path.with_name(f".{old_path.name}.crashed.tmp")
+    temporary.write_bytes(b"half")
+    stale = time.time() - 2 * ORPHAN_SECONDS
+    for path in (old_path, temporary):
+        os.utime(path, (stale, stale))
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    os.utime(spool.blobs.path(entry.meta.blob_sha256), (stale, stale))  # an old entry's blob is named: kept
+    assert spool.pending() == [entry]
+    assert sorted(f.sha256 for f in spool.blobs.files()) == sorted(
+        [hashlib.sha256(young).hexdigest(), entry.meta.blob_sha256])
+
+
+def test_spool_moves_an_entry_of_the_earlier_layout_into_its_blob_store(tmp_path):
+    """Before: an entry's blob was ``job-<id>-<lease>.blob`` beside its JSON."""
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path, 3)
+    damaged = dataclasses.replace(entry, job_id=4)  # the same bytes, damaged in its own file
+    for e, data in ((entry, entry.blob), (damaged, damaged.blob[:-1])):
+        spool.save(e)
+        spool.blobs.delete(e.meta.blob_sha256)
+        (spool.directory / f"{e.name}.blob").write_bytes(data)
+    assert spool.pending() == [entry]
+    assert spool.blobs.get(entry.meta.blob_sha256) == entry.blob
+    assert sorted(p.name for p in spool.directory.iterdir() if p.is_file()) == sorted([
+        f"{entry.name}.json", f"{damaged.name}.json.corrupt", f"{damaged.name}.blob.corrupt"])
 
 
 def test_lease_duration_uses_the_servers_clock():
