@@ -102,7 +102,7 @@ def _supervise(options: list[str], token: str, worker_id: str, spool_root: Path,
     import os
 
     from ..environment import require_device
-    from ..gpu.candidates import default_processes
+    from ..gpu.candidates import default_processes, usable_cores
     from ..worker.supervisor import Supervisor
 
     try:
@@ -114,8 +114,7 @@ def _supervise(options: list[str], token: str, worker_id: str, spool_root: Path,
     import torch
 
     count = torch.cuda.device_count()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    builders = default_processes(max(cores // count, 1)) if build_processes is None else build_processes
+    builders = default_processes(max(usable_cores() // count, 1)) if build_processes is None else build_processes
     spools = [writable_folder(spool_root / f"gpu{n}", "the worker spool folder", spool_fix) for n in range(count)]
     supervisor = Supervisor(worker_children(options, token, worker_id, spools, builders, os.environ))
     supervisor.install_signal_handlers()

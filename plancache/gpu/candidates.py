@@ -53,12 +53,17 @@ class BuiltCandidate:
     error: str | None = None
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_processes(cores: int | None = None) -> int:
-    """Builder processes for ``cores`` CPU cores (default: those this process may run on): all but 4 (the timing
-    process and the system), at least half of them, at most :data:`MAX_DEFAULT_PROCESSES` (16 cores: 12); 0 (build
-    in the tuning process) below 4 cores. Workers sharing a host each size for their share of its cores."""
+    """Builder processes for ``cores`` CPU cores (default: :func:`usable_cores`): all but 4 (the timing process and
+    the system), at least half of them, at most :data:`MAX_DEFAULT_PROCESSES` (16 cores: 12); 0 (build in the tuning
+    process) below 4 cores. Workers sharing a host each size for their share of its cores."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     return 0 if cores < 4 else min(MAX_DEFAULT_PROCESSES, max(cores - 4, cores // 2))
 
 
