@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import percentile, pyplot  # noqa: E402
+from bench.together import run_together  # noqa: E402
 
 
 def _plans(folder: Path) -> list[dict]:
@@ -140,19 +141,7 @@ def run_burst(n: int, phase: str, plans: Path, server: str | None = None, token:
     procs = [subprocess.Popen(_args(phase, plans, server, token, wait=True, profile=profile_first and i == 0),
                               env=_env(CUDA_CACHE_DISABLE="1"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for i in range(n)]
-    for p in procs:  # every process imported everything and created its CUDA context
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode:
-            raise RuntimeError(f"a burst process failed ({p.returncode})")
-        results.append(dict(json.loads(out.strip().splitlines()[-1])))
-    return results
+    return run_together(procs, "a burst process")  # each imported everything and created its CUDA context
 
 
 def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:

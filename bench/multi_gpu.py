@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.together import run_together  # noqa: E402
 from bench.workload import family, workload  # noqa: E402
 
 
@@ -71,19 +72,7 @@ def run_clients(devices: list[int], server: str, token: str, trusted: Path, limi
     args = ["--server", server, "--token", token, "--trusted", str(trusted)] + (["--limit", str(limit)] if limit else [])
     procs = [subprocess.Popen([sys.executable, __file__, "--child-client", str(d), *args], env=_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for d in devices]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode:
-            raise RuntimeError(f"a client process failed ({p.returncode})")
-        results.append(dict(json.loads(out.strip().splitlines()[-1])))
-    return results
+    return run_together(procs, "a client process")
 
 
 # ---------------------------------------------------------------- tuning runs
