@@ -264,42 +264,68 @@ class MemoryStep(Step):
         return found
 
 
-class DiskStep(Step):
-    """The local disk cache: a record from its folder, the blob from its blob store (:meth:`Step.read`), verified
-    like a server blob; a bad entry is dropped."""
+class StoreStep(Step):
+    """A step serving stored plans from a records source and a blob store (:meth:`entries`): each record's blob is
+    read (:meth:`Step.read`, checked against its name) and admitted (:meth:`Step.admit`: verified, then loaded);
+    :meth:`kept` follows a plan admitted, :meth:`dropped` an entry refused. The disk cache and the server are two."""
+
+    builds = Builds.NOTHING
+
+    @abstractmethod
+    def entries(self, batch: list[Pending]) -> tuple[dict[Pending, PlanRecord], BlobReader]:
+        """The records found for loads of ``batch`` (for the others, why not is noted) and where their blobs are."""
+
+    def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:  # noqa: B027 - a hook
+        """After the plan of ``record`` was admitted; nothing by default."""
+
+    def dropped(self, p: Pending, record: PlanRecord) -> None:  # noqa: B027 - a hook
+        """After ``record`` or its blob was refused (``p.refused`` says why); nothing by default."""
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        records, blobs = self.entries(batch)
+        found: dict[Pending, Plan] = {}
+        for p, record in records.items():
+            p.refused = None  # from here: this entry's refusal, if any
+            blob = self.read(p, record, blobs)
+            if blob is not None and (plan := self.admit(p, record, blob)) is not None:
+                found[p] = plan
+                self.kept(p, record, blob)
+            elif p.refused is not None:
+                self.dropped(p, record)
+        return found
+
+
+class DiskStep(StoreStep):
+    """The local disk cache: records from its folder, blobs from its blob store, verified like a server blob; a bad
+    entry is dropped, a plan served is marked used and, when due, asked about again in the background."""
 
     name = StepName.DISK
-    builds = Builds.NOTHING
 
     def __init__(self, context: LoadContext) -> None:
         super().__init__(context)
         self._fetch_lock: FetchLock | None = None  # this host's turn to fetch the load's missing keys
+        self._due: list[str] = []  # keys served to ask the server about again
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
         """The entries on disk; for the rest, when they would be fetched and saved here, the host's turn to fetch
         them (:meth:`~plancache.client.cache.DiskCache.fetch_lock`): held through the server step, or, when another
         process held it, what that process wrote."""
-        found = self._read(batch)
+        found = super().resolve(batch)
         c, left = self.context, [p for p in batch if p not in found]
         if left and c.remote is not None and c.signatures_checked:
             lock = c.disk.fetch_lock([p.key for p in left], c.request_deadline)
             if lock is not None and lock.waited:
                 lock.release()
-                found.update(self._read(left))
+                found.update(super().resolve(left))
             else:
                 self._fetch_lock = lock  # released by finish(), after this load's disk writes
+        c.revalidator.schedule(self._due)  # in the background, after this load
+        self._due = []
         return found
 
-    def finish(self) -> None:
-        """Release the host's turn to fetch once the plans fetched are written: the processes waiting read them."""
-        if self._fetch_lock is not None:
-            self.context.disk.later(self._fetch_lock.release)
-            self._fetch_lock = None
-
-    def _read(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        disk, revalidator = self.context.disk, self.context.revalidator
-        found: dict[Pending, Plan] = {}
-        due: list[str] = []
+    def entries(self, batch: list[Pending]) -> tuple[dict[Pending, PlanRecord], BlobReader]:
+        disk = self.context.disk
+        records: dict[Pending, PlanRecord] = {}
         for p in batch:
             try:
                 record = disk.record(p.key)
@@ -309,25 +335,31 @@ class DiskStep(Step):
                 continue
             if record is None:
                 p.note(self.name, "no entry")
-                continue
-            p.refused = None  # from here: this entry's refusal, if any
-            blob = self.read(p, record, disk.blobs)
-            if blob is not None and (plan := self.admit(p, record, blob)) is not None:
-                found[p] = plan
-                disk.touch(record)
-                if revalidator.due(p.key):
-                    due.append(p.key)
-            elif p.refused not in (None, Reason.NO_TRUSTED_KEYS):  # refused for want of keys: the entry not judged
-                disk.discard(p.key, record.blob_sha256)
-        revalidator.schedule(due)  # in the background, after this load
-        return found
+            else:
+                records[p] = record
+        return records, disk.blobs
+
+    def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:
+        self.context.disk.touch(record)
+        if self.context.revalidator.due(p.key):
+            self._due.append(p.key)
+
+    def dropped(self, p: Pending, record: PlanRecord) -> None:
+        if p.refused != Reason.NO_TRUSTED_KEYS:  # refused for want of keys, the entry itself was not judged
+            self.context.disk.discard(p.key, record.blob_sha256)
+
+    def finish(self) -> None:
+        """Release the host's turn to fetch once the plans fetched are written: the processes waiting read them."""
+        if self._fetch_lock is not None:
+            self.context.disk.later(self._fetch_lock.release)
+            self._fetch_lock = None
 
 
 #: Blobs the server step downloads at once (from presigned URLs or the server's route).
 FETCH_THREADS = 8
 
 
-class ServerStep(Step):
+class ServerStep(StoreStep):
     """One resolve round trip for the batch, blobs inline or fetched from where the answer says (a presigned
     object-store URL, without the token, or the server's route), all of it within the cache's
     ``request_deadline`` and each answer within its size limit; a verified blob whose signature was checked is
@@ -335,7 +367,6 @@ class ServerStep(Step):
     an admin can tune them."""
 
     name = StepName.SERVER
-    builds = Builds.NOTHING
 
     def __init__(self, context: LoadContext) -> None:
         super().__init__(context)
@@ -343,17 +374,23 @@ class ServerStep(Step):
         self._reported: set[str] = set()
         self._may_register = True
 
-    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
-        if self.context.remote is None:
+    def entries(self, batch: list[Pending]) -> tuple[dict[Pending, PlanRecord], BlobReader]:
+        """The records the server resolves for ``batch``, with the blobs received for them (the misses explained,
+        withdrawals applied, specs registered)."""
+        from .received import ReceivedBlobs
+
+        c = self.context
+        records: dict[Pending, PlanRecord] = {}
+        received = ReceivedBlobs("the server" if c.remote is None else c.remote.http.server_url)
+        if c.remote is None:
             for p in batch:
                 p.note(self.name, "none configured")
-            return {}
-        deadline = time.monotonic() + self.context.request_deadline
+            return records, received
+        deadline = time.monotonic() + c.request_deadline
         specs = {p.key: p.spec for p in batch}
         answers, missing = self._ask(specs, deadline)
         reasons = self._explain([k for k in missing if k in specs], deadline)
         blobs = self._blobs([(p, answers[p.key]) for p in batch if answers and p.key in answers], deadline)
-        found: dict[Pending, Plan] = {}
         for p in batch:
             if answers is None:
                 p.note(self.name, "unavailable")
@@ -365,12 +402,18 @@ class ServerStep(Step):
                     from .revalidate import apply_withdrawal
 
                     apply_withdrawal(self.context, p.key, reason.withdrawal)
-            elif (plan := self._take(p, answers[p.key], blobs[p])) is not None:
-                found[p] = plan
+            elif (blob := blobs[p]) is not None:  # else refused or not downloaded, and noted so
+                records[p] = answers[p.key].record
+                received.add(records[p].blob_sha256, blob)
         for key in missing:
             if key in specs:
                 self._report_miss(key, specs[key], deadline)
-        return found
+        return records, received
+
+    def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:
+        c = self.context
+        if c.signatures_checked:  # an unsigned plan is used, never kept
+            c.disk.later(partial(c.disk.save, checked=True), record, blob)  # written after the plans are ready
 
     def _blobs(self, answers: list[tuple[Pending, ResolvedPlan]], deadline: float) -> dict[Pending, bytes | None]:
         """The answers' blobs (unverified): inline, or downloaded from their ``blob_url`` (at most their record's
@@ -438,15 +481,6 @@ class ServerStep(Step):
             return fetch(url=url if not fell_back else None), "server", fell_back
         except PlanCacheError as exc:
             return exc, "server", fell_back
-
-    def _take(self, p: Pending, answer: ResolvedPlan, blob: bytes | None) -> Plan | None:
-        if blob is None:  # refused or not downloaded, and noted so
-            return None
-        c, record = self.context, answer.record
-        plan = self.admit(p, record, blob)
-        if plan is not None and c.signatures_checked:  # an unsigned plan is used, never kept
-            c.disk.later(partial(c.disk.save, checked=True), record, blob)  # written after the plans are ready
-        return plan
 
     def _remote(self) -> Remote:
         assert self.context.remote is not None
