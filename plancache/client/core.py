@@ -191,17 +191,22 @@ class Step(ABC):
     def read(self, p: Pending, record: PlanRecord, blobs: BlobReader) -> bytes | None:
         """The blob of ``record`` from ``blobs``, checked against its name as it is read; None when absent (noted)
         or damaged (refused as :meth:`admit` refuses it: ``size`` when its length is not the record's, else
-        ``sha256``)."""
-        stream = blobs.open(record.blob_sha256)
-        if stream is None:
-            p.note(self.name, "no blob")
-            return None
-        with stream:
-            try:
+        ``sha256``), or unreadable (logged)."""
+        stream = None
+        try:
+            stream = blobs.open(record.blob_sha256)
+            if stream is None:
+                p.note(self.name, "no blob")
+                return None
+            with stream:
                 return stream.read()
-            except IntegrityError as exc:
-                reason = Reason.SIZE if stream.size != record.blob_size else Reason.SHA256
-                self.reject(p, reason, f"plan {p.key[:12]}: {exc.message}")
+        except IntegrityError as exc:
+            reason = Reason.SIZE if stream is None or stream.size != record.blob_size else Reason.SHA256
+            self.reject(p, reason, f"plan {p.key[:12]}: {exc.message}")
+        except OSError as exc:
+            log.warning("plancache: cannot read the %s blob of %s: %s", self.name, p.key[:12], exc)
+            p.note(self.name, "blob unreadable")
+            return None
         self.learn(p, record)
         return None
 

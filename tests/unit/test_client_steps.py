@@ -107,3 +107,17 @@ def test_received_blobs_are_checked_when_read_and_a_forgery_never_displaces_the_
     received.add(sha, BLOB)  # the right bytes replace the wrong ones
     received.add(sha, b"forged again")  # and stay
     assert received.get(sha) == BLOB and received.open("0" * 64) is None
+
+
+def test_a_disk_blob_that_cannot_be_read_is_a_logged_miss(tmp_path, caplog, monkeypatch):
+    c = context(tmp_path)
+    record = make_record(KEY, H200, BLOB, SIGNER)
+    c.disk.save(record, BLOB)
+
+    def unreadable(sha256: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(c.disk.blobs, "open", unreadable)
+    p = pending()
+    assert DiskStep(c).resolve([p]) == {} and p.trail == ["disk: blob unreadable"] and c.stats.rejects == {}
+    assert "cannot read the disk blob" in caplog.text and c.disk.record(KEY) == record
