@@ -1,5 +1,6 @@
 """Per-process memories that keep the hot read path off the database: blob bytes (immutable, content-addressed,
-so never stale) in a byte-bounded LRU, and authenticated tokens for a few seconds.
+so never stale) in a byte-bounded LRU, plan records as a resolve answer writes them, by version (never stale
+either: a resolve reads the versions first), and, for a few seconds, authenticated tokens and presigned URLs.
 
 A blob GET served from memory costs no database round trip and no worker thread; a token seen in the last
 ``token_cache_seconds`` is not looked up again, so a revoked token may still be accepted by a server process
@@ -13,6 +14,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from cachetools import LRUCache
+
+from ..store.plans import PlanVersion
 
 V = TypeVar("V")
 
@@ -49,6 +54,42 @@ class BlobMemory:
             while self.bytes > self.max_bytes:
                 _, old = self._items.popitem(last=False)
                 self.bytes -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+#: Bytes of serialized records a :class:`RecordMemo` keeps by default (some 30,000 signed records).
+RECORD_MEMO_BYTES = 64 * 1024 * 1024
+#: Presigned URLs a server process keeps (some 600 bytes each).
+PRESIGNED_URLS = 16_384
+
+
+class RecordMemo:
+    """A plan record's part of a resolve answer, by the record's :class:`~plancache.store.plans.PlanVersion`: at
+    most ``max_bytes`` of them, the least recently used dropped first. A version stands for one record's content,
+    so an entry is never stale: a replaced plan has another version and a withdrawn one none, as the resolve that
+    reads the versions before it asks here sees at once."""
+
+    def __init__(self, max_bytes: int = RECORD_MEMO_BYTES) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be 1 or more, got {max_bytes}")
+        self._items: LRUCache[PlanVersion, bytes] = LRUCache(maxsize=max_bytes, getsizeof=len)
+        self._lock = threading.Lock()
+
+    def get(self, version: PlanVersion) -> bytes | None:
+        with self._lock:
+            return self._items.get(version)
+
+    def put(self, version: PlanVersion, data: bytes) -> None:
+        """Keep ``data``, written from the record of ``version`` (nothing when it alone is over ``max_bytes``)."""
+        if len(data) <= self._items.maxsize:
+            with self._lock:
+                self._items[version] = data
+
+    @property
+    def bytes(self) -> int:
+        return int(self._items.currsize)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -3,21 +3,22 @@ Blob bytes go through the store's :class:`~.blobs.BlobStore`, in the order :mod:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from .. import errors
-from ..environment import Environment
+from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
-from .environments import env_columns, env_from_row, same_env
+from .environments import check_validity, env_columns, env_from_row, same_env
 from .jobs import complete_held_job
 from .misses import Misses
 from .models import plan_candidates, plans, withdrawals
@@ -36,6 +37,30 @@ def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[st
         "job_id": job_id,
         "created_at": now,
     }
+
+
+class PlanVersion(NamedTuple):
+    """What tells a stored plan record from every other record of its graph key and environment, read without the
+    record: its row, revision, blob and write time (a publish, a replacement or a publish after a deletion changes
+    at least one), and the blob's size. ``written`` is ``created_at`` as the database gives it, compared only."""
+
+    graph_key: str
+    env_id: str
+    row_id: int
+    revision: int
+    blob_sha256: str
+    blob_size: int
+    written: Any
+
+
+#: ``created_at`` as the database gives it (a version compares it, nothing converts it).
+_WRITTEN = sa.type_coerce(plans.c.created_at, sa.String).label("written")
+#: The versions of the plans of some graph keys (``keys``, expanding) on one environment's validity fields (each
+#: its own parameter): built once, so a resolve compiles nothing and converts no value but its parameters.
+_VERSIONS = sa.select(plans.c.graph_key, plans.c.env_id, plans.c.id, plans.c.revision, plans.c.blob_sha256,
+                      plans.c.blob_size, _WRITTEN).where(
+    plans.c.graph_key.in_(sa.bindparam("keys", expanding=True)), plans.c.env_id == sa.bindparam("env_id"),
+    *(plans.c[f] == sa.bindparam(f) for f in VALIDITY_FIELDS))
 
 
 def row_to_record(row: Row[Any]) -> PlanRecord:
@@ -272,6 +297,34 @@ class Plans(Misses):
         if missing and count_misses:
             self.record_misses(env, missing)
         return found, missing
+
+    def plan_versions(self, env: Environment, graph_keys: Collection[str]) -> dict[str, PlanVersion]:
+        """The versions of the records stored for ``graph_keys`` on exactly this environment's validity fields, by
+        graph key, in one query that reads no record (:meth:`plan_records` reads those). Nothing is recorded."""
+        check_validity(env.validity())
+        if not graph_keys:
+            return {}
+        with self.db.read() as conn:
+            rows = conn.execute(_VERSIONS, {"keys": list(graph_keys), "env_id": env.env_id, **env.validity()})
+            return {row[0]: PlanVersion(*row) for row in rows}
+
+    def plan_records(self, env: Environment, graph_keys: Collection[str]) -> dict[str, tuple[PlanVersion, PlanRecord]]:
+        """The records stored for ``graph_keys`` on exactly this environment's validity fields, with their
+        versions, by graph key. Nothing is recorded."""
+        if not graph_keys:
+            return {}
+        q = sa.select(plans, _WRITTEN).where(plans.c.graph_key.in_(list(graph_keys)), *same_env(plans, env))
+        with self.db.read() as conn:
+            rows = conn.execute(q).all()
+        return {row.graph_key: (PlanVersion(row.graph_key, row.env_id, row.id, row.revision, row.blob_sha256,
+                                            row.blob_size, row.written), row_to_record(row)) for row in rows}
+
+    def get_blobs(self, digests: Collection[str]) -> dict[str, bytes]:
+        """The stored bytes of ``digests`` (absent ones left out), read in one transaction."""
+        if not digests:
+            return {}
+        with self.db.read() as conn:
+            return self.blob_store.get_many(conn, digests)
 
     def list_plans(self, *, env_id: str | None = None, graph_key: str | None = None,
                    limit: int = 100, offset: int = 0) -> list[PlanRecord]:

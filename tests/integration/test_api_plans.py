@@ -210,7 +210,8 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
     monkeypatch.setattr(plans_routes, "CHUNK_BYTES", 1)
     for include_blobs in (True, False):
         found, missing = api.store.resolve(gpu_env, [k for k, _, _ in published] + ["f" * 64], include_blobs=include_blobs)
-        chunks = list(plans_routes.resolve_json(found, missing))
+        plans = [(plans_routes.answer_head(k, r), r.blob_sha256, b) for k, (r, b) in found.items()]
+        chunks = list(plans_routes.resolve_json(plans, missing))
         assert len(chunks) == 3  # one per plan, then the end
         expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b),
                                                           blob_url=f"/v1/blobs/{r.blob_sha256}" if b is None else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Annotated
 
@@ -29,13 +29,14 @@ from ...protocol import (
 from ...settings import ServerSettings
 from ...store import Store
 from ...store.blobs import ContentBlobs
+from ...store.plans import PlanVersion
 from ..auth import Admin, Reader, Worker
 from ..autotune import autotune_policy
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..limits import Held, rate_key
-from ..memo import BlobMemory
+from ..memo import BlobMemory, RecordMemo, TtlMemory
 from ..uploads import accept_upload, publish_job_plan
 from .specs import GraphKeyPath
 
@@ -58,45 +59,72 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
     and recorded as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``;
     past it they are still listed, not counted). Each plan whose blob is not inline has ``blob_url``: a presigned
-    GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``, valid ``PLANCACHE_PRESIGN_SECONDS``) when the blobs are
-    in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where the server
-    serves them itself (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of blob bytes
-    per answer and what the server's in-flight budget has room for; a plan past that has ``blob_b64`` null."""
+    GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid ``PLANCACHE_PRESIGN_SECONDS`` when made, and
+    handed out again while more than half of that is left) when the blobs are in one, else this server's
+    ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where the server serves them itself
+    (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of blob bytes per answer and
+    what the server's in-flight budget has room for; a plan past that has ``blob_b64`` null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
-    found, missing = store.resolve(req.environment, req.graph_keys, include_blobs=False, count_misses=False)
+    keys = list(dict.fromkeys(req.graph_keys))
+    found = _answer_heads(store, request.app.state.record_memo, req.environment, keys)
+    missing = [key for key in keys if key not in found]
     if missing:
         counted = request.app.state.miss_writes.take(rate_key(principal), len(missing), partial=True)
         if counted:
             store.record_misses(req.environment, missing[:counted])
         metrics.misses_not_counted.inc(len(missing) - counted)
     held = 0
-    presign = _presigner(store, settings)
+    presign = _presigner(store, settings, request.app.state.presigned_urls)
+    inline: set[str] = set()
+    blobs: dict[str, bytes] = {}
     if req.include_blobs and presign is None:
-        candidates = [(key, found[key][0].blob_size) for key in dict.fromkeys(k for k in req.graph_keys if k in found)]
         wanted = 0
-        for _, size in candidates:
-            if wanted + size <= MAX_INLINE_BLOB_BYTES:
-                wanted += size
+        for version, _ in found.values():
+            if wanted + version.blob_size <= MAX_INLINE_BLOB_BYTES:
+                wanted += version.blob_size
         held = budget = request.app.state.inflight.take_up_to(wanted)  # released once the answer is sent
-        inline = []
-        for key, size in candidates:
-            if size <= budget:
-                inline.append(key)
-                budget -= size
-        try:
-            if inline:  # each (record, blob) read together; a plan removed in between keeps its record, blob null
-                found.update(store.resolve(req.environment, inline, include_blobs=True)[0])
+        for key, (version, _) in found.items():
+            if version.blob_size <= budget:
+                inline.add(key)
+                budget -= version.blob_size
+        try:  # a blob collected since its record was read (replaced meanwhile) is not inlined
+            blobs = store.get_blobs({found[key][0].blob_sha256 for key in inline})
         except BaseException:
             request.app.state.inflight.release(held)
             raise
-    metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, blob in found.values() if blob is not None))
-    chunks = resolve_json(found, missing, presign or _server_route)
+    plans = [(head, version.blob_sha256, blobs.get(version.blob_sha256) if key in inline else None)
+             for key, (version, head) in found.items()]
+    metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, _, blob in plans if blob is not None))
+    chunks = resolve_json(plans, missing, presign or _server_route)
     if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
         hold = Held(request.app.state.inflight, held)
         return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
                                  background=BackgroundTask(hold.release))
     return Response(b"".join(chunks), media_type="application/json")
+
+
+def _answer_heads(store: Store, memo: RecordMemo, env: Environment, keys: list[str]
+                  ) -> dict[str, tuple[PlanVersion, bytes]]:
+    """The version and :func:`answer_head` of each plan stored for ``keys`` on ``env``, in key order: the versions
+    read now, the heads from ``memo`` where it holds the version, else from the records, read whole (and kept). A
+    plan gone between the two reads is left out; one replaced in between is answered as read the second time."""
+    heads, unknown = {}, []
+    for key, version in store.plan_versions(env, keys).items():
+        head = memo.get(version)
+        if head is None:
+            unknown.append(key)
+        else:
+            heads[key] = (version, head)
+    for key, (version, record) in store.plan_records(env, unknown).items():
+        heads[key] = (version, answer_head(key, record))
+        memo.put(version, heads[key][1])
+    return {key: heads[key] for key in keys if key in heads}
+
+
+def answer_head(key: str, record: PlanRecord) -> bytes:
+    """A plan's part of a resolve answer up to its blob: ``"<key>":{"record":{…},"blob_b64":``."""
+    return b"".join((json.dumps(key).encode(), b':{"record":', record.model_dump_json().encode(), b',"blob_b64":'))
 
 
 def _releasing(chunks: Iterator[bytes], hold: Held) -> Iterator[bytes]:
@@ -125,28 +153,37 @@ def _server_route(sha256: str) -> str:
     return BLOB_ROUTE.format(sha256=sha256)
 
 
-def _presigner(store: Store, settings: ServerSettings) -> Callable[[str], str] | None:
-    """The presigned GET URL of a blob, when the blobs are in an object store and presigning is on; else None."""
+def _presigner(store: Store, settings: ServerSettings, urls: TtlMemory[str]) -> Callable[[str], str] | None:
+    """The presigned GET URL of a blob, when the blobs are in an object store and presigning is on (else None):
+    from ``urls``, which keeps each for half of ``PLANCACHE_PRESIGN_SECONDS``, or made anew."""
     blobs = store.blob_store.content if isinstance(store.blob_store, ContentBlobs) else None
     if not settings.presign_blobs or not isinstance(blobs, ObjectStoreBlobs):
         return None
     expiry = timedelta(seconds=settings.presign_seconds)
-    return lambda sha256: blobs.presign(sha256, expiry)
+
+    def presign(sha256: str) -> str:
+        url = urls.get(sha256)
+        if url is None:
+            url = blobs.presign(sha256, expiry)
+            urls.put(sha256, url)
+        return url
+
+    return presign
 
 
-def resolve_json(found: dict[str, tuple[PlanRecord, bytes | None]], missing: list[str],
+def resolve_json(plans: Iterable[tuple[bytes, str, bytes | None]], missing: list[str],
                  blob_url: Callable[[str], str] = _server_route) -> Iterator[bytes]:
-    """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`. Blobs are base64-encoded
-    as their chunk is made (base64 needs no JSON escaping), so a many-megabyte answer is never held whole;
-    a plan without its blob gets ``blob_url(sha256)``."""
+    """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`, from each plan's
+    :func:`answer_head`, blob sha256 and blob (or None). Blobs are base64-encoded as their chunk is made (base64
+    needs no JSON escaping), so a many-megabyte answer is never held whole; a plan without its blob gets
+    ``blob_url(sha256)``."""
     buffer, size = [b'{"plans":{'], 0
-    for i, (key, (record, blob)) in enumerate(found.items()):
+    for i, (head, sha256, blob) in enumerate(plans):
         if blob is None:
-            inline = b'null,"blob_url":' + json.dumps(blob_url(record.blob_sha256)).encode()
+            tail = b'null,"blob_url":' + json.dumps(blob_url(sha256)).encode()
         else:
-            inline = b'"' + base64.b64encode(blob) + b'","blob_url":null'
-        part = b"".join((b"," if i else b"", json.dumps(key).encode(), b':{"record":', record.model_dump_json().encode(),
-                         b',"blob_b64":', inline, b"}"))
+            tail = b'"' + base64.b64encode(blob) + b'","blob_url":null'
+        part = b"".join((b"," if i else b"", head, tail, b"}"))
         buffer.append(part)
         size += len(part)
         if size >= CHUNK_BYTES:
