@@ -18,7 +18,7 @@ from .bodies import install_openapi_rules
 from .docs import install_docs
 from .errors import install_error_handlers
 from .limits import ByteBudget, RateLimiter
-from .memo import BlobMemory, TtlMemory
+from .memo import PRESIGNED_URLS, BlobMemory, RecordMemo, TtlMemory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
 from .routes import ROUTERS
@@ -92,9 +92,12 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.inflight = ByteBudget(settings.max_inflight_bytes, settings.inflight_wait_seconds)
     app.state.spec_writes = RateLimiter(settings.spec_writes_per_minute, settings.spec_write_burst)
     app.state.miss_writes = RateLimiter(settings.misses_per_minute, settings.miss_burst)
-    # per-process memories of the hot read path (plancache.server.memo): blob bytes, authenticated tokens
+    # per-process memories of the hot read path (plancache.server.memo): blob bytes, resolve answers' records,
+    # authenticated tokens, presigned URLs (each handed out while more than half of its validity is left)
     app.state.blob_memory = BlobMemory(settings.blob_memory_bytes)
+    app.state.record_memo = RecordMemo()
     app.state.principals = TtlMemory(settings.token_cache_seconds)
+    app.state.presigned_urls = TtlMemory(settings.presign_seconds / 2, max_items=PRESIGNED_URLS)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
     # the autotune policy (plancache.server.autotune): a background thread when PLANCACHE_AUTOTUNE is on
     app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval,
