@@ -1,10 +1,12 @@
-"""The server's per-process memories: blob bytes (byte-bounded LRU) and authenticated tokens (time-bounded)."""
+"""The server's per-process memories: blob bytes and resolve answers' records (byte-bounded LRUs) and authenticated
+tokens (time-bounded)."""
 
 from __future__ import annotations
 
 import pytest
 
-from plancache.server.memo import BlobMemory, TtlMemory
+from plancache.server.memo import BlobMemory, RecordMemo, TtlMemory
+from plancache.store.plans import PlanVersion
 from tests.server_util import api, bearer, open_api, upload_json  # noqa: F401
 
 
@@ -27,6 +29,24 @@ def test_blob_memory_never_keeps_a_blob_over_a_sixteenth_of_its_size():
     assert off.get("a") is None
     with pytest.raises(ValueError):
         BlobMemory(-1)
+
+
+def test_record_memo_drops_the_least_recently_used_past_its_size():
+    def version(i: int) -> PlanVersion:
+        return PlanVersion(f"{i:064x}", "e" * 32, i, 1, "b" * 64, 10, "2026-01-01 00:00:00")
+
+    m = RecordMemo(max_bytes=1000)
+    for i in range(10):
+        m.put(version(i), b"r" * 300)
+    assert len(m) == 3 and m.bytes == 900  # the last three
+    assert m.get(version(7)) == b"r" * 300  # now the most recent
+    m.put(version(10), b"r" * 300)
+    assert m.get(version(8)) is None and m.get(version(7)) is not None and m.bytes == 900
+    m.put(version(11), b"r" * 1001)  # alone over the limit: not kept, nothing dropped for it
+    assert m.get(version(11)) is None and len(m) == 3
+    assert m.get(version(7)._replace(revision=2)) is None  # another version of the record: not this one
+    with pytest.raises(ValueError):
+        RecordMemo(0)
 
 
 def test_ttl_memory_forgets_after_its_time():
