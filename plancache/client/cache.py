@@ -251,23 +251,6 @@ class DiskCache:
             raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} does not parse: "
                                                       f"{validation_message(exc.errors(), 1)}") from None
 
-    def load(self, graph_key: str) -> tuple[PlanRecord, bytes] | None:
-        """The stored record (unverified) and its blob (checked against its name by :attr:`blobs`) for
-        ``graph_key``; None when there is no whole entry (one deleted under us by another process is a miss, a
-        damaged blob is missing). Marks the entry used (:meth:`touch`). Raises as :meth:`record` does."""
-        record = self.record(graph_key)
-        if record is None:
-            return None
-        try:
-            blob = self.blobs.get(record.blob_sha256)
-        except OSError as exc:
-            log.warning("plan cache: cannot read the blob of %s (%s); ignoring the entry", graph_key[:12], exc)
-            return None
-        if blob is None:
-            return None
-        self.touch(record)
-        return record, blob
-
     def fetch_lock(self, graph_keys: Iterable[str], timeout: float) -> FetchLock | None:
         """The host's lock on fetching ``graph_keys`` from the server into this folder (see the module docstring),
         waiting at most ``timeout`` seconds for the process that holds it; None when it is still held then, or when

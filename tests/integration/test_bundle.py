@@ -390,8 +390,10 @@ def test_an_older_bundle_never_replaces_newer_plans(tmp_path, make_spec, make_pl
     assert "seeded" in r.output and ": 0 plans" in r.output and "1 older than the plans already there" in r.output
     from plancache.client.cache import DiskCache
 
-    entry = DiskCache(cache, gpu_env).load(key)
-    assert entry is not None and entry[0].revision == newest.revision and entry[1] == b"the re-tuned plan"
+    disk = DiskCache(cache, gpu_env)
+    record = disk.record(key)
+    assert record is not None and record.revision == newest.revision
+    assert disk.blobs.get(record.blob_sha256) == b"the re-tuned plan"
     open_store(dst_url, create=True).close()
     for name in ("new", "old"):
         r = cli("bundle", "import", str(tmp_path / f"{name}.bundle"), "--trusted-keys", str(keys["pub"]),

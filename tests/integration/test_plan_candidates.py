@@ -129,4 +129,4 @@ def test_a_client_cache_entry_written_with_candidates_still_loads(tmp_path, make
     path = tmp_path / gpu_env.env_id / f"{record.graph_key}.json"
     legacy = {**json.loads(path.read_text()), "candidates": [c.model_dump(mode="json") for c in _incident_rows(50)]}
     path.write_text(json.dumps(legacy))
-    assert cache.load(record.graph_key) == (record, blob)
+    assert cache.record(record.graph_key) == record and cache.blobs.get(record.blob_sha256) == blob

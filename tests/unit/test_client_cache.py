@@ -19,6 +19,17 @@ KEY = "c" * 64
 BLOB = b"plan-bytes" * 50
 
 
+def load(cache: DiskCache, graph_key: str) -> tuple[object, bytes] | None:
+    """What the ladder's disk step reads of an entry: the record, its blob checked by the blob store, and the entry
+    marked used; None when either is missing."""
+    record = cache.record(graph_key)
+    blob = cache.blobs.get(record.blob_sha256) if record is not None else None
+    if record is None or blob is None:
+        return None
+    cache.touch(record)
+    return record, blob
+
+
 def plan_files(folder: Path) -> list[str]:
     """The entry files of a folder (not its ``.used`` marker)."""
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
@@ -26,7 +37,7 @@ def plan_files(folder: Path) -> list[str]:
 
 def test_save_then_load_round_trips_under_the_environment_folder(tmp_path):
     cache = DiskCache(tmp_path / "cache", H200)
-    assert cache.load(KEY) is None and not (tmp_path / "cache").exists()  # a reader creates nothing
+    assert load(cache, KEY) is None and not (tmp_path / "cache").exists()  # a reader creates nothing
     record = make_record(KEY, H200, BLOB)
     assert cache.save(record, BLOB)
     folder = tmp_path / "cache" / H200.env_id
@@ -34,19 +45,19 @@ def test_save_then_load_round_trips_under_the_environment_folder(tmp_path):
     sha = record.blob_sha256
     blob_file = folder / "blobs" / sha[:2] / sha[2:4] / sha
     assert blob_file.read_bytes() == BLOB and blob_file.stat().st_mode & 0o777 == 0o600
-    loaded, blob = cache.load(KEY)
+    loaded, blob = load(cache, KEY)
     assert loaded == record and blob == BLOB and cache.record(KEY) == record
     # Another environment sees nothing.
-    assert DiskCache(tmp_path, OTHER_GPU).load(KEY) is None
+    assert load(DiskCache(tmp_path, OTHER_GPU), KEY) is None
 
 
 def test_absent_entries_and_a_record_without_its_blob_are_misses(tmp_path):
     cache = DiskCache(tmp_path, H200)
-    assert cache.load(KEY) is None
+    assert load(cache, KEY) is None
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
     cache.blobs.path(record.blob_sha256).unlink()
-    assert cache.load(KEY) is None and cache.record(KEY) == record
+    assert load(cache, KEY) is None and cache.record(KEY) == record
 
 
 def test_a_record_that_does_not_parse_is_malformed(tmp_path):
@@ -55,7 +66,7 @@ def test_a_record_that_does_not_parse_is_malformed(tmp_path):
     path = tmp_path / H200.env_id / f"{KEY}.json"
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(VerificationError) as exc:
-        cache.load(KEY)
+        load(cache, KEY)
     assert exc.value.reason == "malformed"
 
 
@@ -66,8 +77,8 @@ def test_a_damaged_blob_is_never_returned_and_the_next_save_replaces_it(tmp_path
     record = make_record(KEY, H200, BLOB)
     cache.save(record, BLOB)
     cache.blobs.path(record.blob_sha256).write_bytes(BLOB[:10])
-    assert cache.load(KEY) is None and "damaged" in caplog.text
-    assert cache.save(record, BLOB) and cache.load(KEY) == (record, BLOB)
+    assert load(cache, KEY) is None and "damaged" in caplog.text
+    assert cache.save(record, BLOB) and load(cache, KEY) == (record, BLOB)
 
 
 def test_discard_removes_the_record_and_the_blob(tmp_path):
@@ -95,7 +106,7 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path, monkeypatch):
     assert cache.save(make_record(KEY, H200, new_blob), new_blob) is False
     monkeypatch.undo()
     # The old record is still whole and still points at its own (intact) blob; no temp files remain.
-    record, blob = cache.load(KEY)
+    record, blob = load(cache, KEY)
     assert record == old and blob == BLOB
     assert not [p for p in (tmp_path / H200.env_id).rglob("*.tmp")]
 
@@ -108,7 +119,7 @@ def test_an_unwritable_folder_is_reported_not_raised(tmp_path):
 
 def test_graph_keys_are_checked_before_they_become_paths(tmp_path):
     with pytest.raises(ValueError):
-        DiskCache(tmp_path, H200).load("../../etc/passwd")
+        load(DiskCache(tmp_path, H200), "../../etc/passwd")
 
 
 # ------------------------------------------------------------------ housekeeping
@@ -130,7 +141,7 @@ def entry_bytes(cache: DiskCache, i: int) -> int:
 
 
 def set_last_use(cache: DiskCache, i: int, when: float) -> None:
-    record, _ = cache.load(key(i))
+    record, _ = load(cache, key(i))
     for path in (cache.dir / f"{key(i)}.json", cache.blobs.path(record.blob_sha256)):
         os.utime(path, (when, when))
 
@@ -145,10 +156,10 @@ def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
     now = time.time()
     for i in range(10):  # entry i was last used i minutes ago: 9 is the least recently used
         set_last_use(cache, i, now - 60 * i)
-    assert cache.load(key(8)) is not None  # a hit makes 8 the most recently used
+    assert load(cache, key(8)) is not None  # a hit makes 8 the most recently used
     cache.save(make_record(key(10), H200, blob(10)), blob(10))  # over the cap: down to 90 % of it
     assert cache.size() <= 0.9 * cache.max_bytes
-    kept = [i for i in range(11) if cache.load(key(i)) is not None]
+    kept = [i for i in range(11) if load(cache, key(i)) is not None]
     assert kept == [0, 1, 2, 3, 4, 5, 6, 8, 10], "evicted out of least-recently-used order"
     assert not list(cache.dir.rglob("*.tmp"))
     # Without a cap nothing is evicted.
@@ -171,7 +182,7 @@ def test_the_cap_counts_every_environment_and_spares_other_folders(tmp_path):
     for i in range(5):
         cache.save(make_record(key(i), H200, blob(i)), blob(i))
     assert cache.size() <= 6 * one
-    assert all(cache.load(key(i)) is not None for i in range(5))  # the older environment went first
+    assert all(load(cache, key(i)) is not None for i in range(5))  # the older environment went first
     assert (spool / "job-1-1.blob").stat().st_size == 50 * one
 
 
@@ -186,7 +197,7 @@ def test_a_reader_sharing_the_folder_with_an_evicting_writer_only_ever_misses(tm
         while not stop.is_set():
             for i in range(40):
                 try:
-                    got = reader.load(key(i))
+                    got = load(reader, key(i))
                 except Exception as exc:  # noqa: BLE001 - the test's point
                     errors.append(exc)
                     continue
@@ -232,7 +243,7 @@ def test_folders_of_environments_unused_for_max_age_days_are_dropped(tmp_path):
     # The current environment is never dropped, however old; opening the cache marks it used.
     here.save(make_record(KEY, H200, BLOB), BLOB)
     os.utime(here.dir / ".used", (stale, stale))
-    assert DiskCache(tmp_path, H200, max_age_days=30).sweep() == [] and here.load(KEY) is not None
+    assert DiskCache(tmp_path, H200, max_age_days=30).sweep() == [] and load(here, KEY) is not None
     assert (here.dir / ".used").stat().st_mtime > time.time() - 60
     # 0 (or None) never drops anything.
     os.utime(recent.dir / ".used", (stale, stale))
@@ -317,7 +328,7 @@ def test_an_entry_from_the_server_is_marked_confirmed_and_loses_the_mark_with_th
     cache.mark_checked(imported.graph_key)
     assert cache.checked_at(imported.graph_key) is not None
     cache.discard(fetched.graph_key, fetched.blob_sha256)
-    assert cache.checked_at(fetched.graph_key) is None and cache.load(fetched.graph_key) is None
+    assert cache.checked_at(fetched.graph_key) is None and load(cache, fetched.graph_key) is None
     assert plan_files(tmp_path / H200.env_id) == sorted([f"{'b' * 64}.json", f"{'b' * 64}.checked", "blobs"])
     assert cache.blobs.get(fetched.blob_sha256) is None and cache.blobs.get(imported.blob_sha256) == b"from a bundle"
 
@@ -347,12 +358,12 @@ def test_a_folder_of_the_earlier_layout_is_moved_into_the_blob_store_when_opened
     os.utime(old[key(1)], (1000.0, 1000.0))
     old[key(3)].write_bytes(blob(3)[:-1])  # damaged: dropped, the entry is a miss
     cache = DiskCache(tmp_path, H200)
-    assert cache.load(key(1)) is None  # not read before the cache is opened (swept)
+    assert load(cache, key(1)) is None  # not read before the cache is opened (swept)
     cache.sweep()
     assert not list(cache.dir.glob("*.blob"))
     assert cache.blobs.path(hashlib.sha256(blob(1)).hexdigest()).stat().st_mtime == 1000.0  # its last use kept
     assert sorted(f.sha256 for f in cache.blobs.files()) == sorted(hashlib.sha256(blob(i)).hexdigest() for i in (1, 2))
-    assert [cache.load(key(i)) is not None for i in (1, 2, 3)] == [True, True, False]
+    assert [load(cache, key(i)) is not None for i in (1, 2, 3)] == [True, True, False]
 
 
 def test_a_folder_of_the_earlier_layout_that_cannot_be_written_is_left_as_it_is(tmp_path, monkeypatch):
@@ -363,4 +374,4 @@ def test_a_folder_of_the_earlier_layout_that_cannot_be_written_is_left_as_it_is(
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setattr(cache.blobs, "put", read_only)
-    assert cache.sweep() == [] and old[KEY].read_bytes() == BLOB and cache.load(KEY) is None
+    assert cache.sweep() == [] and old[KEY].read_bytes() == BLOB and load(cache, KEY) is None
