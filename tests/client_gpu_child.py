@@ -27,8 +27,8 @@ import torch
 
 from examples.fe import graphs
 from plancache import gpu
-from plancache.client import Plan, PlanCache, family_key
-from plancache.client.core import HeuristicStep
+from plancache.client import Plan, PlanCache
+from plancache.client.core import HeuristicStep, family_key
 from plancache.spec import GraphSpec, parse_spec
 
 DEV = torch.device("cuda", 0)

@@ -11,8 +11,7 @@
 
 Importing the client costs next to nothing: each name below is imported from its module when it is first read,
 and those modules leave the HTTP client, the wire protocol's models, signature checks and settings to the first
-:class:`PlanCache` made (tests/unit/test_client_import.py names what stays out); reading :class:`DiskCache` or
-:class:`Remote` imports them too, as their modules are the first PlanCache's. The default GPU backend imports
+:class:`PlanCache` made (tests/unit/test_client_import.py names what stays out). The default GPU backend imports
 torch and nvidia-cudnn-frontend when a :class:`PlanCache` is created without a backend.
 """
 
@@ -22,25 +21,34 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..verify import REASONS, verify_blob
     from .backend import Backend, GpuBackend
-    from .cache import DiskCache
-    from .core import LADDER, MODES, Builds, ClientConfig, ClientStats, Pending, PlanCache, Step, StepName, family_key
+    from .core import (
+        LADDER,
+        MODES,
+        Builds,
+        ClientConfig,
+        ClientStats,
+        LoadContext,
+        Pending,
+        PlanCache,
+        Step,
+        StepName,
+        StoreStep,
+    )
     from .plan import Plan
-    from .remote import Remote
 
+#: What users of the client write code against: the cache and its configuration, plans, GPU backends, and what a
+#: custom ladder step is made of. Internals (the disk cache, the server calls, verification) stay in their modules.
 __all__ = [
-    "LADDER", "MODES", "REASONS", "Backend", "Builds", "ClientConfig", "ClientStats", "DiskCache", "GpuBackend",
-    "Pending", "Plan", "PlanCache", "Remote", "Step", "StepName",
-    "family_key", "verify_blob",
+    "Backend", "Builds", "ClientConfig", "ClientStats", "GpuBackend", "LADDER", "LoadContext", "MODES", "Pending",
+    "Plan", "PlanCache", "Step", "StepName", "StoreStep",
 ]
 
 #: The module each exported name is defined in, imported when the name is first read.
 _HOMES = {
-    "REASONS": "plancache.verify", "verify_blob": "plancache.verify",
-    "Backend": ".backend", "GpuBackend": ".backend", "DiskCache": ".cache", "Plan": ".plan", "Remote": ".remote",
-    **dict.fromkeys(("LADDER", "MODES", "Builds", "ClientConfig", "ClientStats", "Pending", "PlanCache", "Step",
-                     "StepName", "family_key"), ".core"),
+    "Backend": ".backend", "GpuBackend": ".backend", "Plan": ".plan",
+    **dict.fromkeys(("LADDER", "MODES", "Builds", "ClientConfig", "ClientStats", "LoadContext", "Pending", "PlanCache",
+                     "Step", "StepName", "StoreStep"), ".core"),
 }
 
 

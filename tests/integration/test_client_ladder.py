@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from plancache.blobs import FolderBlobs
-from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step, family_key
+from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step
 from plancache.client.cache import BLOBS
+from plancache.client.core import family_key
 from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec

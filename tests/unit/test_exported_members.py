@@ -46,3 +46,19 @@ def test_the_blob_layer_exports_exactly_what_it_defines():
     public = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v) and (
         n.isupper() if not callable(v) else getattr(v, "__module__", "").startswith("plancache.blobs")))
     assert module.__all__ == sorted(module.__all__) == public
+
+
+def test_the_client_exports_what_users_write_code_against():
+    """``plancache.client`` exports the cache, its configuration and stats, plans, backends and what a custom ladder
+    step is made of; the disk cache, the server calls and verification stay in their own modules."""
+    import plancache.client as module
+
+    assert module.__all__ == sorted(module.__all__) == [
+        "Backend", "Builds", "ClientConfig", "ClientStats", "GpuBackend", "LADDER", "LoadContext", "MODES", "Pending",
+        "Plan", "PlanCache", "Step", "StepName", "StoreStep",
+    ]
+    assert all(getattr(module, n).__module__.startswith("plancache.client.") for n in module.__all__
+               if n not in ("LADDER", "MODES"))
+    for internal in ("DiskCache", "Remote", "verify_blob", "REASONS", "family_key"):
+        with pytest.raises(AttributeError):
+            getattr(module, internal)
