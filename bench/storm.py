@@ -12,8 +12,11 @@ client); ``presigned`` the blobs are in a bucket of moto's S3 server (a subproce
 and each is GET from the presigned URL of the answer on a connection of its own without the token, 8 at a time.
 ``--resolve-only`` leaves the blob GETs out (what the API server itself serves when the bytes come from elsewhere:
 moto is a single Python process, far slower than S3). The client's own work -- imports, signature checks,
-deserializing -- is per host and not the server's, so it is left out (``bench/host_fetch.py`` runs real clients):
-an inline answer's blobs are counted, not decoded, and a fetched blob's size is checked. The server's CPU seconds
+deserializing -- is per host and not the server's, so it is left out (``bench/host_fetch.py`` runs real clients),
+and the load generator, which shares the server's cores, does as little as it can: the resolve goes out through h11
+on a bare asyncio connection with the headers httpx sends (an httpx client per start-up cost the generator 5 ms of
+CPU, more than the server's share), an answer is counted (its ``blob_b64`` or ``blob_url`` strings), parsed only
+when its URLs are fetched (httpx), and a fetched blob's size is checked. The server's CPU seconds
 (user + system, from ``/proc``) per start-up are reported per rate: what a start-up costs the API server whoever
 serves the bytes. With ``--out``, the results of each database and mode are merged into the file, and plotted
 next to it (``.png``) when matplotlib is there.
@@ -45,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import h11  # noqa: E402
 import httpx  # noqa: E402
 
 from bench.load_server import ENV, database, free_port, server  # noqa: E402
@@ -58,6 +62,7 @@ from tests.factories import make_meta  # noqa: E402
 BLOB_BYTES = 64 * 1024
 DEADLINE_S = 5.0  # PLANCACHE_REQUEST_DEADLINE's default: past it a client builds locally
 P99_GOAL_S = 1.0
+TIMEOUT_S = 30.0
 #: Blob GETs one start-up has in flight at once (``plancache.client.core.FETCH_THREADS``).
 FETCH_AT_ONCE = 8
 MODES = ("inline", "server", "presigned")
@@ -117,41 +122,81 @@ def seed(url: str, keys_dir: Path, blob_store: str | None = None) -> tuple[list[
     return keys, token
 
 
-async def start_up(base: str, token: str, body: dict[str, Any], n_keys: int, fetch: bool) -> bool:
-    """One client start-up's exchange with the server, on a connection of its own (blob GETs elsewhere on one more,
-    without the token); True when all plans came (each blob of its record's size, when ``fetch``)."""
-    timeout = httpx.Timeout(30.0)
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
-                                 verify=tls_verification(base)) as client:
-        try:
-            resp = await client.post("/v1/plans/resolve", json=body)
-            if resp.status_code != 200:
-                return False
-            if body["include_blobs"]:  # counted, not parsed: the generator's CPU is the server's too here
-                return resp.content.count(b'"blob_b64":"') == n_keys
-            plans = resp.json()["plans"]
-            if len(plans) != n_keys:
-                return False
-            urls = [(p["blob_url"], p["record"]["blob_size"]) for p in plans.values()]
-            if not fetch:
-                return True
-            gate = asyncio.Semaphore(FETCH_AT_ONCE)
-            elsewhere = httpx.AsyncClient(timeout=timeout, verify=tls_verification(urls[0][0]))
+def resolve_request(base: str, token: str, body: dict[str, Any]) -> tuple[h11.Request, bytes]:
+    """A fresh client's resolve request of ``body`` to ``base`` and its payload, headers as httpx sends them."""
+    payload = json.dumps(body).encode()
+    request = h11.Request(method="POST", target="/v1/plans/resolve", headers=[
+        ("Host", base.split("://", 1)[1]), ("Accept", "*/*"), ("Accept-Encoding", "gzip, deflate"),
+        ("Connection", "keep-alive"), ("User-Agent", f"python-httpx/{httpx.__version__}"),
+        ("Authorization", f"Bearer {token}"), ("Content-Type", "application/json"),
+        ("Content-Length", str(len(payload)))])
+    return request, payload
+
+
+async def exchange(base: str, request: h11.Request, payload: bytes) -> tuple[int, bytes]:
+    """``request`` and its ``payload`` sent on a new connection to ``base`` (plain HTTP), the answer's status and
+    body read whole (h11 frames it, chunked or not); the client then closes the connection."""
+    host, port = base.split("://", 1)[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    conn = h11.Connection(h11.CLIENT)
+    status, parts = 0, []
+    try:
+        writer.write(b"".join(conn.send(event) or b"" for event in (request, h11.Data(data=payload), h11.EndOfMessage())))
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(1 << 16))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return status, b"".join(parts)
+    finally:
+        writer.close()
+
+
+async def start_up(base: str, token: str, request: tuple[h11.Request, bytes], inline: bool, n_keys: int,
+                   fetch: bool) -> bool:
+    """One client start-up's exchange with the server: ``request`` (:func:`resolve_request`) on a connection of its
+    own, then, when ``fetch``, each blob from its ``blob_url`` (the server's with the token, else on connections
+    of their own without it, 8 at a time); True when all plans came (each blob of its record's size, when
+    ``fetch``). Answers are counted, not parsed, unless their blob URLs are needed: the generator's CPU is the
+    server's too here."""
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            status, answer = await exchange(base, *request)
+    except (OSError, TimeoutError, h11.ProtocolError):
+        return False
+    if status != 200:
+        return False
+    if inline or not fetch:
+        return answer.count(b'"blob_b64":"' if inline else b'"blob_url":"') == n_keys
+    plans = json.loads(answer)["plans"]
+    if len(plans) != n_keys:
+        return False
+    urls = [(p["blob_url"], p["record"]["blob_size"]) for p in plans.values()]
+    gate = asyncio.Semaphore(FETCH_AT_ONCE)
+    timeout = httpx.Timeout(TIMEOUT_S)
+    try:
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
+                                     verify=tls_verification(base)) as server, \
+                httpx.AsyncClient(timeout=timeout, verify=tls_verification(urls[0][0])) as elsewhere:
 
             async def get(url: str, size: int) -> bool:
                 async with gate:
-                    got = await (client if url.startswith("/") else elsewhere).get(url)
+                    got = await (server if url.startswith("/") else elsewhere).get(url)
                 return got.status_code == 200 and len(got.content) == size
 
-            async with elsewhere:
-                return all(await asyncio.gather(*(get(u, n) for u, n in urls)))
-        except httpx.HTTPError:
-            return False
+            return all(await asyncio.gather(*(get(u, n) for u, n in urls)))
+    except httpx.HTTPError:
+        return False
 
 
 async def storm(base: str, token: str, keys: list[str], rate: float, duration: float, *, inline: bool = True,
                 fetch: bool = True) -> dict[str, Any]:
-    body = {"environment": ENV.model_dump(), "graph_keys": keys, "include_blobs": inline}
+    request = resolve_request(base, token, {"environment": ENV.model_dump(), "graph_keys": keys,
+                                            "include_blobs": inline})
     t0 = time.perf_counter() + 0.05
     latencies: list[float] = []
     failed = 0
@@ -159,7 +204,7 @@ async def storm(base: str, token: str, keys: list[str], rate: float, duration: f
     async def one(at: float) -> None:
         nonlocal failed
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        ok = await start_up(base, token, body, len(keys), fetch)
+        ok = await start_up(base, token, request, inline, len(keys), fetch)
         latencies.append(time.perf_counter() - at)
         failed += not ok
 
