@@ -43,7 +43,9 @@ class FolderBlobs(BlobStore):
 
     def __init__(self, root: Path, *, mode: int = 0o644, create: bool = True) -> None:
         """``mode``: the files' permissions (default readable by every replica sharing the folder). ``create``: make
-        ``root`` now; else the first :meth:`put` makes it (a reader of a folder never written creates nothing)."""
+        ``root`` now; else the first :meth:`put` makes it (a reader of a folder never written creates nothing). A
+        relative ``root`` is taken from the current directory now."""
+        root = root.absolute()
         if create:
             root.mkdir(parents=True, exist_ok=True)
         self.root, self.url, self.mode = root, root.as_uri(), mode

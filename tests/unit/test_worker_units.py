@@ -122,6 +122,19 @@ def test_spool_round_trip_and_remove(tmp_path):
     assert spool.pending() == [] and spool_files(spool) == []
 
 
+def test_a_spool_or_blob_folder_given_as_a_relative_path_works(tmp_path, monkeypatch):
+    """``--spool-dir worker-spool`` (the README's walkthrough): the folder is taken from the current directory."""
+    from plancache.blobs import FolderBlobs
+
+    monkeypatch.chdir(tmp_path)
+    spool = Spool(Path("worker-spool"))
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    assert spool.pending() == [entry]
+    blobs = FolderBlobs(Path("blobs"))
+    assert blobs.root == tmp_path / "blobs" and blobs.url == (tmp_path / "blobs").as_uri()
+
+
 def test_spool_sets_aside_a_corrupt_entry(tmp_path, caplog):
     spool = Spool(tmp_path / "spool")
     entry = _entry(tmp_path)
