@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.together import run_together
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,19 +31,7 @@ def burst(n: int, url: str, token: str, keys: Path, cache_dirs: list[Path], spec
                                   *([str(deadline)] if deadline else [])],
                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for i in range(n)]
-    for c in children:
-        assert c.stdout is not None and c.stdout.readline().strip() == "ready"
-    for c in children:
-        assert c.stdin is not None
-        c.stdin.write("go\n")
-        c.stdin.flush()
-    results = []
-    for c in children:
-        out, _ = c.communicate(timeout=120)
-        if c.returncode != 0:
-            raise RuntimeError(f"a burst child exited with {c.returncode}")
-        results.append(json.loads(out.splitlines()[-1]))
-    return results
+    return run_together(children, "a burst child", timeout=120)
 
 
 def main(argv: list[str]) -> None:
