@@ -63,3 +63,14 @@ def make_record(graph_key: str, env: Environment, blob: bytes = b"serialized-pla
     """:func:`make_meta` as a stored :class:`~plancache.protocol.PlanRecord` (created now)."""
     meta = make_meta(graph_key, env, blob, signer, **overrides)
     return PlanRecord(**meta.model_dump(), env_id=meta.environment.env_id, created_at=datetime.now(UTC))
+
+
+def stored_plans(store: Any, env: Environment, graph_keys: list[str], *, include_blobs: bool = True
+                 ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:
+    """What ``store`` holds for ``graph_keys`` on ``env``, read as the resolve route reads it (records, then their
+    blobs): each stored key's record and blob (None when not asked for, or gone), and the other keys, in order."""
+    keys = list(dict.fromkeys(graph_keys))
+    records = {key: record for key, (_, record) in store.plan_records(env, keys).items()}
+    blobs = store.get_blobs({r.blob_sha256 for r in records.values()}) if include_blobs else {}
+    found = {key: (records[key], blobs.get(records[key].blob_sha256)) for key in keys if key in records}
+    return found, [key for key in keys if key not in records]

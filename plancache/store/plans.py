@@ -278,26 +278,6 @@ class Plans(Misses):
                               revision=row.revision, candidates=row.candidates or [],
                               candidates_omitted=row.omitted or {})
 
-    def resolve(self, env: Environment, graph_keys: list[str], *, include_blobs: bool, count_misses: bool = True
-                ) -> tuple[dict[str, tuple[PlanRecord, bytes | None]], list[str]]:
-        """Records (and blobs) for the keys that have a plan on ``env``, and the missing keys (in input
-        order, once each), for which a miss is recorded (unless ``count_misses`` is off: the server records
-        them itself, within a per-token budget). One query (and one blob store read), plus one write
-        when keys are missing. A blob gone since its record was read (gc after a replace) comes back None."""
-        keys = list(dict.fromkeys(graph_keys))
-        found: dict[str, tuple[PlanRecord, bytes | None]] = {}
-        if keys:
-            q = sa.select(plans).where(plans.c.graph_key.in_(keys), *same_env(plans, env))
-            with self.db.read() as conn:
-                rows = conn.execute(q).all()
-                data = self.blob_store.get_many(conn, {r.blob_sha256 for r in rows}) if include_blobs else {}
-            for row in rows:
-                found[row.graph_key] = (row_to_record(row), data.get(row.blob_sha256))
-        missing = [k for k in keys if k not in found]
-        if missing and count_misses:
-            self.record_misses(env, missing)
-        return found, missing
-
     def plan_versions(self, env: Environment, graph_keys: Collection[str]) -> dict[str, PlanVersion]:
         """The versions of the records stored for ``graph_keys`` on exactly this environment's validity fields, by
         graph key, in one query that reads no record (:meth:`plan_records` reads those). Nothing is recorded."""

@@ -10,6 +10,7 @@ import pytest
 from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
 from plancache.server.routes import plans as plans_routes
 from plancache.spec import parse_spec
+from tests.factories import stored_plans
 from tests.server_util import api, env_query, open_api, sha, upload_json  # noqa: F401
 
 pytestmark = pytest.mark.both_blob_stores
@@ -209,7 +210,8 @@ def test_resolve_returns_records_blobs_and_records_misses(api, published, make_s
 def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypatch):
     monkeypatch.setattr(plans_routes, "CHUNK_BYTES", 1)
     for include_blobs in (True, False):
-        found, missing = api.store.resolve(gpu_env, [k for k, _, _ in published] + ["f" * 64], include_blobs=include_blobs)
+        found, missing = stored_plans(api.store, gpu_env, [k for k, _, _ in published] + ["f" * 64],
+                                      include_blobs=include_blobs)
         plans = [(plans_routes.answer_head(k, r), r.blob_sha256, b) for k, (r, b) in found.items()]
         chunks = list(plans_routes.resolve_json(plans, missing))
         assert len(chunks) == 3  # one per plan, then the end

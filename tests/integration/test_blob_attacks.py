@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from plancache.store import open_store
+from tests.factories import stored_plans
 
 from ..server_util import open_api
 
@@ -68,7 +69,7 @@ def test_a_damaged_blob_file_is_never_served_and_the_next_publish_repairs_it(fil
 
     with open_api(file_store, **MEMORY[size]) as api, caplog.at_level(logging.WARNING, logger="plancache.blobs"):
         assert _served(api, digest) is None
-        (record, data), = file_store.resolve(gpu_env, [key], include_blobs=True)[0].values()
+        (record, data), = stored_plans(file_store, gpu_env, [key])[0].values()
         assert data is None, "resolve hands out no damaged blob"
         assert digest in caplog.text and "treated as missing" in caplog.text
         file_store.publish_plan(meta, blob)  # the same plan published again
@@ -114,7 +115,7 @@ def test_two_servers_publishing_one_blob_at_once_leave_one_whole_copy(db_url, bl
         for t in threads:
             t.join()
         assert failures == []
-        found, missing = stores[0].resolve(gpu_env, keys, include_blobs=True)
+        found, missing = stored_plans(stores[0], gpu_env, keys)
         assert missing == [] and {data for _, data in found.values()} == {blob}
         assert stores[1].get_blob(hashlib.sha256(blob).hexdigest()) == blob
     finally:

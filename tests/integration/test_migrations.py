@@ -17,6 +17,7 @@ from plancache.errors import SchemaNotReady
 from plancache.store import Store, open_store
 from plancache.store.db import make_engine
 from plancache.store.models import metadata
+from tests.factories import stored_plans
 
 
 def test_models_and_migrations_do_not_drift(db_url):
@@ -137,7 +138,7 @@ def test_candidates_inside_records_move_to_their_own_table_capped(db_url, make_s
         assert [c.index for c in table.candidates] == list(range(512))  # the fastest 512
         assert table.candidates_omitted == {"ok": 89}  # 88 slower ones and the invalid one
         assert store.get_plan(key, gpu_env) == record
-        assert store.resolve(gpu_env, [key], include_blobs=True)[0][key] == (record, blob)
+        assert stored_plans(store, gpu_env, [key])[0][key] == (record, blob)
         store.db.downgrade("0006")
         with store.engine.connect() as conn:
             back = conn.execute(sa.text("SELECT candidates FROM plans").columns(sa.column("candidates", sa.JSON))).scalar_one()

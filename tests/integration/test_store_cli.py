@@ -16,6 +16,7 @@ from plancache.blobs import open_blobs
 from plancache.cli import make_app
 from plancache.cli.common import ExitCode
 from plancache.store import open_store
+from tests.factories import stored_plans
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
     with pytest.raises(BlobStoreMismatch, match="not in the database"):
         open_store(db_url)
     with open_store(db_url, blob_store=folder) as moved:
-        found, missing = moved.resolve(gpu_env, list(expected), include_blobs=True)
+        found, missing = stored_plans(moved, gpu_env, list(expected))
         assert {k: blob for k, (_, blob) in found.items()} == expected and missing == []
         assert moved.get_blob(orphan) == b"stored, not referenced yet"
     assert "moved 0 blobs" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout  # idempotent
@@ -105,7 +106,7 @@ def test_migrate_blobs_to_and_from_s3(cli, store, db_url, make_spec, make_plan, 
 
     def resolves(blob_store: str) -> None:
         with open_store(db_url, blob_store=blob_store) as moved:
-            found, missing = moved.resolve(gpu_env, list(expected), include_blobs=True)
+            found, missing = stored_plans(moved, gpu_env, list(expected))
             assert {k: blob for k, (_, blob) in found.items()} == expected and missing == []
 
     assert "moved 3 blobs" in cli("db", "migrate-blobs", s3_blob_url, "--database-url", db_url).stdout

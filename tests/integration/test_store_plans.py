@@ -17,6 +17,7 @@ from plancache import errors
 from plancache.protocol import TargetEnvironment
 from plancache.store import open_store
 from plancache.store.models import blobs, plans
+from tests.factories import stored_plans
 
 pytestmark = pytest.mark.both_blob_stores
 
@@ -194,7 +195,9 @@ def test_concurrent_identical_publishes_make_one_record(store, key, gpu_env, mak
     assert _rows(store, plans) == 1 and _rows(store, blobs) == 1
 
 
-def test_resolve_returns_found_and_records_misses(store, make_spec, gpu_env, make_plan, clock):
+def test_records_and_blobs_are_read_for_the_stored_keys_and_misses_are_counted(store, make_spec, gpu_env, make_plan,
+                                                                               clock):
+    """What the resolve route reads (plan_records, get_blobs) and what it records for the other keys (record_misses)."""
     keys = []
     for i in range(3):
         k, spec = make_spec(i)
@@ -203,21 +206,28 @@ def test_resolve_returns_found_and_records_misses(store, make_spec, gpu_env, mak
     store.publish_plan(*make_plan(keys[0], gpu_env, blob=b"plan 0"))
     store.publish_plan(*make_plan(keys[1], gpu_env, blob=b"plan 1"))
     unknown = "e" * 64
-    found, missing = store.resolve(gpu_env, [keys[2], keys[0], unknown, keys[0], keys[1], keys[2]], include_blobs=True)
+
+    def resolve(env, asked, include_blobs):
+        found, missing = stored_plans(store, env, asked, include_blobs=include_blobs)
+        store.record_misses(env, missing)
+        return found, missing
+
+    found, missing = resolve(gpu_env, [keys[2], keys[0], unknown, keys[0], keys[1], keys[2]], include_blobs=True)
     assert set(found) == {keys[0], keys[1]} and missing == [keys[2], unknown]
     assert found[keys[0]][1] == b"plan 0" and found[keys[1]][0].blob_sha256 == store.get_plan(keys[1], gpu_env).blob_sha256
-    found, missing = store.resolve(gpu_env, keys, include_blobs=False)
+    assert store.plan_versions(gpu_env, keys)[keys[0]].blob_sha256 == found[keys[0]][0].blob_sha256
+    found, missing = resolve(gpu_env, keys, include_blobs=False)
     assert found[keys[0]][1] is None and missing == [keys[2]]
-    assert store.resolve(gpu_env, [], include_blobs=True) == ({}, [])
+    assert resolve(gpu_env, [], include_blobs=True) == ({}, [])
     first_seen = clock.now
     clock.advance(5)
-    store.resolve(gpu_env, [keys[2]], include_blobs=False)
+    resolve(gpu_env, [keys[2]], include_blobs=False)
     by_key = {m.graph_key: m for m in store.list_misses()}
     assert by_key[keys[2]].count == 3 and by_key[unknown].count == 1
     assert by_key[keys[2]].first_seen == first_seen and by_key[keys[2]].last_seen == clock.now
     assert by_key[keys[2]].environment == gpu_env and by_key[keys[2]].env_id == gpu_env.env_id
     other_env = gpu_env.model_copy(update={"sm": 100})
-    found, missing = store.resolve(other_env, keys, include_blobs=True)
+    found, missing = resolve(other_env, keys, include_blobs=True)
     assert found == {} and missing == keys
 
 
@@ -286,18 +296,18 @@ def test_out_of_range_plan_fields_are_refused_clearly(store, key, gpu_env, make_
     with pytest.raises(InvalidValue, match="engine_id"):  # ... and the store when a caller skips validation
         store.publish_plan(meta.model_copy(update={"engine_id": 2**64}), blob)
     with pytest.raises(InvalidValue, match="cudnn_version"):
-        store.resolve(gpu_env.model_copy(update={"cudnn_version": 2**40}), [key], include_blobs=False)
+        store.plan_versions(gpu_env.model_copy(update={"cudnn_version": 2**40}), [key])
     assert _rows(store, plans) == 0 and store.list_misses() == []
 
 
-def test_concurrent_resolves_count_every_miss(store, make_spec, gpu_env):
+def test_concurrent_misses_are_all_counted(store, make_spec, gpu_env):
     keys = [make_spec(i)[0] for i in range(20)]
     start = threading.Barrier(8)
 
     def resolve(offset: int) -> None:
         start.wait()
         for _ in range(10):  # overlapping key sets in different orders: no deadlock, no lost update
-            store.resolve(gpu_env, keys[offset:] + keys[:offset], include_blobs=False)
+            store.record_misses(gpu_env, keys[offset:] + keys[:offset])
 
     with ThreadPoolExecutor(8) as pool:
         for f in [pool.submit(resolve, i) for i in range(8)]:

@@ -11,7 +11,7 @@ from plancache import errors
 from plancache.cli import make_app
 from plancache.protocol import Withdrawal
 from plancache.signing import Signer, keygen
-from tests.factories import make_meta, new_signer, trusted
+from tests.factories import make_meta, new_signer, stored_plans, trusted
 from tests.server_util import api  # noqa: F401
 
 
@@ -43,7 +43,7 @@ def test_a_withdrawn_plan_is_never_served_and_explained_as_withdrawn(store, plan
     stored = store.withdraw_plan(w)
     assert stored.revision == w.revision and stored.env_id == gpu_env.env_id and stored.envelope == w.envelope
     assert store.get_plan(key, gpu_env) is None
-    assert store.resolve(gpu_env, [key], include_blobs=True) == ({}, [key])
+    assert stored_plans(store, gpu_env, [key]) == ({}, [key])
     reason = store.explain_misses(gpu_env, [key])[key]
     assert reason.reason == "withdrawn" and "wrong results on sm_90" in reason.message
     assert f"revision {record.revision}" in reason.message
