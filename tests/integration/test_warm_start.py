@@ -119,6 +119,26 @@ def test_a_warm_start_asks_once_for_every_graph_and_loads_each_once_into_its_own
     assert s.hits == {"server": 3, "memory": 3} and s.fe_builds == {} and s.misses == 0
 
 
+class SlowBackend(RecordingBackend):
+    """Takes 20 ms to deserialize, as cuDNN takes milliseconds."""
+
+    def deserialize(self, *args: Any, **kw: Any) -> Any:
+        time.sleep(0.02)
+        return super().deserialize(*args, **kw)
+
+
+def test_a_warm_start_counts_the_deserializations_into_the_callers_graphs(srv, tmp_path, signer):
+    """The blobs kept at install are loaded when the graphs are built: that time is deserialize_seconds too."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    path = capture(tmp_path / "capture.json", *step_graphs())
+    cache = PlanCache(srv.url, backend=SlowBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
+                      trusted_keys=trusted(signer))
+    build_all(cache, step_graphs(), warm=path)
+    assert len(loaded(cache)) == 3
+    assert 0.06 <= cache.stats().deserialize_seconds < 1.0
+
+
 def test_without_a_warm_start_each_graph_asks_when_it_is_built(srv, tmp_path, signer):
     """What the warm start saves: a round trip per graph."""
     seed(srv, signer, *(spec_of(g) for g in step_graphs()))
