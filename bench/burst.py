@@ -15,10 +15,15 @@ just after CUDA context creation (``torch.cuda.init()``, not plancache's to save
   checks, deserialize), strict mode, an empty disk cache; ``first_plan``: the same for the first graph alone;
 - ``burst``: ``--processes`` fresh processes doing ``plancache`` at the same instant (each past its imports and
   CUDA start-up, released together): p50, p99 and max against ``plancache``; ``floor_burst``: the same for
-  ``floor``, which bounds what any client can do when that many processes load plans at once.
+  ``floor``, which bounds what any client can do when that many processes load plans at once;
+- ``floor_from_start`` / ``plancache_from_start``: the same two, timed from the spawn of the process (``python``
+  start, ``import torch`` and ``torch.cuda.init()`` as a PyTorch program does, ``import cudnn`` or ``plancache``; the
+  harness's reading of ``plans.json`` left out); ``from_start``: ``--processes`` of each spawned at the same instant,
+  each timed from its spawn (a host whose ranks all start at once).
 
-``--profile`` also writes a cProfile summary of one ``plancache`` process alone and of the first process of a
-second burst (``profile_*.txt``). Writes ``startup_floor.json`` and ``startup_floor.png`` into OUT and prints the ratios.
+``--profile`` also writes a cProfile summary of one ``plancache`` process alone, of the first process of a second
+burst and of one ``plancache_from_start`` process (``profile_*.txt``). Writes ``startup_floor.json`` and
+``startup_floor.png`` into OUT and prints the ratios.
 """
 
 from __future__ import annotations
@@ -48,19 +53,24 @@ def _plans(folder: Path) -> list[dict]:
 # ---------------------------------------------------------------- children (on the GPU)
 
 def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wait: bool, profile: bool = False) -> dict:
+    """Run ``phase`` once. A phase ending in ``_from_start`` is timed from this process's spawn (``SPAWNED``, the
+    parent's ``time.time()`` just before it started the interpreter): ``import torch`` and ``torch.cuda.init()`` (as
+    a PyTorch program running plans on its tensors does, floor or not), the imports of cuDNN or plancache included,
+    the harness's own reading of ``plans.json`` left out. Other phases are timed from just after
+    ``torch.cuda.init()``, plancache imported before."""
     import torch
 
-    from plancache.spec import parse_spec
-
-    torch.cuda.init()
+    from_start = phase.endswith("_from_start")
+    phase = phase.removesuffix("_from_start")
+    torch.cuda.init()  # a PyTorch program running plans on its tensors starts CUDA through torch, floor or not
+    h0 = time.perf_counter()
     entries = _plans(plans_dir)
-    specs = [parse_spec(e["spec"]) for e in entries]
     blobs = [base64.b64decode(e["blob_b64"]) for e in entries]
-    if phase.startswith("plancache") or phase == "first_plan":
-        from plancache.client import PlanCache
-        from plancache.signing import TrustedKeys
-        trusted = TrustedKeys.from_files([plans_dir / "keys" / "bench.pub"])
-        cache_dir = tempfile.mkdtemp(prefix="plancache-burst-")
+    trusted = [plans_dir / "keys" / "bench.pub"]
+    cache_dir = tempfile.mkdtemp(prefix="plancache-burst-")
+    harness = time.perf_counter() - h0
+    if not from_start and phase != "floor":
+        from plancache.client import PlanCache  # noqa: F401 - imported before the clock starts
     if wait:  # released together with the other processes of a burst
         print("ready", flush=True)
         sys.stdin.readline()
@@ -71,6 +81,10 @@ def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wa
         profiler = cProfile.Profile()
         profiler.enable()
     t0 = time.perf_counter()
+    if phase != "floor":  # the specs are plancache's: parsing them counts (the floor needs none)
+        from plancache.spec import parse_spec
+
+        specs = [parse_spec(e["spec"]) for e in entries]
     if phase in ("heuristic_cold", "heuristic_warm_jit"):
         from plancache import gpu
 
@@ -87,17 +101,21 @@ def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wa
             g = cudnn.pygraph(device_property=props)
             g.deserialize(handle, blob)
             graphs.append(g)
-    elif phase == "first_plan":
-        pc = PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache_dir, mode="strict")
-        pc.plan(specs[0])
     else:
+        from plancache.client import PlanCache
+
         pc = PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache_dir, mode="strict")
-        pc.prefetch(specs)
-        plans = [pc.plan(s) for s in specs]
-        assert all(p.source == "server" for p in plans), [p.source for p in plans]
+        if phase == "first_plan":
+            pc.plan(specs[0])
+        else:
+            pc.prefetch(specs)
+            plans = [pc.plan(s) for s in specs]
+            assert all(p.source == "server" for p in plans), [p.source for p in plans]
     seconds = time.perf_counter() - t0
-    result: dict = {"phase": phase, "seconds": seconds}
-    if phase.startswith("plancache") or phase == "first_plan":
+    if from_start:
+        seconds = time.time() - float(os.environ["SPAWNED"]) - harness
+    result: dict = {"phase": phase, "seconds": seconds, "from_start": from_start}
+    if phase not in ("heuristic_cold", "heuristic_warm_jit", "floor"):
         result["client_stats"] = pc.stats().as_dict()
     if profiler is not None:
         import io
@@ -130,8 +148,8 @@ def run_one(phase: str, plans: Path, server: str | None = None, token: str | Non
             **env: str) -> dict:
     """One fresh process doing ``phase``; its result (``seconds``, client counters, a profile when asked)."""
     out = subprocess.run(_args(phase, plans, server, token, profile=profile),
-                         env=_env(**{"CUDA_CACHE_DISABLE": "1", **env}), check=True, capture_output=True, text=True,
-                         timeout=600)
+                         env=_env(**{"CUDA_CACHE_DISABLE": "1", **env, "SPAWNED": repr(time.time())}), check=True,
+                         capture_output=True, text=True, timeout=600)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -142,6 +160,20 @@ def run_burst(n: int, phase: str, plans: Path, server: str | None = None, token:
                               env=_env(CUDA_CACHE_DISABLE="1"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for i in range(n)]
     return run_together(procs, "a burst process")  # each imported everything and created its CUDA context
+
+
+def run_spawned(n: int, phase: str, plans: Path, server: str | None = None, token: str | None = None) -> list[dict]:
+    """``n`` fresh processes doing ``phase`` (a ``_from_start`` one), started at once: each timed from its spawn."""
+    procs = [subprocess.Popen(_args(phase, plans, server, token), stdout=subprocess.PIPE, text=True,
+                              env=_env(CUDA_CACHE_DISABLE="1", SPAWNED=repr(time.time())))
+             for _ in range(n)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"a {phase} process failed ({p.returncode})")
+        results.append(dict(json.loads(out.strip().splitlines()[-1])))
+    return results
 
 
 def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -205,6 +237,8 @@ def main() -> None:
     res["heuristic_warm_jit_s"] = run_one("heuristic_warm_jit", args.plans, **warm)["seconds"]
     res["floor_s"] = run_one("floor", args.plans)["seconds"]
     floor_burst = [r["seconds"] for r in run_burst(args.processes, "floor", args.plans)]
+    res["floor_from_start_s"] = run_one("floor_from_start", args.plans)["seconds"]
+    floor_spawned = [r["seconds"] for r in run_spawned(args.processes, "floor_from_start", args.plans)]
     proc, url, token = serve_and_seed(args.plans)
     try:
         single = run_one("plancache", args.plans, url, token)
@@ -212,6 +246,11 @@ def main() -> None:
         res["plancache_client_stats"] = single["client_stats"]
         res["first_plan_s"] = run_one("first_plan", args.plans, url, token)["seconds"]
         burst_runs = run_burst(args.processes, "plancache", args.plans, url, token)
+        res["plancache_from_start_s"] = run_one("plancache_from_start", args.plans, url, token)["seconds"]
+        spawned = [r["seconds"] for r in run_spawned(args.processes, "plancache_from_start", args.plans, url, token)]
+        if args.profile:
+            profiles["plancache_from_start"] = run_one("plancache_from_start", args.plans, url, token,
+                                                       profile=True)["profile"]
         if args.profile:
             profiles["plancache"] = run_one("plancache", args.plans, url, token, profile=True)["profile"]
             profiles["burst_first_process"] = run_burst(args.processes, "plancache", args.plans, url, token,
@@ -225,7 +264,16 @@ def main() -> None:
                     "deserialize_s": [r["client_stats"]["deserialize_seconds"] for r in burst_runs]}
     res["floor_burst"] = {"p50_s": statistics.median(floor_burst), "p99_s": percentile(floor_burst, 0.99),
                           "max_s": max(floor_burst), "all_s": floor_burst}
-    res["ratios"] = {"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
+    res["from_start"] = {
+        "processes": args.processes,
+        "burst": {"p50_s": statistics.median(spawned), "p99_s": percentile(spawned, 0.99), "all_s": spawned},
+        "floor_burst": {"p50_s": statistics.median(floor_spawned), "p99_s": percentile(floor_spawned, 0.99),
+                        "all_s": floor_spawned}}
+    res["ratios"] = {"from_start_plancache_over_floor": res["plancache_from_start_s"] / res["floor_from_start_s"],
+                     "from_start_burst_p99_over_floor_burst_p99": (res["from_start"]["burst"]["p99_s"]
+                                                                   / res["from_start"]["floor_burst"]["p99_s"]),
+                     "burst_p99_over_floor_burst_p99": res["burst"]["p99_s"] / res["floor_burst"]["p99_s"],
+"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
                      "heuristic_warm_jit_over_plancache": res["heuristic_warm_jit_s"] / res["plancache_s"],
                      "plancache_over_floor": res["plancache_s"] / res["floor_s"],
                      "heuristic_cold_over_floor": res["heuristic_cold_s"] / res["floor_s"],

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
+from ._httpx import httpx
 from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
 from .settings import ConnectionSettings
 from .validation import validation_message

@@ -250,6 +250,7 @@ class GraphSpec(_Strict):
     _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
     _producer: dict[int, int] = PrivateAttr(default_factory=dict)
     _canonical: GraphSpec | None = PrivateAttr(default=None)
+    _key: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_graph(self) -> GraphSpec:
@@ -461,7 +462,11 @@ class GraphSpec(_Strict):
 
     @property
     def graph_key(self) -> str:
-        return graph_key(self)
+        """:func:`graph_key` of this document, computed once (a spec, like its canonical form, is not changed after
+        it is made)."""
+        if self._key is None:
+            self._key = graph_key(self)
+        return self._key
 
     def canonical_document(self) -> GraphSpec:
         """This document with canonical uids and tensors in uid order (what workers build), names and flags kept."""

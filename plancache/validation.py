@@ -18,7 +18,8 @@ INT64_MAX = 2**63 - 1
 class StrictModel(BaseModel):
     """The base of every model that reads input: a field it does not declare is an error."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # a schema is built when first used: importing the
+    # wire protocol costs a client process nothing for the models only the server and the worker use
 
 
 def refuse_bool(value: Any) -> Any:

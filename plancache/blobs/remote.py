@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
-
+from .._httpx import httpx
 from ..errors import IntegrityError, ServerUnavailable
 from ..http import check_url, error_from_response, tls_verification
 from ..settings import BlobLimitSettings

@@ -6,8 +6,7 @@ HTTP layer (:mod:`plancache.http`). A refusal arrives as its error class (``409 
 
 from __future__ import annotations
 
-import httpx
-
+from .._httpx import httpx
 from ..environment import Environment
 from ..errors import PlanCacheError
 from ..http import HttpClient, Retry, json_as

@@ -67,3 +67,24 @@ def test_the_first_plan_cache_brings_in_what_it_needs(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.split() == ["httpx", "pydantic", "cryptography", "plancache.protocol"]
+
+
+def test_the_http_client_comes_without_httpx_s_command_line():
+    """httpx's CLI module (click, rich, pygments) is skipped when plancache imports httpx, and can still be imported
+    later by whoever wants it."""
+    code = (
+        "import sys\n"
+        "import plancache.http\n"
+        "print(' '.join(m for m in ('httpx', 'httpx._main', 'click', 'rich', 'pygments') if m in sys.modules))\n"
+        "import httpx._main\n"
+        "print(callable(httpx._main.main))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert out == ["httpx", "True"]
+
+
+def test_a_process_that_imported_httpx_first_keeps_it_whole():
+    code = ("import httpx, sys\nimport plancache.http\n"
+            "print('httpx._main' in sys.modules, httpx.main is sys.modules['httpx._main'].main)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out == ["True", "True"]
