@@ -151,7 +151,8 @@ class GpuBackend:
         return self._torch.cuda.current_stream(self.device)
 
     def on_device(self) -> AbstractContextManager[Any]:
-        return self._torch.cuda.device(self.device)
+        scope: AbstractContextManager[Any] = self._torch.cuda.device(self.device)  # Any without the gpu extra
+        return scope
 
     def set_stream(self, stream: Any) -> None:
         sid = int(stream.cuda_stream)
