@@ -11,9 +11,9 @@ Needs neither torch nor the server stack.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 
+from .digest import sha256_of
 from .errors import Reason, VerificationError
 
 if TYPE_CHECKING:  # a record in hand means its modules are loaded: the client imports this one before them
@@ -39,7 +39,7 @@ def verify_blob(record: PlanMeta, blob: bytes | None, *, what: str, trusted: Tru
         if len(blob) != record.blob_size:
             raise VerificationError(Reason.SIZE, f"{what}: blob size {len(blob)} does not match its record's "
                                             f"{record.blob_size} bytes")
-        digest = hashlib.sha256(blob).hexdigest()
+        digest = sha256_of(blob)  # read from a blob store: hashed as it was read (plancache.digest)
         if digest != record.blob_sha256:
             raise VerificationError(Reason.SHA256, f"{what}: blob sha256 {digest} does not match its record's "
                                               f"{record.blob_sha256}")

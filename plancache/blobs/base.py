@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
+from ..digest import Digested
 from ..errors import IntegrityError
 from ..protocol import SHA256_PATTERN
 
@@ -62,6 +63,14 @@ def checked(sha256: str, pieces: Iterable[bytes]) -> Iterator[bytes]:
     yield pending
 
 
+def checked_chunks(sha256: str, data: Data) -> Iterator[bytes]:
+    """``data`` in pieces, checked against ``sha256`` as :func:`checked` does, unless it is
+    :class:`~plancache.digest.Digested` bytes that hashed to it when they were read (not hashed twice)."""
+    if type(data) is Digested and data.sha256 == sha256 and data:
+        return chunks(data)
+    return checked(sha256, chunks(data))
+
+
 class BlobStream:
     """The bytes of one stored blob, read as they arrive and checked against its name: iterating yields its chunks
     and raises :class:`~plancache.errors.IntegrityError` instead of the last one when the whole does not hash to
@@ -77,9 +86,9 @@ class BlobStream:
     def __iter__(self) -> Iterator[bytes]:
         return self._pieces
 
-    def read(self) -> bytes:
-        """The whole blob (IntegrityError when it does not hash to its name)."""
-        return b"".join(self._pieces)
+    def read(self) -> Digested:
+        """The whole blob, carrying its digest (IntegrityError when it does not hash to its name)."""
+        return Digested(b"".join(self._pieces), self.sha256)
 
     def whole(self) -> bytes | None:
         """The whole blob; None when it does not hash to its name (logged: treated as missing, the next

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..files import fsync_dir
-from .base import BlobStore, BlobStream, Data, checked, chunks, log, shard
+from .base import BlobStore, BlobStream, Data, checked_chunks, chunks, log, shard
 
 #: Opening a blob file: never through a symlink, never blocking on a FIFO planted under its name.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -89,7 +89,7 @@ class FolderBlobs(BlobStore):
     def put(self, sha256: str, data: Data) -> None:
         path = self.path(sha256)
         if self._intact(sha256):
-            for _ in checked(sha256, chunks(data)):  # the caller's bytes are checked all the same
+            for _ in checked_chunks(sha256, data):  # the caller's bytes are checked all the same
                 pass
             return
         for folder in (self.root, path.parent.parent, path.parent):
@@ -100,7 +100,7 @@ class FolderBlobs(BlobStore):
         try:
             with os.fdopen(fd, "wb") as fh:
                 os.fchmod(fh.fileno(), self.mode)
-                for piece in checked(sha256, chunks(data)):
+                for piece in checked_chunks(sha256, data):
                     fh.write(piece)
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -6,7 +6,8 @@ import threading
 
 from cachetools import LRUCache
 
-from .base import BlobStore, BlobStream, Data, check_name, checked, chunks
+from ..digest import Digested
+from .base import BlobStore, BlobStream, Data, check_name, checked_chunks
 
 #: The byte budget of ``memory://`` without ``max_bytes``.
 DEFAULT_MEMORY_BYTES = 256 * 1024 * 1024
@@ -39,12 +40,12 @@ class MemoryBlobs(BlobStore):
 
     def put(self, sha256: str, data: Data) -> None:
         check_name(sha256)
-        whole = b"".join(checked(sha256, chunks(data)))
+        whole = b"".join(checked_chunks(sha256, data))
         if len(whole) > self.max_bytes:
             raise ValueError(f"blob {sha256} has {len(whole)} bytes, more than this memory store holds "
                              f"({self.max_bytes})")
         with self._lock:
-            self._items[sha256] = whole
+            self._items[sha256] = Digested(whole, sha256)  # hashed just now: gets carry it
 
     def delete(self, sha256: str) -> None:
         check_name(sha256)

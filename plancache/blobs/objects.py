@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from ..errors import BlobStoreUnavailable
-from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked, chunks, shard
+from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked_chunks, shard
 
 if TYPE_CHECKING:
     from obstore.store import AzureStore, GCSStore, S3Store
@@ -104,10 +104,10 @@ class ObjectStoreBlobs(BlobStore):
     def put(self, sha256: str, data: Data) -> None:
         key = shard(sha256)
         if isinstance(data, bytes):  # one request: checked first
-            whole = b"".join(checked(sha256, [data]))
+            whole = b"".join(checked_chunks(sha256, data))
             self._call(lambda: self._obs.put(self._store, key, whole))
         else:  # a multipart upload, completed only after the last chunk passed the check
-            self._call(lambda: self._obs.put(self._store, key, checked(sha256, chunks(data))))
+            self._call(lambda: self._obs.put(self._store, key, checked_chunks(sha256, data)))
 
     def delete(self, sha256: str) -> None:
         self._call(lambda: self._obs.delete(self._store, shard(sha256)))

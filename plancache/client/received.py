@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from ..blobs import BlobReader, BlobStream
+from ..digest import sha256_of
 
 
 class ReceivedBlobs(BlobReader):
@@ -19,7 +18,7 @@ class ReceivedBlobs(BlobReader):
     def add(self, sha256: str, data: bytes) -> None:
         """Hold ``data`` under ``sha256`` (replacing bytes held under it that do not hash to it)."""
         held = self._items.get(sha256)
-        if held is None or hashlib.sha256(held).hexdigest() != sha256:
+        if held is None or sha256_of(held) != sha256:
             self._items[sha256] = data
 
     def size(self, sha256: str) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 import cudnn
 import torch
 
+from ..digest import Digested
 from ..environment import Environment, detect
 from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
@@ -177,9 +178,10 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
     win = next(c for c in candidates if c.index == win_idx)
     if win.engine_id is None:
         raise TuningError(f"winning plan #{win_idx} ({win.name}) exposes no (engine_id, knobs) to record")
-    blob = blobs[win_idx]
+    sha256 = hashlib.sha256(blobs[win_idx]).hexdigest()
+    blob = Digested(blobs[win_idx], sha256)  # hashed once: the worker's checks and its spool compare this digest
     return TunedPlan(
-        blob=blob, sha256=hashlib.sha256(blob).hexdigest(), workspace_bytes=win_ws, engine_id=win.engine_id,
+        blob=blob, sha256=sha256, workspace_bytes=win_ws, engine_id=win.engine_id,
         knobs=win.knobs, plan_name=win.name, winner_index=win_idx, heuristic_index=heuristic_idx,
         winner_median_ms=win_ms, heuristic_median_ms=heur.median_ms if heur else None,
         worst_median_ms=max(ok_ms) if ok_ms else None, candidates=candidates,
