@@ -29,8 +29,9 @@ __all__ = ["SDPA_ROUTES", "install", "installed_route", "sdpa_route", "uninstall
 #: How FE's SDPA provider reaches ``F.scaled_dot_product_attention``, by torch version.
 SDPA_ROUTES = {
     "torch_switch": "torch.backends.cuda.enable_cudnn_sdp_python(True) (torch versions with the switch)",
-    "flash_registry": 'torch.nn.attention.activate_flash_attention_impl("CUDNN") (torch 2.13 without the switch)',
-    "overrides": "cudnn.torch.install_sdpa_overrides() (torch < 2.13: no registry)",
+    "flash_registry": ('torch.nn.attention.activate_flash_attention_impl("CUDNN") (torch with the flash-implementation '
+                       "registry and no switch: 2.11 and 2.13)"),
+    "overrides": "cudnn.torch.install_sdpa_overrides() (torch with neither)",
 }
 
 _lock = threading.Lock()
