@@ -1,7 +1,8 @@
-"""A start-up storm against one server process: how many client start-ups a second it sustains.
+"""A start-up storm against one server process (or ``--servers`` replicas): how many client start-ups a second it
+sustains.
 
     python bench/storm.py [--database-url postgresql+psycopg://…] [--blobs inline|server|presigned] [--resolve-only]
-                          [--rates 2,4,8,16,32] [--duration 10] [--out FILE]
+                          [--rates 2,4,8,16,32] [--duration 10] [--servers N] [--out FILE]
 
 A real ``plancache serve`` (uvicorn, one process) on a fresh SQLite file or Postgres database (``bench/load_server.py``
 makes both) holds a signed plan for each graph of the 49-graph workload (``bench/workload.py``, 64 KiB blobs). A
@@ -193,23 +194,26 @@ async def start_up(base: str, token: str, request: tuple[h11.Request, bytes], in
         return False
 
 
-async def storm(base: str, token: str, keys: list[str], rate: float, duration: float, *, inline: bool = True,
+async def storm(bases: list[str], token: str, keys: list[str], rate: float, duration: float, *, inline: bool = True,
                 fetch: bool = True) -> dict[str, Any]:
-    request = resolve_request(base, token, {"environment": ENV.model_dump(), "graph_keys": keys,
-                                            "include_blobs": inline})
+    """Start-ups arriving at ``rate`` for ``duration`` seconds, the i-th sent to ``bases[i % len(bases)]`` (replicas
+    behind a load balancer that takes turns)."""
+    body = {"environment": ENV.model_dump(), "graph_keys": keys, "include_blobs": inline}
+    requests = [resolve_request(base, token, body) for base in bases]
     t0 = time.perf_counter() + 0.05
     latencies: list[float] = []
     failed = 0
 
-    async def one(at: float) -> None:
+    async def one(i: int, at: float) -> None:
         nonlocal failed
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        ok = await start_up(base, token, request, inline, len(keys), fetch)
+        k = i % len(bases)
+        ok = await start_up(bases[k], token, requests[k], inline, len(keys), fetch)
         latencies.append(time.perf_counter() - at)
         failed += not ok
 
     n = max(1, int(rate * duration))
-    await asyncio.gather(*(one(t0 + i / rate) for i in range(n)))
+    await asyncio.gather(*(one(i, t0 + i / rate) for i in range(n)))
     latencies.sort()
     late = sum(x > DEADLINE_S for x in latencies)
     return {"rate": rate, "start_ups": n, "p50_s": round(percentile(latencies, 0.5), 3),
@@ -228,7 +232,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot([r["rate"] for r in rows], [r["p99_s"] for r in rows], marker="o", label=name)
     ax.axhline(P99_GOAL_S, color="grey", linestyle="--", linewidth=1)
     ax.set(xscale="log", yscale="log", xlabel="start-ups per second (open loop)", ylabel="p99 latency (s)",
-           title="Start-up storm: one plancache serve process, 49 plans of 64 KiB")
+           title="Start-up storm: plancache serve processes, 49 plans of 64 KiB")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -241,10 +245,13 @@ def main() -> None:
     parser.add_argument("--resolve-only", action="store_true", help="no blob GETs (server, presigned)")
     parser.add_argument("--rates", default="2,4,8,16,32")
     parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--servers", type=int, default=1,
+                        help="server processes on one database, taking the start-ups in turn (replicas)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     mode = args.blobs + ("-resolve-only" if args.resolve_only and args.blobs != "inline" else "")
+    mode += f"-{args.servers}-servers" if args.servers > 1 else ""
     with database(args.database_url) as (backend, url), tempfile.TemporaryDirectory() as tmp, \
             (moto_bucket() if args.blobs == "presigned" else contextlib.nullcontext(("database", {}))) as (blobs, aws):
         os.environ.update(aws)  # the seeding store's and the server's
@@ -254,19 +261,21 @@ def main() -> None:
         env.pop("PLANCACHE_OPEN_READS", None)
         rows = []
         run = {"inline": args.blobs == "inline", "fetch": not args.resolve_only}
-        with server(["-m", "plancache", "serve"], env, "/readyz") as base:
-            pid = server_pid(base)
-            asyncio.run(storm(base, token, keys, 2, 1, **run))  # warm-up
+        with contextlib.ExitStack() as servers:
+            bases = [servers.enter_context(server(["-m", "plancache", "serve"], env, "/readyz"))
+                     for _ in range(args.servers)]
+            pids = [server_pid(base) for base in bases]
+            asyncio.run(storm(bases, token, keys, 2 * len(bases), 1, **run))  # warm-up, each server
             for rate in rates:
-                cpu0 = cpu_seconds(pid)
-                row = asyncio.run(storm(base, token, keys, rate, args.duration, **run))
-                row["server_cpu_s_per_start_up"] = round((cpu_seconds(pid) - cpu0) / row["start_ups"], 5)
+                cpu0 = sum(map(cpu_seconds, pids))
+                row = asyncio.run(storm(bases, token, keys, rate, args.duration, **run))
+                row["server_cpu_s_per_start_up"] = round((sum(map(cpu_seconds, pids)) - cpu0) / row["start_ups"], 5)
                 rows.append(row)
                 print(backend, mode, row, flush=True)
     within = [r["rate"] for r in rows if r["p99_s"] <= P99_GOAL_S and not r["fallbacks"]]
     falling = [r["rate"] for r in rows if r["fallbacks"]]
     cpu = sorted(r["server_cpu_s_per_start_up"] for r in rows if r["rate"] in within)
-    result = {"database": backend, "blobs": mode, "graphs": len(keys), "blob_bytes": BLOB_BYTES,
+    result = {"database": backend, "blobs": mode, "servers": args.servers, "graphs": len(keys), "blob_bytes": BLOB_BYTES,
               "duration_s": args.duration, "sustained_per_s_p99_under_1s": max(within, default=None),
               "first_rate_with_fallbacks": min(falling, default=None),
               "server_cpu_s_per_start_up": cpu[len(cpu) // 2] if cpu else None, "rates": rows,
