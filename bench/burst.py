@@ -180,7 +180,7 @@ def serve_and_seed(plans: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     from bench.serve import serve_seeded
 
     db = Path(tempfile.mkdtemp(prefix="plancache-burst-db-")) / "server.db"
-    return serve_seeded(db, ({**e["meta"], "blob_b64": e["blob_b64"], "spec": e["spec"]} for e in _plans(plans)))
+    return serve_seeded(db, (({**e["meta"], "spec": e["spec"]}, base64.b64decode(e["blob_b64"])) for e in _plans(plans)))
 
 
 def plot(out: Path, res: dict) -> None:

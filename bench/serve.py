@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -18,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "bench-admin-token"
 
 
-def serve_seeded(db: Path, uploads: Iterable[dict[str, Any]]) -> tuple[subprocess.Popen[bytes], str, str]:
-    """Start the server on a fresh SQLite file ``db``, PUT every upload body as admin; return the process, its
-    URL and the admin token."""
+def serve_seeded(db: Path, uploads: Iterable[tuple[dict[str, Any], bytes]]) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start the server on a fresh SQLite file ``db`` and upload every plan as admin, as a worker does: ``(body,
+    blob)``, the blob raw (``PUT /v1/blobs/{sha256}``), then the body (the record and its spec, ``PUT /v1/plans``);
+    return the process, its URL and the admin token."""
     db.unlink(missing_ok=True)
     port = free_port()
     env = {**os.environ, "PLANCACHE_DATABASE_URL": f"sqlite:///{db}", "PLANCACHE_ADMIN_TOKEN": ADMIN_TOKEN,
@@ -38,6 +40,8 @@ def serve_seeded(db: Path, uploads: Iterable[dict[str, Any]]) -> tuple[subproces
         proc.kill()
         raise RuntimeError("plancache serve did not come up")
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    for body in uploads:
+    for body, blob in uploads:
+        httpx.put(f"{url}/v1/blobs/{hashlib.sha256(blob).hexdigest()}", content=blob,
+                  headers={**auth, "Content-Type": "application/octet-stream"}, timeout=30).raise_for_status()
         httpx.put(f"{url}/v1/plans", json=body, headers=auth, timeout=30).raise_for_status()
     return proc, url, ADMIN_TOKEN

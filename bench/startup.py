@@ -229,10 +229,10 @@ def _child(phase: str, out: Path, limit: int | None, *extra: str, timeout: float
 def _serve_and_seed(out: Path, limit: int | None) -> tuple[subprocess.Popen[bytes], str, str]:
     from bench.serve import serve_seeded
 
-    def uploads() -> Iterator[dict]:
+    def uploads() -> Iterator[tuple[dict, bytes]]:
         for spec in _specs(limit):
             rec = json.loads((out / "plans" / f"{spec.graph_key}.json").read_text())
-            yield {**rec["meta"], "blob_b64": rec["blob_b64"], "spec": rec["spec"]}
+            yield {**rec["meta"], "spec": rec["spec"]}, base64.b64decode(rec["blob_b64"])
 
     return serve_seeded(out / "bench-server.db", uploads())
 

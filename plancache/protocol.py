@@ -49,7 +49,7 @@ B64_CHUNK = 4 << 20
 
 def b64decode(text: str, what: str = "blob") -> bytes:
     """Strict base64 decode; raises ``ValueError`` naming ``what``. A long text is decoded 4 MiB at a time, so a
-    server thread decoding a large plan lets the event loop run in between (padding only at the very end)."""
+    thread decoding a large plan lets other threads run in between (padding only at the very end)."""
     try:
         if len(text) <= B64_CHUNK:
             return base64.b64decode(text, validate=True)
@@ -216,18 +216,25 @@ class PlanMeta(StrictModel):
         return self.envelope.signatures[0].keyid if self.envelope else None
 
 
+#: Why a plan upload that carries its blob inline (``blob_b64``) is refused.
+INLINE_BLOB_REFUSED = ("blob_b64 is not accepted: a plan upload carries its record alone; upload the blob raw with "
+                       "PUT /v1/blobs/{sha256} first, then the record (a worker that sends blob_b64 must be upgraded)")
+
+
 class PlanUpload(PlanMeta, CandidateTable):
     """``PUT /v1/plans`` body: the record, optionally its spec, and the tuning run's candidates table (stored apart
-    from the record). The blob is uploaded before with ``PUT /v1/blobs/{sha256}`` (``blob_b64`` left out), or sent
-    inline as base64 (older workers, admins)."""
+    from the record). The blob is not in it: it is uploaded raw before, with ``PUT /v1/blobs/{sha256}``, and a body
+    that carries one (``blob_b64``) is refused (422) with a message saying so."""
 
-    blob_b64: str | None = Field(default=None, min_length=1,
-                                 description="the blob as base64; leave it out when it was PUT to /v1/blobs/{sha256}")
     spec: dict[str, Any] | None = None
     replace: bool = Field(default=False, description="replace an existing plan for this key+environment")
 
-    def blob_bytes(self) -> bytes | None:
-        return None if self.blob_b64 is None else b64decode(self.blob_b64)
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_blob(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "blob_b64" in data:
+            raise ValueError(INLINE_BLOB_REFUSED)
+        return data
 
 
 class PlanPut(PlanUpload):

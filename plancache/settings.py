@@ -105,7 +105,7 @@ class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
     max_resolve_keys: int = 1000
     lease_seconds: float = 120.0
     # request limits (plancache.server.bodies, .limits, .serving; docs/DEPLOYMENT.md "Request limits")
-    max_json_bytes: int = 1024 * 1024  # body limit of every route but plan uploads (those: max_request_bytes)
+    max_json_bytes: int = 1024 * 1024  # body limit of every JSON body, plan uploads too (a record: the blob goes raw)
     max_inflight_bytes: int = 512 * 1024 * 1024  # memory of request bodies and answers in flight, per process
     inflight_wait_seconds: float = 2.0  # a request over max_inflight_bytes waits this long, then 503
     body_parse_threads: int = 1  # threads that parse and validate request bodies at once (per process)

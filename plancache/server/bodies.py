@@ -5,21 +5,20 @@ Every route of the app uses :class:`CheckedRoute`. For a route that takes a body
 1. the caller's token is checked (:func:`plancache.server.auth.authorize_off_loop`): a caller without the route's
    role gets its 401/403 before a byte of the body is read;
 2. the body is read within its route's size limit (the declared ``Content-Length`` first, then what
-   arrives): for plan uploads (:data:`UPLOAD_ROUTES`, the blob is inline) a ``Settings.max_blob_bytes`` blob
-   as base64 plus twice ``Settings.max_json_bytes``, at most ``Settings.max_request_bytes``
-   (:func:`~plancache.server.uploads.upload_body_limit`), ``Settings.max_json_bytes`` (1 MiB; a spec is
-   kilobytes) for every other route, else 413 (from the declared length: before the body is read); within its
-   deadline, ``Settings.body_timeout`` plus its size at ``Settings.body_min_rate``, else 408 (a slow drip
-   is cut); and within the process's in-flight budget (:class:`~plancache.server.limits.ByteBudget`),
-   waiting briefly for room, else 503 with ``Retry-After``;
+   arrives): ``Settings.max_json_bytes`` (1 MiB; a spec is kilobytes), and for a plan upload
+   (:data:`RECORD_ROUTES`: its record, its candidates table and maybe its spec; the blob is uploaded raw before)
+   as much again as the record and the table may take, never over ``Settings.max_request_bytes``, else 413 (from
+   the declared length: before the body is read); within its deadline, ``Settings.body_timeout`` plus its size at
+   ``Settings.body_min_rate``, else 408 (a slow drip is cut); and within the process's in-flight budget
+   (:class:`~plancache.server.limits.ByteBudget`), waiting briefly for room, else 503 with ``Retry-After``;
 3. it is parsed as strict JSON and validated against the route's body model in a worker thread, at most
    ``Settings.body_parse_threads`` at once, so the event loop keeps answering (``/healthz``) meanwhile; a body
    of at most :data:`INLINE_PARSE_BYTES` on the event loop (the hand-off would cost more).
    FastAPI then gets the validated model and does not validate it again.
 
 A raw blob upload (:data:`RAW_UPLOAD_ROUTES`) is not parsed: its handler streams the body into the blob store
-(:meth:`CheckedRequest.chunks`) under the same size limit (``Settings.max_blob_bytes``), deadline and budget,
-after its own checks of the token and the job.
+(:meth:`CheckedRequest.chunks`) under its own size limit (``Settings.max_blob_bytes``), the same deadline and
+budget, after its own checks of the token and the job.
 
 Strict JSON refuses what Python's ``json`` accepts but the store cannot keep or the wire models
 cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than
@@ -52,12 +51,11 @@ from starlette.routing import Match, compile_path
 from starlette.types import Receive, Scope, Send
 
 from ..errors import InvalidValue, MethodNotAllowed, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
-from ..protocol import Role
+from ..protocol import MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, Role
 from ..validation import INT64_MAX
 from .auth import authorize_off_loop
 from .deps import get_store
 from .errors import documented_errors
-from .uploads import base64_size, upload_body_limit
 
 _ESCAPED_NUL = b"\\u0000"
 # A \u0000 escape preceded by an even number of backslashes (an odd number escapes the backslash itself).
@@ -68,17 +66,17 @@ MAX_INT_CHARS = 20
 #: A body of at most this many bytes is parsed and validated on the event loop, in less time than handing it to a
 #: worker thread takes under load (a resolve of 49 keys, 4.5 KB: 0.1 ms; the worst 8 KiB, numbers: 1 ms).
 INLINE_PARSE_BYTES = 8 * 1024
-#: Routes whose body carries a plan blob (base64) and so may be up to ``Settings.max_request_bytes``.
-UPLOAD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/complete")})
 #: Routes whose body is a blob's raw bytes, streamed by the handler (:meth:`CheckedRequest.chunks`), up to
 #: ``Settings.max_blob_bytes``. The in-flight budget counts such a body at its declared length: a folder or a bucket
 #: holds a chunk or a part of it at a time, the database store the whole blob once (the declared length bounds both).
 RAW_UPLOAD_ROUTES = frozenset({("PUT", "/v1/blobs/{sha256}")})
+#: Routes whose body is a plan record, its tuning run's candidates table (up to ``MAX_CANDIDATES_BYTES``) and maybe
+#: its spec: read up to ``Settings.max_json_bytes`` plus the bounds of the record and the table, so a table
+#: :meth:`~plancache.protocol.CandidateTable.best_of` filled still fits beside a spec. The blob is not in it.
+RECORD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/complete")})
 #: Memory a body takes while its request runs, per byte of body, as the in-flight budget counts it: parsed JSON
-#: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text;
-#: an upload is its text, the base64 string, the decoded blob and the store's copies (4.4 times measured).
+#: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text.
 JSON_MEMORY_FACTOR = 26
-UPLOAD_MEMORY_FACTOR = 5
 
 
 def _refuse(message: str) -> json.JSONDecodeError:
@@ -186,6 +184,13 @@ def _is_json(content_type: str | None) -> bool:
 
 def _too_large(size: int, limit: int, why: str) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({why})")
+
+
+def record_body_limit(settings: Any) -> int:
+    """The body limit of a plan upload (:data:`RECORD_ROUTES`): ``max_json_bytes`` for its spec and the rest, plus
+    :data:`~plancache.protocol.MAX_RECORD_BYTES` and :data:`~plancache.protocol.MAX_CANDIDATES_BYTES` (2.06 MiB by
+    default), never over ``max_request_bytes``."""
+    return min(int(settings.max_request_bytes), int(settings.max_json_bytes) + MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES)
 
 
 def _too_slow(received: int, seconds: float) -> RequestTimeout:
@@ -328,8 +333,6 @@ class CheckedRoute(APIRoute):
             CheckedRoute.literal_paths.add(path)
         if get_dependant(path=compile_path(path)[1], call=endpoint).body_params:  # what reading a body may answer
             kwargs["responses"] = {**documented_errors(408, 413, 415, 503), **(kwargs.get("responses") or {})}
-        if any((method, path) in UPLOAD_ROUTES for method in kwargs.get("methods") or ()):  # the blob is stored
-            kwargs["responses"] = {**documented_errors(507), **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
         CheckedRoute.methods_by_path.setdefault(self.path, set()).update(self.methods or ())
 
@@ -353,8 +356,8 @@ class CheckedRoute(APIRoute):
         body_field = body_params[0] if len(body_params) == 1 and not self._embed_body_fields else None
         has_body = bool(body_params)
         role = _required_role(self.dependant)
-        uploads = any((method, self.path_format) in UPLOAD_ROUTES for method in self.methods or ())
         raw = any((method, self.path_format) in RAW_UPLOAD_ROUTES for method in self.methods or ())
+        record = any((method, self.path_format) in RECORD_ROUTES for method in self.methods or ())
 
         async def checked(request: Request) -> Response:
             if b"%00" in request.scope.get("query_string", b""):
@@ -367,11 +370,12 @@ class CheckedRoute(APIRoute):
             if raw:
                 req.body_limit = settings.max_blob_bytes
                 req.limit_reason = "PLANCACHE_MAX_BLOB_BYTES"  # counted at its length (memory_factor 1)
-            elif uploads:
-                req.body_limit = upload_body_limit(settings)
-                req.limit_reason = (f"a plan upload carries a blob of at most {settings.max_blob_bytes} bytes as "
-                                    f"base64, and at most {2 * settings.max_json_bytes} bytes besides")
-                req.memory_factor = UPLOAD_MEMORY_FACTOR
+            elif record:
+                req.body_limit = record_body_limit(settings)
+                req.limit_reason = (f"PLANCACHE_MAX_JSON_BYTES plus {MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES} for the "
+                                    "record and its candidates table: a plan upload carries its record alone, the blob "
+                                    "goes raw to PUT /v1/blobs/{sha256} before")
+                req.memory_factor = JSON_MEMORY_FACTOR
             else:
                 req.body_limit = min(settings.max_json_bytes, settings.max_request_bytes)
                 req.limit_reason = "PLANCACHE_MAX_JSON_BYTES: the limit of every body but a plan upload's"
@@ -435,8 +439,6 @@ def _state_no_nul(node: Any) -> None:
 
 #: pydantic's names of bounds it could not place (a constrained ``int | None``) → JSON Schema's.
 _BOUND_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
-#: A blob's base64 (``protocol.b64decode`` refuses anything else with 422).
-BASE64_PATTERN = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
 def _standard_bounds(node: Any) -> None:
@@ -461,9 +463,8 @@ def _standard_bounds(node: Any) -> None:
 
 def _server_rules(settings: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """(schema, property) → what the server checks there beyond the model: limits that are settings (413 past
-    them) and a blob's base64 (422)."""
-    blob = {"blob_size": {"maximum": settings.max_blob_bytes},
-            "blob_b64": {"pattern": BASE64_PATTERN, "maxLength": base64_size(settings.max_blob_bytes)}}
+    them)."""
+    blob = {"blob_size": {"maximum": settings.max_blob_bytes}}
     keys = {"graph_keys": {"maxItems": settings.max_resolve_keys}}
     return {(model, name): rule for models, rules in ((("PlanUpload", "PlanPut"), blob),
                                                       (("ResolveRequest", "ExplainRequest"), keys))
@@ -496,7 +497,7 @@ def install_openapi_rules(app: FastAPI) -> None:
     """Make the app's OpenAPI document state what this module and the routes enforce beyond the models: no NUL
     in any string (every string schema without a pattern of its own gets :data:`NO_NUL_PATTERN`, every map's
     keys too, a map of any values takes :data:`JSON_VALUE`), bounds as JSON Schema names them
-    (:func:`_standard_bounds`), the limits of the app's settings and the blob's base64 (:func:`_server_rules`),
+    (:func:`_standard_bounds`), the limits of the app's settings (:func:`_server_rules`),
     and :data:`WHOLE_BODY_RULES`."""
     generate = app.openapi
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from plancache.server.bodies import BASE64_PATTERN, JSON_VALUE_REF, NO_NUL_PATTERN
+from plancache.server.bodies import JSON_VALUE_REF, NO_NUL_PATTERN
 from plancache.spec import graph_key
 from tests.factories import make_meta
 from tests.server_util import api, upload_json  # noqa: F401
@@ -66,12 +66,12 @@ def test_whole_numbers_stay_integers_and_a_spec_reaches_the_store_as_written(api
     assert '"padding":0.0' in stored.replace(" ", "")
 
 
-def test_an_invalid_blob_and_lonely_lease_fields_are_refused_as_the_document_says(api: Any, gpu_env: Any,
-                                                                                   make_spec: Any) -> None:
+def test_an_inline_blob_and_lonely_lease_fields_are_refused_as_the_document_says(api: Any, gpu_env: Any,
+                                                                                  make_spec: Any) -> None:
     key, spec = make_spec(0)
-    body = upload_json(make_meta(key, gpu_env, b"blob"), b"blob", spec)
-    r = api.client.put("/v1/plans", json={**body, "blob_b64": "0"}, headers=api.admin)
-    assert r.status_code == 422 and "base64" in r.json()["error"]["message"]
+    body = upload_json(make_meta(key, gpu_env, b"blob"), spec)
+    r = api.client.put("/v1/plans", json={**body, "blob_b64": "YmxvYg=="}, headers=api.admin)  # not in the schema
+    assert r.status_code == 422 and "PUT /v1/blobs/{sha256}" in r.json()["error"]["message"]
     r = api.client.put("/v1/plans", json={**body, "job_id": 5}, headers=api.admin)
     assert r.status_code == 422 and "sent together" in r.json()["error"]["message"]
 
@@ -85,7 +85,7 @@ def test_the_document_states_the_servers_limits_and_rules(api: Any) -> None:
     for name in ("PlanPut", "PlanUpload"):
         props = schemas[name]["properties"]
         assert props["blob_size"]["maximum"] == settings.max_blob_bytes
-        assert props["blob_b64"]["pattern"] == BASE64_PATTERN
+        assert "blob_b64" not in props and schemas[name]["additionalProperties"] is False  # the record alone
     assert {tuple(alt.get("required", ())) for alt in schemas["PlanPut"]["anyOf"]} == {(), ("job_id", "lease_token")}
     assert {tuple(alt["required"]) for alt in schemas["TuneRequest"]["anyOf"]} == {("graph_keys",), ("specs",)}
     assert schemas["TuneRequest"]["properties"]["max_attempts"]["anyOf"][0] == {
@@ -94,7 +94,8 @@ def test_the_document_states_the_servers_limits_and_rules(api: Any) -> None:
     assert spec_body["additionalProperties"] == {"$ref": JSON_VALUE_REF}
     assert spec_body["propertyNames"] == {"pattern": NO_NUL_PATTERN}
     assert {"pattern": NO_NUL_PATTERN, "type": "string"} in schemas["JsonValue"]["anyOf"]
-    assert "507" in doc["paths"]["/v1/plans"]["put"]["responses"]
+    assert "507" in doc["paths"]["/v1/blobs/{sha256}"]["put"]["responses"]  # the blob store is written there
+    assert "507" not in doc["paths"]["/v1/plans"]["put"]["responses"]
 
     def integer_bounds(node: Any) -> list[Any]:
         if isinstance(node, dict):

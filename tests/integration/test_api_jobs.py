@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import datetime, timedelta
 
@@ -9,7 +10,7 @@ import pytest
 
 from plancache.protocol import TargetEnvironment
 from plancache.server.routes import admin as admin_routes
-from tests.server_util import api, upload_json  # noqa: F401
+from tests.server_util import api, put_blob, upload, upload_json  # noqa: F401
 
 
 def _tune(api, **body):
@@ -143,7 +144,8 @@ def test_claim_heartbeat_complete_round_trip(api, spec0, gpu_env, make_plan, clo
     assert r.json()["lease_owner"] == "w1" and token not in r.text
 
     meta, blob = make_plan(key, gpu_env, tuning_seconds=3.5)
-    body = {**_lease("w1", token), "plan": upload_json(meta, blob)}
+    put_blob(api.client, blob, api.worker, job=(job["id"], "w1", token))  # the blob raw, then the record alone
+    body = {**_lease("w1", token), "plan": upload_json(meta)}
     r = api.client.post(f"/v1/jobs/{job['id']}/complete", json=body, headers=api.worker)
     assert r.status_code == 200, r.text
     assert r.json()["job_id"] == job["id"] and r.json()["blob_sha256"] == meta.blob_sha256
@@ -166,19 +168,23 @@ def test_a_fenced_worker_is_refused(api, spec0, gpu_env, make_plan, clock):
     second = _claim(api, gpu_env, "w2").json()  # took the expired lease over
     assert second["job"]["attempts"] == 2 and second["lease_token"] != first
     meta, blob = make_plan(key, gpu_env, worker_id="w1")
+    r = put_blob(api.client, blob, api.worker, job=(job_id, "w1", first), check=False)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
+    put_blob(api.client, blob, api.admin)  # so that completing is refused for the lease, not for a missing blob
     for path, body in ((f"/v1/jobs/{job_id}/heartbeat", _lease("w1", first)),
                        (f"/v1/jobs/{job_id}/fail", {**_lease("w1", first), "error": "boom"}),
-                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", first), "plan": upload_json(meta, blob)})):
+                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", first), "plan": upload_json(meta)})):
         r = api.client.post(path, json=body, headers=api.worker)
         assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost", path
         assert "w2" not in r.text and second["lease_token"] not in r.text  # a refusal names no holder and no token
     assert api.store.get_plan(key, gpu_env) is None
     meta2, blob2 = make_plan(key, gpu_env, blob=b"w2's plan", worker_id="w2")
+    put_blob(api.client, blob2, api.worker, job=(job_id, "w2", second["lease_token"]))
     r = api.client.post(f"/v1/jobs/{job_id}/complete",
-                        json={**_lease("w2", second["lease_token"]), "plan": upload_json(meta2, blob2)}, headers=api.worker)
+                        json={**_lease("w2", second["lease_token"]), "plan": upload_json(meta2)}, headers=api.worker)
     assert r.status_code == 200 and r.json()["worker_id"] == "w2"
     # the fenced worker repeating its completion is still refused, even though the job is done now
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", first), "plan": upload_json(meta, blob)},
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", first), "plan": upload_json(meta)},
                         headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
 
@@ -189,15 +195,24 @@ def test_complete_checks_the_plan_against_the_job(api, make_spec, gpu_env, make_
     api.store.put_spec(other, other_spec)
     job_id = _tune(api, specs=[spec], targets=[{"sm": gpu_env.sm}]).json()["jobs"][0]["id"]
     lease = _lease("w1", _claim(api, gpu_env).json()["lease_token"])
-    wrong_key = upload_json(*make_plan(other, gpu_env))
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": wrong_key}, headers=api.worker)
+    job = (job_id, "w1", lease["lease_token"])
+    meta, blob = make_plan(other, gpu_env)
+    put_blob(api.client, blob, api.worker, job=job)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": upload_json(meta)}, headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
-    wrong_env = upload_json(*make_plan(key, gpu_env.model_copy(update={"sm": 100})))
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": wrong_env}, headers=api.worker)
+    meta, blob = make_plan(key, gpu_env.model_copy(update={"sm": 100}))
+    put_blob(api.client, blob, api.worker, job=job)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": upload_json(meta)}, headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "environment_mismatch"
-    bad_b64 = {**upload_json(*make_plan(key, gpu_env)), "blob_b64": "%%%"}
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": bad_b64}, headers=api.worker)
-    assert r.status_code == 422 and "plan.blob_b64" in r.json()["error"]["message"]
+    meta, blob = make_plan(key, gpu_env, blob=b"not uploaded")
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": upload_json(meta)}, headers=api.worker)
+    assert r.status_code == 404 and "PUT /v1/blobs/{sha256}" in r.json()["error"]["message"]  # its blob first
+    put_blob(api.client, blob, api.worker, job=job)
+    inline = upload_json(meta, blob_b64=base64.b64encode(blob).decode())  # a worker that still sends the blob inline
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**lease, "plan": inline}, headers=api.worker)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+    message = r.json()["error"]["message"]
+    assert message.startswith("body.plan:") and "PUT /v1/blobs/{sha256} first" in message and "upgraded" in message
     assert api.store.get_job(job_id).status == "running"
 
 
@@ -239,17 +254,22 @@ def test_another_worker_token_cannot_heartbeat_complete_or_fail_a_claimed_job(ap
     changes nothing; the real holder then completes (before: 200 for the intruder, 409 for the holder)."""
     job_id, key, token = _held_job(api, make_spec, gpu_env)
     meta, blob = make_plan(key, gpu_env, blob=b"the intruder's blob", worker_id="w1")
+    r = put_blob(api.client, blob, intruder, job=(job_id, "w1", token), check=False)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_lease_holder"
+    assert api.store.get_blob(meta.blob_sha256) is None
+    put_blob(api.client, blob, api.admin)  # so that completing is refused for the lease, not for a missing blob
     for path, body in ((f"/v1/jobs/{job_id}/heartbeat", _lease("w1", token)),
-                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", token), "plan": upload_json(meta, blob)}),
+                       (f"/v1/jobs/{job_id}/complete", {**_lease("w1", token), "plan": upload_json(meta)}),
                        (f"/v1/jobs/{job_id}/fail", {**_lease("w1", token), "error": "sabotage", "retryable": False})):
         r = api.client.post(path, json=body, headers=intruder)
         assert r.status_code == 403, (path, r.text)
         assert r.json()["error"]["code"] == "not_lease_holder" and "only the token that claimed" in r.json()["error"]["message"]
     job = api.store.get_job(job_id)
     assert job.status == "running" and job.attempts == 1 and job.error is None
-    assert api.store.get_plan(key, gpu_env) is None and api.store.get_blob(meta.blob_sha256) is None
+    assert api.store.get_plan(key, gpu_env) is None
     good, good_blob = make_plan(key, gpu_env, blob=b"the holder's blob", worker_id="w1")
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(good, good_blob)},
+    put_blob(api.client, good_blob, api.worker, job=(job_id, "w1", token))
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(good)},
                         headers=api.worker)
     assert r.status_code == 200 and r.json()["blob_sha256"] == good.blob_sha256
 
@@ -293,13 +313,15 @@ def test_a_worker_cannot_put_a_plan_for_a_slot_it_holds_no_job_for(api, intruder
     """Before: 201, and the legitimate completion for that key and environment then got 409."""
     key, spec = make_spec(0)
     squat, squat_blob = make_plan(key, gpu_env, blob=b"squatter", worker_id="w2")
-    r = api.client.put("/v1/plans", json=upload_json(squat, squat_blob, spec), headers=intruder)
+    put_blob(api.client, squat_blob, api.admin)  # refused for the token, not for a missing blob
+    r = api.client.put("/v1/plans", json=upload_json(squat, spec), headers=intruder)
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     assert "only for a job it holds" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None and api.store.get_spec(key) is None  # nothing stored
     job_id, _, token = _held_job(api, make_spec, gpu_env)
     meta, blob = make_plan(key, gpu_env, blob=b"legit", worker_id="w1")
-    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta, blob)},
+    put_blob(api.client, blob, api.worker, job=(job_id, "w1", token))
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta)},
                         headers=api.worker)
     assert r.status_code == 200 and api.store.get_plan(key, gpu_env).blob_sha256 == meta.blob_sha256
 
@@ -309,23 +331,24 @@ def test_a_worker_puts_the_plan_of_the_job_it_holds(api, intruder, make_spec, gp
     other, other_spec = make_spec(1)
     meta, blob = make_plan(key, gpu_env, worker_id="w1")
     held = {"job_id": job_id, "lease_token": token}
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=intruder)  # the lease, leaked
+    put_blob(api.client, blob, api.worker, job=(job_id, "w1", token))
+    r = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=intruder)  # the lease, leaked
     assert r.status_code == 403 and r.json()["error"]["code"] == "not_lease_holder"
-    r = api.client.put("/v1/plans", json=upload_json(*make_plan(other, gpu_env), other_spec, **held), headers=api.worker)
+    r = upload(api.client, *make_plan(other, gpu_env), other_spec, headers=api.worker, **held)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"  # not the job's graph key
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, job_id=job_id, lease_token="1"), headers=api.worker)
+    r = api.client.put("/v1/plans", json=upload_json(meta, job_id=job_id, lease_token="1"), headers=api.worker)
     assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, job_id=job_id), headers=api.worker)
+    r = api.client.put("/v1/plans", json=upload_json(meta, job_id=job_id), headers=api.worker)
     assert r.status_code == 422 and "together" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None and api.store.get_job(job_id).status == "running"
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=api.worker)
+    r = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=api.worker)
     assert r.status_code == 201, r.text
     assert r.json()["job_id"] == job_id and api.store.get_job(job_id).status == "succeeded"
-    again = api.client.put("/v1/plans", json=upload_json(meta, blob, **held), headers=api.worker)  # a retried upload
+    again = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=api.worker)  # a retried upload
     assert again.status_code == 200 and again.json() == r.json()
 
 
 def test_an_admin_still_uploads_plans_directly(api, make_spec, gpu_env, make_plan):
     key, spec = make_spec(0)
-    r = api.client.put("/v1/plans", json=upload_json(*make_plan(key, gpu_env), spec), headers=api.admin)
+    r = upload(api.client, *make_plan(key, gpu_env), spec, headers=api.admin)
     assert r.status_code == 201 and r.json()["job_id"] is None

@@ -11,7 +11,7 @@ from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
 from plancache.server.routes import plans as plans_routes
 from plancache.spec import parse_spec
 from tests.factories import stored_plans
-from tests.server_util import api, env_query, open_api, sha, upload_json  # noqa: F401
+from tests.server_util import api, env_query, open_api, put_blob, sha, upload, upload_json  # noqa: F401
 
 pytestmark = pytest.mark.both_blob_stores
 
@@ -80,7 +80,7 @@ def published(api, make_spec, make_plan, gpu_env):
     for i in range(2):
         key, spec = make_spec(i)
         meta, blob = make_plan(key, gpu_env, blob=f"plan-blob-{i}".encode() * 100)
-        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)  # uploads with no job
+        r = upload(api.client, meta, blob, spec, headers=api.admin)  # uploads with no job
         assert r.status_code == 201, r.text
         out.append((key, meta, blob))
     return out
@@ -90,10 +90,10 @@ def test_put_plan_new_then_idempotent_then_conflict(api, published, make_plan, g
     key, meta, blob = published[0]
     record = api.store.get_plan(key, gpu_env)
     assert record is not None and record.blob_sha256 == sha(blob)
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob), headers=api.admin)
+    r = upload(api.client, meta, blob, headers=api.admin)
     assert r.status_code == 200 and r.json()["blob_sha256"] == sha(blob)
     other_meta, other_blob = make_plan(key, gpu_env, blob=b"a different plan")
-    r = api.client.put("/v1/plans", json=upload_json(other_meta, other_blob), headers=api.admin)
+    r = upload(api.client, other_meta, other_blob, headers=api.admin)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
     assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
 
@@ -101,7 +101,8 @@ def test_put_plan_new_then_idempotent_then_conflict(api, published, make_plan, g
 def test_replace_needs_admin(api, published, make_plan, gpu_env):
     key, _, _ = published[0]
     meta, blob = make_plan(key, gpu_env, blob=b"a better plan")
-    body = upload_json(meta, blob, replace=True)
+    put_blob(api.client, blob, api.admin)
+    body = upload_json(meta, replace=True)
     r = api.client.put("/v1/plans", json=body, headers=api.worker)
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     r = api.client.put("/v1/plans", json=body, headers=api.admin)
@@ -112,12 +113,12 @@ def test_replace_needs_admin(api, published, make_plan, gpu_env):
 def test_an_older_record_cannot_replace_a_newer_one(api, published, make_plan, gpu_env):
     key, meta, blob = published[0]
     older, older_blob = make_plan(key, gpu_env, blob=b"an older plan", revision=meta.revision - 1)
-    r = api.client.put("/v1/plans", json=upload_json(older, older_blob, replace=True), headers=api.admin)
+    r = upload(api.client, older, older_blob, headers=api.admin, replace=True)
     assert r.status_code == 409 and r.json()["error"]["code"] == "stale_revision"
     assert f"has revision {meta.revision}; a replacement needs a higher revision" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env).blob_sha256 == sha(blob)
     newer, newer_blob = make_plan(key, gpu_env, blob=b"a newer plan")
-    r = api.client.put("/v1/plans", json=upload_json(newer, newer_blob, replace=True), headers=api.admin)
+    r = upload(api.client, newer, newer_blob, headers=api.admin, replace=True)
     assert r.status_code == 200 and r.json()["revision"] == newer.revision > meta.revision
 
 
@@ -129,34 +130,57 @@ def test_put_plan_refusals(api, make_spec, make_plan, gpu_env):
         r = api.client.put("/v1/plans", json=body, headers=api.admin)
         return r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]
 
-    status, code, message = put(upload_json(meta, blob))  # no spec stored, none sent
+    put_blob(api.client, blob, api.admin)
+    status, code, message = put(upload_json(meta))  # no spec stored, none sent
     assert (status, code) == (404, "not_found") and "spec" in message
     _, other_spec = make_spec(1)
-    status, code, message = put(upload_json(meta, blob, other_spec))
+    status, code, message = put(upload_json(meta, other_spec))
     assert (status, code) == (422, "integrity_error") and key in message
-    assert put(upload_json(meta, blob[:-1] + bytes([blob[-1] ^ 1]), spec))[:2] == (422, "integrity_error")  # digest
-    assert put(upload_json(meta.model_copy(update={"blob_size": len(blob) + 1}), blob, spec))[:2] == (422, "integrity_error")
-    status, code, message = put(upload_json(meta, blob, spec, blob_b64="not base64!"))
-    assert (status, code) == (422, "validation_error") and "blob_b64" in message
-    body = upload_json(meta, blob, spec)
+    status, code, message = put(upload_json(meta.model_copy(update={"blob_size": len(blob) + 1}), spec))
+    assert (status, code) == (404, "not_found") and "PUT /v1/blobs/{sha256}" in message  # not stored with that size
+    corrupt = blob[:-1] + bytes([blob[-1] ^ 1])
+    other, _ = make_plan(key, gpu_env, blob=corrupt)
+    r = api.client.put(f"/v1/blobs/{sha(corrupt)}", content=blob, headers={**api.admin,
+                                                                          "Content-Type": "application/octet-stream"})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "integrity_error")  # bytes that do not hash to the name
+    status, code, message = put(upload_json(other, spec))  # so its blob is not stored
+    assert (status, code) == (404, "not_found") and "PUT /v1/blobs/{sha256}" in message
+    body = upload_json(meta, spec)
     del body["environment"]["cudnn_version"]
     status, code, message = put(body)
     assert (status, code) == (422, "validation_error") and "environment.cudnn_version" in message
     assert api.store.get_plan(key, gpu_env) is None
 
 
+def test_an_upload_that_carries_its_blob_is_refused_saying_how_to_upload_it(api, make_spec, make_plan, gpu_env):
+    """A plan upload is the record alone: a body with the blob inline (``blob_b64``, base64) is 422 naming the raw
+    upload, whatever the base64 holds, and nothing is published even when the blob is stored."""
+    key, spec = make_spec(0)
+    meta, blob = make_plan(key, gpu_env)
+    put_blob(api.client, blob, api.admin)
+    for b64 in (base64.b64encode(blob).decode(), "not base64!"):
+        r = api.client.put("/v1/plans", json=upload_json(meta, spec, blob_b64=b64), headers=api.admin)
+        assert (r.status_code, r.json()["error"]["code"]) == (422, "validation_error"), r.text
+        message = r.json()["error"]["message"]
+        assert "blob_b64 is not accepted" in message and "PUT /v1/blobs/{sha256} first" in message, message
+        assert "must be upgraded" in message
+    assert api.store.get_plan(key, gpu_env) is None
+    assert upload(api.client, meta, blob, spec, headers=api.admin).status_code == 201
+
+
 def test_blob_over_the_limit_is_413(store, make_spec, make_plan, gpu_env):
     key, spec = make_spec(0)
     with open_api(store, max_blob_bytes=1000) as api:
         meta, blob = make_plan(key, gpu_env, blob=b"x" * 1001)
-        r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)
+        r = api.client.put("/v1/plans", json=upload_json(meta, spec), headers=api.admin)  # its record says 1001 bytes
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
-        # a lying blob_size does not get a large blob past the limit
-        r = api.client.put("/v1/plans", json=upload_json(meta.model_copy(update={"blob_size": 10}), blob, spec),
+        assert put_blob(api.client, blob, api.admin, check=False).status_code == 413  # the bytes: from their length
+        # a lying blob_size does not get a large blob past the limit: its bytes are not stored
+        r = api.client.put("/v1/plans", json=upload_json(meta.model_copy(update={"blob_size": 10}), spec),
                            headers=api.admin)
-        assert r.status_code == 413
+        assert r.status_code == 404
         meta, blob = make_plan(key, gpu_env, blob=b"x" * 1000)
-        assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
+        assert upload(api.client, meta, blob, spec, headers=api.admin).status_code == 201
 
 
 def test_request_body_over_the_limit_is_413_declared_or_streamed(store, gpu_env):

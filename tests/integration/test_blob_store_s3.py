@@ -16,7 +16,7 @@ from plancache.blobs import ObjectStoreBlobs, open_blobs
 from plancache.store.retention import gc
 
 from ..live_server import LiveServer
-from ..server_util import bearer, upload_json
+from ..server_util import bearer, put_blob, upload, upload_json
 
 SMALL = b"\x03plan bytes" * 500
 LARGE = os.urandom(300_000)  # over the item limit of a 16 KiB blob memory: streamed from the bucket
@@ -34,7 +34,7 @@ def test_a_server_on_s3_publishes_serves_and_collects_blobs(tmp_path: Path, monk
         for i, blob in enumerate((SMALL, LARGE)):
             key, spec = make_spec(i)
             meta, _ = make_plan(key, gpu_env, blob=blob)
-            r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, blob, spec), headers=admin, timeout=30)
+            r = upload(httpx, meta, blob, spec, headers=admin, url=srv.url)
             assert r.status_code == 201, r.text
             assert bucket.get(meta.blob_sha256) == blob, "the object is in the bucket"
             keys.append((key, meta))
@@ -54,8 +54,7 @@ def test_a_server_on_s3_publishes_serves_and_collects_blobs(tmp_path: Path, monk
         small = keys[0][1].blob_sha256
         (key, _), replacement = keys[0], b"\x04a better plan" * 400
         meta, _ = make_plan(key, gpu_env, blob=replacement)
-        r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, replacement, replace=True), headers=admin,
-                      timeout=30)
+        r = upload(httpx, meta, replacement, headers=admin, url=srv.url, replace=True)
         assert r.status_code == 200, r.text
         report = gc(srv.store, grace=timedelta(0))
         assert report.blobs_deleted == 1 and not bucket.has(small), "gc deleted the object"
@@ -81,8 +80,7 @@ def test_an_unreachable_object_store_is_a_503_to_retry(tmp_path: Path, monkeypat
         admin = bearer(srv.admin_token)
         key, spec = make_spec(0)
         meta, _ = make_plan(key, gpu_env, blob=LARGE)
-        assert httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta, LARGE, spec), headers=admin,
-                         timeout=30).status_code == 201
+        assert upload(httpx, meta, LARGE, spec, headers=admin, url=srv.url).status_code == 201
         store = srv.store.blob_store
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens there
         store.content = open_blobs(s3_blob_url)  # the server's client now points at the dead endpoint
@@ -91,6 +89,8 @@ def test_an_unreachable_object_store_is_a_503_to_retry(tmp_path: Path, monkeypat
         assert r.json()["error"]["code"] == "blob_store_unavailable"
         key2, spec2 = make_spec(1)
         meta2, _ = make_plan(key2, gpu_env, blob=SMALL)
-        r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta2, SMALL, spec2), headers=admin, timeout=30)
+        r = put_blob(httpx, SMALL, admin, url=srv.url, check=False)
         assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
+        r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta2, spec2), headers=admin, timeout=30)
+        assert r.status_code in (404, 503), r.text
         assert srv.store.get_plan(key2, gpu_env) is None, "no record names bytes that were not stored"

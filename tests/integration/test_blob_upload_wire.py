@@ -1,5 +1,5 @@
 """Blob uploads over a real socket (uvicorn): a blob over the limit is refused from its declared length before a
-byte of it is read; the worker's JSON upload of the same blob had to be read whole first."""
+byte of it is read, and so is a plan upload (JSON, the record alone) that declares the size of one as base64."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import hashlib
 import socket
 import time
 
-from plancache.server.uploads import base64_size
 from tests.live_server import LiveServer
 
 LIMIT = 64 * 1024 * 1024
@@ -35,17 +34,17 @@ def _head(method: str, path: str, token: str, length: int, content_type: str) ->
 
 
 def test_a_blob_of_64_mib_plus_one_byte_is_refused_before_its_body_is_read(tmp_path):
-    """Measured: 413 within a few ms with 0 body bytes sent. The JSON upload of the same blob (base64 inside
-    ``PUT /v1/plans``, 89.5 MB declared, under that route's body limit) gets no answer until its body has come."""
+    """Measured: 413 within a few ms with 0 body bytes sent. A JSON plan upload declaring that blob as base64 (89.5 MB)
+    is refused as soon: it is over the JSON body limit (a plan upload carries its record alone)."""
     with LiveServer(tmp_path, blob_store=(tmp_path / "blobs").as_uri()) as srv:
         admin = srv.admin_token
         status, ms = _answer_before_body(srv.port, _head("PUT", f"/v1/blobs/{SHA}", admin, LIMIT + 1,
                                                          "application/octet-stream"), wait=5)
         assert status == 413 and ms < 1000, (status, ms)
-        json_length = base64_size(LIMIT + 1) + 4096
-        status, _ = _answer_before_body(srv.port, _head("PUT", "/v1/plans", admin, json_length, "application/json"),
-                                        wait=1.0)
-        assert status == 0  # the inline route waits for the whole ~90 MB body before it can tell the blob's size
+        json_length = 4 * ((LIMIT + 1 + 2) // 3) + 4096  # the blob as base64, and a record
+        status, ms = _answer_before_body(srv.port, _head("PUT", "/v1/plans", admin, json_length, "application/json"),
+                                         wait=5)
+        assert status == 413 and ms < 1000, (status, ms)
 
 
 def _status(sock: socket.socket) -> int:

@@ -3,6 +3,7 @@ Postgres, with the blobs in the database, a folder and S3 (moto)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import threading
 import time
@@ -109,8 +110,7 @@ def test_role_rules(api, gpu_env, make_spec):
 def test_a_worker_publishes_the_record_alone_after_putting_the_blob(api, gpu_env, make_spec, make_plan):
     key, spec, job_id, lease = _claim(api, gpu_env, make_spec)
     meta, blob = make_plan(key, gpu_env, blob=b"tuned" * 2000)
-    body = upload_json(meta, blob, spec, job_id=job_id, lease_token=lease)
-    del body["blob_b64"]
+    body = upload_json(meta, spec, job_id=job_id, lease_token=lease)
     r = api.client.put("/v1/plans", json=body, headers=api.worker)  # blob not uploaded yet
     assert r.status_code == 404 and "PUT /v1/blobs" in r.json()["error"]["message"]
     assert api.store.get_job(job_id).status == "running"  # nothing half-published
@@ -125,8 +125,7 @@ def test_a_record_whose_size_differs_from_the_stored_blob_is_refused(api, gpu_en
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env, blob=b"q" * 300)
     _put(api, blob, api.admin)
-    body = upload_json(meta.model_copy(update={"blob_size": 299}), blob, spec)
-    del body["blob_b64"]
+    body = upload_json(meta.model_copy(update={"blob_size": 299}), spec)
     assert api.client.put("/v1/plans", json=body, headers=api.admin).status_code == 404
     assert api.store.get_plan(key, gpu_env) is None
 
@@ -141,8 +140,7 @@ def test_an_unreferenced_upload_survives_gc_within_its_grace_then_goes(api, cloc
     clock.advance(60)
     report = retention.gc(api.store, grace=timedelta(hours=1))
     assert report.blobs_deleted == 0
-    body = upload_json(meta, blob, spec)
-    del body["blob_b64"]
+    body = upload_json(meta, spec)
     assert api.client.put("/v1/plans", json=body, headers=api.admin).status_code == 201  # a minute later
     clock.advance(2 * 3600)
     report = retention.gc(api.store, grace=timedelta(hours=1))
@@ -169,18 +167,22 @@ def test_a_blob_collected_between_check_and_publish_is_refused_not_half_publishe
         return size
 
     monkeypatch.setattr(store_plans.Plans, "_stored_size", check_then_gc)
-    body = upload_json(meta, blob, spec)
-    del body["blob_b64"]
+    body = upload_json(meta, spec)
     r = api.client.put("/v1/plans", json=body, headers=api.admin)
     assert r.status_code == 404 and "collected" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None
 
 
-def test_the_old_inline_upload_still_works(api, gpu_env, make_spec, make_plan):
+def test_an_inline_blob_is_refused_and_nothing_is_stored(api, gpu_env, make_spec, make_plan):
+    """A plan upload that carries its blob (``blob_b64``, an outdated worker) is 422 saying to PUT the blob raw
+    first; neither blob nor record is stored."""
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env, blob=b"inline" * 100)
-    assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
-    assert api.client.head(f"/v1/blobs/{sha(blob)}", headers=api.reader).headers["content-length"] == str(len(blob))
+    r = api.client.put("/v1/plans", json=upload_json(meta, spec, blob_b64=base64.b64encode(blob).decode()),
+                       headers=api.admin)
+    assert r.status_code == 422 and "PUT /v1/blobs/{sha256} first" in r.json()["error"]["message"], r.text
+    assert api.client.head(f"/v1/blobs/{sha(blob)}", headers=api.reader).status_code == 404
+    assert api.store.get_plan(key, gpu_env) is None
 
 
 def test_no_database_write_lock_is_held_while_blob_bytes_are_written(store, blob_store_url, make_spec, make_plan,

@@ -15,6 +15,7 @@ Each test names the figure it guards, measured on the 2-core development machine
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import threading
@@ -29,7 +30,7 @@ from plancache.errors import SpecError
 from plancache.server.limits import ByteBudget, RateLimiter
 from plancache.spec import MAX_RANK, MAX_TENSORS, parse_spec
 from tests.live_server import LiveServer
-from tests.server_util import api, open_api, upload_json  # noqa: F401
+from tests.server_util import api, open_api, put_blob, upload, upload_json  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "conv_bias_relu.json"
 HEALTHZ_P99_LIMIT = 0.100
@@ -283,7 +284,8 @@ def assert_upload_refused(api, make_spec, make_plan, gpu_env, field, value):
     """A plan upload whose record has ``field`` set to ``value`` is 422 and stores nothing."""
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env)
-    body = json.dumps(upload_json(meta, blob, spec, **{field: value}))
+    put_blob(api.client, blob, api.admin)
+    body = json.dumps(upload_json(meta, spec, **{field: value}))
     r = api.client.put("/v1/plans", content=body, headers={**api.admin, "Content-Type": "application/json"})
     assert r.status_code == 422, r.text
     assert api.store.get_plan(key, gpu_env) is None
@@ -378,14 +380,19 @@ def test_spec_limits_are_checked_before_validation():
     parse_spec(_example())  # the real graph passes
 
 
-def test_json_routes_take_1_mib_and_plan_uploads_the_big_limit(api, make_spec, make_plan, gpu_env):
-    """Before: every route read bodies up to 96 MiB. After: 1 MiB (PLANCACHE_MAX_JSON_BYTES) except plan uploads."""
+def test_json_routes_take_1_mib_plan_uploads_their_record_and_blobs_go_raw(api, make_spec, make_plan, gpu_env):
+    """Every JSON body is read up to 1 MiB (PLANCACHE_MAX_JSON_BYTES), a plan upload (the record alone) up to that
+    plus what its record and candidates table may take (2.06 MiB); a 2 MiB blob goes raw to PUT /v1/blobs, and a plan
+    upload with that blob inline is 413 saying where it goes."""
     filler = {"environment": gpu_env.model_dump(), "graph_keys": ["0" * 64], "pad": "x" * (1 << 20)}
     r = api.client.post("/v1/plans/resolve", json=filler, headers=api.reader)
     assert r.status_code == 413 and "1048576" in r.json()["error"]["message"]
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env, blob=b"b" * (2 << 20))
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin)
+    inline = upload_json(meta, spec, blob_b64=base64.b64encode(blob).decode())
+    r = api.client.put("/v1/plans", json=inline, headers=api.admin)
+    assert r.status_code == 413 and "PUT /v1/blobs/{sha256}" in r.json()["error"]["message"], r.text
+    r = upload(api.client, meta, blob, spec, headers=api.admin)
     assert r.status_code == 201, r.text
 
 

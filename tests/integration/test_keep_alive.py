@@ -27,12 +27,13 @@ import pytest
 from plancache.client import PlanCache
 from plancache.errors import ServerUnavailable
 from plancache.http import CircuitBreaker, HttpClient
-from plancache.server.uploads import base64_size, upload_body_limit
+from plancache.protocol import MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES
+from plancache.server.bodies import record_body_limit
 from plancache.spec import parse_spec
 from tests.client_fakes import RecordingBackend
 from tests.factories import H200, make_meta, new_signer, trusted
 from tests.live_server import LiveServer
-from tests.server_util import bearer, upload_json
+from tests.server_util import bearer, put_blob, upload_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ROUNDS = 20
@@ -132,15 +133,14 @@ def _answer_after_head(port: int, head: bytes, wait: float) -> tuple[bytes, floa
         return answer, time.perf_counter() - start
 
 
-def test_an_upload_that_cannot_carry_an_allowed_blob_is_refused_from_its_declared_length(
+def test_a_plan_upload_over_the_json_limit_is_refused_from_its_declared_length(
         tmp_path: Path, make_spec: Any) -> None:
-    """A plan upload declaring more than a ``max_blob_bytes`` blob as base64 plus twice ``max_json_bytes`` is answered
-    413 with ``Connection: close`` before any of its body is sent (before: the server waited for the whole
-    body, up to ``max_request_bytes``, and refused it only after parsing it). An upload of a blob at the limit
-    with a spec still fits."""
+    """A plan upload (the record alone) declaring more than its limit (``max_json_bytes`` plus the bounds of a record
+    and a candidates table) is answered 413 with ``Connection: close`` before any of its body is sent, saying that
+    the blob goes raw to ``PUT /v1/blobs``. A blob at the limit goes that way, then its record with a spec."""
     with LiveServer(tmp_path, max_blob_bytes=1 << 20, body_timeout=3.0) as srv:
-        limit = upload_body_limit(srv.settings)
-        assert limit == base64_size(1 << 20) + 2 * srv.settings.max_json_bytes < srv.settings.max_request_bytes
+        limit = record_body_limit(srv.settings)
+        assert limit == srv.settings.max_json_bytes + MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES < 3 << 20
         worker = srv.token("worker")
         for path in ("/v1/plans", "/v1/jobs/1/complete"):
             method = "PUT" if path == "/v1/plans" else "POST"
@@ -151,10 +151,11 @@ def test_an_upload_that_cannot_carry_an_allowed_blob_is_refused_from_its_declare
             assert status_line.startswith(b"HTTP/1.1 413"), (path, answer[:200], seconds)
             assert b"connection: close" in rest.lower() and seconds < 1.0
             message = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["message"]
-            assert f"exceeds the limit of {limit} bytes" in message and "plan upload" in message
+            assert f"exceeds the limit of {limit} bytes" in message and "PUT /v1/blobs/{sha256}" in message
         key, spec = make_spec(0)
         meta_blob = b"\x01" * (1 << 20)
-        body = upload_json(make_meta(key, H200, meta_blob), meta_blob, spec)
+        put_blob(httpx, meta_blob, bearer(srv.admin_token), url=srv.url)
+        body = upload_json(make_meta(key, H200, meta_blob), spec)
         r = httpx.put(f"{srv.url}/v1/plans", json=body, headers=bearer(srv.admin_token), timeout=30)
         assert r.status_code == 201, r.text
 

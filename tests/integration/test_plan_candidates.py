@@ -3,8 +3,9 @@ its plan record, read by an admin, never in a resolve answer, a record or a clie
 
 The incident: a worker completed its own job with a valid 6,000-candidate record (52 MiB). Before: the server
 accepted it and every resolve of the key answered 51 MiB, records only, and every client's disk cache took a 51 MiB
-entry. After: that upload is refused (422) and nothing is stored; the best 512 of the same run (``best_of``) are
-stored apart, and the resolve answer is about 1 KiB.
+entry. After: that upload is refused (413 from its declared length, over a plan upload's body limit; a table of
+valid rows that fits the body limit but not the table's bound is 422) and nothing is stored; the best 512 of the
+same run (``best_of``) are stored apart, and the resolve answer is about 1 KiB.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from plancache.client.cache import DiskCache
 from plancache.protocol import MAX_CANDIDATES, Candidate, CandidateTable, PlanRecord, ResolveResponse
 from plancache.store.models import plan_candidates
 from tests.factories import make_candidates
-from tests.server_util import api, env_query, upload_json  # noqa: F401
+from tests.server_util import api, env_query, put_blob, upload_json  # noqa: F401
 
 
 def _incident_rows(n: int = 6000) -> list[Candidate]:
@@ -32,17 +33,25 @@ def _incident_rows(n: int = 6000) -> list[Candidate]:
 def _publish(api, make_spec, make_plan, gpu_env, **upload):
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env)
-    return key, blob, api.client.put("/v1/plans", json=upload_json(meta, blob, spec, **upload), headers=api.admin)
+    put_blob(api.client, blob, api.admin)
+    return key, blob, api.client.put("/v1/plans", json=upload_json(meta, spec, **upload), headers=api.admin)
 
 
 def test_the_6000_candidate_upload_is_refused_and_nothing_stored(api, make_spec, make_plan, gpu_env):
     rows = [c.model_dump(mode="json") for c in _incident_rows()]
     key, spec = make_spec(0)
     meta, blob = make_plan(key, gpu_env)
-    r = api.client.put("/v1/plans", json=upload_json(meta, blob, spec, candidates=rows), headers=api.admin)
+    put_blob(api.client, blob, api.admin)
+    r = api.client.put("/v1/plans", json=upload_json(meta, spec, candidates=rows), headers=api.admin)
     assert len(r.request.content) > 45 << 20  # 47 MiB, as the incident's 52 MiB
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text[:300]
+    assert "candidates table" in r.json()["error"]["message"]
+    assert api.store.get_plan(key, gpu_env) is None
+    small = [{**c.model_dump(mode="json"), "knobs": {}, "name": "", "error": None if c.error is None else "e"}
+             for c in _incident_rows(600)]  # 600 rows of 100 bytes or so
+    r = api.client.put("/v1/plans", json=upload_json(meta, spec, candidates=small), headers=api.admin)
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text[:300]
-    assert "6000 candidates; a plan carries at most 512" in r.json()["error"]["message"]
+    assert "600 candidates; a plan carries at most 512" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None
 
     # the same through the completion of a job the worker holds
@@ -51,14 +60,30 @@ def test_the_6000_candidate_upload_is_refused_and_nothing_stored(api, make_spec,
     claim = api.client.post("/v1/jobs/claim", json={"environment": gpu_env.model_dump(), "worker_id": "w1"},
                             headers=api.worker).json()
     meta, blob = make_plan(key, gpu_env, worker_id="w1")
-    body = {"worker_id": "w1", "lease_token": claim["lease_token"], "plan": upload_json(meta, blob, candidates=rows)}
+    put_blob(api.client, blob, api.worker, job=(job["id"], "w1", claim["lease_token"]))
+    body = {"worker_id": "w1", "lease_token": claim["lease_token"], "plan": upload_json(meta, candidates=rows)}
+    r = api.client.post(f"/v1/jobs/{job['id']}/complete", json=body, headers=api.worker)
+    assert r.status_code == 413 and "candidates table" in r.json()["error"]["message"]
+    body["plan"] = upload_json(meta, candidates=small)
     r = api.client.post(f"/v1/jobs/{job['id']}/complete", json=body, headers=api.worker)
     assert r.status_code == 422 and "at most 512" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None and api.store.get_job(job["id"]).status == "running"
 
 
+def test_a_full_table_fits_a_plan_upload_beside_its_record_and_spec(api, make_spec, make_plan, gpu_env):
+    """best_of fills a table up to MAX_CANDIDATES_BYTES (1 MiB): with its record and spec the body is over
+    PLANCACHE_MAX_JSON_BYTES (1 MiB), and a plan upload's limit leaves room for it."""
+    failed = [Candidate(index=i, engine_id=i, knobs={"SPLIT_K": 4}, name=f"engine{i}", status="run_failed",
+                        error="e" * 2000) for i in range(6000)]
+    table = CandidateTable.best_of(failed)
+    key, _, r = _publish(api, make_spec, make_plan, gpu_env, **table.model_dump(mode="json"))
+    assert len(r.request.content) > api.app.state.settings.max_json_bytes
+    assert r.status_code == 201, r.text[:300]
+    assert len(api.store.get_candidates(key, gpu_env).candidates) == len(table.candidates) > 400
+
+
 def test_a_table_over_the_byte_cap_is_refused(api, make_spec, make_plan, gpu_env):
-    rows = [c.model_dump(mode="json") for c in _incident_rows(300)]  # 300 rows, 2.6 MiB
+    rows = [c.model_dump(mode="json") for c in _incident_rows(200)]  # 200 rows, 1.2 MiB
     key, _, r = _publish(api, make_spec, make_plan, gpu_env, candidates=rows)
     assert r.status_code == 422 and "bytes of JSON; at most 1048576" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None

@@ -7,7 +7,7 @@ import pytest
 
 from plancache.server.memo import BlobMemory, RecordMemo, TtlMemory
 from plancache.store.plans import PlanVersion
-from tests.server_util import api, bearer, open_api, upload_json  # noqa: F401
+from tests.server_util import api, bearer, open_api, upload  # noqa: F401
 
 
 def test_blob_memory_drops_the_least_recently_used_past_its_size():
@@ -67,7 +67,7 @@ def test_ttl_memory_forgets_after_its_time():
 def _publish(api, make_spec, make_plan, gpu_env, blob: bytes) -> str:
     key, spec = make_spec(0)
     meta, _ = make_plan(key, gpu_env, blob)
-    assert api.client.put("/v1/plans", json=upload_json(meta, blob, spec), headers=api.admin).status_code == 201
+    assert upload(api.client, meta, blob, spec, headers=api.admin).status_code == 201
     return meta.blob_sha256
 
 

@@ -1,4 +1,4 @@
-"""A file blob store that cannot take a write (full disk, unwritable folder) answers a plan upload with
+"""A file blob store that cannot take a write (full disk, unwritable folder) answers a blob upload with
 507 ``insufficient_storage``, logs one line without a traceback, and leaves nothing half-written: no blob
 file (not even its temporary file) and no plan record. Before: 500 ``internal_error``, the traceback logged
 as an unhandled error (and by uvicorn again)."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.factories import H200, make_meta
-from tests.server_util import open_api, upload_json
+from tests.server_util import open_api, put_blob, upload_json
 
 
 def _files(folder: Path) -> list[Path]:
@@ -28,7 +28,9 @@ def _refuse(store: Any, make_spec: Any, caplog: pytest.LogCaptureFixture, why: s
     with open_api(store) as api:
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            r = api.client.put("/v1/plans", json=upload_json(make_meta(key, H200, blob), blob, spec), headers=api.admin)
+            r = put_blob(api.client, blob, api.admin, check=False)
+        assert api.client.put("/v1/plans", json=upload_json(make_meta(key, H200, blob), spec),
+                              headers=api.admin).status_code == 404  # its blob is not stored
     assert r.status_code == 507, r.text
     error = r.json()["error"]
     assert error["code"] == "insufficient_storage" and why in error["message"] and "nothing was stored" in error["message"]
@@ -81,7 +83,7 @@ def test_other_os_errors_stay_internal_errors(file_store: Any, make_spec: Any, m
     key, spec = make_spec(0)
     blob = b"plan bytes"
     with open_api(file_store) as api, caplog.at_level(logging.ERROR):
-        r = api.client.put("/v1/plans", json=upload_json(make_meta(key, H200, blob), blob, spec), headers=api.admin)
+        r = put_blob(api.client, blob, api.admin, check=False)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     assert r.headers["connection"] == "close"
     assert any(rec.exc_info for rec in caplog.records)

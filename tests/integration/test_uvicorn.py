@@ -25,8 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
+from plancache.server.bodies import record_body_limit
+from plancache.settings import Settings
 from tests.live_server import LiveServer, free_port
-from tests.server_util import ADMIN_TOKEN, bearer, upload_json
+from tests.server_util import ADMIN_TOKEN, bearer, put_blob, upload, upload_json
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "conv_bias_relu.json"
@@ -85,8 +87,9 @@ def test_plancache_serve_round_trip(tmp_path: Path, gpu_env: Any, make_plan: Any
             assert claim["job"]["graph_key"] == key
             assert claim["spec"] == json.loads(http.get(f"/v1/specs/{key}", headers=reader).text)
             meta, blob = make_plan(key, gpu_env, blob=os.urandom(300_000), worker_id="gpu-1")
+            put_blob(http, blob, worker, job=(claim["job"]["id"], "gpu-1", claim["lease_token"]))  # raw, then the record
             r = http.post(f"/v1/jobs/{claim['job']['id']}/complete", headers=worker,
-                          json={"worker_id": "gpu-1", "lease_token": claim["lease_token"], "plan": upload_json(meta, blob)})
+                          json={"worker_id": "gpu-1", "lease_token": claim["lease_token"], "plan": upload_json(meta)})
             assert r.status_code == 200, r.text
 
             r = http.post("/v1/plans/resolve", json={"environment": environment, "graph_keys": [key], "include_blobs": True},
@@ -125,7 +128,7 @@ def test_uvicorn_large_blobs_and_concurrent_clients(served: tuple[str, Any], mak
         for i in range(4):
             key, spec = make_spec(i)
             meta, blob = make_plan(key, gpu_env, blob=os.urandom((i + 1) << 20))
-            r = http.put("/v1/plans", json=upload_json(meta, blob, spec), headers=admin)
+            r = upload(http, meta, blob, spec, headers=admin)
             assert r.status_code == 201, r.text
             keys.append(key)
             blobs[hashlib.sha256(blob).hexdigest()] = blob
@@ -153,9 +156,10 @@ def test_uvicorn_refuses_a_streamed_body_over_the_limit(served: tuple[str, Any],
                                                         make_plan: Any) -> None:
     base, store = served
     key, spec = make_spec(0)
-    meta, blob = make_plan(key, gpu_env, blob=b"z" * (6 << 20))
-    payload = json.dumps(upload_json(meta, blob, spec)).encode()  # ~8 MiB of base64: over the 8 MiB request limit
-    assert len(payload) > 8 << 20
+    meta, blob = make_plan(key, gpu_env, blob=b"z" * (2 << 20))
+    inline = upload_json(meta, spec, blob_b64=base64.b64encode(blob).decode())  # an outdated worker's upload
+    payload = json.dumps(inline).encode()  # 2.8 MB: over a plan upload's body limit (2.06 MiB)
+    assert len(payload) > record_body_limit(Settings())
 
     def stream() -> Iterator[bytes]:
         for i in range(0, len(payload), 1 << 16):

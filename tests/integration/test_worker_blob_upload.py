@@ -24,7 +24,8 @@ def _record_completions(monkeypatch) -> list[tuple[int, bool]]:
     real = JobsApi.complete
 
     def complete(self, job_id, req):
-        sent.append((len(req.model_dump_json()), req.plan.blob_b64 is not None))
+        text = req.model_dump_json()
+        sent.append((len(text), "blob_b64" in text))
         return real(self, job_id, req)
 
     monkeypatch.setattr(JobsApi, "complete", complete)

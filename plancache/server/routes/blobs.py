@@ -2,7 +2,7 @@
 
 A worker uploads the blob of a job it holds (headers ``X-Plancache-Job``, ``X-Plancache-Worker`` and
 ``X-Plancache-Lease``: the claim's job id, worker id and lease token, checked as heartbeat checks them), then
-publishes the record alone (``PUT /v1/plans`` or ``POST /v1/jobs/{id}/complete`` without ``blob_b64``). An admin
+publishes the record alone (``PUT /v1/plans`` or ``POST /v1/jobs/{id}/complete``). An admin
 may upload any blob; readers none. ``GET`` is :mod:`.plans`'s.
 """
 

@@ -90,10 +90,11 @@ def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: Set
              principal: Worker) -> PlanRecord:
     """One transaction publishes the plan and marks the job succeeded; a worker whose lease was taken
     over gets 409 ``lease_lost``, another API token 403 ``not_lease_holder``. The same holder repeating a
-    completion that went through gets the record."""
+    completion that went through gets the record. ``plan`` is the record alone, as for ``PUT /v1/plans``: its blob
+    was uploaded with ``PUT /v1/blobs/{sha256}`` (404 otherwise; ``blob_b64`` is 422)."""
     plan = req.plan
-    blob = accept_upload(plan, principal, store, settings, loc=("body", "plan"))
-    record, repeated = publish_job_plan(store, plan, blob, job_id=job_id, worker_id=req.worker_id,
+    accept_upload(plan, principal, store, settings)
+    record, repeated = publish_job_plan(store, plan, job_id=job_id, worker_id=req.worker_id,
                                         lease_token=req.lease_token, principal=principal)
     if not repeated:
         metrics.tuning_seconds.observe(plan.tuning_seconds)

@@ -280,6 +280,9 @@ def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics
     ``revision`` is not above the stored record's (``stale_revision``: an older record cannot replace a newer one;
     the same blob signed again with a higher revision replaces its record).
 
+    The body is the record alone: the blob is uploaded raw before, with ``PUT /v1/blobs/{sha256}`` (404 when it is not
+    stored with ``blob_size`` bytes, nothing published); a body that carries the blob (``blob_b64``) is 422.
+
     A worker token publishes only the plan of a job it holds: ``job_id`` and ``lease_token`` of its claim
     (``worker_id`` the lease's; the plan must be for the job's graph key and match its target), and the
     upload completes the job, as ``POST /v1/jobs/{id}/complete`` does (403 without them; 409 ``lease_lost``
@@ -287,13 +290,13 @@ def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics
     if upload.job_id is None and not principal.may("admin"):
         raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker publishes plans only for a job "
                         "it holds (send job_id and lease_token of its claim); uploading without a job needs admin")
-    blob = accept_upload(upload, principal, store, settings)
+    accept_upload(upload, principal, store, settings)
     existing = store.get_plan(upload.graph_key, upload.environment)
     if upload.job_id is not None and upload.lease_token is not None:
-        record, _ = publish_job_plan(store, upload, blob, job_id=upload.job_id, worker_id=upload.worker_id,
+        record, _ = publish_job_plan(store, upload, job_id=upload.job_id, worker_id=upload.worker_id,
                                      lease_token=upload.lease_token, principal=principal)
     else:
-        record = store.publish_plan(upload, blob, replace=upload.replace)
+        record = store.publish_plan(upload, None, replace=upload.replace)
     if existing is not None:
         response.status_code = 200
     if existing is None or existing.blob_sha256 != record.blob_sha256:
