@@ -219,7 +219,8 @@ def main() -> None:
     ap.add_argument("--token")
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one plancache process alone and the first of a burst (profile_*.txt in OUT)")
+                    help="also profile one plancache process alone (timed after CUDA's start, and from its spawn) "
+                         "and the first of a burst (profile_*.txt in OUT)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.plans, args.server, args.token, args.wait, args.profile)))
@@ -251,7 +252,6 @@ def main() -> None:
         if args.profile:
             profiles["plancache_from_start"] = run_one("plancache_from_start", args.plans, url, token,
                                                        profile=True)["profile"]
-        if args.profile:
             profiles["plancache"] = run_one("plancache", args.plans, url, token, profile=True)["profile"]
             profiles["burst_first_process"] = run_burst(args.processes, "plancache", args.plans, url, token,
                                                         profile_first=True)[0]["profile"]
