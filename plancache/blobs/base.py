@@ -63,12 +63,15 @@ def checked(sha256: str, pieces: Iterable[bytes]) -> Iterator[bytes]:
     yield pending
 
 
+def proven(sha256: str, data: Data) -> bool:
+    """``data`` is :class:`~plancache.digest.Digested` bytes that hashed to ``sha256`` when they were read: they need
+    not be hashed again."""
+    return type(data) is Digested and data.sha256 == sha256 and bool(data)
+
+
 def checked_chunks(sha256: str, data: Data) -> Iterator[bytes]:
-    """``data`` in pieces, checked against ``sha256`` as :func:`checked` does, unless it is
-    :class:`~plancache.digest.Digested` bytes that hashed to it when they were read (not hashed twice)."""
-    if type(data) is Digested and data.sha256 == sha256 and data:
-        return chunks(data)
-    return checked(sha256, chunks(data))
+    """``data`` in pieces, checked against ``sha256`` as :func:`checked` does, unless :func:`proven`."""
+    return chunks(data) if proven(sha256, data) else checked(sha256, chunks(data))
 
 
 class BlobStream:

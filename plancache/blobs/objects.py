@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from ..errors import BlobStoreUnavailable
-from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked_chunks, shard
+from .base import CHUNK_BYTES, BlobStore, BlobStream, Data, checked, checked_chunks, proven, shard
 
 if TYPE_CHECKING:
     from obstore.store import AzureStore, GCSStore, S3Store
@@ -103,8 +103,8 @@ class ObjectStoreBlobs(BlobStore):
 
     def put(self, sha256: str, data: Data) -> None:
         key = shard(sha256)
-        if isinstance(data, bytes):  # one request: checked first
-            whole = b"".join(checked_chunks(sha256, data))
+        if isinstance(data, bytes):  # one request: checked first, in one piece
+            whole = data if proven(sha256, data) else b"".join(checked(sha256, [data]))
             self._call(lambda: self._obs.put(self._store, key, whole))
         else:  # a multipart upload, completed only after the last chunk passed the check
             self._call(lambda: self._obs.put(self._store, key, checked_chunks(sha256, data)))
