@@ -193,8 +193,9 @@ class TrustedKeys:
 
     @classmethod
     def from_files(cls, paths: list[Path | str]) -> TrustedKeys:
+        """The keys of ``paths``: PEM public key files, and folders of them (their ``*.pub`` files)."""
         keys = []
-        for path in paths:
+        for path in [f for p in map(Path, paths) for f in (sorted(p.glob("*.pub")) if p.is_dir() else [p])]:
             data = Path(path).read_bytes()
             try:
                 key = serialization.load_pem_public_key(data)
@@ -210,14 +211,7 @@ class TrustedKeys:
         """``PLANCACHE_TRUSTED_KEYS``: public key files (or folders of ``*.pub``) separated by ``,`` or ``:``."""
         if not value:
             return cls([])
-        paths: list[Path | str] = []
-        for part in value.replace(os.pathsep, ",").split(","):
-            part = part.strip()
-            if not part:
-                continue
-            p = Path(part)
-            paths.extend(sorted(p.glob("*.pub")) if p.is_dir() else [p])
-        return cls.from_files(paths)
+        return cls.from_files([part.strip() for part in value.replace(os.pathsep, ",").split(",") if part.strip()])
 
     def open(self, envelope: Envelope | None, predicate_type: str, *, what: str) -> dict[str, Any]:
         """The in-toto statement in ``envelope``, once a trusted key's signature of it verifies; raises

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
@@ -246,7 +246,8 @@ class GraphSpec(_Strict):
     nodes: list[NodeDoc] = Field(min_length=1, max_length=MAX_NODES)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
-    model_config = ConfigDict(populate_by_name=True)
+    # an assignment is validated like the document, which also forgets the key and canonical form worked out before
+    model_config = ConfigDict(populate_by_name=True, validate_assignment=True)
     _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
     _producer: dict[int, int] = PrivateAttr(default_factory=dict)
     _canonical: GraphSpec | None = PrivateAttr(default=None)
@@ -327,8 +328,17 @@ class GraphSpec(_Strict):
         if not any(not by_uid[u].is_virtual for u in producer):
             raise SpecError("the graph has no output: mark a node output with set_output(True)")
         self._by_uid, self._producer = by_uid, producer
+        self._canonical = self._key = None  # worked out again from this content when asked for
         self._check_bytes()
         return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> GraphSpec:
+        """A copy; with ``update``, the document with those fields replaced, validated as a new one (pydantic's copy
+        would keep this spec's key, canonical form and uid index for content that is no longer theirs)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        return type(self).model_validate({**{name: getattr(self, name) for name in type(self).model_fields},
+                                          **update})
 
     def _check_bytes(self) -> None:
         """Refuse a graph whose non-virtual tensors (those with dims) need more than :data:`MAX_GRAPH_BYTES`."""
@@ -462,10 +472,12 @@ class GraphSpec(_Strict):
 
     @property
     def graph_key(self) -> str:
-        """:func:`graph_key` of this document, computed once (a spec, like its canonical form, is not changed after
-        it is made)."""
+        """sha256 over the schema version and the canonical JSON of this document (64 hex chars), worked out once.
+        Assigning a field or :meth:`model_copy` with ``update`` makes it anew; a nested list or tensor changed in
+        place does not (change a spec by assignment or a copy)."""
         if self._key is None:
-            self._key = graph_key(self)
+            payload = f"plancache-graphspec/v{SPEC_SCHEMA_VERSION}\n{self.canonical_json()}"
+            self._key = hashlib.sha256(payload.encode()).hexdigest()
         return self._key
 
     def canonical_document(self) -> GraphSpec:
@@ -605,10 +617,9 @@ def check_sizes(doc: dict[str, Any]) -> None:
 
 
 def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
-    """sha256 over the schema version and the canonical JSON of the spec (64 hex chars)."""
-    s = parse_spec(spec)
-    payload = f"plancache-graphspec/v{SPEC_SCHEMA_VERSION}\n{s.canonical_json()}"
-    return hashlib.sha256(payload.encode()).hexdigest()
+    """sha256 over the schema version and the canonical JSON of the spec (64 hex chars); a spec's own is worked out
+    once (:attr:`GraphSpec.graph_key`)."""
+    return parse_spec(spec).graph_key
 
 
 # ------------------------------------------------------------------ from a user's pygraph

@@ -616,8 +616,8 @@ LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, ServerStep, RebuildStep
 class ClientConfig:
     """Options of a :class:`PlanCache`. ``None`` takes the setting (read when the cache is made, from
     ``settings`` or the environment): ``server_url`` ``PLANCACHE_SERVER_URL`` (``""``: no server, disk cache
-    and local builds only), ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS``,
-    ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout`` ``PLANCACHE_CONNECT_TIMEOUT``/
+    and local builds only), ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS`` (or a path, or
+    paths: key files and folders of ``*.pub``), ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout`` ``PLANCACHE_CONNECT_TIMEOUT``/
     ``READ_TIMEOUT``, ``request_deadline`` ``PLANCACHE_REQUEST_DEADLINE`` (seconds for the whole server exchange
     of one load), ``cache_max_bytes`` ``PLANCACHE_CACHE_MAX_BYTES`` (disk cache cap, 0: none),
     ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
@@ -630,7 +630,7 @@ class ClientConfig:
 
     server_url: str | None = None
     token: str | None = field(default=None, repr=False)
-    trusted_keys: TrustedKeys | str | Iterable[str | Path] | None = None
+    trusted_keys: TrustedKeys | str | Path | Iterable[str | Path] | None = None
     cache_dir: Path | str | None = None
     mode: Mode = "normal"
     cooldown: float = 30.0
@@ -770,14 +770,16 @@ class LoadContext:
             _bump(getattr(self.stats, counter), key)
 
 
-def _trusted_keys(value: TrustedKeys | str | Iterable[str | Path] | None) -> TrustedKeys:
+def _trusted_keys(value: TrustedKeys | str | Path | Iterable[str | Path] | None) -> TrustedKeys:
+    """``trusted_keys=``: the keys themselves; a string as ``PLANCACHE_TRUSTED_KEYS`` reads it; one path, or several,
+    each a public key file or a folder of ``*.pub`` files."""
     from ..signing import TrustedKeys
 
     if isinstance(value, TrustedKeys):
         return value
     if value is None or isinstance(value, str):
         return TrustedKeys.from_setting(value)
-    return TrustedKeys.from_files(list(value))
+    return TrustedKeys.from_files([value] if isinstance(value, Path) else list(value))
 
 
 class PlanCache:

@@ -13,8 +13,8 @@ from sqlalchemy.engine import Connection
 from .. import errors
 from ..blobs.base import CHUNK_BYTES, Data, check_name, chunks
 from ..canonical import canonical_json
+from ..spec import GraphSpec, parse_spec
 from ..spec import graph_key as compute_graph_key
-from ..spec import parse_spec
 from .blobs import BlobStore, ContentBlobs
 from .db import Database, upsert_insert
 from .models import blobs, specs
@@ -106,7 +106,7 @@ class SpecsAndBlobs:
     db: Database
     blob_store: BlobStore
 
-    def put_spec(self, graph_key: str, spec: dict[str, Any]) -> bool:
+    def put_spec(self, graph_key: str, spec: GraphSpec | dict[str, Any]) -> bool:
         """Store a spec under its graph key; True if newly stored.
 
         The spec is validated and its key recomputed (:class:`errors.IntegrityError` if it differs);

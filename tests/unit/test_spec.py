@@ -148,6 +148,31 @@ def test_tuning_constraints_are_part_of_the_key():
     assert len(keys) == 4
 
 
+def test_a_spec_changed_by_assignment_or_copy_has_the_key_of_its_new_content():
+    """A spec works its key and canonical form out once; a copy with ``update`` or an assigned field made with the
+    old content's key would fetch (and run) the plan of another graph."""
+    spec = from_pygraph(fe_conv())
+    before, canon_before = spec.graph_key, spec.canonical_document()
+    other = from_pygraph(fe_conv(padding=(0, 0)))
+    copy = spec.model_copy(update={"nodes": other.nodes})
+    assert copy.graph_key == graph_key(copy.to_json()) == other.graph_key != before
+    assert spec.graph_key == before and spec.canonical_document() is canon_before  # the original is untouched
+    assert spec.model_copy().graph_key == spec.model_copy(deep=True).graph_key == before
+    spec.nodes = other.nodes
+    assert spec.graph_key == other.graph_key and spec.canonical_document().graph_key == other.graph_key
+    spec.name = "renamed"  # cosmetic: the same key
+    assert spec.graph_key == other.graph_key
+    with pytest.raises(ValueError, match="at least 1"):
+        spec.nodes = []
+    with pytest.raises(SpecError, match="names tensor uid 999"):
+        spec.model_copy(update={"nodes": [other.nodes[0].model_copy(update={"inputs": {"X": 999}})]})
+
+
+def test_graph_key_of_a_spec_is_its_memo():
+    spec = from_pygraph(fe_conv())
+    assert graph_key(spec) is spec.graph_key  # worked out once, whichever way it is asked for
+
+
 def test_canonical_document_has_canonical_uids_and_the_same_key():
     spec = from_pygraph(fe_conv(weights_first=True))
     canon = spec.canonical_document()

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Body, Path, Request, Response
 
 from ...errors import NotFound, TooManyRequests
 from ...protocol import GRAPH_KEY_PATTERN, SpecCreated
-from ...spec import graph_key
+from ...spec import parse_spec
 from ..auth import Reader, TokenReader
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
@@ -33,8 +33,9 @@ def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec do
             seconds = limiter.retry_after(rate_key(principal))
             raise TooManyRequests(f"token {principal.name!r} registered too many specs; retry in {seconds} s",
                                   retry_after=seconds)
-    key = graph_key(spec)
-    created = store.put_spec(key, spec)
+    parsed = parse_spec(spec)  # once: the store checks the key against the same document
+    key = parsed.graph_key
+    created = store.put_spec(key, parsed)
     if not created:
         response.status_code = 200
     return SpecCreated(graph_key=key, created=created)
