@@ -614,19 +614,19 @@ LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, ServerStep, RebuildStep
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Options of a :class:`PlanCache`. ``None`` takes the setting (read when the cache is made, from
-    ``settings`` or the environment): ``server_url`` ``PLANCACHE_SERVER_URL`` (``""``: no server, disk cache
-    and local builds only), ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS`` (or a path, or
-    paths: key files and folders of ``*.pub``), ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout`` ``PLANCACHE_CONNECT_TIMEOUT``/
-    ``READ_TIMEOUT``, ``request_deadline`` ``PLANCACHE_REQUEST_DEADLINE`` (seconds for the whole server exchange
-    of one load), ``cache_max_bytes`` ``PLANCACHE_CACHE_MAX_BYTES`` (disk cache cap, 0: none),
-    ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
+    """Options of a :class:`PlanCache`. ``None`` takes the setting (read when the cache is made, from ``settings`` or
+    the environment): ``server_url`` ``PLANCACHE_SERVER_URL`` (``""``: no server, disk cache and local builds only),
+    ``token`` ``PLANCACHE_TOKEN``, ``trusted_keys`` ``PLANCACHE_TRUSTED_KEYS`` (or a path, or paths: key files and
+    folders of ``*.pub``), ``cache_dir`` ``PLANCACHE_CACHE_DIR``, ``connect_timeout``/``read_timeout``
+    ``PLANCACHE_CONNECT_TIMEOUT``/``READ_TIMEOUT``, ``request_deadline`` ``PLANCACHE_REQUEST_DEADLINE`` (seconds for
+    the whole server exchange of one load), ``cache_max_bytes`` ``PLANCACHE_CACHE_MAX_BYTES`` (disk cache cap, 0:
+    none), ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
     admit plans checked by digest alone, never written to disk; ignored by strict and replay-only modes),
     ``revalidate_seconds`` ``PLANCACHE_REVALIDATE_SECONDS`` (a plan loaded from disk that the server last confirmed
-    longer ago is asked about again in the background: :mod:`plancache.client.revalidate`).
-    After a server failure the server is not asked again for ``cooldown`` seconds.
-    ``backend`` defaults to :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``;
-    ``environment`` to the backend's fingerprint. ``steps``: the ladder, before the mode filters it."""
+    longer ago is asked about again in the background: :mod:`plancache.client.revalidate`). After a server failure
+    the server is not asked again for ``cooldown`` seconds. ``backend`` defaults to
+    :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment`` to the backend's
+    fingerprint. ``steps``: the ladder, before the mode filters it."""
 
     server_url: str | None = None
     token: str | None = field(default=None, repr=False)

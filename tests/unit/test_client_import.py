@@ -88,3 +88,27 @@ def test_a_process_that_imported_httpx_first_keeps_it_whole():
             "print('httpx._main' in sys.modules, httpx.main is sys.modules['httpx._main'].main)\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert out == ["True", "True"]
+
+
+def test_the_gpu_backend_s_imports_leave_the_tuning_modules_out():
+    """A client loads plans through :mod:`plancache.gpu` (handle, deserialize, builds); the autotuner, its builder
+    processes and timing load on first use of ``gpu.autotune`` (they were 27 ms and 6,700 objects of the client's
+    start-up on the 2-core development machine; the deserialize path alone is 4 ms)."""
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (pip install -e '.[gpu]')")
+    code = (
+        "import sys\n"
+        "from plancache import gpu\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('plancache.gpu.', 'plancache.procpool', "
+        "'plancache.settings', 'plancache.protocol')))))\n"
+        "from plancache.gpu import tune\n"
+        "print(gpu.autotune is tune.autotune, gpu.TunedPlan is tune.TunedPlan, 'autotune' in dir(gpu))\n"
+    )
+    first, second = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                   text=True).stdout.splitlines()[-2:]
+    assert first.split() == ["plancache.gpu.families", "plancache.gpu.fegraph", "plancache.gpu.reference",
+                             "plancache.gpu.runtime"]
+    assert second == "True True True"
+    from plancache import gpu
+
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = gpu.nothing  # type: ignore[attr-defined]
