@@ -246,8 +246,8 @@ class GraphSpec(_Strict):
     nodes: list[NodeDoc] = Field(min_length=1, max_length=MAX_NODES)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
 
-    # an assignment is validated like the document, which also forgets the key and canonical form worked out before
-    model_config = ConfigDict(populate_by_name=True, validate_assignment=True)
+    # a document is not changed once made (its key and canonical form are worked out once): change a copy
+    model_config = ConfigDict(populate_by_name=True, frozen=True)
     _by_uid: dict[int, TensorDoc] = PrivateAttr(default_factory=dict)
     _producer: dict[int, int] = PrivateAttr(default_factory=dict)
     _canonical: GraphSpec | None = PrivateAttr(default=None)
@@ -328,13 +328,13 @@ class GraphSpec(_Strict):
         if not any(not by_uid[u].is_virtual for u in producer):
             raise SpecError("the graph has no output: mark a node output with set_output(True)")
         self._by_uid, self._producer = by_uid, producer
-        self._canonical = self._key = None  # worked out again from this content when asked for
         self._check_bytes()
         return self
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> GraphSpec:
         """A copy; with ``update``, the document with those fields replaced, validated as a new one (pydantic's copy
-        would keep this spec's key, canonical form and uid index for content that is no longer theirs)."""
+        would keep this spec's key, canonical form and uid index for content that is no longer theirs). A spec is
+        frozen: this is how one is changed."""
         if not update:
             return super().model_copy(deep=deep)
         return type(self).model_validate({**{name: getattr(self, name) for name in type(self).model_fields},
@@ -472,12 +472,11 @@ class GraphSpec(_Strict):
 
     @property
     def graph_key(self) -> str:
-        """sha256 over the schema version and the canonical JSON of this document (64 hex chars), worked out once.
-        Assigning a field or :meth:`model_copy` with ``update`` makes it anew; a nested list or tensor changed in
-        place does not (change a spec by assignment or a copy)."""
+        """sha256 over the schema version and the canonical JSON of this document (64 hex chars), worked out once
+        (a spec is frozen; :meth:`model_copy` with ``update`` makes a new one; a nested list or tensor changed in
+        place is not seen: change a copy)."""
         if self._key is None:
-            payload = f"plancache-graphspec/v{SPEC_SCHEMA_VERSION}\n{self.canonical_json()}"
-            self._key = hashlib.sha256(payload.encode()).hexdigest()
+            self._key = graph_key(self, fresh=True)
         return self._key
 
     def canonical_document(self) -> GraphSpec:
@@ -616,10 +615,14 @@ def check_sizes(doc: dict[str, Any]) -> None:
         _count(f"nodes[{i}].params", n.get("params"), MAX_PARAMS)
 
 
-def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes) -> str:
+def graph_key(spec: GraphSpec | dict[str, Any] | str | bytes, *, fresh: bool = False) -> str:
     """sha256 over the schema version and the canonical JSON of the spec (64 hex chars); a spec's own is worked out
-    once (:attr:`GraphSpec.graph_key`)."""
-    return parse_spec(spec).graph_key
+    once (:attr:`GraphSpec.graph_key`). ``fresh``: from the document's content now, for checking a key against a
+    document that came from elsewhere."""
+    s = parse_spec(spec)
+    if not fresh:
+        return s.graph_key
+    return hashlib.sha256(f"plancache-graphspec/v{SPEC_SCHEMA_VERSION}\n{s.canonical_json()}".encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ from a user's pygraph

@@ -114,7 +114,7 @@ class SpecsAndBlobs:
         canonical form differs from the one stored under the key is :class:`errors.Conflict`.
         """
         parsed = parse_spec(spec)
-        actual = compute_graph_key(parsed)
+        actual = compute_graph_key(parsed, fresh=True)
         if actual != graph_key:
             raise errors.IntegrityError(f"graph key {graph_key!r} does not match the spec, whose key is {actual}")
         document = canonical_json(parsed.canonical_document().to_json())

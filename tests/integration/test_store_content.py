@@ -34,6 +34,12 @@ def test_put_spec_refuses_a_wrong_key_and_an_invalid_spec(store, make_spec):
     with pytest.raises(errors.SpecError):
         store.put_spec(key, {**spec, "nodes": []})
     assert store.get_spec(key) is None and store.get_spec(other_key) is None
+    changed = parse_spec(spec)
+    assert changed.graph_key == key
+    changed.tensors[0].dim[0] += 1  # in place, after its key was worked out: the key is checked against the content
+    with pytest.raises(errors.IntegrityError, match="does not match"):
+        store.put_spec(key, changed)
+    assert store.put_spec(graph_key(changed.to_json()), changed) is True
 
 
 def test_put_spec_conflicts_when_the_stored_canonical_form_differs(store, make_spec):
