@@ -292,7 +292,8 @@ class DiskCache:
 
     def save(self, record: PlanRecord, blob: bytes, *, checked: bool = False) -> bool:
         """Store a plan (blob first, then the record that points at it), then keep the cache under its cap;
-        ``checked``: it comes from the server now (:meth:`mark_checked`). Returns ``False``, after logging why,
+        ``checked``: it comes from the server now (:meth:`mark_checked`); otherwise the entry counts as never
+        confirmed, whatever confirmed the one it replaces. Returns ``False``, after logging why,
         when the folder cannot be written: the cache is an optimisation. The caller stores only plans whose
         signature it verified."""
         try:
@@ -308,6 +309,9 @@ class DiskCache:
             return False
         if checked:
             self.mark_checked(record.graph_key)
+        else:  # a record the server has not confirmed (a bundle's): the older entry's confirmation is not its
+            with contextlib.suppress(OSError):
+                self._record_path(record.graph_key).with_suffix(CHECKED_SUFFIX).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._mark_used()
         if self.max_bytes is not None:

@@ -260,8 +260,14 @@ class MemoryStep(Step):
         found: dict[Pending, Plan] = {}
         for p in batch:
             if p.graph is None and (plan := c.memory.get(p.key)) is not None:
-                found[p] = plan
+                found[p] = plan.named_as(p.spec)
             elif (held := c.verified.get(p.key)) is not None:
+                try:  # checked again: a withdrawal or a newer revision since it was admitted refuses it
+                    c.verify(*held, p.key)
+                except VerificationError as exc:
+                    c.verified.pop(p.key, None)
+                    self.reject(p, exc.reason, exc.message)
+                    continue
                 found[p] = self.wrap(p, c.deserialize(p, *held))
         return found
 
@@ -892,7 +898,7 @@ class PlanCache:
             if plan is not None:
                 with self._memory_hits_lock:
                     self._memory_hits += 1
-                return plan
+                return plan.named_as(p.spec)
         result = self._load_many([p])[0]
         if isinstance(result, PlanMiss):
             raise result

@@ -115,6 +115,13 @@ class Plan:
         """The built ``cudnn.pygraph`` (for :meth:`PlanCache.build`, the caller's own graph)."""
         return getattr(self._built, "graph", None)
 
+    def named_as(self, spec: GraphSpec) -> Plan:
+        """This plan for ``spec``, a document of the same graph key: itself, or, where ``spec`` names its tensors
+        otherwise (names are not part of the key), the same loaded plan taking ``spec``'s names."""
+        if spec is self.spec or spec.canonical_document().io_names() == self.spec.canonical_document().io_names():
+            return self
+        return Plan(spec, self.graph_key, self._built, self._backend, source=self.source, lock=self._lock)
+
     def tensor_names(self) -> list[str]:
         """The names :meth:`execute` takes: the graph's inputs, then its outputs (unnamed tensors go by uid)."""
         return [e.name for e in self._expectations(_torch()).values() if e.name]

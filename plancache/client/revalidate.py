@@ -13,8 +13,9 @@ resolve for the keys due, then the explain of the keys the server no longer has 
 - Anything else (no answer in time, an older or unverifiable record or withdrawal, a miss without a withdrawal):
   the entry stays, unconfirmed, and the next process asks again.
 
-What changes takes effect at the next load from disk, i.e. in the next process (or :class:`PlanCache`): a plan
-already deserialized in this process keeps running in it.
+What changes takes effect at the next load from disk, i.e. in the next process (or :class:`PlanCache`), and at
+once for a blob this process admitted but has not loaded yet (a warm start's, or one kept for the callers' own
+graphs): it is not loaded into another graph. A plan already deserialized in this process keeps running in it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def apply_withdrawal(context: LoadContext, key: str, withdrawal: Withdrawal) -> 
         return False
     disk.discard(key, record.blob_sha256 if record else None)
     disk.accept_revision(key, withdrawal.revision, background=False)
+    context.verified.pop(key, None)  # a blob admitted earlier is not loaded into another graph
     log.warning("plancache: the plan %s for this GPU was withdrawn (revision %d): %s; it will not be loaded again",
                 key[:12], withdrawal.withdrawn_revision, withdrawal.reason)
     context.count("withdrawals", "applied")
@@ -177,6 +179,7 @@ class Revalidator:
             return "failed"
         c.disk.save(record, blob, checked=True)
         c.disk.accept_revision(key, record.revision, background=False)
+        c.verified.pop(key, None)  # the next graph loads the new one
         log.info("plancache: the plan %s was replaced on the server (revision %d → %d); the disk cache has the new "
                  "one from the next load", key[:12], have.revision, record.revision)
         return "replaced"

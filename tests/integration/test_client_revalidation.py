@@ -193,3 +193,27 @@ def test_a_server_that_does_not_answer_leaves_the_entry_to_the_next_process(srv,
 def test_a_bad_bound_is_refused(tmp_path, signer):  # noqa: F811
     with pytest.raises(ValueError, match="revalidate_seconds must be >= 0"):
         client(None, tmp_path, signer, revalidate_seconds=-1)
+
+
+def test_a_blob_admitted_before_a_withdrawal_is_not_loaded_after_it(srv, tmp_path, signer):  # noqa: F811
+    """A blob admitted but not loaded (a warm start's, or one kept for the callers' own graphs) was loaded into the
+    next graph without a check after this very process applied a withdrawal of it; now it is refused, by the
+    withdrawal and, should the floor come from elsewhere, by its revision, and the graph gets a local build."""
+    seed(srv, CONV, signer)
+    warm_up(srv, tmp_path, signer)
+    record = srv.store.get_plan(KEY, H200)
+    srv.store.withdraw_plan(withdrawal_of(record, signer))
+    with client(srv, tmp_path, signer, settings=every(0)) as pc:
+        assert pc.warm([CONV]) == [KEY] and pc._backend.deserialized == []  # kept, not loaded
+        pc.context.revalidator.join(10)
+        assert pc.stats().withdrawals == {"applied": 1} and KEY not in pc.context.verified
+        assert pc.plan(CONV).source == "heuristic" and pc._backend.deserialized == []
+    seed(srv, SDPA, signer)
+    with client(srv, tmp_path / "hook", signer) as hook:
+        assert hook.serve(object(), SDPA).source == "server"  # a caller's graph: its blob is kept for the next one
+        sdpa = srv.store.get_plan(SDPA.graph_key, H200)
+        hook.disk.accept_revision(SDPA.graph_key, sdpa.revision + 1, background=False)  # raised by another process
+        assert hook.serve(object(), SDPA) is None  # refused (revision): the caller's FE builds it
+        # refused held, then on disk and from the server: all three are the older revision
+        assert hook.stats().rejects == {"revision": 3} and SDPA.graph_key not in hook.context.verified
+        assert len(hook._backend.deserialized) == 1

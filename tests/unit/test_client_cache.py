@@ -331,6 +331,10 @@ def test_an_entry_from_the_server_is_marked_confirmed_and_loses_the_mark_with_th
     assert cache.checked_at(fetched.graph_key) is None and load(cache, fetched.graph_key) is None
     assert plan_files(tmp_path / H200.env_id) == sorted([f"{'b' * 64}.json", f"{'b' * 64}.checked", "blobs"])
     assert cache.blobs.get(fetched.blob_sha256) is None and cache.blobs.get(imported.blob_sha256) == b"from a bundle"
+    # another record written over a confirmed entry (a bundle imported later) is not confirmed by the old one's mark:
+    # it kept the entry from being asked about for up to PLANCACHE_REVALIDATE_SECONDS, a withdrawn plan included
+    newer = make_record("b" * 64, H200, b"a newer plan from a bundle")
+    assert cache.save(newer, b"a newer plan from a bundle") and cache.checked_at(newer.graph_key) is None
 
 
 def test_a_revision_accepted_in_the_foreground_is_on_disk_at_once(tmp_path):

@@ -171,3 +171,32 @@ def test_a_cache_without_the_gpu_extra_names_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "cudnn", None)  # as on the base install: ``import cudnn`` fails
     with pytest.raises(GpuUnavailable, match=r"pip install 'plancache\[gpu\]'"):
         PlanCache("", cache_dir=tmp_path)
+
+
+def test_a_spec_of_the_same_graph_with_other_names_gets_the_loaded_plan_with_its_own_names(tmp_path):
+    """Names are not part of the graph key, so two specs of one graph share the loaded plan; each caller's names bind
+    as its own spec says. (The plan memoized for the first spec was returned to the second, which then bound ``X``
+    to the first spec's ``X``: with the inputs' names swapped, a silent ``W @ X`` for ``X @ W``.)"""
+    from plancache.client import PlanCache
+    from plancache.spec import parse_spec
+
+    b = SpecBuilder(io_data_type="float32")
+    b.matmul(b.tensor("X", dim=[1, 4, 4]), b.tensor("W", dim=[1, 4, 4])).set_output(True).set_name("Y")
+    first = b.build()  # Y = X @ W
+    doc = first.to_json()
+    for t in doc["tensors"]:
+        t["name"] = {"X": "W", "W": "X"}.get(t["name"], t["name"])
+    second = parse_spec(doc)  # the same graph, its inputs named the other way round: Y = W @ X
+    assert second.graph_key == first.graph_key
+    port_a = first.canonical_document().nodes[0].inputs["A"]
+    x, w, y = torch.full((1, 4, 4), 1.0), torch.full((1, 4, 4), 2.0), torch.empty(1, 4, 4)
+    with PlanCache("", backend=RecordingBackend(), cache_dir=tmp_path) as cache:
+        one = cache.plan(first)
+        two = cache.plan(second)
+        assert two is not one and two._built is one._built and two.spec is second  # loaded once, named twice
+        assert cache.plan(first) is one and cache.prefetch([second])[second.graph_key]._built is one._built
+        two.execute(X=x, W=w, Y=y)
+        assert one._built.executions[-1][0][port_a] is w  # the second spec's matmul takes its W first
+        one.execute(X=x, W=w, Y=y)
+        assert one._built.executions[-1][0][port_a] is x
+        assert cache.stats().misses == 1 and len(cache._backend.calls) == 1
