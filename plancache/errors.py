@@ -216,6 +216,13 @@ class GpuUnavailable(PlanCacheError):
     http_status = 503
 
 
+class ForkedProcess(PlanCacheError):
+    """A :class:`~plancache.client.PlanCache` used in a process forked from the one that made it (which would share
+    the parent's locks, threads and server connections; CUDA does not survive a fork either): make one in the child."""
+
+    code = "forked_process"
+
+
 class InsufficientGpuMemory(PlanCacheError):
     """The spec needs more device memory than the GPU has; refused before allocating."""
 

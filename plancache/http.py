@@ -307,6 +307,10 @@ class HttpClient:
                     log.debug("%s: %s on a reused connection; sending it again", call, type(exc).__name__)
                 except httpx.RequestError as exc:  # refused, timed out, other protocol errors
                     raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
+                except RuntimeError:
+                    if not self._http.is_closed:
+                        raise
+                    raise ServerUnavailable(f"{call}: the client was closed during the call") from None
             try:
                 return self._whole(call, resp, max_bytes, cancel)
             except httpx.RequestError as exc:  # reset, read timeout, bad encoding while the body arrives

@@ -94,9 +94,8 @@ LOW_WATER = 0.9
 STALE_TEMP_SECONDS = 3600.0
 #: How often a process waiting for another's fetch tries the lock again.
 LOCK_POLL_SECONDS = 0.005
-#: Attempts of :meth:`DiskCache.accept_revision` to leave its revision (or a higher one) in place when other
-#: processes write the same file meanwhile.
-REVISION_WRITES = 3
+#: In an environment folder: the lock (``flock``) under which a process reads, compares and writes a revision file.
+REVISIONS_LOCK = ".revisions.lock"
 
 
 def _unlink(path: Path) -> int:
@@ -121,9 +120,13 @@ class FetchLock:
         self.waited = waited
 
     def release(self) -> None:
-        """Let the next process waiting for these keys go (closing the file releases its ``flock``); idempotent."""
+        """Let the next process waiting for these keys go; idempotent. Unlocked before it is closed: a process forked
+        meanwhile (a data loader's workers) shares the open file, and closing ours alone would leave it locked for as
+        long as they live."""
         fd, self._fd = self._fd, None
         if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
 
@@ -199,25 +202,47 @@ class DiskCache:
             log.debug("plan cache: cannot mark %s checked: %s", graph_key[:12], exc)
 
     def _write_revision(self, graph_key: str, revision: int) -> None:
+        """Raise the stored revision of ``graph_key`` to ``revision``, never lower it: read, compared and written
+        under the folder's revisions lock, so that a process writing a lower revision cannot rename its file over a
+        higher one another process wrote meanwhile (a lowered floor would admit the older record again)."""
         path = self._record_path(graph_key).with_suffix(".revision")
         try:
-            for _ in range(REVISION_WRITES):  # another process may write a lower one between our read and write
-                if self._stored_revision(path) >= revision:
-                    return
-                self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.dir / REVISIONS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # in use: not stale for the scan
+            if self._stored_revision(path) < revision:
                 atomic_write(path, str(revision).encode())
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
+        finally:
+            os.close(fd)  # and with it the lock
 
     def later(self, write: Callable[..., Any], *args: Any) -> None:
         """Run ``write(*args)`` on this cache's writer thread, off the caller's path: a plan is ready before its
         files are fsynced. :meth:`flush` (called by every read of the folder and by :meth:`close`) waits for them;
-        the interpreter also waits for them at exit."""
+        the interpreter also waits for them at exit. Once the interpreter is exiting (no new threads: a thread of
+        the program still loading after the main thread returned) the write is made here."""
         with self._pending_lock:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._writer.submit(write, *args))
+            try:
+                self._pending.append(self._writer.submit(write, *args))
+                return
+            except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+                pending, self._pending = self._pending, []
+        for f in pending:  # in the order they were asked for
+            f.exception()
+        try:
+            write(*args)
+        except Exception as exc:  # noqa: BLE001 - logged as a background write's failure is
+            log.warning("plan cache: a write failed: %s", exc)
 
     def flush(self) -> None:
         """Wait for the writes asked for so far (a failed one was logged by itself)."""

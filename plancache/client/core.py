@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -59,7 +60,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import SPEC_SCHEMA_VERSION
 from ..canonical import canonical_json
-from ..errors import IntegrityError, PlanCacheError, PlanMiss, Reason, ServerUnavailable, VerificationError
+from ..errors import (
+    ForkedProcess,
+    IntegrityError,
+    PlanCacheError,
+    PlanMiss,
+    Reason,
+    ServerUnavailable,
+    VerificationError,
+)
 from ..verify import verify_blob
 from .backend import Backend, BuiltPlanLike
 from .plan import Plan
@@ -268,7 +277,7 @@ class MemoryStep(Step):
                     c.verified.pop(p.key, None)
                     self.reject(p, exc.reason, exc.message)
                     continue
-                found[p] = self.wrap(p, c.deserialize(p, *held))
+                found[p] = self.wrap(p, Kept(held[0]) if p.warm else c.deserialize(p, *held))
         return found
 
 
@@ -358,9 +367,9 @@ class DiskStep(StoreStep):
 
     def finish(self) -> None:
         """Release the host's turn to fetch once the plans fetched are written: the processes waiting read them."""
-        if self._fetch_lock is not None:
-            self.context.disk.later(self._fetch_lock.release)
-            self._fetch_lock = None
+        lock, self._fetch_lock = self._fetch_lock, None
+        if lock is not None:
+            self.context.disk.later(lock.release)
 
 
 #: Blobs the server step downloads at once (from presigned URLs or the server's route).
@@ -847,6 +856,7 @@ class PlanCache:
         self.context = LoadContext(self.environment, self.trusted_keys, self.insecure_allow_unsigned, backend,
                                    self.disk, self._remote, self.request_deadline,
                                    settings.revalidate_seconds if revalidate is None else revalidate)
+        self._pid = os.getpid()  # the process this cache belongs to (a forked child makes its own)
         self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
         self._memory_hits_lock = threading.Lock()
         allowed = MODE_STEPS[self.mode]
@@ -858,6 +868,17 @@ class PlanCache:
     def signatures_checked(self) -> bool:
         """Whether trusted keys are configured, so that a plan's signature can be verified."""
         return len(self.trusted_keys) > 0
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a process forked from the one that made this cache, which cannot use it."""
+        return os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        if self.forked:
+            raise ForkedProcess(f"this PlanCache was made in process {self._pid}, and process {os.getpid()} is a child "
+                                "forked from it: make a PlanCache in the child (a forked process would share the "
+                                "parent's locks, threads and server connections, and CUDA does not survive a fork)")
 
     def _warn_about_keys(self, opt_out: bool) -> None:
         if self.signatures_checked:
@@ -892,6 +913,7 @@ class PlanCache:
 
     def plan(self, spec: SpecLike) -> Plan:
         """A ready plan for a spec or a caller's pygraph (see the module docstring for the ladder and the modes)."""
+        self._check_process()
         p = self._pending(spec)
         if p.graph is None:
             plan = self.context.memory.get(p.key)  # no waiting on the ladder lock while another thread builds
@@ -987,7 +1009,9 @@ class PlanCache:
 
     def close(self) -> None:
         """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, and close the
-        connection to the server."""
+        connection to the server. In a forked child, nothing: they are the parent's."""
+        if self.forked:
+            return
         self.context.revalidator.join(self.request_deadline)
         self.disk.close()
         if self._remote is not None:
@@ -1004,6 +1028,7 @@ class PlanCache:
     def _load_many(self, batch: list[Pending], builds: frozenset[Builds] | None = None) -> list[Plan | PlanMiss]:
         """Each step in turn (those that build what ``builds`` allows, default all) for the loads still pending;
         results in the order of ``batch``."""
+        self._check_process()
         t0, c = time.perf_counter(), self.context
         with c.lock:
             try:

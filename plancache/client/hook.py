@@ -304,7 +304,7 @@ def _wrap(name: str, original: Callable[..., Any], handler: Handler) -> Callable
         cache = _cache
         if getattr(_local, "inside", False):
             return original(graph, *args, **kwargs)
-        if cache is None:
+        if cache is None or cache.forked:  # a forked child's builds are FE's own (its parent's cache is not its)
             if name == "validate" and _recorder is not None and graph._lowered_graph is None:
                 _capture_only(graph)
             return original(graph, *args, **kwargs)

@@ -394,6 +394,50 @@ def test_a_load_works_each_specs_key_out_once(srv, tmp_path, signer, wire, monke
     assert made == {s.name: 1 if i < 3 else 2 for i, s in enumerate(specs)}, made
 
 
+def test_a_cache_closed_during_a_load_falls_back_instead_of_raising(srv, tmp_path, signer):
+    """``close()`` on one thread (a shutdown handler) while another's load is at the server: httpx's "the client has
+    been closed" ``RuntimeError`` escaped ``plan()``; it is the server being unavailable, and the load goes on."""
+    seed(srv, CONV, signer)
+    pc = client(srv, tmp_path, signer)
+    assert pc._remote is not None
+    pc._remote.http._http.close()  # what close() does to a load already past the remote's checks
+    assert pc.plan(CONV).source == "heuristic" and pc.stats().remote_errors == 1
+    pc.close()
+
+
+def test_a_forked_child_is_told_to_make_its_own_cache(srv, tmp_path, signer):
+    """A child forked from a process with a PlanCache (a data loader's workers) shares its locks, threads and server
+    connection: a load there hung on the parent's pending disk writes or read the parent's answers off the shared
+    socket. The child gets :class:`ForkedProcess` naming what to do; its ``close()`` leaves the parent's alone."""
+    import os
+
+    from plancache.errors import ForkedProcess
+
+    seed(srv, CONV, signer)
+    seed(srv, SDPA, signer)
+    pc = client(srv, tmp_path, signer)
+    assert pc.plan(CONV).source == "server" and not pc.forked
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        outcome = "no error"
+        try:
+            pc.plan(SDPA)
+        except ForkedProcess as exc:
+            outcome = str(exc)
+        pc.close()
+        os.write(write, f"{pc.forked} {outcome}".encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    said = os.read(read, 4096).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert said.startswith("True this PlanCache was made in process") and "make a PlanCache in the child" in said
+    assert pc.plan(SDPA).source == "server"  # the parent's cache is untouched
+    pc.close()
+
+
 def test_strict_mode_serves_tuned_plans_only(srv, tmp_path, signer, wire):
     seed(srv, CONV, signer)
     seed(srv, SDPA, new_signer())  # unknown signer

@@ -319,3 +319,20 @@ def test_plancache_torch_install_passes_the_warm_start_on(srv, tmp_path, signer)
     plancache.torch.uninstall()  # after the warm start under way
     assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3}
     assert loaded(cache) == []
+
+
+def test_a_second_warm_start_of_kept_blobs_loads_nothing(srv, tmp_path, signer):
+    """Two threads warming the same graphs at once (the hook's warm start and the program's own ``warm``): the second
+    load finds the blobs the first kept, and deserialized every one of them to throw it away; it keeps them as they
+    are. (The race itself is timing; this is the second thread's load as it runs.)"""
+    from plancache.client.core import Builds, Pending
+
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    assert cache.warm(specs) == [s.graph_key for s in specs]
+    again = cache._load_many([Pending(s.graph_key, s, None, warm=True) for s in specs], frozenset({Builds.NOTHING}))
+    assert [type(r._built).__name__ for r in again] == ["Kept"] * 3  # type: ignore[union-attr]
+    assert loaded(cache) == [] and len(cache.context.memory) == 0
+    build_all(cache, step_graphs())
+    assert len(loaded(cache)) == 3

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -379,3 +380,78 @@ def test_a_folder_of_the_earlier_layout_that_cannot_be_written_is_left_as_it_is(
 
     monkeypatch.setattr(cache.blobs, "put", read_only)
     assert cache.sweep() == [] and old[KEY].read_bytes() == BLOB and load(cache, KEY) is None
+
+
+def test_a_fetch_lock_released_is_free_though_a_forked_child_holds_the_open_file(tmp_path):
+    """``flock`` belongs to the open file, which ``fork`` shares (a data loader's workers forked while a fetch runs on
+    another thread): closing ours alone left the lock held for as long as the child lived, and every other process
+    of the host missing those keys waited its whole deadline."""
+    lock = DiskCache(tmp_path, H200).fetch_lock(["c" * 64], 1.0)
+    assert lock is not None and not lock.waited
+    child = os.fork()
+    if child == 0:  # a worker that never touches plancache
+        time.sleep(30)
+        os._exit(0)
+    try:
+        lock.release()
+        again = DiskCache(tmp_path, H200).fetch_lock(["c" * 64], 0.5)  # another process's open of the lock file
+        assert again is not None and not again.waited
+        again.release()
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+
+
+def _accept_many(root: str, revision: int, keys: list[str], barrier: Any) -> None:
+    disk = DiskCache(root, H200)
+    for key in keys:
+        barrier.wait()
+        disk.accept_revision(key, revision, background=False)
+
+
+def test_two_processes_accepting_revisions_at_once_never_lower_the_floor(tmp_path):
+    """Read, compare and write of a revision file happen under the folder's lock: without it a process writing
+    revision 3 could rename its file over the 5 another wrote meanwhile (2-32 keys of 300 in the audit's runs), and
+    the older record was admitted again."""
+    import multiprocessing
+
+    keys = [hashlib.sha256(f"k{i}".encode()).hexdigest() for i in range(60)]
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    workers = [ctx.Process(target=_accept_many, args=(str(tmp_path), rev, keys, barrier)) for rev in (3, 5)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    disk = DiskCache(tmp_path, H200)
+    assert [disk.revision(key) for key in keys] == [5] * len(keys)
+    assert (tmp_path / H200.env_id / ".revisions.lock").exists()
+
+
+def test_a_write_asked_for_while_the_interpreter_exits_is_made_at_once(tmp_path):
+    """A thread of the program still loading after the main thread returned: Python refuses new work to every
+    thread pool before it joins such threads, so the write was refused with ``RuntimeError`` (the load raised, and
+    the plans it fetched were never written); now it is made on the asking thread."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, time\n"
+        "from plancache.client.cache import DiskCache\n"
+        "from tests.factories import H200, make_record\n"
+        f"disk = DiskCache({str(tmp_path)!r}, H200)\n"
+        "disk.later(time.sleep, 0)  # the writer thread exists\n"
+        "def late():\n"
+        "    time.sleep(0.5)  # the main thread has returned\n"
+        "    disk.later(disk.save, make_record('d' * 64, H200, b'late'), b'late')\n"
+        "    disk.accept_revision('d' * 64, 7)\n"
+        "    print('late writes asked for', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "late writes asked for" in done.stdout, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    disk = DiskCache(tmp_path, H200)
+    assert disk.record("d" * 64) is not None and disk.revision("d" * 64) == 7

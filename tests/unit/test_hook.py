@@ -111,6 +111,31 @@ def test_build_goes_through_the_same_interception(tmp_path, signer):
     assert cache.stats().hits == {"disk": 1}
 
 
+def test_a_forked_child_builds_with_fe_itself(tmp_path, signer):
+    """In a child forked from the process that installed the hook (its cache is the parent's), every build is FE's
+    own, exactly as asked; the parent's builds still go through the cache."""
+    import os
+
+    cache = make_cache(tmp_path, signer, mode="strict")
+    with hook.installed(cache, graph_class=StageGraph):
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            g, _ = rmsnorm()
+            five_steps(g)
+            os.write(write, repr([s[0] for s in g.stages]).encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(child, 0)
+        stages = os.read(read, 4096).decode()
+        os.close(read)
+        g, _ = rmsnorm()
+        five_steps(g)
+    assert stages == repr(["validate", "build_operation_graph", "create_execution_plans", "check_support",
+                           "build_plans"])
+    assert g.stages == [("validate",), ("build_operation_graph",)] and cache.stats().hits == {"disk": 1}
+
+
 def test_a_miss_in_normal_mode_runs_fes_steps_exactly_as_the_caller_asked(tmp_path, signer):
     cache = make_cache(tmp_path, signer, seeded=False)
     g, _ = rmsnorm()
