@@ -35,7 +35,9 @@ ENV_ID_PATTERN = r"^[0-9a-f]{32}$"
 Sm = Annotated[int, Ge(10), Le(1000), BeforeValidator(refuse_bool)]
 SmCount = Annotated[int, Ge(1), Le(100_000), BeforeValidator(refuse_bool)]
 Version = Annotated[int, Ge(1), Le(INT32_MAX), BeforeValidator(refuse_bool)]
-FrontendVersion = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+#: A version as packages spell it (PEP 440, local part included): no spaces, quotes or control characters, which
+#: would also make a target's canonical JSON (``jobs.target_key``) grow past its column.
+FrontendVersion = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z.+!_-]+$")]
 
 
 class Environment(StrictModel):

@@ -19,8 +19,9 @@ from typing import Any
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import (
     BadRequest,
@@ -50,6 +51,8 @@ _FRAMEWORK_ERRORS: dict[int, type[PlanCacheError]] = {
 #: ``OSError`` numbers that mean the blob store cannot take a write now: full disk or quota, read-only or
 #: unwritable folder. An operator's fix; the request may succeed later.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+#: The status counted for a request whose client went away before its body arrived (nginx's; nothing is sent).
+CLIENT_CLOSED_REQUEST = 499
 #: Longest error message answered (a message may quote what the request sent).
 MAX_MESSAGE_CHARS = 2000
 
@@ -125,6 +128,13 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
                           f"{exc.strerror}); nothing was stored, retry later")
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client closed the connection before its body arrived (a worker killed mid-upload, a client that gave up):
+    nobody to answer, nothing stored. 499, nginx's "client closed request", is what the metrics count."""
+    log.info("client went away during %s %s before its body arrived", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     # uvicorn drops the connection after this answer (the error propagates to it): say so, or a keep-alive
@@ -139,4 +149,5 @@ def install_error_handlers(app: FastAPI) -> None:
     for exc_type in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.TimeoutError):
         app.add_exception_handler(exc_type, _database_unavailable)
     app.add_exception_handler(OSError, _storage_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)

@@ -29,7 +29,7 @@ class Status:
     misses: list[Miss]
     jobs: list[Job]
     job_counts: dict[str, int]
-    miss_reasons: dict[str, str] = field(default_factory=dict)  # graph key -> why it has no plan
+    miss_reasons: dict[tuple[str, str], str] = field(default_factory=dict)  # (env id, graph key) -> why no plan
     generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -40,10 +40,10 @@ def gather(store: Any, autotune: AutotunePolicy | None = None) -> Status:
     by_env: dict[str, list[Miss]] = defaultdict(list)
     for m in misses:
         by_env[m.env_id].append(m)
-    for group in by_env.values():
+    for env_id, group in by_env.items():
         for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group],
                                                  autotune=autotune).items():
-            status.miss_reasons[key] = reason.message
+            status.miss_reasons[env_id, key] = reason.message
     return status
 
 
@@ -131,7 +131,8 @@ def render(status: Status) -> str:
         "</table><h2>Most missed graphs</h2>",
         "<table><tr><th>graph</th><th>environment</th><th>misses</th><th>last seen</th><th>why no plan</th></tr>",
         *(f"<tr><td>{_key(m.graph_key)}</td><td>{escape(m.environment.describe())}</td><td class='n'>{m.count}</td>"
-          f"<td>{m.last_seen:%Y-%m-%d %H:%M}</td><td>{escape(status.miss_reasons.get(m.graph_key, ''))[:300]}</td></tr>"
+          f"<td>{m.last_seen:%Y-%m-%d %H:%M}</td>"
+          f"<td>{escape(status.miss_reasons.get((m.env_id, m.graph_key), '')[:300])}</td></tr>"
           for m in status.misses),
         "</table><h2>Queue and recent jobs</h2>",
         "<table><tr><th>job</th><th>graph</th><th>target</th><th>source</th><th>status</th><th>attempts</th>"

@@ -37,6 +37,12 @@ def touch_blob_row(conn: Connection, sha256: str, size: int, now: Any) -> None:
     conn.execute(stmt.on_conflict_do_update(index_elements=["sha256"], set_={"created_at": now}))
 
 
+def settle_blob_size(conn: Connection, sha256: str, size: int) -> None:
+    """After the bytes of ``sha256`` were written and checked: its catalog row says their size. A failed upload that
+    declared another size may have made the row, and an upload that finds a row only makes it new."""
+    conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha256, blobs.c.size != size).values(size=size))
+
+
 def hold_blob_row(conn: Connection, sha256: str, size: int, in_row: bool, now: Any) -> bool:
     """In a publish's transaction: whether the catalog row of ``sha256`` exists with ``size`` (and, ``in_row``, its
     bytes), updating it so that it is locked against gc (``ROW EXCLUSIVE``, as :func:`insert_blob_row` takes)."""
@@ -90,11 +96,14 @@ def write_blob(db: Database, blob_store: BlobStore, sha256: str, size: int, data
         with db.write() as conn:
             touch_blob_row(conn, sha256, size, db.now(conn))
         blob_store.content.put(sha256, _sized(data, size))
+        with db.write() as conn:
+            settle_blob_size(conn, sha256, size)
         return not present
     whole = _sized(data, size).read()
     with db.write() as conn:
         touch_blob_row(conn, sha256, size, db.now(conn))
         blob_store.put(conn, sha256, whole)
+        settle_blob_size(conn, sha256, size)
     return not present
 
 

@@ -57,6 +57,40 @@ def test_bytes_that_do_not_hash_to_the_name_are_422_and_nothing_is_stored(api):
     assert api.store.blob_size(sha(other)) is None
 
 
+def test_a_failed_upload_that_declared_another_size_does_not_keep_the_blob_from_being_published(api, gpu_env,
+                                                                                               make_spec, make_plan):
+    """A truncated upload (its declared length the truncated one) failed its digest check, but on the folder and
+    object stores it had committed the catalog row with that size first, and the right upload after it only made the
+    row new: every publish of the blob then answered 404 "upload it again", for ever. The row says the size of the
+    bytes checked."""
+    key, spec = make_spec(0)
+    meta, blob = make_plan(key, gpu_env, blob=b"the real plan bytes " * 50)
+    assert _put(api, blob[:5], api.admin, name=sha(blob)).status_code == 422
+    assert _put(api, blob, api.admin).status_code in (200, 201)
+    assert api.store.blob_size(sha(blob)) == len(blob)
+    r = api.client.put("/v1/plans", json=upload_json(meta, spec), headers=api.admin)
+    assert r.status_code == 201, r.text
+    assert api.client.get(f"/v1/blobs/{sha(blob)}", headers=api.reader).content == blob
+
+
+def test_an_empty_blob_is_refused_with_its_reason(api):
+    """The sha256 of nothing: the database store answered 201 and stored nothing, the folder store 422 "hash to X,
+    not X"."""
+    r = _put(api, b"", api.admin)
+    assert r.status_code == 422 and "empty" in r.json()["error"]["message"], r.text
+    assert api.client.head(f"/v1/blobs/{sha(b'')}", headers=api.reader).status_code == 404
+
+
+@pytest.mark.parametrize("job", ["\u00b2", "1\u00b9", "-1", " 1", "1" * 12])
+def test_a_job_header_that_is_not_a_job_id_is_403(api, job):
+    """``"²".isdigit()`` is true and ``int("²")`` raises: that header was a 500."""
+    value = job.encode().decode("unicode_escape").encode("latin-1")
+    r = api.client.put(f"/v1/blobs/{sha(b'x')}", content=b"x",
+                       headers={**api.worker, "Content-Type": "application/octet-stream", "X-Plancache-Job": value,
+                                "X-Plancache-Lease": "lease"})
+    assert r.status_code == 403 and "X-Plancache-Job" in r.json()["error"]["message"]
+
+
 def test_size_limit_and_length_rules(store):
     from tests.server_util import open_api
     with open_api(store, max_blob_bytes=1000) as a:

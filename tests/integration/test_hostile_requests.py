@@ -536,3 +536,44 @@ def test_a_json_body_without_its_content_type_is_415_naming_it(api, content_type
     assert r.status_code == 415, r.text
     message = r.json()["error"]["message"]
     assert "Content-Type: application/json" in message and (content_type or "no Content-Type") in message
+
+
+def test_a_frontend_version_that_is_not_a_version_is_422(api, make_spec, gpu_env):
+    """64 control characters are 384 characters of canonical JSON: a job's ``target_key`` (256 on Postgres) was a 500
+    from the admin routes, and a reader's misses on such an environment failed every autotune step, for every
+    environment. A version is spelled as packages spell one."""
+    _, spec = make_spec(0)
+    for bad in ("\u0001" * 64, "1.0 beta", "", "1" * 65):
+        r = api.client.post("/v1/admin/tune", json={"specs": [spec], "targets": [{"frontend_version": bad}]},
+                            headers=api.admin)
+        assert r.status_code == 422, (bad, r.text)
+        env = {**gpu_env.model_dump(), "frontend_version": bad}
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": []}, headers=api.reader)
+        assert r.status_code == 422, (bad, r.text)
+    r = api.client.post("/v1/admin/tune", json={"specs": [spec], "targets": [{"frontend_version": "1.14.0.dev0+g1a2b"}]},
+                        headers=api.admin)
+    assert r.status_code == 200, r.text
+
+
+def test_a_client_that_goes_away_mid_body_is_no_server_error(tmp_path, caplog):
+    """A worker killed mid-upload (or any client dropping mid-body) was logged with two tracebacks and counted as a
+    500, so 5xx alerts fired on ordinary aborts; it is an info line and a 499 in the metrics."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="plancache.server")
+    with LiveServer(tmp_path) as srv:
+        for method, path, kind in (("PUT", f"/v1/blobs/{'ab' * 32}", "application/octet-stream"),
+                                   ("POST", "/v1/specs", "application/json")):
+            head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {srv.admin_token}\r\n"
+                    f"Content-Type: {kind}\r\nContent-Length: 100000\r\n\r\n").encode()
+            with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+                sock.sendall(head + b"{" + b" " * 20000)
+                time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and caplog.text.count("client went away") < 2:
+            time.sleep(0.05)
+        metrics = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {srv.admin_token}"}).text
+        assert srv.app.state.inflight.used == 0
+    assert caplog.text.count("client went away") == 2, caplog.text
+    assert "unhandled error" not in caplog.text and "Traceback" not in caplog.text
+    assert 'status="500"' not in metrics and 'status="499"' in metrics, metrics[-2000:]

@@ -55,6 +55,27 @@ def test_the_page_shows_coverage_misses_with_reasons_jobs_and_gains(store, make_
     assert keys["unknown"][:12] in page and page.count("<svg") == 2
 
 
+def test_a_graph_missed_on_two_environments_shows_each_environment_s_reason(store, make_spec, gpu_env):
+    """The reasons were kept by graph key alone: a key missed on two GPUs showed one GPU's reason on both rows (a job
+    that failed for good on one hidden behind "registered" from the other)."""
+    from tests.factories import OTHER_GPU
+
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    job, _ = store.enqueue(key, TargetEnvironment.exactly(OTHER_GPU), max_attempts=1)
+    claimed = store.claim(OTHER_GPU, "w1", lease_seconds=60)
+    store.fail(job.id, "w1", claimed.lease_token, "no candidate passed", retryable=False)
+    store.record_misses(OTHER_GPU, [key])
+    store.record_misses(gpu_env, [key])
+    with open_api(store) as api:
+        page = api.client.get("/ui", headers=api.reader).text
+    rows = {line for line in page.split("<tr>") if key[:12] in line and "<td class='n'>1</td>" in line}
+    here = [r for r in rows if gpu_env.describe() in r]
+    there = [r for r in rows if OTHER_GPU.describe() in r]
+    assert len(here) == 1 and "the spec is registered" in here[0] and "no candidate passed" not in here[0]
+    assert len(there) == 1 and "no candidate passed" in there[0], there
+
+
 def test_open_reads_let_a_browser_in(store):
     with open_api(store, open_reads=True) as api:
         r = api.client.get("/ui")

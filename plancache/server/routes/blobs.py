@@ -8,6 +8,7 @@ may upload any blob; readers none. ``GET`` is :mod:`.plans`'s.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -16,7 +17,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Path, Response
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import Forbidden, LengthRequired, NotFound
+from ...errors import Forbidden, InvalidValue, LengthRequired, NotFound
 from ...protocol import SHA256_PATTERN
 from ..auth import Reader, Worker
 from ..bodies import CheckedRequest, CheckedRoute
@@ -72,7 +73,7 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     there. A worker token needs the headers of a job it holds (403 without them; 409 ``lease_lost`` or 403
     ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
-        job_id = int(x_plancache_job) if x_plancache_job and x_plancache_job.isdigit() and len(x_plancache_job) < 10 else 0
+        job_id = int(x_plancache_job) if x_plancache_job and re.fullmatch("[0-9]{1,9}", x_plancache_job) else 0
         if not job_id or not x_plancache_lease:
             raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads blobs only for a "
                             "job it holds (headers X-Plancache-Job: its id, X-Plancache-Worker, X-Plancache-Lease)")
@@ -84,6 +85,8 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     content_length = await request.admit()  # 413 over the limit; waits for room in the budget, else 503
     if content_length is None:
         raise LengthRequired("send the blob with a Content-Length header (its size in bytes)")
+    if content_length == 0:
+        raise InvalidValue("a blob cannot be empty: a serialized plan has bytes")
     body: Any = _Body(request.chunks())
     created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body)
     return Response(status_code=201 if created else 200, headers={"ETag": f'"{sha256}"'})
