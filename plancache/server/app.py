@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 
 from .. import __version__
@@ -17,7 +18,7 @@ from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
 from .docs import install_docs
 from .errors import install_error_handlers
-from .limits import ByteBudget, RateLimiter
+from .limits import UPLOAD_THREADS, ByteBudget, RateLimiter
 from .memo import PRESIGNED_URLS, BlobMemory, RecordMemo, TtlMemory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
@@ -92,6 +93,7 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.inflight = ByteBudget(settings.max_inflight_bytes, settings.inflight_wait_seconds)
     app.state.spec_writes = RateLimiter(settings.spec_writes_per_minute, settings.spec_write_burst)
     app.state.miss_writes = RateLimiter(settings.misses_per_minute, settings.miss_burst)
+    app.state.upload_threads = anyio.CapacityLimiter(UPLOAD_THREADS)  # blob uploads' threads, apart from the rest
     # per-process memories of the hot read path (plancache.server.memo): blob bytes, resolve answers' records,
     # authenticated tokens, presigned URLs (each handed out while more than half of its validity is left)
     app.state.blob_memory = BlobMemory(settings.blob_memory_bytes)

@@ -26,6 +26,11 @@ BUSY_RETRY_AFTER = 1
 def server_busy(what: str) -> ServerBusy:
     return ServerBusy(f"the server holds too many {what} in flight; retry later", retry_after=BUSY_RETRY_AFTER)
 
+#: Blob uploads receive their bytes on threads of their own (``app.state.upload_threads``), at most this many at once
+#: per server process; more wait, on no thread, for one. An upload's thread waits for the network, and uploads sent
+#: slowly on the threads every other route shares (anyio's 40) stalled them all.
+UPLOAD_THREADS = 8
+
 
 class ByteBudget:
     """At most ``capacity`` bytes taken at once. Thread-safe; :meth:`take` waits on the event loop."""

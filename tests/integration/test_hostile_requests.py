@@ -577,3 +577,36 @@ def test_a_client_that_goes_away_mid_body_is_no_server_error(tmp_path, caplog):
     assert caplog.text.count("client went away") == 2, caplog.text
     assert "unhandled error" not in caplog.text and "Traceback" not in caplog.text
     assert 'status="500"' not in metrics and 'status="499"' in metrics, metrics[-2000:]
+
+
+def test_slow_blob_uploads_do_not_stall_the_other_routes(tmp_path, make_spec, gpu_env):
+    """40 uploads sent slowly by a worker holding one job took every thread the other routes share: a resolve waited
+    14 s, until the body deadline freed them. Uploads have threads of their own (``UPLOAD_THREADS``)."""
+    from plancache.protocol import TargetEnvironment
+
+    with LiveServer(tmp_path, body_timeout=10.0) as srv:
+        key, spec = make_spec(0)
+        srv.store.put_spec(key, spec)
+        srv.store.enqueue(key, TargetEnvironment.exactly(gpu_env))
+        worker = {"Authorization": f"Bearer {srv.token('worker')}"}
+        claim = httpx.post(f"{srv.url}/v1/jobs/claim", json={"environment": gpu_env.model_dump(mode="json"),
+                                                              "worker_id": "w"}, headers=worker).json()
+        socks = []
+        try:
+            for i in range(40):
+                sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+                sock.sendall((f"PUT /v1/blobs/{'%064x' % i} HTTP/1.1\r\nHost: x\r\n"
+                              f"Authorization: {worker['Authorization']}\r\nX-Plancache-Job: {claim['job']['id']}\r\n"
+                              f"X-Plancache-Worker: w\r\nX-Plancache-Lease: {claim['lease_token']}\r\n"
+                              "Content-Length: 100000\r\n\r\n").encode() + b"x" * 10)
+                socks.append(sock)
+            time.sleep(1.0)
+            start = time.perf_counter()
+            r = httpx.post(f"{srv.url}/v1/plans/resolve", json={"environment": gpu_env.model_dump(mode="json"),
+                                                                 "graph_keys": [key]},
+                           headers={"Authorization": f"Bearer {srv.token('reader')}"}, timeout=30)
+            seconds = time.perf_counter() - start
+        finally:
+            for sock in socks:
+                sock.close()
+    assert r.status_code == 200 and seconds < 2.0, (r.status_code, seconds)

@@ -88,7 +88,8 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     if content_length == 0:
         raise InvalidValue("a blob cannot be empty: a serialized plan has bytes")
     body: Any = _Body(request.chunks())
-    created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body)
+    created = await anyio.to_thread.run_sync(store.store_blob, sha256, content_length, body,
+                                             limiter=request.app.state.upload_threads)
     return Response(status_code=201 if created else 200, headers={"ETag": f'"{sha256}"'})
 
 
