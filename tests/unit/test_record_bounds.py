@@ -40,7 +40,8 @@ def _knobs(i: int = 0) -> dict[str, int]:
 
 def _widest_env() -> Environment:
     return Environment(sm=1000, sm_count=100_000, cudnn_version=2**31 - 1, driver_version=2**31 - 1,
-                       frontend_version="9" * 64, device_name=WIDE * 256,  # a version's characters are all narrow cuda_runtime=WIDE * 64,
+                       frontend_version="9" * 64,  # a version's characters are all narrow
+                       device_name=WIDE * 256, cuda_runtime=WIDE * 64,
                        torch_version=WIDE * 64)
 
 

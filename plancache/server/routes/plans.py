@@ -261,12 +261,34 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
         if stream is not None:
             data = await run_in_threadpool(stream.whole)
         else:
+            size = await run_in_threadpool(store.blob_size, sha256)
+            if size is not None and size > memory.max_item:  # read whole, not kept: a share of the budget until sent
+                return await _whole_blob(request, store, sha256, size, headers)
             data = await run_in_threadpool(store.get_blob, sha256)
         if data is None:
             raise NotFound(f"no blob {sha256}")
         memory.put(sha256, data)
     metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+async def _whole_blob(request: Request, store: Store, sha256: str, size: int, headers: dict[str, str]) -> Response:
+    """A blob of the database store too large for the blob memory, read whole for this answer: its bytes are taken
+    from the in-flight budget (waiting, then 503) and given back once sent, so that slow readers of large blobs
+    cannot hold more memory than the budget."""
+    budget = request.app.state.inflight
+    await budget.take(size, "blob bytes")
+    hold = Held(budget, size)
+    try:
+        data = await run_in_threadpool(store.get_blob, sha256)
+    except BaseException:
+        hold.release()
+        raise
+    if data is None:
+        hold.release()
+        raise NotFound(f"no blob {sha256}")
+    request.app.state.metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
+    return Response(data, media_type="application/octet-stream", headers=headers, background=BackgroundTask(hold.release))
 
 
 @router.put("/v1/plans", response_model=PlanRecord, status_code=201,
