@@ -123,6 +123,10 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.errno not in STORAGE_ERRNOS:
         return await _internal_error(request, exc)
     name = errno.errorcode.get(exc.errno, str(exc.errno))
+    if request.method != "PUT":  # a read (the write routes are PUTs): the store is there, not readable now
+        log.error("blob store cannot be read during %s %s: %s (%s)", request.method, request.url.path, name, exc)
+        return error_response(503, "blob_store_unavailable", f"the server's blob store cannot be read now ({name}: "
+                              f"{exc.strerror}); retry later", {"Retry-After": "1"})
     log.error("blob store cannot take a write during %s %s: %s (%s)", request.method, request.url.path, name, exc)
     return error_response(507, "insufficient_storage", f"the server's blob store cannot store this now ({name}: "
                           f"{exc.strerror}); nothing was stored, retry later")

@@ -87,3 +87,32 @@ def test_other_os_errors_stay_internal_errors(file_store: Any, make_spec: Any, m
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     assert r.headers["connection"] == "close"
     assert any(rec.exc_info for rec in caplog.records)
+
+
+def test_a_blob_the_store_cannot_read_is_503_not_insufficient_storage(file_store: Any, make_spec: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A blob file that cannot be read (another replica's user wrote it 0600, an NFS permission problem) was 507
+    "cannot store this now; nothing was stored" on GET and resolve; a read is 503 ``blob_store_unavailable``."""
+    key, spec = make_spec(0)
+    blob = b"plan bytes" * 1000
+    file_store.put_spec(key, spec)
+    file_store.publish_plan(meta := make_meta(key, H200, blob), blob)
+    sha = meta.blob_sha256
+    real_open = os.open
+
+    def denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(sha):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    with open_api(file_store) as api, caplog.at_level(logging.INFO):
+        r = api.client.get(f"/v1/blobs/{sha}", headers=api.reader)
+        resolve = api.client.post("/v1/plans/resolve", headers=api.reader, json={
+            "environment": H200.model_dump(mode="json"), "graph_keys": [key], "include_blobs": True})
+    for answer in (r, resolve):
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "blob_store_unavailable", answer.text
+        assert "cannot be read now (EACCES" in answer.json()["error"]["message"] and "Retry-After" in answer.headers
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
+
