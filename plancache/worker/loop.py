@@ -383,7 +383,9 @@ class Worker:
 
     def _fail(self, job_id: int, lease: LeaseRequest, reason: str, *, retryable: bool) -> None:
         """Report a failed attempt (``retryable``: the job goes back to the queue)."""
-        req = FailRequest(worker_id=lease.worker_id, lease_token=lease.lease_token, error=reason[:MAX_ERROR_CHARS],
+        # as the wire takes text: an undecodable byte of a path (a lone surrogate) escaped, NUL spelled out
+        wire = reason.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+        req = FailRequest(worker_id=lease.worker_id, lease_token=lease.lease_token, error=wire[:MAX_ERROR_CHARS],
                           retryable=retryable)
         try:
             self.client.fail(job_id, req)

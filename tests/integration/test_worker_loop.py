@@ -189,6 +189,23 @@ def test_a_plan_failing_the_round_trip_is_reported_and_never_published(srv, tmp_
     assert plan(srv, j.graph_key) is None
 
 
+def test_a_failure_whose_message_is_not_clean_text_is_reported_not_a_crash(srv, tmp_path, keys):
+    """An error naming a path with a byte that is not UTF-8 (Python decodes it to a lone surrogate) or holding NUL:
+    the worker could not build its failure report and crashed, leaving the job leased, and so did every worker that
+    took the job after it; the reason was lost. It is reported with those characters escaped."""
+
+    class BadPath(FakeTuner):
+        def tune(self, spec, **kwargs):
+            path = os.fsdecode(b"/opt/cudnn/lib/libcudnn_\xe9ngine.so")
+            raise RuntimeError(f"cuDNN: cannot load {path}\x00")
+
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
+    stats = make_worker(srv, tmp_path, keys[0], BadPath(), once=True).run(threading.Event())
+    assert (stats.claimed, stats.failed) == (1, 1)
+    done = job(srv, j.id)
+    assert done.status == "failed" and done.error.endswith("cannot load /opt/cudnn/lib/libcudnn_\\udce9ngine.so\\x00")
+
+
 def test_a_blob_not_matching_its_digest_is_never_published(srv, tmp_path, keys):
     (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
     make_worker(srv, tmp_path, keys[0], FakeTuner(corrupt_digest=True), once=True).run(threading.Event())
