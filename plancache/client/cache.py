@@ -209,19 +209,16 @@ class DiskCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.dir / REVISIONS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # in use: not stale for the scan
+                if self._stored_revision(path) < revision:
+                    atomic_write(path, str(revision).encode())
+            finally:
+                os.close(fd)  # and with it the lock
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # in use: not stale for the scan
-            if self._stored_revision(path) < revision:
-                atomic_write(path, str(revision).encode())
-        except OSError as exc:
-            log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
-        finally:
-            os.close(fd)  # and with it the lock
 
     def later(self, write: Callable[..., Any], *args: Any) -> None:
         """Run ``write(*args)`` on this cache's writer thread, off the caller's path: a plan is ready before its

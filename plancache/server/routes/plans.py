@@ -37,6 +37,7 @@ from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..limits import Held, rate_key
 from ..memo import BlobMemory, RecordMemo, TtlMemory
+from ..metrics import Metrics
 from ..uploads import accept_upload, publish_job_plan
 from .specs import GraphKeyPath
 
@@ -263,7 +264,7 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
         else:
             size = await run_in_threadpool(store.blob_size, sha256)
             if size is not None and size > memory.max_item:  # read whole, not kept: a share of the budget until sent
-                return await _whole_blob(request, store, sha256, size, headers)
+                return await _whole_blob(request, store, metrics, sha256, size, headers)
             data = await run_in_threadpool(store.get_blob, sha256)
         if data is None:
             raise NotFound(f"no blob {sha256}")
@@ -272,7 +273,8 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-async def _whole_blob(request: Request, store: Store, sha256: str, size: int, headers: dict[str, str]) -> Response:
+async def _whole_blob(request: Request, store: Store, metrics: Metrics, sha256: str, size: int,
+                      headers: dict[str, str]) -> Response:
     """A blob of the database store too large for the blob memory, read whole for this answer: its bytes are taken
     from the in-flight budget (waiting, then 503) and given back once sent, so that slow readers of large blobs
     cannot hold more memory than the budget."""
@@ -287,7 +289,7 @@ async def _whole_blob(request: Request, store: Store, sha256: str, size: int, he
     if data is None:
         hold.release()
         raise NotFound(f"no blob {sha256}")
-    request.app.state.metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
+    metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers, background=BackgroundTask(hold.release))
 
 
