@@ -37,6 +37,12 @@ Knobs = Annotated[dict[Annotated[str, StringConstraints(pattern=KNOB_NAME_PATTER
 #: Job priorities: higher is claimed first.
 PRIORITY_MAX = 1_000_000
 LEASE_TOKEN_MAX_LENGTH = 128
+#: Random bytes of a lease token, drawn by the store or proposed by a worker's claim (256 bits: not guessable).
+LEASE_TOKEN_BYTES = 32
+#: A worker id: printable ASCII, up to 256 characters, no space at either end (it travels in a header of blob
+#: uploads, ``X-Plancache-Worker``, where other characters cannot go).
+WORKER_ID_PATTERN = r"^[!-~](?:[ -~]{0,254}[!-~])?$"
+WorkerId = Annotated[str, StringConstraints(pattern=WORKER_ID_PATTERN)]
 
 
 def b64encode(data: bytes) -> str:
@@ -412,9 +418,20 @@ class JobList(StrictModel):
     jobs: list[Job]
 
 
+class CancelRequest(StrictModel):
+    """``POST /v1/admin/jobs/{id}/cancel`` body (optional)."""
+
+    reason: str = Field(default="", max_length=1000, pattern=r"^[^\x00-\x1f\x7f]*$",
+                        description="why, kept in the job's error after who cancelled it (one line)")
+
+
 class ClaimRequest(StrictModel):
     environment: Environment
-    worker_id: str = Field(min_length=1, max_length=256)
+    worker_id: WorkerId = Field(description="printable ASCII, 1 to 256 characters, no space at either end")
+    lease_token: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_-]{32,128}$",
+        description="the worker's own secret for this claim's lease (url-safe base64, 32 to 128 characters); the "
+                    "same claim sent again with it, its answer lost, gets the job it leased then")
 
 
 class ClaimResponse(StrictModel):
@@ -423,10 +440,13 @@ class ClaimResponse(StrictModel):
     lease_token: str = Field(description="the lease's secret fencing token, given only here: send it back with "
                                          "heartbeat/complete/fail, from the API token that claimed the job")
     lease_expires_at: datetime
+    min_revision: Int = Field(default=0, ge=0, le=INT64_MAX,
+                              description="the plan published for this job must have a higher revision (a withdrawal's "
+                                          "on the claimer's environment; 0: none)")
 
 
 class LeaseRequest(StrictModel):
-    worker_id: str = Field(min_length=1, max_length=256)
+    worker_id: WorkerId
     lease_token: str = Field(min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
 
 

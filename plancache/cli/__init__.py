@@ -17,6 +17,7 @@ command                    module
 ``enqueue``                :mod:`plancache.cli.enqueue_cmds`
 ``capture``                :mod:`plancache.cli.capture_cmds`
 ``explain``                :mod:`plancache.cli.explain_cmds`
+``jobs list|cancel``       :mod:`plancache.cli.jobs_cmds`
 ``keygen``                 :mod:`plancache.cli.keygen_cmds`
 =========================  ===================================
 """
@@ -43,6 +44,7 @@ COMMAND_MODULES = [
     "plancache.cli.enqueue_cmds",
     "plancache.cli.capture_cmds",
     "plancache.cli.explain_cmds",
+    "plancache.cli.jobs_cmds",
     "plancache.cli.keygen_cmds",
 ]
 

@@ -488,6 +488,11 @@ def http_client(server_url: str, token: str | None, *, connect_timeout: float, r
                       f"give --server / {env_name('server_url')} as http(s)://HOST:PORT", ExitCode.CONFIG) from None
 
 
+#: What to do when an admin command has no admin token.
+GIVE_ADMIN_TOKEN = (f"give --token or set {env_name('admin_token')} to an admin token (the server's bootstrap "
+                    "token, or one from `plancache token create --role admin`)")
+
+
 def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSettings, *, retry: Retry) -> JobsApi:
     """The job and admin calls to ``server_url``, with ``connection``'s connect timeout and ``retry``."""
     from ..worker.jobs_api import READ_TIMEOUT, JobsApi

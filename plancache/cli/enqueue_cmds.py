@@ -11,6 +11,7 @@ import typer
 
 from ..settings import AdminSettings, env_name
 from .common import (
+    GIVE_ADMIN_TOKEN,
     ExitCode,
     Failure,
     command,
@@ -24,8 +25,6 @@ from .common import (
 if TYPE_CHECKING:
     from ..spec import GraphSpec
 
-_GIVE_ADMIN_TOKEN = (f"give --token or set {env_name('admin_token')} to an admin token (the server's bootstrap "
-                     "token, or one from `plancache token create --role admin`)")
 
 
 @command
@@ -69,7 +68,7 @@ def enqueue(
     server = required(server or settings.server_url, "enqueue has no server to send the jobs to",
                       f"give --server URL or set {env_name('server_url')}")
     token = required(token or settings.admin_token or settings.token, "enqueue needs an admin token, and none was "
-                     "given", _GIVE_ADMIN_TOKEN, ExitCode.AUTH)
+                     "given", GIVE_ADMIN_TOKEN, ExitCode.AUTH)
     retry = Retry(Backoff(initial=0.2, cap=2.0), within=wait)
     try:
         with quiet_retries(), open_jobs_api(server, token, settings, retry=retry) as api:
@@ -85,7 +84,7 @@ def enqueue(
                     jobs += api.enqueue(TuneRequest(graph_keys=keys, targets=[target], priority=priority,
                                                     source=source))
     except (Unauthorized, Forbidden) as exc:
-        raise Failure(f"{exc.message} (enqueue needs an admin token)", _GIVE_ADMIN_TOKEN, ExitCode.AUTH) from None
+        raise Failure(f"{exc.message} (enqueue needs an admin token)", GIVE_ADMIN_TOKEN, ExitCode.AUTH) from None
     names = {s.graph_key: name for name, s, _ in specs}
     for job in jobs:
         typer.echo(f"job {job.id}  {job.status:<9} {job.graph_key[:12]}  {names.get(job.graph_key, '')}")

@@ -54,9 +54,15 @@ def worker(
     import os
     import threading
 
+    from ..errors import InvalidValue
     from ..http import Retry
-    from ..worker import GpuTuner, Spool, Worker, default_worker_id, stop_on_signals
+    from ..worker import GpuTuner, Spool, Worker, check_worker_id, default_worker_id, stop_on_signals
 
+    try:
+        worker_id = check_worker_id(worker_id or default_worker_id())
+    except InvalidValue as exc:
+        raise Failure(exc.message, "give --worker-id a name of printable ASCII characters (letters, digits, "
+                      "punctuation)", ExitCode.USAGE) from None
     if all_devices and device is not None:
         raise Failure("--all-devices starts a worker on every visible GPU, and --device picks one",
                       "give one of them (to run on some GPUs only, set CUDA_VISIBLE_DEVICES with --all-devices)",
@@ -76,7 +82,7 @@ def worker(
     if all_devices:
         options = ["--server", server, "--signing-key", str(key_file), "--poll-interval", repr(poll_interval),
                    "--shutdown-grace", repr(shutdown_grace), *(["--once"] if once else [])]
-        raise typer.Exit(_supervise(options, token, worker_id or default_worker_id(), spool_root, spool_fix,
+        raise typer.Exit(_supervise(options, token, worker_id, spool_root, spool_fix,
                                     settings.build_processes if build_processes is None else build_processes))
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
     client = open_jobs_api(server, token, settings, retry=Retry())
@@ -87,7 +93,7 @@ def worker(
     tuner = GpuTuner(device or 0,
                      build_processes=settings.build_processes if build_processes is None else build_processes,
                      build_timeout=settings.build_timeout)
-    w = Worker(client, tuner, signer, spool, worker_id=worker_id or default_worker_id(),
+    w = Worker(client, tuner, signer, spool, worker_id=worker_id,
                poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout)
     try:
         w.run(stop)
@@ -135,7 +141,7 @@ def worker_children(options: list[str], token: str, worker_id: str, spools: list
     children = []
     for n, spool in enumerate(spools):
         argv = [sys.executable, "-m", "plancache", "worker", *options, "--device", "0", "--spool-dir", str(spool),
-                "--worker-id", f"{worker_id}-gpu{n}", "--build-processes", str(build_processes)]
+                "--worker-id", f"{worker_id[:248]}-gpu{n}", "--build-processes", str(build_processes)]
         env = {**environ, "CUDA_VISIBLE_DEVICES": device_selector(n, environ), env_name("token"): token}
         children.append(Child(f"gpu{n}", argv, env))
     return children

@@ -10,19 +10,24 @@ from ..store import Store
 from .auth import Principal
 
 
-def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: ServerSettings) -> None:
+def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settings: ServerSettings, *,
+                  job: tuple[int, str, str] | None = None) -> None:
     """Check a plan upload (its record; the blob was uploaded before with ``PUT /v1/blobs/{sha256}``) and register
     its spec (if sent).
 
     ``replace`` needs an admin token (:class:`Forbidden`); a ``blob_size`` over ``ServerSettings.max_blob_bytes`` is
     :class:`PayloadTooLarge`; a spec that does not key to ``graph_key`` is refused by the store (422). That the blob
-    is stored with ``blob_size`` bytes, and its digest, are checked by :meth:`Store.publish_plan`.
+    is stored with ``blob_size`` bytes, and its digest, are checked by :meth:`Store.publish_plan`. ``job``: the
+    ``(job_id, worker_id, lease_token)`` the upload completes; the caller must hold that lease (or have completed
+    the job with it) before its spec is stored (what :func:`~plancache.store.jobs.held_job` raises otherwise).
     """
     if upload.replace and not principal.may("admin"):
         raise Forbidden(f"token {principal.name!r} has role {principal.role}; replacing a stored plan needs admin")
     limit = settings.max_blob_bytes
     if upload.blob_size > limit:
         raise PayloadTooLarge(f"plan blob of {upload.blob_size} bytes exceeds the limit of {limit} bytes")
+    if job is not None and not store.completed_with(*job, holder=principal.identity):
+        store.check_held(*job, holder=principal.identity, completing=True)
     if upload.spec is not None:
         store.put_spec(upload.graph_key, upload.spec)
 

@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection, Row
 from .. import errors
 from ..canonical import canonical_json
 from ..environment import VALIDITY_FIELDS, Environment
-from ..protocol import Job, JobSource, JobStatus, TargetEnvironment
+from ..protocol import LEASE_TOKEN_BYTES, Job, JobSource, JobStatus, TargetEnvironment
 from ..validation import INT64_MAX
 from .content import spec_exists
 from .db import Database, check_int, check_page, upsert_insert
@@ -40,12 +40,16 @@ from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, jobs, worker_
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
-#: Random bytes of a lease token (256 bits: not guessable).
-LEASE_TOKEN_BYTES = 32
 #: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
 CLAIMER_REFRESH = timedelta(seconds=10)
 #: Longest ``holder`` (the claiming API token's identity) the store keeps.
 MAX_HOLDER_LENGTH = 64
+#: Shortest lease token a worker may propose for its claim (``secrets.token_urlsafe(32)`` gives 43 characters).
+MIN_PROPOSED_TOKEN_LENGTH = 32
+#: How the error of a job whose last lease expired with no attempts left begins (its holder may still complete it).
+LEASE_EXPIRED_ERROR = "lease expired after "
+#: How the error of a job an admin cancelled begins.
+CANCELLED_ERROR = "cancelled by "
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,16 @@ def _lease_token_matches(row: Row[Any], lease_token: Any) -> bool:
 
 
 def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
-             holder: str | None = None) -> Row[Any]:
+             holder: str | None = None, *, completing: bool = False) -> Row[Any]:
     """Lock and return job ``job_id`` if the caller holds its current lease: ``lease_token`` is that lease's
     token, ``holder`` the API token that claimed it and ``worker_id`` its worker. Else :class:`errors.NotFound`,
     :class:`errors.LeaseLost` (not running; a token of a lease taken over, or no lease token of this job;
     another worker id) or :class:`errors.NotLeaseHolder` (the right lease token from another API token).
     Refusals name no holder and no token.
 
-    A lease that expired but was not taken over by another claim is still held.
+    A lease that expired but was not taken over by another claim is still held. So, for ``completing`` (publishing
+    its result: the blob's upload, the completion), is the last lease of a job failed because it expired with no
+    attempts left: a worker that lost the server for longer than its lease delivers its spooled result then.
     """
     row = None if not 0 < job_id <= INT64_MAX else conn.execute(
         sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
@@ -115,7 +121,8 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
         raise errors.NotFound(f"no job {job_id}")
     if not worker_id or not lease_token:
         raise errors.LeaseLost(f"job {job_id}: a worker id and lease token are needed to act on it")
-    if row.status != "running":
+    expired_last = completing and row.status == "failed" and (row.error or "").startswith(LEASE_EXPIRED_ERROR)
+    if row.status != "running" and not expired_last:
         raise errors.LeaseLost(f"job {job_id} is {row.status}, not running")
     if not _lease_token_matches(row, lease_token):
         raise errors.LeaseLost(f"job {job_id}: that is not the lease token of its current lease (the lease "
@@ -131,7 +138,7 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
 def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
                       graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> None:
     """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time)."""
-    row = held_job(conn, job_id, worker_id, lease_token, holder)
+    row = held_job(conn, job_id, worker_id, lease_token, holder, completing=True)
     if row.graph_key != graph_key:
         raise errors.Conflict(f"job {job_id} is for graph key {row.graph_key}, not {graph_key}")
     target = row_to_job(row).target
@@ -148,15 +155,16 @@ def _claim_statements() -> tuple[Any, Any]:
     holder, env_<field>)."""
     cand = jobs.alias("candidate")
     now = sa.bindparam("now", type_=UTCDateTime)
-    # A lease that ends more than two lease lengths ahead was granted by a clock that has since been stepped back
-    # (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the step.
+    # A lease granted or extended more than a lease length in the future was granted by a clock that has since been
+    # stepped back (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the
+    # step. (Its last write's time, not its end: a lease granted when leases were longer is not stale.)
     stale = sa.bindparam("stale", type_=UTCDateTime)
-    expired = sa.and_(cand.c.status == "running", sa.or_(cand.c.lease_expires_at < now, cand.c.lease_expires_at > stale))
+    expired = sa.and_(cand.c.status == "running", sa.or_(cand.c.lease_expires_at < now, cand.c.updated_at > stale))
     exhausted = sa.select(cand.c.id).where(expired, cand.c.attempts >= cand.c.max_attempts).with_for_update(skip_locked=True)
     fail_exhausted = (
         sa.update(jobs).where(jobs.c.id.in_(exhausted))
         .values(status="failed", lease_expires_at=None, updated_at=now, finished_at=now,
-                error=sa.literal("lease expired after ") + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
+                error=sa.literal(LEASE_EXPIRED_ERROR) + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
     )
     env_match = [sa.or_(cand.c[f].is_(None), cand.c[f] == sa.bindparam(f"env_{f}", type_=cand.c[f].type))
                  for f in VALIDITY_FIELDS]
@@ -237,22 +245,37 @@ class Jobs:
                     return job, created
         raise errors.Conflict(f"could not enqueue graph key {graph_key}: the active job kept changing")
 
-    def claim(self, env: Environment, worker_id: str, *, lease_seconds: float, holder: str | None = None) -> Claim | None:
+    def claim(self, env: Environment, worker_id: str, *, lease_seconds: float, holder: str | None = None,
+              lease_token: str | None = None) -> Claim | None:
         """Lease the best job this environment can run (highest priority, then oldest) to ``worker_id``
         and the API token ``holder`` (the server passes the caller's identity), or None.
 
         Running jobs whose lease expired are taken over; those with no attempts left end ``failed``. Every claim,
         answered with a job or not, records that a worker serves ``env`` (the autotune policy's window).
+
+        ``lease_token``: the worker's own token for this claim (at least :data:`MIN_PROPOSED_TOKEN_LENGTH`
+        characters of a secret), else the store draws one. The same claim sent again with it (its answer was lost)
+        gets the job it leased then, not a second job: a lost answer leaves no job leased to nobody.
         """
         check_validity(env.validity())
         duration = _check_lease_seconds(lease_seconds)
         if holder is not None and len(holder) > MAX_HOLDER_LENGTH:
             raise errors.InvalidValue(f"a lease holder is at most {MAX_HOLDER_LENGTH} characters")
-        token = secrets.token_urlsafe(LEASE_TOKEN_BYTES)
+        if lease_token is not None and len(lease_token) < MIN_PROPOSED_TOKEN_LENGTH:
+            raise errors.InvalidValue(f"a proposed lease token has at least {MIN_PROPOSED_TOKEN_LENGTH} characters")
+        token = lease_token or secrets.token_urlsafe(LEASE_TOKEN_BYTES)
+        token_hash = hash_lease_token(token)
         with self.db.write() as conn:
+            if lease_token is not None:
+                again = conn.execute(sa.select(jobs).where(jobs.c.status == "running",
+                                                           jobs.c.lease_token_hash == token_hash)).first()
+                if again is not None:
+                    if again.lease_holder != holder or again.lease_owner != worker_id:
+                        raise errors.Conflict("that lease token is in use by another claim; propose a new one")
+                    return Claim(row_to_job(again), token)
             now = self.db.now(conn)
-            params = {"now": now, "expires": now + duration, "stale": now + 2 * duration, "worker": worker_id,
-                      "token_hash": hash_lease_token(token), "holder": holder,
+            params = {"now": now, "expires": now + duration, "stale": now + duration, "worker": worker_id,
+                      "token_hash": token_hash, "holder": holder,
                       **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
             conn.execute(_FAIL_EXHAUSTED, params)
             row = conn.execute(_CLAIM, params).first()
@@ -272,10 +295,34 @@ class Jobs:
             ).one()
         return row_to_job(row)
 
-    def check_held(self, job_id: int, worker_id: str | None, lease_token: str | None, *, holder: str | None) -> None:
-        """Nothing when the caller holds job ``job_id``'s lease; what :func:`held_job` raises otherwise."""
+    def check_held(self, job_id: int, worker_id: str | None, lease_token: str | None, *, holder: str | None,
+                   completing: bool = False) -> None:
+        """Nothing when the caller holds job ``job_id``'s lease (``completing``: to publish its result); what
+        :func:`held_job` raises otherwise."""
         with self.db.write() as conn:  # its row lock, as heartbeat takes it; nothing is written
-            held_job(conn, job_id, worker_id, lease_token, holder)
+            held_job(conn, job_id, worker_id, lease_token, holder, completing=completing)
+
+    def cancel_job(self, job_id: int, *, by: str, reason: str = "") -> Job:
+        """End a queued or running job as ``failed`` (error ``cancelled by <by>: <reason>``): no worker claims it
+        again, and its lease, if any, ends (the holder's next heartbeat is refused, and it stops tuning).
+        :class:`errors.NotFound`, or :class:`errors.Conflict` when the job has ended already."""
+        with self.db.write() as conn:
+            row = None if not 0 < job_id <= INT64_MAX else conn.execute(
+                sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
+            if row is None:
+                raise errors.NotFound(f"no job {job_id}")
+            if row.status not in ACTIVE_JOB_STATUSES:
+                raise errors.Conflict(f"job {job_id} has ended already ({row.status}); only a queued or running job "
+                                      "can be cancelled")
+            now = self.db.now(conn)
+            error = f"{CANCELLED_ERROR}{by}" + (f": {reason}" if reason else "")
+            row = conn.execute(
+                sa.update(jobs).where(jobs.c.id == job_id)
+                .values(status="failed", error=error, lease_expires_at=None, lease_token_hash=None, updated_at=now,
+                        finished_at=now)
+                .returning(*jobs.c)
+            ).one()
+        return row_to_job(row)
 
     def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
              holder: str | None = None) -> Job:

@@ -249,6 +249,13 @@ class Plans(Misses):
                                    .returning(*withdrawals.c)).one()
         return row_to_withdrawal(row)
 
+    def revision_floor(self, graph_key: str, env: Environment) -> int:
+        """The revision a plan published for ``graph_key`` on ``env`` must be above: the withdrawal's stored there,
+        0 when there is none."""
+        q = sa.select(withdrawals.c.revision).where(withdrawals.c.graph_key == graph_key, *same_env(withdrawals, env))
+        with self.db.read() as conn:
+            return int(conn.execute(q).scalar() or 0)
+
     def get_withdrawals(self, env: Environment, graph_keys: list[str]) -> dict[str, WithdrawalRecord]:
         """The withdrawals stored for ``graph_keys`` on exactly this environment's validity fields, by graph key."""
         if not graph_keys:

@@ -6,17 +6,22 @@ HTTP layer (:mod:`plancache.http`). A refusal arrives as its error class (``409 
 
 from __future__ import annotations
 
+import secrets
+
 from .._httpx import httpx
 from ..environment import Environment
 from ..errors import PlanCacheError
 from ..http import HttpClient, Retry, json_as
 from ..protocol import (
+    LEASE_TOKEN_BYTES,
+    CancelRequest,
     ClaimRequest,
     ClaimResponse,
     CompleteRequest,
     FailRequest,
     Job,
     JobList,
+    JobStatus,
     LeaseRequest,
     PlanRecord,
     PlanUpload,
@@ -50,8 +55,10 @@ class JobsApi:
         self.close()
 
     def claim(self, environment: Environment, worker_id: str) -> ClaimResponse | None:
-        """A job for ``environment`` with a lease, or ``None`` when the queue has none."""
-        body = ClaimRequest(environment=environment, worker_id=worker_id).model_dump(mode="json")
+        """A job for ``environment`` with a lease, or ``None`` when the queue has none. The claim proposes its own
+        lease token, so that the same claim sent again after a lost answer gets the job it leased then."""
+        body = ClaimRequest(environment=environment, worker_id=worker_id,
+                            lease_token=secrets.token_urlsafe(LEASE_TOKEN_BYTES)).model_dump(mode="json")
         return self.http.read("POST", "/v1/jobs/claim", _claimed, body=body)
 
     # heartbeat, complete and fail carry the claim's secret lease token: they only work from the API token
@@ -98,6 +105,16 @@ class JobsApi:
 
     def job(self, job_id: int) -> Job:
         return self.http.read("GET", f"/v1/jobs/{job_id}", json_as(Job))
+
+    def jobs(self, *, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
+        """``GET /v1/jobs`` (admin): jobs, newest first."""
+        query = f"?limit={limit}" + (f"&status={status}" if status else "")
+        return self.http.read("GET", f"/v1/jobs{query}", json_as(JobList)).jobs
+
+    def cancel(self, job_id: int, reason: str = "") -> Job:
+        """``POST /v1/admin/jobs/{job_id}/cancel``: end a queued or running job (admin)."""
+        return self.http.read("POST", f"/v1/admin/jobs/{job_id}/cancel", json_as(Job),
+                              body=CancelRequest(reason=reason).model_dump(mode="json"))
 
 
 def _claimed(resp: httpx.Response) -> ClaimResponse | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -33,16 +34,27 @@ from ..errors import (
     EnvironmentMismatch,
     Forbidden,
     InsufficientGpuMemory,
+    InvalidValue,
     LeaseLost,
     NotFound,
     NotLeaseHolder,
+    PayloadTooLarge,
     PlanCacheError,
     ServerUnavailable,
     SpecError,
     TuningError,
     Unauthorized,
 )
-from ..protocol import CandidateTable, ClaimResponse, CompleteRequest, FailRequest, Job, LeaseRequest, PlanMeta
+from ..protocol import (
+    WORKER_ID_PATTERN,
+    CandidateTable,
+    ClaimResponse,
+    CompleteRequest,
+    FailRequest,
+    Job,
+    LeaseRequest,
+    PlanMeta,
+)
 from ..settings import DEFAULT_JOB_TIMEOUT
 from ..signing import Signer
 from ..spec import GraphSpec, parse_spec
@@ -86,7 +98,9 @@ def lease_duration(claim: ClaimResponse) -> float:
 
 
 class _Heartbeat(threading.Thread):
-    """Extends a job's lease every ``interval`` seconds until halted; sets :attr:`lost` when fenced.
+    """Extends a job's lease every ``interval`` seconds (a third of the lease) until halted; sets :attr:`lost` when
+    fenced. A beat waits at most half an interval for its answer, and one that fails is tried again a quarter of an
+    interval later, so that a hung or refused beat leaves two more tries before the lease runs out.
 
     It keeps beating while the result is delivered (a long upload must not let the lease run out), so a
     beat may reach the server just after the worker's own completion or failure ended the lease:
@@ -105,9 +119,10 @@ class _Heartbeat(threading.Thread):
         self._finishing.set()
 
     def run(self) -> None:
-        while not self._halt.wait(self.interval):
+        delay = self.interval
+        while not self._halt.wait(delay):
             try:
-                self.client.heartbeat(self.job_id, self.lease, timeout=max(self.interval, 0.5))
+                self.client.heartbeat(self.job_id, self.lease, timeout=self.interval / 2)
             except LEASE_GONE as exc:
                 if self._finishing.is_set():  # this worker's own completion or failure got there first
                     log.debug("job %d: heartbeat after the job was finished (%s)", self.job_id, exc.message)
@@ -116,7 +131,10 @@ class _Heartbeat(threading.Thread):
                     self.lost.set()
                 return
             except PlanCacheError as exc:
-                log.warning("job %d: heartbeat failed: %s", self.job_id, exc.message)
+                log.warning("job %d: heartbeat failed (%s); trying again", self.job_id, exc.message)
+                delay = self.interval / 4
+            else:
+                delay = self.interval
 
     def halt(self) -> None:
         self._halt.set()
@@ -163,7 +181,7 @@ class Worker:
         self.tuner = tuner
         self.signer = signer
         self.spool = spool
-        self.worker_id = worker_id
+        self.worker_id = check_worker_id(worker_id)
         self.poll_interval = poll_interval
         self.once = once
         self.shutdown_grace = shutdown_grace
@@ -226,7 +244,7 @@ class Worker:
         self.stats.claimed += 1
         log.info("job %d: claimed graph %s (attempt %d of %d, lease %.1fs)",
                  job.id, job.graph_key[:12], job.attempts, job.max_attempts, duration)
-        beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.05))
+        beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.1))
         beat.start()
         try:
             return _Held(claim, lease, beat, self._check_job(claim))
@@ -284,6 +302,12 @@ class Worker:
                 if not done.wait(CANCEL_WAIT_SECONDS):
                     log.error("job %d: the cancelled tuning is still running; going on without it", job.id)
                 return None
+            if beat.lost.is_set():  # another worker has the job now: this tuning's result would be dropped
+                log.warning("job %d: lease was taken over while tuning; cancelling the tuning", job.id)
+                outcome.cancel.set()
+                if not done.wait(CANCEL_WAIT_SECONDS):
+                    log.error("job %d: the cancelled tuning is still running; going on without it", job.id)
+                break
             if stop.is_set():
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
                 if not done.wait(self.shutdown_grace):
@@ -302,7 +326,9 @@ class Worker:
             return None
         tuned = outcome.tuned
         assert tuned is not None and outcome.meta is not None
-        meta = self.signer.sign(outcome.meta)
+        # above the revision the claim names (a withdrawal's, signed on a clock that may run ahead of this one)
+        floor = max(outcome.meta.revision, claim.min_revision)
+        meta = self.signer.sign(outcome.meta.model_copy(update={"revision": floor}))
         log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
                  job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
                  outcome.round_trip_error, tuned.tuning_seconds)
@@ -361,7 +387,8 @@ class Worker:
             raise
         except PlanCacheError as exc:
             log.error("job %d: the server refused the plan: %s", entry.job_id, exc.message)
-            self._fail(entry.job_id, lease, f"server refused the plan: {exc.message}", retryable=not isinstance(exc, Conflict))
+            permanent = isinstance(exc, (Conflict, PayloadTooLarge))  # the same plan would be refused again
+            self._fail(entry.job_id, lease, f"server refused the plan: {exc.message}", retryable=not permanent)
             self.stats.failed += 1
         else:
             log.info("job %d: published plan %s (%d bytes, key %s)", entry.job_id, entry.meta.blob_sha256[:12],
@@ -408,6 +435,17 @@ def stop_on_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def check_worker_id(worker_id: str) -> str:
+    """``worker_id`` if it can name a worker (:data:`~plancache.protocol.WORKER_ID_PATTERN`: it is sent in a header of
+    blob uploads), else :class:`~plancache.errors.InvalidValue` saying what it may hold."""
+    if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
+        raise InvalidValue(f"worker id {worker_id!r} cannot be used: a worker id is 1 to 256 printable ASCII "
+                           "characters with no space at either end")
+    return worker_id
+
+
 def default_worker_id() -> str:
-    """``<hostname>-<pid>``."""
-    return f"{socket.gethostname()}-{os.getpid()}"[:256]
+    """``<hostname>-<pid>``, each character of the host name a worker id cannot hold (:func:`check_worker_id`) as
+    ``-``."""
+    host = re.sub(r"[^!-~]", "-", socket.gethostname())
+    return f"{host[:240]}-{os.getpid()}"

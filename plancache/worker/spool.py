@@ -70,6 +70,8 @@ class Spool:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.blobs = FolderBlobs(self.directory / BLOBS, mode=0o600)
+        #: Entries delivered (or found unreadable) that could not be deleted: never read again by this object.
+        self._undeletable: set[str] = set()
 
     def save(self, entry: SpoolEntry) -> Path:
         """Persist ``entry`` durably; return the path of its JSON file. :class:`~plancache.errors.IntegrityError`
@@ -86,20 +88,39 @@ class Spool:
         """Entries waiting for upload, oldest first. An unreadable or inconsistent one is renamed
         ``*.corrupt`` (kept for inspection) with a log line, never uploaded."""
         entries = []
-        for path in sorted(self._entry_files(), key=lambda p: p.stat().st_mtime):
+        for path in self._entry_files(oldest_first=True):
+            if path.stem in self._undeletable:
+                continue
             try:
                 entries.append(self._load(path))
+            except FileNotFoundError:  # delivered and removed meanwhile by another worker sharing this folder
+                continue
             except (OSError, ValueError, KeyError, TypeError, ValidationError, VerificationError,
                     IntegrityError) as exc:
                 log.error("spool entry %s is unreadable (%s); renamed to %s.corrupt", path, exc, path.name)
                 for p in (path, path.with_suffix(".blob")):  # the latter: an entry of the earlier layout
-                    if p.exists():
+                    try:
                         os.replace(p, p.with_name(p.name + ".corrupt"))
+                    except FileNotFoundError:
+                        pass
+                    except OSError as err:
+                        log.error("could not rename %s (%s); it is skipped until this worker restarts", p, err)
+                        self._undeletable.add(path.stem)
         self._drop_orphans()
         return entries
 
-    def _entry_files(self) -> list[Path]:
-        return list(self.directory.glob("job-*.json"))
+    def _entry_files(self, *, oldest_first: bool = False) -> list[Path]:
+        """The entries' JSON files; with ``oldest_first``, by modification time (one removed meanwhile is left out)."""
+        files = list(self.directory.glob("job-*.json"))
+        if not oldest_first:
+            return files
+        dated = []
+        for path in files:
+            try:
+                dated.append((path.stat().st_mtime, path))
+            except FileNotFoundError:
+                continue
+        return [path for _, path in sorted(dated)]
 
     def _load(self, path: Path) -> SpoolEntry:
         doc = json.loads(path.read_text())
@@ -144,10 +165,18 @@ class Spool:
         named, cutoff = self._named(), time.time() - ORPHAN_SECONDS
         for f in self.blobs.files():
             if f.mtime < cutoff and (f.temporary or f.sha256 not in named):
-                f.path.unlink(missing_ok=True)
+                try:
+                    f.path.unlink(missing_ok=True)
+                except OSError as exc:
+                    log.warning("could not delete the orphaned spool file %s (%s)", f.path, exc)
 
     def remove(self, entry: SpoolEntry) -> None:
-        """Delete ``entry``, and its blob unless another entry names the same bytes."""
-        (self.directory / f"{entry.name}.json").unlink(missing_ok=True)
-        if entry.meta.blob_sha256 not in self._named():
-            self.blobs.delete(entry.meta.blob_sha256)
+        """Delete ``entry``, and its blob unless another entry names the same bytes. One that cannot be deleted (a
+        read-only folder) is logged and skipped by :meth:`pending` from then on, so it is not delivered again."""
+        try:
+            (self.directory / f"{entry.name}.json").unlink(missing_ok=True)
+            if entry.meta.blob_sha256 not in self._named():
+                self.blobs.delete(entry.meta.blob_sha256)
+        except OSError as exc:
+            log.error("could not delete the delivered spool entry %s (%s); delete it by hand", entry.name, exc)
+            self._undeletable.add(entry.name)

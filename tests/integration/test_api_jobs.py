@@ -352,3 +352,98 @@ def test_an_admin_still_uploads_plans_directly(api, make_spec, gpu_env, make_pla
     key, spec = make_spec(0)
     r = upload(api.client, *make_plan(key, gpu_env), spec, headers=api.admin)
     assert r.status_code == 201 and r.json()["job_id"] is None
+
+
+# ------------------------------------------------------------------ worker ids, lost claim answers, cancelling
+
+
+@pytest.mark.parametrize("worker_id", ["w1 ", " w1", "gpu-é", "w\t1", "a" * 257, ""])
+def test_a_worker_id_that_cannot_travel_in_a_header_is_refused_at_the_claim(api, spec0, gpu_env, worker_id):
+    """Before: claimed with such an id, the worker could not send its blob (X-Plancache-Worker: the header cannot
+    carry it) and retried for ever, the job leased until it ran out. After: the claim is 422, naming the field."""
+    _tune(api, specs=[spec0[1]], targets=[{}])
+    r = _claim(api, gpu_env, worker_id)
+    assert r.status_code == 422 and "worker_id" in r.json()["error"]["message"]
+    assert api.store.job_counts()["running"] == 0
+    assert _claim(api, gpu_env, "gpu-node-7.example/0 (H200)").status_code == 200  # printable ASCII, inner spaces
+
+
+def test_a_claim_sent_again_with_its_lease_token_gets_the_same_job(api, make_spec, gpu_env):
+    for i in range(2):
+        _tune(api, specs=[make_spec(i)[1]], targets=[{}])
+    body = {"environment": gpu_env.model_dump(), "worker_id": "w1", "lease_token": "L" * 43}
+    first = api.client.post("/v1/jobs/claim", json=body, headers=api.worker)
+    again = api.client.post("/v1/jobs/claim", json=body, headers=api.worker)  # its first answer was lost
+    assert first.status_code == again.status_code == 200
+    assert first.json()["job"]["id"] == again.json()["job"]["id"] and again.json()["lease_token"] == "L" * 43
+    assert api.store.job_counts() == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0}
+    assert "min_revision" not in first.json()  # none to name: a worker of an earlier release reads the answer
+    for bad in ("short", "L" * 42 + "!", "L" * 129):
+        r = api.client.post("/v1/jobs/claim", json={**body, "lease_token": bad}, headers=api.worker)
+        assert r.status_code == 422 and "lease_token" in r.json()["error"]["message"]
+
+
+def test_the_claim_names_the_revision_a_withdrawn_plans_successor_must_pass(api, spec0, gpu_env, make_plan, tmp_path):
+    from plancache.protocol import Withdrawal
+    from plancache.signing import Signer, keygen
+
+    key, spec = spec0
+    r = upload(api.client, *make_plan(key, gpu_env), spec, headers=api.admin)
+    record = r.json()
+    signer = Signer.from_file(keygen(tmp_path, "admin")[0])
+    ahead = datetime.fromtimestamp(record["revision"] / 1000 + 3600)  # the admin's clock runs an hour ahead
+    w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record["blob_sha256"],
+                                          withdrawn_revision=record["revision"], reason="bad numerics"), now=ahead)
+    assert api.client.post("/v1/admin/withdrawals", json=w.model_dump(mode="json"), headers=api.admin).status_code == 201
+    _tune(api, graph_keys=[key], targets=[{}])
+    claim = _claim(api, gpu_env).json()
+    assert claim["min_revision"] == w.revision > record["revision"]
+
+
+def test_an_admin_cancels_jobs_over_http(api, make_spec, gpu_env):
+    ids = [_tune(api, specs=[make_spec(i)[1]], targets=[{}]).json()["jobs"][0]["id"] for i in range(2)]
+    claim = _claim(api, gpu_env).json()
+    r = api.client.post(f"/v1/admin/jobs/{claim['job']['id']}/cancel", json={"reason": "GPU retired"},
+                        headers=api.admin)
+    assert r.status_code == 200 and r.json()["status"] == "failed"
+    assert r.json()["error"] == "cancelled by test-admin: GPU retired"
+    r = api.client.post(f"/v1/jobs/{claim['job']['id']}/heartbeat", json=_lease("w1", claim["lease_token"]),
+                        headers=api.worker)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
+    queued = next(i for i in ids if i != claim["job"]["id"])
+    r = api.client.post(f"/v1/admin/jobs/{queued}/cancel", headers=api.admin)  # the body is optional
+    assert r.status_code == 200 and r.json()["error"] == "cancelled by test-admin"
+    r = api.client.post(f"/v1/admin/jobs/{queued}/cancel", headers=api.admin)
+    assert r.status_code == 409 and "ended already" in r.json()["error"]["message"]
+    assert api.client.post("/v1/admin/jobs/99999/cancel", headers=api.admin).status_code == 404
+    assert api.client.post(f"/v1/admin/jobs/{queued}/cancel", headers=api.worker).status_code == 403
+    r = api.client.post(f"/v1/admin/jobs/{queued}/cancel", json={"reason": "two\nlines"}, headers=api.admin)
+    assert r.status_code == 422 and "reason" in r.json()["error"]["message"]
+
+
+def test_a_completion_from_a_non_holder_stores_not_even_its_spec(api, intruder, make_spec, gpu_env, make_plan):
+    """Before: the spec of a completion was registered before its lease was checked, so any worker token could store
+    specs through a job it does not hold. After: the lease is checked first."""
+    job_id, key, token = _held_job(api, make_spec, gpu_env)
+    other, other_spec = make_spec(5)
+    meta, blob = make_plan(other, gpu_env, worker_id="w1")
+    put_blob(api.client, blob, api.admin)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta, other_spec)},
+                        headers=intruder)
+    assert r.status_code == 403 and api.store.get_spec(other) is None
+    r = api.client.put("/v1/plans", json=upload_json(meta, other_spec, job_id=job_id, lease_token="x" * 43),
+                       headers=api.worker)
+    assert r.status_code == 409 and api.store.get_spec(other) is None
+
+
+@pytest.mark.parametrize("header", ["2147483648", "99999999999", "0"])
+def test_a_blob_upload_naming_a_job_id_out_of_range_is_refused_clearly(api, make_plan, make_spec, gpu_env, header):
+    meta, blob = make_plan(make_spec(0)[0], gpu_env)
+    r = api.client.put(f"/v1/blobs/{meta.blob_sha256}", content=blob,
+                       headers={**api.worker, "X-Plancache-Job": header, "X-Plancache-Worker": "w1",
+                                "X-Plancache-Lease": "x" * 43, "Content-Type": "application/octet-stream"})
+    assert r.status_code == 403 and "X-Plancache-Job" in r.json()["error"]["message"]
+    r = api.client.put(f"/v1/blobs/{meta.blob_sha256}", content=blob,
+                       headers={**api.worker, "X-Plancache-Job": "2147483647", "X-Plancache-Worker": "w1",
+                                "X-Plancache-Lease": "x" * 43, "Content-Type": "application/octet-stream"})
+    assert r.status_code == 404  # a ten-digit id in range is looked up

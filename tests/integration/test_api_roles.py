@@ -34,6 +34,7 @@ ROUTES = [
     ("POST", "/v1/admin/tune/misses", "/v1/admin/tune/misses", "admin"),
     ("POST", "/v1/admin/campaigns", "/v1/admin/campaigns", "admin"),
     ("POST", "/v1/admin/withdrawals", "/v1/admin/withdrawals", "admin"),
+    ("POST", "/v1/admin/jobs/{job_id}/cancel", "/v1/admin/jobs/1/cancel", "admin"),
     ("GET", "/v1/admin/autotune", "/v1/admin/autotune", "admin"),
     ("POST", "/v1/admin/autotune/run", "/v1/admin/autotune/run", "admin"),
     ("GET", "/v1/misses", "/v1/misses", "admin"),

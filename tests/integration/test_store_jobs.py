@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from plancache import errors
-from plancache.protocol import TargetEnvironment
+from plancache.protocol import TargetEnvironment, Withdrawal
+from plancache.signing import Signer, keygen
 from tests.factories import OTHER_GPU
 
 ANY = TargetEnvironment()
@@ -187,8 +188,8 @@ def test_expired_lease_not_yet_taken_over_is_still_held(store, key, gpu_env, clo
 @pytest.mark.parametrize("step", [-3600.0, 3600.0])
 def test_a_dead_workers_lease_is_reclaimed_when_the_clock_is_stepped(store, key, gpu_env, clock, step):
     """Before: a server clock stepped back 1 h (SQLite's clock is the server host's) stranded a dead worker's lease
-    for that hour. After: a lease ending more than two lease lengths ahead counts as expired; a step forward
-    expires it as before. A live lease within its length is not taken."""
+    for that hour. After: a lease granted or extended more than a lease length in the future counts as expired; a
+    step forward expires it as before. A live lease within its length is not taken."""
     store.enqueue(key, ANY)
     first = store.claim(gpu_env, "w1", lease_seconds=120)
     assert store.claim(gpu_env, "w2", lease_seconds=120) is None  # held, within its lease
@@ -196,6 +197,99 @@ def test_a_dead_workers_lease_is_reclaimed_when_the_clock_is_stepped(store, key,
     second = store.claim(gpu_env, "w2", lease_seconds=120)
     assert second is not None and second.job.id == first.job.id and second.job.attempts == 2
     assert store.claim(gpu_env, "w3", lease_seconds=120) is None  # the new lease is held again
+
+
+def test_a_shorter_lease_setting_takes_no_live_lease(store, key, gpu_env, clock):
+    """Before: with PLANCACHE_LEASE_SECONDS lowered from 600 to 60, the stepped-back-clock rule (a lease ending more
+    than two lease lengths ahead) took every live 600 s lease at the next claim. After: a lease's own grant time
+    decides; a live one stays its holder's until it runs out."""
+    store.enqueue(key, ANY)
+    first = store.claim(gpu_env, "w1", lease_seconds=600)
+    clock.advance(5)
+    assert store.claim(gpu_env, "w2", lease_seconds=60) is None
+    clock.advance(590)
+    assert store.heartbeat(first.job.id, "w1", first.lease_token, lease_seconds=60).lease_owner == "w1"
+    clock.advance(61)
+    assert store.claim(gpu_env, "w2", lease_seconds=60).job.id == first.job.id
+
+
+def test_a_claim_sent_again_with_its_proposed_token_gets_the_same_job(store, make_spec, gpu_env):
+    """Before: a claim whose answer was lost and was sent again leased a second job, the first held by nobody until
+    its lease ran out (an attempt spent). After: the same proposed lease token gets the job it leased then."""
+    for i in range(2):
+        k, spec = make_spec(i)
+        store.put_spec(k, spec)
+        store.enqueue(k, ANY)
+    token = "t" * 43
+    first = store.claim(gpu_env, "w1", lease_seconds=10, holder="token:1", lease_token=token)
+    again = store.claim(gpu_env, "w1", lease_seconds=10, holder="token:1", lease_token=token)
+    assert first.lease_token == again.lease_token == token and again.job.id == first.job.id
+    assert again.job.attempts == 1 and store.job_counts()["queued"] == 1
+    assert store.heartbeat(first.job.id, "w1", token, lease_seconds=10, holder="token:1").status == "running"
+    with pytest.raises(errors.Conflict, match="in use"):  # the same token from another API token or worker
+        store.claim(gpu_env, "w2", lease_seconds=10, holder="token:1", lease_token=token)
+    with pytest.raises(errors.InvalidValue, match="at least 32"):
+        store.claim(gpu_env, "w1", lease_seconds=10, lease_token="short")
+    other = store.claim(gpu_env, "w1", lease_seconds=10, holder="token:1", lease_token="u" * 43)
+    assert other.job.id != first.job.id
+
+
+def test_the_last_holder_completes_a_job_failed_for_its_expired_lease(store, key, gpu_env, clock, make_plan):
+    """Before: a worker that lost the server for longer than its lease on the job's last attempt found the job
+    failed ('lease expired after 1 attempts') and its spooled result was dropped. After: that lease's holder still
+    completes it (blob upload and record); heartbeats and failures from it stay refused, as does anyone else."""
+    job, _ = store.enqueue(key, ANY, max_attempts=1)
+    claim = store.claim(gpu_env, "w1", lease_seconds=10, holder="token:1")
+    clock.advance(11)
+    assert store.claim(gpu_env, "w2", lease_seconds=10) is None
+    assert store.get_job(job.id).error == "lease expired after 1 attempts"
+    with pytest.raises(errors.LeaseLost):
+        store.heartbeat(job.id, "w1", claim.lease_token, lease_seconds=10, holder="token:1")
+    with pytest.raises(errors.LeaseLost):
+        store.check_held(job.id, "w1", claim.lease_token, holder="token:1")
+    with pytest.raises(errors.LeaseLost):
+        store.check_held(job.id, "w1", "x" * 43, holder="token:1", completing=True)
+    with pytest.raises(errors.NotLeaseHolder):
+        store.check_held(job.id, "w1", claim.lease_token, holder="token:2", completing=True)
+    store.check_held(job.id, "w1", claim.lease_token, holder="token:1", completing=True)
+    meta, blob = make_plan(key, gpu_env, worker_id="w1")
+    record = store.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=claim.lease_token,
+                                holder="token:1")
+    done = store.get_job(job.id)
+    assert record.job_id == job.id and done.status == "succeeded" and done.error is None
+
+
+def test_an_admin_cancels_a_queued_or_running_job(store, make_spec, gpu_env):
+    jobs = []
+    for i in range(2):
+        k, spec = make_spec(i)
+        store.put_spec(k, spec)
+        jobs.append(store.enqueue(k, ANY)[0])
+    claim = store.claim(gpu_env, "w1", lease_seconds=10)
+    running = store.cancel_job(claim.job.id, by="ops", reason="no such GPU any more")
+    assert running.status == "failed" and running.error == "cancelled by ops: no such GPU any more"
+    assert running.finished_at is not None
+    with pytest.raises(errors.LeaseLost):  # the worker tuning it is refused its next heartbeat
+        store.heartbeat(claim.job.id, "w1", claim.lease_token, lease_seconds=10)
+    queued = next(j for j in jobs if j.id != claim.job.id)
+    assert store.cancel_job(queued.id, by="ops").error == "cancelled by ops"
+    assert store.claim(gpu_env, "w1", lease_seconds=10) is None
+    with pytest.raises(errors.Conflict, match="ended already"):
+        store.cancel_job(queued.id, by="ops")
+    with pytest.raises(errors.NotFound):
+        store.cancel_job(10**6, by="ops")
+
+
+def test_a_withdrawal_sets_the_revision_floor_of_its_environment(store, key, gpu_env, make_plan, tmp_path):
+    assert store.revision_floor(key, gpu_env) == 0
+    meta, blob = make_plan(key, gpu_env)
+    record = store.publish_plan(meta, blob)
+    signer = Signer.from_file(keygen(tmp_path, "admin")[0])
+    w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record.blob_sha256,
+                                          withdrawn_revision=record.revision, reason="wrong results"))
+    store.withdraw_plan(w)
+    assert store.revision_floor(key, gpu_env) == w.revision > record.revision
+    assert store.revision_floor(key, OTHER_GPU) == 0
 
 
 def test_stopped_worker_loses_its_job_and_only_the_new_holder_completes(store, key, gpu_env, clock, make_plan):

@@ -441,3 +441,92 @@ def test_upload_tuned_refuses_a_plan_failing_the_round_trip(srv, keys):
     with pytest.raises(TuningError):
         upload_tuned(srv.url, srv.token("worker"), s, bad.tune(s), Signer.from_file(keys[0]), "t", tuner=bad)
     assert plan(srv, s.graph_key) is None
+
+
+# ---------------------------------------------------------------- cancelled jobs, refusals, revisions, long outages
+
+
+def test_a_job_cancelled_while_tuning_stops_the_tuning(srv, tmp_path, keys):
+    """Before: a worker whose lease was lost (taken over, or the job cancelled) tuned on to the end, holding the GPU,
+    then dropped the result. After: the next refused heartbeat cancels the tuning."""
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    tuner = FakeTuner(hang=(j.graph_key,))
+    w = make_worker(srv, tmp_path, keys[0], tuner, job_timeout=60)
+    t, stop, box = in_thread(w)
+    try:
+        wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
+        res = CliRunner().invoke(worker_cli(), ["jobs", "cancel", str(j.id), "--reason", "wrong GPU",
+                                                "--server", srv.url, "--token", srv.admin_token])
+        assert res.exit_code == 0 and f"cancelled job {j.id}" in res.output, res.output
+        wait_for(lambda: tuner.cancelled, "the tuning to be cancelled", timeout=LEASE * 3)
+    finally:
+        stop.set()
+        tuner.unhang.set()
+        t.join(10)
+    assert tuner.cancelled == [j.graph_key] and box["stats"].dropped == 1 and box["stats"].succeeded == 0
+    done = job(srv, j.id)
+    assert done.status == "failed" and done.error == "cancelled by bootstrap-admin: wrong GPU"
+    listed = CliRunner().invoke(worker_cli(), ["jobs", "list", "--status", "failed", "--server", srv.url,
+                                               "--token", srv.admin_token])
+    assert listed.exit_code == 0 and str(j.id) in listed.output and "cancelled by" in listed.output
+    again = CliRunner().invoke(worker_cli(), ["jobs", "cancel", str(j.id), "99999", "--server", srv.url,
+                                              "--token", srv.admin_token])
+    assert again.exit_code == 1 and "ended already" in again.output and "no job 99999" in again.output
+    refused = CliRunner().invoke(worker_cli(), ["jobs", "list", "--server", srv.url, "--token", srv.token("worker")])
+    assert refused.exit_code == 8 and "admin" in refused.output  # AUTH
+
+
+def test_a_plan_over_the_servers_size_limit_fails_its_job_for_good(tmp_path, keys):
+    """Before: the server's 413 for a blob over PLANCACHE_MAX_BLOB_BYTES was a retryable failure: every attempt
+    tuned the graph again for the same refusal. After: the job fails at once."""
+    with LiveServer(tmp_path, lease_seconds=LEASE, max_blob_bytes=1024) as small:
+        (j,) = enqueue(small, ["conv_bias_relu"], max_attempts=3)
+        stats = make_worker(small, tmp_path, keys[0], FakeTuner(blob_size=4096), once=True).run(threading.Event())
+        failed = job(small, j.id)
+    assert stats.failed == 1 and failed.status == "failed" and failed.attempts == 1
+    assert "exceeds the limit of 1024 bytes" in failed.error
+
+
+def test_a_retune_after_a_withdrawal_signed_on_a_clock_ahead_is_published(srv, tmp_path, keys):
+    """Before: a plan withdrawn by an admin whose clock ran an hour ahead could not be replaced for that hour: each
+    re-tune was signed with the worker's (earlier) time and refused for good as stale_revision. After: the claim
+    names the withdrawal's revision and the worker signs above it."""
+    from plancache.protocol import Withdrawal
+
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    assert make_worker(srv, tmp_path, keys[0], FakeTuner(), once=True).run(threading.Event()).succeeded == 1
+    first = plan(srv, j.graph_key)
+    ahead = datetime.fromtimestamp(first.revision / 1000 + 3600)
+    w = Signer.from_file(keys[0]).sign_withdrawal(Withdrawal(
+        graph_key=j.graph_key, environment=first.environment, blob_sha256=first.blob_sha256,
+        withdrawn_revision=first.revision, reason="bad numerics"), now=ahead)
+    with admin(srv) as c:
+        c.http.request("POST", "/v1/admin/withdrawals", body=w.model_dump(mode="json"))
+    assert plan(srv, j.graph_key) is None
+    (again,) = enqueue(srv, ["conv_bias_relu"])
+    stats = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True).run(threading.Event())
+    assert stats.succeeded == 1 and job(srv, again.id).status == "succeeded"
+    assert plan(srv, j.graph_key).revision > w.revision
+
+
+def test_a_result_spooled_through_an_outage_past_the_last_lease_is_still_published(srv, tmp_path, keys):
+    """Before: a worker that lost the server for longer than its lease on a job's last attempt found the job
+    failed ('lease expired after 1 attempts') when the server came back, and dropped its finished result. After:
+    the completion from that lease's holder is accepted."""
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
+    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
+    t, stop, _ = in_thread(first)
+    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
+    srv.stop()
+    wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
+    stop.set()
+    t.join(5)
+    time.sleep(LEASE * 1.5)
+    srv.start()
+    other = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True)
+    assert other.run(threading.Event()).claimed == 0  # its claim failed the job for its expired lease
+    assert job(srv, j.id).error == "lease expired after 1 attempts"
+    again = make_worker(srv, tmp_path, keys[0], FakeTuner(), once=True)
+    assert again.run(threading.Event()).succeeded == 1
+    done = job(srv, j.id)
+    assert done.status == "succeeded" and done.error is None and plan(srv, j.graph_key).worker_id == "w-a"

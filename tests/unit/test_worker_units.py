@@ -329,3 +329,97 @@ def test_cli_worker_without_a_gpu_exits_with_a_message(tmp_path):
                            "--token", "t", "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--once"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 9 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- worker ids, heartbeats, the spool's edge cases
+
+
+@pytest.mark.parametrize("bad", ["w1 ", " w1", "gpu-é", "w\t1", "a" * 257, ""])
+def test_a_worker_id_that_cannot_travel_in_a_header_is_refused_up_front(tmp_path, bad):
+    """Before: a worker id with a trailing space or a non-ASCII character claimed jobs, then could not send their
+    blobs (the X-Plancache-Worker header) and retried for ever. After: refused when the worker is made."""
+    from plancache.errors import InvalidValue
+    from plancache.worker import check_worker_id
+
+    with pytest.raises(InvalidValue, match="printable ASCII"):
+        check_worker_id(bad)
+    priv, _, _ = keygen(tmp_path / "keys", "w")
+    with pytest.raises(InvalidValue):
+        Worker(_OneJob(None), FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"),  # type: ignore[arg-type]
+               worker_id=bad)
+    res = CliRunner().invoke(worker_cli(), ["worker", "--server", "http://127.0.0.1:9", "--worker-id", bad or "x "])
+    assert res.exit_code == 2 and "printable ASCII" in res.output and "Traceback" not in res.output  # USAGE
+
+
+def test_the_default_worker_id_is_usable_whatever_the_host_name(monkeypatch):
+    from plancache.worker import check_worker_id, default_worker_id, loop
+
+    monkeypatch.setattr(loop.socket, "gethostname", lambda: "hôte de calcul " + "x" * 300)
+    wid = default_worker_id()
+    assert check_worker_id(wid) == wid and wid.startswith("h-te-de-calcul-") and wid.endswith(f"-{os.getpid()}")
+
+
+class _Beats:
+    """A fake :class:`JobsApi` whose heartbeats fail ``failures`` times (a hung or refused beat), then succeed; it
+    records when each was sent and with what timeout."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.sent: list[tuple[float, float | None]] = []
+
+    def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
+        self.sent.append((time.monotonic(), timeout))
+        if len(self.sent) <= self.failures:
+            raise ServerUnavailable("the beat timed out")
+
+
+def test_a_failed_heartbeat_is_tried_again_soon_not_a_whole_interval_later():
+    """Before: a beat that hung for its timeout (an interval) was followed by the next an interval later, at the end
+    of the lease: one slow answer lost the job. After: a beat waits half an interval, and a failed one is tried
+    again a quarter interval later."""
+    from plancache.worker.loop import _Heartbeat
+
+    client = _Beats(failures=1)
+    beat = _Heartbeat(client, 1, LeaseRequest(worker_id="w1", lease_token="tok"), interval=0.4)  # type: ignore[arg-type]
+    start = time.monotonic()
+    beat.start()
+    deadline = time.monotonic() + 5
+    while len(client.sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat.halt()
+    (t1, timeout), (t2, _), (t3, _) = client.sent[:3]
+    assert timeout == pytest.approx(0.2) and not beat.lost.is_set()
+    assert 0.35 <= t1 - start < 0.6
+    assert 0.08 <= t2 - t1 < 0.25  # the retry, a quarter interval on
+    assert 0.35 <= t3 - t2 < 0.6  # then the interval again
+
+
+def test_a_spool_that_cannot_delete_a_delivered_entry_skips_it_from_then_on(tmp_path, monkeypatch, caplog):
+    """Before: on a read-only spool folder, removing a delivered entry raised EROFS out of the worker's loop.
+    After: it is logged and the entry is not delivered again by this worker."""
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    spool.save(entry)
+
+    def read_only(self, missing_ok=False):
+        raise OSError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    spool.remove(entry)
+    assert "could not delete the delivered spool entry" in caplog.text
+    assert spool.pending() == []
+    monkeypatch.undo()
+    assert [e.name for e in Spool(tmp_path / "spool").pending()] == [entry.name]  # still on disk, for a restart
+
+
+def test_a_spool_entry_removed_by_another_worker_meanwhile_is_left_out(tmp_path, monkeypatch, caplog):
+    """Before: two workers sharing a spool folder raced: one's pending() stat'ed an entry the other had just
+    delivered and removed, and FileNotFoundError ended its loop. After: the entry is left out, quietly."""
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    gone = spool.directory / "job-9-00000000000000ff.json"
+    listed = [spool.directory / f"{entry.name}.json", gone]
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(listed))
+    assert [e.name for e in spool.pending()] == [entry.name]
+    assert "unreadable" not in caplog.text

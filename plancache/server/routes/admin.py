@@ -1,5 +1,5 @@
 """Admin: enqueue tuning (by graph keys or specs, for one or more targets), misses and "tune the top N misses",
-withdrawing plans."""
+cancelling jobs, withdrawing plans."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from ...environment import ENV_ID_PATTERN
 from ...errors import NotFound, PayloadTooLarge, SpecError
 from ...protocol import (
+    CancelRequest,
     EnqueueMissesRequest,
     Job,
     JobList,
@@ -25,6 +26,7 @@ from ..auth import Admin
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
 from ..errors import documented_errors
+from .jobs import JobId
 
 router = APIRouter(route_class=CheckedRoute, tags=["admin"])
 
@@ -72,6 +74,15 @@ def tune_misses(req: EnqueueMissesRequest, store: StoreDep, _: Admin) -> JobList
     target = TargetEnvironment.exactly(req.environment)
     keys = store.top_misses(req.environment, req.top, require_spec=True)
     return JobList(jobs=_unique([store.enqueue(key, target, priority=req.priority)[0] for key in keys]))
+
+
+@router.post("/v1/admin/jobs/{job_id}/cancel", response_model=Job, summary="End a queued or running job",
+             responses=documented_errors(401, 403, 404, 409, 422, 503))
+def cancel_job(job_id: JobId, store: StoreDep, principal: Admin, req: CancelRequest | None = None) -> Job:
+    """The job ends ``failed`` with the error ``cancelled by <token name>[: reason]`` and is not claimed again; the
+    worker holding it, if any, is refused its next heartbeat and stops tuning. 409 when the job has ended already.
+    The body (``{"reason": "..."}``) is optional."""
+    return store.cancel_job(job_id, by=principal.name, reason=req.reason if req is not None else "")
 
 
 @router.get("/v1/misses", response_model=MissList, summary="Recorded misses, most counted first",

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ...errors import Forbidden, InvalidValue, LengthRequired, NotFound
 from ...protocol import SHA256_PATTERN
+from ...validation import INT32_MAX
 from ..auth import Reader, Worker
 from ..bodies import CheckedRequest, CheckedRoute
 from ..deps import StoreDep
@@ -73,12 +74,12 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     there. A worker token needs the headers of a job it holds (403 without them; 409 ``lease_lost`` or 403
     ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
-        job_id = int(x_plancache_job) if x_plancache_job and re.fullmatch("[0-9]{1,9}", x_plancache_job) else 0
-        if not job_id or not x_plancache_lease:
+        job_id = int(x_plancache_job) if x_plancache_job and re.fullmatch("[0-9]{1,10}", x_plancache_job) else 0
+        if not 0 < job_id <= INT32_MAX or not x_plancache_lease:
             raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads blobs only for a "
                             "job it holds (headers X-Plancache-Job: its id, X-Plancache-Worker, X-Plancache-Lease)")
         await run_in_threadpool(store.check_held, job_id, x_plancache_worker, x_plancache_lease,
-                                holder=principal.identity)
+                                holder=principal.identity, completing=True)
     # A chunked body is refused rather than read with a running cap: the catalog row, its size included, is written
     # before the bytes, and the size decides the 413 and the in-flight share before a byte is read. Every client
     # knows a blob's size before sending it (plancache's sends Content-Length always).

@@ -46,11 +46,15 @@ def list_jobs(store: StoreDep, _: Admin, status: JobStatus | None = None,
     return JobList(jobs=store.list_jobs(status=status, graph_key=graph_key, limit=limit, offset=offset))
 
 
-@router.post("/v1/jobs/claim", response_model=ClaimResponse, summary="Lease the best job this environment can run",
+@router.post("/v1/jobs/claim", response_model=ClaimResponse, response_model_exclude_unset=True,
+             summary="Lease the best job this environment can run",
              responses={204: {"description": "no job for this environment"}, **documented_errors(401, 403, 422, 503)})
 def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, principal: Worker) -> ClaimResponse | Response:
-    """The answer's ``lease_token`` is the lease's secret, shown this once; only this API token may use it."""
-    claimed = store.claim(req.environment, req.worker_id, lease_seconds=settings.lease_seconds, holder=principal.identity)
+    """The answer's ``lease_token`` is the lease's secret, shown this once (or the one the worker proposed); only this
+    API token may use it. A claim sent again with the ``lease_token`` it proposed, its answer lost, gets the job it
+    leased then. ``min_revision``: the published plan's revision must be above it (a withdrawal's)."""
+    claimed = store.claim(req.environment, req.worker_id, lease_seconds=settings.lease_seconds,
+                          holder=principal.identity, lease_token=req.lease_token)
     if claimed is None:
         return Response(status_code=204)
     job = claimed.job
@@ -58,8 +62,12 @@ def claim(req: ClaimRequest, store: StoreDep, settings: SettingsDep, principal: 
     if spec is None:  # jobs reference specs by foreign key: a job without one is a broken store
         raise RuntimeError(f"job {job.id} references graph key {job.graph_key}, which has no stored spec")
     assert job.lease_expires_at is not None
-    return ClaimResponse(job=job_view(job, principal), spec=spec, lease_token=claimed.lease_token,
-                         lease_expires_at=job.lease_expires_at)
+    answer = ClaimResponse(job=job_view(job, principal), spec=spec, lease_token=claimed.lease_token,
+                           lease_expires_at=job.lease_expires_at)
+    floor = store.revision_floor(job.graph_key, req.environment)
+    if floor:  # sent only when there is one: a worker of an earlier release refuses a field it does not know
+        answer.min_revision = floor
+    return answer
 
 
 def job_view(job: Job, principal: Principal) -> Job:
@@ -93,7 +101,7 @@ def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: Set
     completion that went through gets the record. ``plan`` is the record alone, as for ``PUT /v1/plans``: its blob
     was uploaded with ``PUT /v1/blobs/{sha256}`` (404 otherwise; ``blob_b64`` is 422)."""
     plan = req.plan
-    accept_upload(plan, principal, store, settings)
+    accept_upload(plan, principal, store, settings, job=(job_id, req.worker_id, req.lease_token))
     record, repeated = publish_job_plan(store, plan, job_id=job_id, worker_id=req.worker_id,
                                         lease_token=req.lease_token, principal=principal)
     if not repeated:

@@ -314,7 +314,9 @@ def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics
     if upload.job_id is None and not principal.may("admin"):
         raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker publishes plans only for a job "
                         "it holds (send job_id and lease_token of its claim); uploading without a job needs admin")
-    accept_upload(upload, principal, store, settings)
+    lease = None if upload.job_id is None or upload.lease_token is None else (
+        upload.job_id, upload.worker_id, upload.lease_token)
+    accept_upload(upload, principal, store, settings, job=lease)
     existing = store.get_plan(upload.graph_key, upload.environment)
     if upload.job_id is not None and upload.lease_token is not None:
         record, _ = publish_job_plan(store, upload, job_id=upload.job_id, worker_id=upload.worker_id,
