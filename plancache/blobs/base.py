@@ -148,3 +148,9 @@ class BlobStore(BlobReader):
     @abstractmethod
     def delete(self, sha256: str) -> None:
         """Drop the bytes; nothing to do when absent."""
+
+    def delete_many(self, digests: list[str]) -> None:
+        """Drop the bytes of each of ``digests`` (absent ones are no error); a backend with a bulk delete overrides
+        this."""
+        for sha256 in digests:
+            self.delete(sha256)

@@ -111,6 +111,12 @@ def _unlink(path: Path) -> int:
     return size
 
 
+def _in_use(fd: int) -> None:
+    """Touch a lock file just locked: in use, so not stale for the scan of old files."""
+    with contextlib.suppress(OSError):
+        os.utime(fd)
+
+
 class FetchLock:
     """A held lock on fetching one set of graph keys into a cache folder (:meth:`DiskCache.fetch_lock`).
     ``waited``: another process held it first, and has now written what it fetched."""
@@ -207,12 +213,10 @@ class DiskCache:
         higher one another process wrote meanwhile (a lowered floor would admit the older record again)."""
         path = self._record_path(graph_key).with_suffix(".revision")
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.dir / REVISIONS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = self._open_lock(REVISIONS_LOCK)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                with contextlib.suppress(OSError):
-                    os.utime(fd)  # in use: not stale for the scan
+                _in_use(fd)
                 if self._stored_revision(path) < revision:
                     atomic_write(path, str(revision).encode())
             finally:
@@ -279,8 +283,7 @@ class DiskCache:
         the folder cannot hold a lock (unwritable, or a file system without ``flock``): ask the server anyway."""
         digest = hashlib.sha256("\n".join(sorted(graph_keys)).encode()).hexdigest()[:32]
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.dir / f"{FETCH_LOCK_PREFIX}{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = self._open_lock(f"{FETCH_LOCK_PREFIX}{digest}.lock")
         except OSError as exc:
             log.debug("plan cache: no fetch lock in %s: %s", self.dir, exc)
             return None
@@ -301,9 +304,13 @@ class DiskCache:
                 log.debug("plan cache: cannot lock in %s: %s", self.dir, exc)
                 os.close(fd)
                 return None
-        with contextlib.suppress(OSError):
-            os.utime(fd)  # in use: not stale for the scan
+        _in_use(fd)
         return FetchLock(fd, waited)
+
+    def _open_lock(self, name: str) -> int:
+        """An open descriptor of the lock file ``name`` in this folder, made (owner-only) with the folder if absent."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def touch(self, record: PlanRecord) -> None:
         """Mark the entry of ``record`` (its record and blob files) used now, for the least recently used eviction;

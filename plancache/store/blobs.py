@@ -96,6 +96,11 @@ class BlobStore(ABC):
     def delete(self, conn: Connection, sha256: str) -> None:
         """Drop the bytes (not the catalog row); nothing to do when absent."""
 
+    def delete_many(self, conn: Connection, digests: list[str]) -> None:
+        """:meth:`delete` each of ``digests``; a backend with a bulk delete (a bucket) makes few requests."""
+        for sha256 in digests:
+            self.delete(conn, sha256)
+
     def has(self, conn: Connection, sha256: str) -> bool:
         return self.size(conn, sha256) is not None
 
@@ -153,6 +158,9 @@ class ContentBlobs(BlobStore):
 
     def delete(self, conn: Connection, sha256: str) -> None:
         self.content.delete(sha256)
+
+    def delete_many(self, conn: Connection, digests: list[str]) -> None:
+        self.content.delete_many(digests)
 
     def open(self, sha256: str) -> BlobStream | None:
         return self.content.open(sha256)

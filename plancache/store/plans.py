@@ -313,6 +313,12 @@ class Plans(Misses):
         with self.db.read() as conn:
             return self.blob_store.get_many(conn, digests)
 
+    def plan_graph_keys(self, env_id: str) -> list[str]:
+        """The graph keys of every record stored for ``env_id``, in one read, sorted."""
+        q = sa.select(plans.c.graph_key).where(plans.c.env_id == env_id).order_by(plans.c.graph_key)
+        with self.db.read() as conn:
+            return list(conn.execute(q).scalars())
+
     def list_plans(self, *, env_id: str | None = None, graph_key: str | None = None,
                    limit: int = 100, offset: int = 0) -> list[PlanRecord]:
         """Records, newest first."""

@@ -38,6 +38,10 @@ from .models import blobs, plans
 if TYPE_CHECKING:
     from . import Store
 
+#: Unreferenced blobs deleted per transaction (and per request to a bucket: S3 deletes at most 1,000 at a time).
+GC_BATCH = 500
+
+
 @dataclass(frozen=True)
 class GcReport:
     """What :func:`gc` deleted (or, with ``dry_run``, would delete)."""
@@ -162,11 +166,21 @@ def _named(conn: Any, digests: list[str]) -> set[str]:
 
 
 def _delete_blobs(store: Store, cutoff: Any) -> tuple[int, int]:
-    """Delete unreferenced blobs older than ``cutoff`` in one transaction, catalog rows first, then bytes
-    (under the lock, so no publish can meanwhile find them present); the count and bytes freed."""
-    with store.db.write() as conn:
-        lock_against_writers(conn, blobs)
-        doomed = conn.execute(sa.delete(blobs).where(*_unreferenced(cutoff)).returning(blobs.c.sha256, blobs.c.size)).all()
-        for sha256, _ in doomed:  # (the database blob store's bytes went with their rows)
-            store.blob_store.delete(conn, sha256)
-    return len(doomed), sum(size for _, size in doomed)
+    """Delete unreferenced blobs older than ``cutoff``, :data:`GC_BATCH` at a time, each batch in one transaction:
+    catalog rows first, then bytes (under the lock, so no publish can meanwhile find them present; a bucket's in one
+    request per batch); the count and bytes freed. One transaction for them all held every upload and publish (on
+    SQLite every write) for as long as one DELETE request per object took: 14,000 blobs on a local S3 server, 35 s,
+    and a server's write then failed with 'database is locked' after SQLite's 30 s busy timeout."""
+    count = size = 0
+    while True:
+        with store.db.write() as conn:
+            lock_against_writers(conn, blobs)
+            batch = conn.execute(sa.select(blobs.c.sha256).where(*_unreferenced(cutoff)).order_by(blobs.c.sha256)
+                                 .limit(GC_BATCH)).scalars().all()
+            doomed = conn.execute(sa.delete(blobs).where(blobs.c.sha256.in_(batch), *_unreferenced(cutoff))
+                                  .returning(blobs.c.sha256, blobs.c.size)).all() if batch else []
+            # (the database blob store's bytes went with their rows)
+            store.blob_store.delete_many(conn, [sha256 for sha256, _ in doomed])
+        count, size = count + len(doomed), size + sum(s for _, s in doomed)
+        if len(batch) < GC_BATCH:
+            return count, size
