@@ -59,7 +59,9 @@ def _default_cache_dir() -> Path:
 
 
 class _Section(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    # each class's validator is built when it is first instantiated: a process builds those of its role only (a
+    # client ClientSettings alone, not the 12 others: 3 ms of its start-up after ``import torch``)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", defer_build=True)
 
 
 # ------------------------------------------------------------------------------------------------ sections

@@ -232,7 +232,12 @@ class DiskCache:
         with self._pending_lock:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
-            self._pending = [f for f in self._pending if not f.done()]
+            # forget the writes done: the writer runs them in order, so they are the first ones (a scan of every
+            # pending write at each call was quadratic in the writes of a load: 2-3 ms of a 49-plan prefetch)
+            done = 0
+            while done < len(self._pending) and self._pending[done].done():
+                done += 1
+            del self._pending[:done]
             try:
                 self._pending.append(self._writer.submit(write, *args))
                 return

@@ -6,6 +6,7 @@ host, against 15-20 ms for ``import cudnn``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,22 @@ def test_the_gpu_backend_s_imports_leave_the_tuning_modules_out():
 
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         _ = gpu.nothing  # type: ignore[attr-defined]
+
+
+def test_the_first_plan_cache_builds_the_client_s_settings_alone(tmp_path):
+    """Settings classes are built when first instantiated: a PlanCache builds ClientSettings (which still reads the
+    environment), none of the other roles' classes."""
+    code = (
+        "import sys\n"
+        "from plancache.client import PlanCache\n"
+        "from tests.client_fakes import RecordingBackend\n"
+        f"c = PlanCache(backend=RecordingBackend(), cache_dir={str(tmp_path)!r}, trusted_keys=[])\n"
+        "from plancache import settings\n"
+        "built = [n for n, v in vars(settings).items() if isinstance(v, type) and issubclass(v, settings.BaseSettings)\n"
+        "         and v is not settings.BaseSettings and v.__dict__.get('__pydantic_complete__')]\n"
+        "print(c.request_deadline, ' '.join(sorted(built)))\n"
+        "c.close()\n"
+    )
+    env = {**os.environ, "PLANCACHE_REQUEST_DEADLINE": "2.5", "PLANCACHE_SERVER_URL": ""}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
+    assert out.split() == ["2.5", "ClientSettings"]
