@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from plancache.errors import SpecError
+from plancache.protocol import WORKER_ID_PATTERN
 from plancache.server.limits import ByteBudget, RateLimiter
 from plancache.spec import MAX_RANK, MAX_TENSORS, parse_spec
 from tests.live_server import LiveServer
@@ -517,7 +518,8 @@ def test_openapi_states_the_rules_the_server_enforces(api):
         items = schemas[model]["properties"]["graph_keys"]["items"]
         assert items["pattern"] == "^[0-9a-f]{64}$", items
         assert schemas[model]["properties"]["graph_keys"]["maxItems"] == most
-    assert schemas["ClaimRequest"]["properties"]["worker_id"]["pattern"] == "^[^\\u0000]*$"
+    assert schemas["FailRequest"]["properties"]["error"]["pattern"] == "^[^\\u0000]*$"
+    assert schemas["ClaimRequest"]["properties"]["worker_id"]["pattern"] == WORKER_ID_PATTERN  # no NUL in it either
     target = schemas["CampaignRequest"]["properties"]["target"]
     assert {tuple(alt["required"]) for alt in target["anyOf"]} == {
         ("sm",), ("sm_count",), ("cudnn_version",), ("driver_version",), ("frontend_version",)}
