@@ -330,10 +330,11 @@ def spool_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file()]
 
 
-def spool_a_result(srv, tmp_path, keys):
-    """Worker w-a claims a job and tunes it while the server is down, so the result waits in its spool; the
-    worker is then stopped. Returns the job, whether the worker thread ended, and its stats."""
-    (j,) = enqueue(srv, ["conv_bias_relu"])
+def spool_a_result(srv, tmp_path, keys, **enqueue_kw):
+    """Worker w-a claims a job (``enqueue_kw``: how it is queued) and tunes it while the server is down, so the
+    result waits in its spool; the worker is then stopped. Returns the job, whether the worker thread ended, and its
+    stats."""
+    (j,) = enqueue(srv, ["conv_bias_relu"], **enqueue_kw)
     first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
     t, stop, box = in_thread(first)
     wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
@@ -513,14 +514,7 @@ def test_a_result_spooled_through_an_outage_past_the_last_lease_is_still_publish
     """Before: a worker that lost the server for longer than its lease on a job's last attempt found the job
     failed ('lease expired after 1 attempts') when the server came back, and dropped its finished result. After:
     the completion from that lease's holder is accepted."""
-    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
-    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
-    t, stop, _ = in_thread(first)
-    wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
-    srv.stop()
-    wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
-    stop.set()
-    t.join(5)
+    j, _, _ = spool_a_result(srv, tmp_path, keys, max_attempts=1)
     time.sleep(LEASE * 1.5)
     srv.start()
     other = make_worker(srv, tmp_path, keys[0], FakeTuner(), worker_id="w-b", once=True)
