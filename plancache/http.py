@@ -25,6 +25,7 @@ gets ServerUnavailable at that instant at the latest). Either failure is ServerU
 from __future__ import annotations
 
 import logging
+import math
 import random
 import ssl
 import threading
@@ -55,6 +56,10 @@ def check_url(server_url: str) -> str:
     """``server_url`` without its trailing slash; ValueError unless it is an http(s) URL."""
     if not server_url.startswith(("http://", "https://")):
         raise ValueError(f"server URL {server_url!r} must start with http:// or https://")
+    try:
+        httpx.URL(server_url)
+    except httpx.InvalidURL as exc:  # e.g. http://[::1 or a port out of range
+        raise ValueError(f"server URL {server_url!r} is not a URL: {exc}") from None
     return server_url.rstrip("/")
 
 
@@ -255,8 +260,8 @@ class HttpClient:
             settings = ConnectionSettings()
             connect_timeout = settings.connect_timeout if connect_timeout is None else connect_timeout
             read_timeout = settings.read_timeout if read_timeout is None else read_timeout
-        if connect_timeout <= 0 or read_timeout <= 0:
-            raise ValueError("connect and read timeouts must be > 0")
+        if not (0 < connect_timeout < math.inf and 0 < read_timeout < math.inf):  # NaN too
+            raise ValueError("connect and read timeouts must be finite and > 0")
         self.policies = tuple(policies)
         self.stop = stop or threading.Event()
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout

@@ -72,7 +72,7 @@ class StoreSettings(_Section):
 
     database_url: str = "sqlite:///./plancache.db"
     blob_store: str = "database"  # or file:///path, s3://bucket/prefix (plancache.store.blobs)
-    job_max_attempts: int = 3
+    job_max_attempts: int = Field(default=3, ge=1, le=100)  # TuneRequest.max_attempts' range
 
 
 #: The shortest bootstrap admin token accepted: a guessable one would hand out the admin role.
@@ -105,19 +105,24 @@ class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
     open_reads: bool = False
     max_request_bytes: int = 96 * 1024 * 1024
     max_resolve_keys: int = 1000
-    lease_seconds: float = 120.0
+    lease_seconds: float = Field(default=120.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     # request limits (plancache.server.bodies, .limits, .serving; docs/DEPLOYMENT.md "Request limits")
     max_json_bytes: int = 1024 * 1024  # body limit of every JSON body, plan uploads too (a record: the blob goes raw)
     max_inflight_bytes: int = 512 * 1024 * 1024  # memory of request bodies and answers in flight, per process
-    inflight_wait_seconds: float = 2.0  # a request over max_inflight_bytes waits this long, then 503
+    # a request over max_inflight_bytes waits this long, then 503
+    inflight_wait_seconds: float = Field(default=2.0, ge=0, le=3600, allow_inf_nan=False)
     body_parse_threads: int = 1  # threads that parse and validate request bodies at once (per process)
-    header_timeout: float = 10.0  # seconds from connect (or the last answer) to a complete request head
-    body_timeout: float = 15.0  # seconds to receive a body, plus its size / body_min_rate
+    # seconds from connect (or the last answer) to a complete request head
+    header_timeout: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+    # seconds to receive a body, plus its size / body_min_rate
+    body_timeout: float = Field(default=15.0, gt=0, le=86400, allow_inf_nan=False)
     body_min_rate: int = 1024 * 1024  # bytes per second
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
-    spec_writes_per_minute: float = 60.0  # POST /v1/specs per non-admin token and process, after the burst
+    # POST /v1/specs per non-admin token and process, after the burst
+    spec_writes_per_minute: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     spec_write_burst: int = 300
-    misses_per_minute: float = 6000.0  # miss rows recorded per token and process, after the burst
+    # miss rows recorded per token and process, after the burst
+    misses_per_minute: float = Field(default=6000.0, gt=0, allow_inf_nan=False)
     miss_burst: int = 20000
     blob_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=0)  # blob bytes kept in memory per process (LRU)
     token_cache_seconds: float = Field(default=5.0, ge=0, le=300)  # an authenticated token is not looked up again
@@ -137,8 +142,8 @@ class ConnectionSettings(_Section):
 
     server_url: str | None = None
     token: str | None = Field(default=None, repr=False)
-    connect_timeout: float = 1.0
-    read_timeout: float = 5.0
+    connect_timeout: float = Field(default=1.0, gt=0, le=86400, allow_inf_nan=False)
+    read_timeout: float = Field(default=5.0, gt=0, le=86400, allow_inf_nan=False)
 
 
 class CacheSettings(_Section):
@@ -174,10 +179,12 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     """The client library (:class:`plancache.client.PlanCache`)."""
 
     insecure_allow_unsigned: bool = False  # without trusted keys, admit plans checked by digest alone (normal mode)
-    request_deadline: float = 5.0  # seconds: the whole server exchange of one plan()/prefetch()
-    resolve_max_bytes: int = 256 * 1024 * 1024  # the largest resolve answer read (see README, Configuration)
-    cache_max_bytes: int = 2 * 1024 * 1024 * 1024  # disk cache size cap, LRU eviction; 0: no cap
-    cache_max_age_days: float = 30.0  # other environments' cache folders unused this long are dropped; 0: never
+    # seconds: the whole server exchange of one plan()/prefetch()
+    request_deadline: float = Field(default=5.0, gt=0, le=86400, allow_inf_nan=False)
+    resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (see README, Configuration)
+    cache_max_bytes: int = Field(default=2 * 1024 * 1024 * 1024, ge=0)  # disk cache size cap, LRU eviction; 0: no cap
+    # other environments' cache folders unused this long are dropped; 0: never
+    cache_max_age_days: float = Field(default=30.0, ge=0, allow_inf_nan=False)
     capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
     warm: Path | None = None  # the hook fetches the plans of every graph of this capture file at install
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background

@@ -22,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -31,14 +32,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .canonical import canonical_json
-from .errors import Reason, SignatureError
+from .errors import InvalidValue, Reason, SignatureError
 from .files import atomic_write
 from .protocol import DsseSignature, Envelope, PlanMeta, Withdrawal
+from .validation import INT64_MAX
+
+log = logging.getLogger("plancache.signing")
 
 #: The DSSE payload type of an in-toto statement.
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -122,8 +126,13 @@ class _Revisions:
 
     def next(self, after: int) -> int:
         with self._lock:
-            self._last = max(time.time_ns() // 1_000_000, self._last + 1, after + 1)
-            return self._last
+            if after >= INT64_MAX:
+                raise InvalidValue(f"no revision above {after}: revisions end at {INT64_MAX}")
+            # above this process's last one while that fits: one revision at the end must not refuse every later one
+            last = self._last + 1 if self._last < INT64_MAX else 0
+            revision = max(time.time_ns() // 1_000_000, last, after + 1)
+            self._last = max(self._last, revision)
+            return revision
 
 
 _REVISIONS = _Revisions()
@@ -168,10 +177,17 @@ class Signer:
 
     @classmethod
     def from_file(cls, path: Path | str) -> Signer:
-        data = Path(path).read_bytes()
+        """The key of a PEM file (``keygen`` writes it owner-only); one that others may read is used, with a
+        warning saying so."""
+        path = Path(path)
+        data = path.read_bytes()
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            log.warning("signing key %s can be read by users other than its owner (mode %o): anyone who reads it "
+                        "can sign plans your clients trust; make it owner-only (chmod 600)", path, mode & 0o777)
         try:
             key = serialization.load_pem_private_key(data, password=None)
-        except ValueError as exc:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # TypeError: an encrypted key
             raise SignatureError(Reason.BAD_KEY, f"{path}: not a PEM private key: {exc}") from exc
         if not isinstance(key, Ed25519PrivateKey):
             raise SignatureError(Reason.BAD_KEY, f"{path}: not an ed25519 private key")
@@ -199,7 +215,7 @@ class TrustedKeys:
             data = Path(path).read_bytes()
             try:
                 key = serialization.load_pem_public_key(data)
-            except ValueError as exc:
+            except (ValueError, UnsupportedAlgorithm) as exc:
                 raise SignatureError(Reason.BAD_KEY, f"{path}: not a PEM public key: {exc}") from exc
             if not isinstance(key, Ed25519PublicKey):
                 raise SignatureError(Reason.BAD_KEY, f"{path}: not an ed25519 public key")

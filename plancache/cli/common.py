@@ -36,6 +36,7 @@ from .. import __version__
 from .. import settings as settings_module
 from ..errors import (
     BlobStoreMismatch,
+    BlobStoreUnavailable,
     Forbidden,
     GpuUnavailable,
     InsufficientGpuMemory,
@@ -123,6 +124,9 @@ _ERROR_CLASSES: list[tuple[type[PlanCacheError], ExitCode, str | None]] = [
      "run `plancache db upgrade` (`plancache serve` runs it too, before it prints 'listening on')"),
     (BlobStoreMismatch, ExitCode.DATABASE,
      f"set {env_name('blob_store')} to where this database's blobs are (docs/DEPLOYMENT.md, 'Blob store')"),
+    (BlobStoreUnavailable, ExitCode.OS_ERROR,
+     f"check that the bucket of {env_name('blob_store')} exists and is reachable with the AWS_* variables "
+     "(docs/DEPLOYMENT.md, 'Blob store'), then try again"),
     (ServerUnavailable, ExitCode.SERVER_UNAVAILABLE,
      (f"check that the server is running and reachable at that URL (--server / {env_name('server_url')}), "
       "then try again")),
@@ -352,15 +356,19 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
     url = url or settings.database_url
     import sqlalchemy as sa  # the server extra: without it, MISSING_EXTRA
 
-    from ..store.blobs import check_blob_store_url
+    from ..store.blobs import open_blob_store
 
     try:
-        check_blob_store_url(settings.blob_store)  # the setting is named when wrong, before the database is
+        open_blob_store(settings.blob_store)  # the setting is named when wrong, before the database is (nothing sent)
     except ValueError as exc:
         raise Failure(f"{env_name('blob_store')}: {_one_line(exc)}",
                       f"set {env_name('blob_store')} to 'database', file:///absolute/path or s3://bucket/prefix "
                       "(docs/DEPLOYMENT.md)",
                       ExitCode.CONFIG) from None
+    except OSError as exc:  # a folder that cannot be created
+        raise Failure(f"{env_name('blob_store')}={settings.blob_store}: {describe_os_error(exc)}",
+                      f"create that folder, or point {env_name('blob_store')} at one you can write",
+                      ExitCode.OS_ERROR) from None
     try:
         store = _open_when_migrated(url, create, check_blobs, settings)
     except PlanCacheError:
@@ -480,6 +488,10 @@ def http_client(server_url: str, token: str | None, *, connect_timeout: float, r
     """An HTTP client of ``server_url``; a URL it refuses is a configuration failure naming ``--server``."""
     from ..http import HttpClient
 
+    if token is not None and not (token.isascii() and token.isprintable()):
+        raise Failure("the token has characters an HTTP header cannot carry (not printable ASCII)",
+                      f"check --token / {env_name('token')} / {env_name('admin_token')} (copy it again from "
+                      "`plancache token create`)", ExitCode.CONFIG)
     try:
         return HttpClient(server_url, token, policies=policies, connect_timeout=connect_timeout,
                           read_timeout=read_timeout)

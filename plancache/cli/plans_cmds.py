@@ -170,7 +170,7 @@ def _resign(store: Store, record: PlanRecord, signer: Signer, trusted: TrustedKe
     """Sign ``record`` again with ``signer`` (a higher revision replaces it); what happened: ``signed``,
     ``current`` (already signed by ``signer``), ``newer`` (replaced by a newer record meanwhile), or why the
     record was refused."""
-    from ..errors import StaleRevision, VerificationError
+    from ..errors import InvalidValue, StaleRevision, VerificationError
     from ..protocol import PlanMeta
     from ..verify import verify_blob
 
@@ -187,7 +187,11 @@ def _resign(store: Store, record: PlanRecord, signer: Signer, trusted: TrustedKe
         return f"plan {record.graph_key[:16]} on env {record.env_id[:12]}: its blob is not stored"
     meta = PlanMeta.model_validate(record.model_dump(include=set(PlanMeta.model_fields)))
     try:
-        store.publish_plan(signer.sign(meta), blob, replace=True)
+        signed = signer.sign(meta)
+    except InvalidValue as exc:  # its revision is the highest there is
+        return f"plan {record.graph_key[:16]} on env {record.env_id[:12]}: {exc.message}"
+    try:
+        store.publish_plan(signed, blob, replace=True)
     except StaleRevision:
         return "newer"
     return "signed"

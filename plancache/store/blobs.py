@@ -209,7 +209,11 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
     """Refuse a blob store that is not where the database's blobs are. One catalog row tells which kind
     (:func:`migrate_blobs` moves them all in one transaction), one referenced blob that it is the right folder."""
     with db.read() as conn:
-        in_rows = conn.execute(sa.select(_IN_ROW).select_from(blobs).limit(1)).scalar()
+        # whether any row holds bytes (a migration into the database leaves empty the rows whose bytes the source
+        # lacked: the first row alone could be one of those), and whether there are rows at all
+        any_in_row = conn.execute(sa.select(sa.exists().where(_IN_ROW))).scalar()
+        in_rows = True if any_in_row else (False if conn.execute(sa.select(sa.exists().select_from(blobs))).scalar()
+                                           else None)
         referenced = conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
         present = referenced is None or blob_store.has(conn, referenced)
     where = db.url.render_as_string(hide_password=True)
