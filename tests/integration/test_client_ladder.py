@@ -314,7 +314,8 @@ def test_an_oversize_blob_download_is_cut_off_at_its_record_size(srv, tmp_path, 
     huge = CountedStream(512 * 1024 * 1024, chunk=1024)
     wire = OversizeBlobs(huge)
     wire.edit_answer = lambda body: body["plans"][CONV.graph_key].update(blob_b64=None)
-    pc = client(srv, tmp_path, signer, wire=wire)
+    # a deadline that a loaded CI machine's resolve cannot miss: the cut-off, not the deadline, must end the download
+    pc = client(srv, tmp_path, signer, wire=wire, request_deadline=60.0)
     assert pc.plan(CONV).source == "rebuild" and pc._backend.deserialized == []
     assert huge.read <= len(blob) + 1 + huge.chunk, f"{huge.read} bytes read for a {len(blob)}-byte blob"
     s = pc.stats()
