@@ -168,7 +168,7 @@ def _all_records(store: Store, env_id: str | None) -> list[PlanRecord]:
 
 def _resign(store: Store, record: PlanRecord, signer: Signer, trusted: TrustedKeys, include_unsigned: bool) -> str:
     """Sign ``record`` again with ``signer`` (a higher revision replaces it); what happened: ``signed``,
-    ``current`` (already signed by ``signer``), ``newer`` (replaced by a newer record meanwhile), or why the
+    ``current`` (already signed by ``signer``), ``newer`` (replaced or withdrawn meanwhile), or why the
     record was refused."""
     from ..errors import InvalidValue, StaleRevision, VerificationError
     from ..protocol import PlanMeta
@@ -191,8 +191,8 @@ def _resign(store: Store, record: PlanRecord, signer: Signer, trusted: TrustedKe
     except InvalidValue as exc:  # its revision is the highest there is
         return f"plan {record.graph_key[:16]} on env {record.env_id[:12]}: {exc.message}"
     try:
-        store.publish_plan(signed, blob, replace=True)
-    except StaleRevision:
+        store.publish_plan(signed, blob, replace=True, expect_revision=record.revision)
+    except StaleRevision:  # replaced, withdrawn or deleted since it was read
         return "newer"
     return "signed"
 

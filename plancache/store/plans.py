@@ -88,6 +88,20 @@ def row_to_withdrawal(row: Row[Any]) -> WithdrawalRecord:
                             envelope=m["envelope"], env_id=m["env_id"], created_at=m["created_at"])
 
 
+#: Postgres advisory lock namespace (the first of the two-int keys) of one graph key on one environment.
+_PG_PLAN_LOCK = 0x706C6E73
+
+
+def lock_plan_key(conn: Connection, graph_key: str, env_id: str) -> None:
+    """Postgres: serialize the transactions that write the plan or withdrawal of ``graph_key`` on ``env_id``
+    (publish, withdraw) until commit, on every replica. Each statement after it, under READ COMMITTED, then sees what
+    the one before committed: a publish checks the withdrawal the withdraw it waited for stored, and a withdraw never
+    deletes a record between a publish's insert and its read. SQLite needs nothing: one writer at a time."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:ns, hashtext(:k))"),
+                     {"ns": _PG_PLAN_LOCK, "k": f"{graph_key}/{env_id}"})
+
+
 def _check_spec(conn: Connection, graph_key: str) -> None:
     if not spec_exists(conn, graph_key):
         raise errors.NotFound(f"no spec stored for graph key {graph_key}; upload it with the plan")
@@ -101,7 +115,7 @@ class Plans(Misses):
 
     def publish_plan(self, meta: PlanMeta, blob: bytes | None, *, job_id: int | None = None, worker_id: str | None = None,
                      lease_token: str | None = None, holder: str | None = None, replace: bool = False,
-                     candidates: CandidateTable | None = None) -> PlanRecord:
+                     candidates: CandidateTable | None = None, expect_revision: int | None = None) -> PlanRecord:
         """Store a plan in one transaction: the blob if absent, the record, its tuning run's ``candidates`` table
         (bounded by :class:`CandidateTable`, apart from the record; ``meta``'s own when it is an upload that carries
         one), and (with ``job_id``) the job's success.
@@ -114,7 +128,9 @@ class Plans(Misses):
         :class:`errors.LeaseLost` / :class:`errors.NotLeaseHolder` (``worker_id``, ``lease_token`` and the API token
         ``holder`` do not hold job ``job_id``: :func:`~.jobs.held_job`).
         Publishing the same blob again returns the stored record unchanged, unless ``replace`` and a higher revision
-        (a record signed again) replace the record.
+        (a record signed again) replace the record. ``expect_revision`` (with ``replace``: a record signed again from
+        a copy read before) publishes only over the stored record of that revision: :class:`errors.StaleRevision`
+        when it was replaced, withdrawn or deleted meanwhile.
 
         ``blob`` None publishes a blob stored before (:func:`~.content.write_blob`, ``PUT /v1/blobs``): :class:`errors.NotFound`
         unless it is there with ``meta.blob_size`` bytes. Bytes for a folder or object store are written before the
@@ -137,6 +153,7 @@ class Plans(Misses):
                                   "first (PUT /v1/blobs/{sha256}), then publish its record")
         env = meta.environment
         with self.db.write() as conn:
+            lock_plan_key(conn, meta.graph_key, env.env_id)
             now = self.db.now(conn)  # the database's time, as for the job's lease
             values = _record_values(meta, job_id, now)
             if job_id is not None:
@@ -150,7 +167,18 @@ class Plans(Misses):
                         f"the plan for graph key {meta.graph_key} on {env.describe()} was withdrawn at revision "
                         f"{withdrawn.revision}; this plan has revision {meta.revision}: only a plan signed after the "
                         "withdrawal (a higher revision) takes its place")
+                if expect_revision is not None:
+                    raise errors.StaleRevision(f"the plan for graph key {meta.graph_key} on {env.describe()} was "
+                                               f"withdrawn at revision {withdrawn.revision} after it was read")
                 conn.execute(sa.delete(withdrawals).where(withdrawals.c.id == withdrawn.id))  # superseded
+            if expect_revision is not None:
+                stored = conn.execute(sa.select(plans.c.revision).where(
+                    plans.c.graph_key == meta.graph_key, *same_env(plans, env))).scalar()
+                if stored != expect_revision:
+                    raise errors.StaleRevision(
+                        f"the plan for graph key {meta.graph_key} on {env.describe()} is "
+                        f"{'gone' if stored is None else f'revision {stored}'}, not revision {expect_revision} "
+                        "as read: it changed meanwhile")
             if blob is not None:
                 insert_blob_row(conn, meta.blob_sha256, len(blob), now)
             elif not hold_blob_row(conn, meta.blob_sha256, meta.blob_size, self.blob_store.url == "database", now):
@@ -216,6 +244,7 @@ class Plans(Misses):
                                                     "the key clients trust (`plancache plans withdraw` does)")
         where = (withdrawals.c.graph_key == w.graph_key, *same_env(withdrawals, env))
         with self.db.write() as conn:
+            lock_plan_key(conn, w.graph_key, env.env_id)
             now = self.db.now(conn)
             plan = conn.execute(sa.select(plans.c.id, plans.c.revision, plans.c.blob_sha256).where(
                 plans.c.graph_key == w.graph_key, *same_env(plans, env)).with_for_update()).first()
