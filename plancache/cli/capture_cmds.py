@@ -33,7 +33,7 @@ def capture(
     if out.exists():
         try:
             parse_capture(json.loads(out.read_text(encoding="utf-8")))
-        except (OSError, ValueError, SpecError) as exc:
+        except (OSError, ValueError, RecursionError, SpecError) as exc:
             raise Failure(f"{out} exists and is not a capture file this plancache can add to ({exc})",
                           "give --out a new file, or a capture file written by plancache capture",
                           ExitCode.USAGE) from None

@@ -4,6 +4,7 @@ optionally the variants of each graph along shape axes (``--vary``)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,8 +53,11 @@ def enqueue(
     from ..client.remote import Remote
     from ..errors import Forbidden, Unauthorized
     from ..http import Backoff, Retry
-    from ..protocol import TargetEnvironment, TuneRequest
+    from ..protocol import MAX_KEYS_PER_REQUEST, PRIORITY_MAX, TargetEnvironment, TuneRequest
 
+    if abs(priority) > PRIORITY_MAX:  # before any spec is registered
+        raise Failure(f"--priority {priority}: a priority is between -{PRIORITY_MAX} and {PRIORITY_MAX}",
+                      "see `plancache enqueue --help`", ExitCode.USAGE)
     specs = [item for p in files for item in _load(p)]
     if vary:
         specs = _variants(specs, _parse_vary(vary))
@@ -80,9 +84,9 @@ def enqueue(
             jobs = []
             for source in ("admin", "capture"):
                 keys = list(dict.fromkeys(s.graph_key for _, s, captured in specs if captured == (source == "capture")))
-                if keys:
-                    jobs += api.enqueue(TuneRequest(graph_keys=keys, targets=[target], priority=priority,
-                                                    source=source))
+                for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):  # a request takes this many keys at most
+                    jobs += api.enqueue(TuneRequest(graph_keys=keys[start:start + MAX_KEYS_PER_REQUEST],
+                                                    targets=[target], priority=priority, source=source))
     except (Unauthorized, Forbidden) as exc:
         raise Failure(f"{exc.message} (enqueue needs an admin token)", GIVE_ADMIN_TOKEN, ExitCode.AUTH) from None
     names = {s.graph_key: name for name, s, _ in specs}
@@ -97,7 +101,7 @@ def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
 
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         doc = None  # load_spec_file names the problem
     if not is_capture(doc):
         return [(path.name, load_spec_file(path), False)]
@@ -109,6 +113,9 @@ def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
 
 
 def _parse_vary(values: list[str]) -> dict[str, list[int]]:
+    from ..client.capture import AXIS_ALIASES
+    from ..protocol import MAX_KEYS_PER_REQUEST
+
     axes: dict[str, list[int]] = {}
     for value in values:
         name, _, sizes = value.partition("=")
@@ -120,6 +127,15 @@ def _parse_vary(values: list[str]) -> dict[str, list[int]]:
             raise Failure(f"--vary {value!r}: expected AXIS=SIZES with positive integer sizes, each axis once",
                           "e.g. --vary s=128,256,512 --vary b=1,8", ExitCode.USAGE)
         axes[name] = list(dict.fromkeys(numbers))
+    parts = [part for name in axes for part in AXIS_ALIASES.get(name, (name,))]
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:  # s and s_q: one would override the other in every variant, whatever its label says
+        raise Failure(f"--vary {', '.join(axes)}: {', '.join(twice)} given twice (s is s_q and s_kv together)",
+                      "give s, or s_q and s_kv", ExitCode.USAGE)
+    combinations = math.prod(len(sizes) for sizes in axes.values())
+    if combinations > MAX_KEYS_PER_REQUEST:
+        raise Failure(f"--vary: {combinations} combinations of sizes per graph; the limit is {MAX_KEYS_PER_REQUEST}",
+                      "give fewer sizes, or enqueue in several runs", ExitCode.USAGE)
     return axes
 
 

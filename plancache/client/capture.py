@@ -105,7 +105,7 @@ def read_capture(path: str | os.PathLike[str]) -> list[tuple[GraphSpec, int]]:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the capture file ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise SpecError(f"{path}: not a capture file (not JSON: {exc})") from None
     if not is_capture(doc):
         raise SpecError(f"{path}: not a capture file (write one with plancache capture or PLANCACHE_CAPTURE)")
@@ -121,11 +121,23 @@ class Recorder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._specs: dict[str, GraphSpec] = {}
         self._pending: Counter[str] = Counter()
 
+    def _own(self) -> None:
+        """In a process forked from the one that made this recorder, start afresh: the counts pending in the parent
+        are the parent's to write (a child that wrote them too counted them twice), its lock may be held by a thread
+        the child does not have, and the child's first build of each key is written at once."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._specs = {}
+            self._pending = Counter()
+
     def add(self, spec: GraphSpec) -> None:
+        self._own()
         with self._lock:
             new = spec.graph_key not in self._specs
             self._specs.setdefault(spec.graph_key, spec)
@@ -134,6 +146,7 @@ class Recorder:
                 self._flush()
 
     def flush(self) -> None:
+        self._own()
         with self._lock:
             self._flush()
 
@@ -143,8 +156,12 @@ class Recorder:
         with _file_lock(self.path):
             graphs: dict[str, dict[str, Any]] = {}
             if self.path.exists():
-                for spec, count in parse_capture(json.loads(self.path.read_text(encoding="utf-8"))):
-                    graphs[spec.graph_key] = _entry(spec, count)
+                try:
+                    doc = json.loads(self.path.read_text(encoding="utf-8"))
+                except RecursionError:
+                    raise SpecError(f"{self.path}: not a capture file (nested too deeply)") from None
+                for spec, count in parse_capture(doc):  # a key listed twice (files merged by hand): both counts
+                    graphs.setdefault(spec.graph_key, _entry(spec, 0))["count"] += count
             for key, n in self._pending.items():
                 entry = graphs.setdefault(key, _entry(self._specs[key], 0))
                 entry["count"] += n
@@ -182,10 +199,14 @@ def vary(spec: GraphSpec, sizes: dict[str, int]) -> GraphSpec:
     code builds at that shape. :class:`SpecError` when the graph has no such axis or tensors :func:`vary` cannot
     move consistently (other node types; a bias, mask or sequence-length input)."""
     wanted: dict[str, int] = {}
+    given: dict[str, str] = {}  # part -> the axis of sizes that sets it
     for axis, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise SpecError(f"axis {axis}: a size is a positive integer, not {size!r}")
         for part in AXIS_ALIASES.get(axis, (axis,)):
+            if part in given:  # s and s_q: one would silently override the other
+                raise SpecError(f"axes {given[part]} and {axis} both set {part}; give one of them")
+            given[part] = axis
             wanted[part] = size
     available = axes_of(spec)
     missing = [a for a in sizes if a not in available]

@@ -30,6 +30,7 @@ class Status:
     jobs: list[Job]
     job_counts: dict[str, int]
     miss_reasons: dict[tuple[str, str], str] = field(default_factory=dict)  # (env id, graph key) -> why no plan
+    planned_misses: set[tuple[str, str]] = field(default_factory=set)  # (env id, graph key) missed, planned since
     generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -44,6 +45,8 @@ def gather(store: Any, autotune: AutotunePolicy | None = None) -> Status:
         for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group],
                                                  autotune=autotune).items():
             status.miss_reasons[env_id, key] = reason.message
+            if reason.reason == "planned":  # its plan may be older than the newest PLANS_SHOWN read above
+                status.planned_misses.add((env_id, key))
     return status
 
 
@@ -111,7 +114,7 @@ def render(status: Status) -> str:
     missed: dict[str, set[str]] = defaultdict(set)
     for m in status.misses:
         envs.setdefault(m.env_id, m.environment.describe())
-        if m.graph_key not in planned[m.env_id]:
+        if m.graph_key not in planned[m.env_id] and (m.env_id, m.graph_key) not in status.planned_misses:
             missed[m.env_id].add(m.graph_key)
     coverage = sorted(((envs[e], len(planned[e]), len(missed[e])) for e in envs), key=lambda r: r[0])
     counts = "".join(f"<span class='pill'>{escape(s)} {n}</span>" for s, n in status.job_counts.items())

@@ -89,3 +89,43 @@ def test_an_edited_capture_file_is_refused(server, capture_file):
     capture_file.write_text(capture_file.read_text().replace('"count": 2', '"count": 0'))
     expected_failure(enqueue(server, str(capture_file)), ExitCode.FAILED, "not a valid capture file",
                      "plancache capture")
+
+
+@pytest.mark.parametrize(("args", "phrase"), [
+    (["--vary", "s=128", "--vary", "s_q=64,256"], "s_q given twice"),     # each variant's s_q would be one of them
+    (["--vary", "s=" + ",".join(map(str, range(1, 201))), "--vary", "b=" + ",".join(map(str, range(1, 101)))],
+     "20000 combinations"),                                               # refused before any is built
+    (["--priority", "2000000"], "--priority 2000000"),                    # refused before any spec is registered
+])
+def test_vary_and_priority_out_of_bounds_are_usage_errors(server, capture_file, args, phrase):
+    expected_failure(enqueue(server, str(capture_file), *args), ExitCode.USAGE, phrase)
+    assert server.store.list_jobs() == []
+
+
+def test_a_capture_or_spec_file_nested_too_deeply_is_refused(server, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    expected_failure(enqueue(server, str(deep)), ExitCode.FAILED, "nested too deeply")
+    out = CliRunner().invoke(make_app(), ["capture", "--out", str(deep), "--", "true"])
+    expected_failure(out, ExitCode.USAGE, "is not a capture file")
+
+
+def test_more_keys_than_one_request_takes_are_queued_in_several(server, tmp_path, monkeypatch):
+    """Before: over MAX_KEYS_PER_REQUEST (10,000) keys, the TuneRequest failed to validate (an internal error) after
+    every spec was registered, and no job was queued (10,001 variants: 32.7 s, then exit 70). Now the keys go in
+    requests of that many at most (here a limit of 3, so that the test registers 6 specs, not 10,002)."""
+    import plancache.protocol
+    from plancache.worker.jobs_api import JobsApi
+
+    monkeypatch.setattr(plancache.protocol, "MAX_KEYS_PER_REQUEST", 3)
+    sent: list[int] = []
+    real = JobsApi.enqueue
+    monkeypatch.setattr(JobsApi, "enqueue", lambda self, req: (sent.append(len(req.graph_keys)), real(self, req))[1])
+    path = tmp_path / "graphs.json"
+    recorder = Recorder(path)
+    for b in (2, 3):
+        recorder.add(attention(512, 512, b))
+    recorder.flush()
+    result = enqueue(server, str(path), "--vary", "s=128,256,512")
+    assert result.exit_code == 0, result.output[-2000:]
+    assert sent == [3, 3] and len(server.store.list_jobs()) == 6

@@ -106,3 +106,24 @@ def test_chromium_renders_the_page(tmp_path, make_spec, make_plan, gpu_env):
     if os.environ.get("UPDATE_STATUS_SCREENSHOT"):  # UPDATE_STATUS_SCREENSHOT=1 pytest -k chromium: retake it
         shutil.copyfile(shot, docs_shot)
     assert docs_shot.is_file(), "docs/ shows a screenshot of the page taken this way"
+
+
+def test_a_missed_graph_whose_plan_is_older_than_the_plans_shown_is_not_counted_as_without_a_plan(
+        store, make_spec, make_plan, gpu_env, clock, monkeypatch):
+    """The page read the newest PLANS_SHOWN plans and counted every missed key outside them as "missed, no plan":
+    a graph missed before it was tuned (its miss row stays) whose plan was older showed as having none."""
+    from plancache.server import status_page
+
+    monkeypatch.setattr(status_page, "PLANS_SHOWN", 1)
+    (old, old_spec), (new, new_spec) = make_spec(0), make_spec(1)
+    store.put_spec(old, old_spec)
+    store.put_spec(new, new_spec)
+    store.record_misses(gpu_env, [old])
+    store.publish_plan(*make_plan(old, gpu_env, blob=b"old"))
+    clock.advance(60)
+    store.publish_plan(*make_plan(new, gpu_env, blob=b"new"))
+    with open_api(store) as api:
+        page = api.client.get("/ui", headers=api.reader).text
+    row = next(r for r in page.split("<tr>") if r.startswith(f"<td>{gpu_env.describe()}"))
+    assert "<td class='n'>1</td><td class='n'>0</td></tr>" in row, row   # 1 plan shown; no missed graph lacks one
+    assert "a tuned plan exists" in page

@@ -1,0 +1,88 @@
+"""Capture files on the CPU, without FE: the merge of counts into a file (a forked process, a key listed twice, a
+hostile file) and vary's axes (SpecBuilder graphs; tests/unit/test_capture.py checks FE's own pygraphs)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from plancache.client import hook
+from plancache.client.capture import Recorder, parse_capture, read_capture, variants, vary
+from plancache.errors import SpecError
+from plancache.spec import SpecBuilder
+
+
+def attention(s: int, b: int = 2):
+    builder = SpecBuilder(io_data_type="bfloat16", name="attention")
+    q, k, v = (builder.tensor(n, dim=[b, 8, s, 64]) for n in ("Q", "K", "V"))
+    builder.sdpa(q, k, v, causal=True).set_output(True).set_name("O")
+    return builder.build()
+
+
+def counts(path) -> dict[str, int]:
+    return {spec.graph_key: n for spec, n in parse_capture(json.loads(path.read_text()))}
+
+
+class Graph:
+    """Stands for an FE graph (the hook counts each graph object once)."""
+
+
+def _child_builds(spec) -> None:
+    hook._count(Graph(), spec)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_does_not_write_its_parent_s_pending_counts(tmp_path):
+    """A forked child (a fork-started worker) inherited the recorder with the parent's unwritten counts and wrote them
+    at its own first build; the parent wrote them again at exit: a graph built 3 times was counted 5."""
+    path = tmp_path / "graphs.json"
+    a, b = attention(512), attention(256)
+    hook._start_capture(path)
+    try:
+        for _ in range(3):
+            hook._count(Graph(), a)               # the first written at once, two pending
+        child = multiprocessing.get_context("fork").Process(target=_child_builds, args=(b,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        hook._stop_capture()                      # the parent's exit flush
+    assert counts(path) == {a.graph_key: 3, b.graph_key: 1}
+
+
+def test_a_key_listed_twice_keeps_both_counts(tmp_path):
+    """Two capture files merged by hand list a key twice: adding to the file kept only the last entry's count."""
+    path = tmp_path / "graphs.json"
+    a = attention(512)
+    entry = {"graph_key": a.graph_key, "name": a.name, "spec": a.to_json()}
+    path.write_text(json.dumps({"format": "plancache-capture", "version": 1,
+                                "graphs": [{**entry, "count": 2}, {**entry, "count": 3}]}))
+    Recorder(path).add(a)
+    assert counts(path) == {a.graph_key: 6}
+
+
+def test_a_capture_file_nested_too_deeply_is_a_spec_error_and_never_breaks_the_build(tmp_path, caplog):
+    path = tmp_path / "graphs.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SpecError, match="not a capture file"):
+        read_capture(path)                        # a warm start: warms nothing in normal mode
+    with pytest.raises(SpecError, match="nested too deeply"):
+        Recorder(path).add(attention(512))
+    hook._start_capture(path)
+    try:
+        hook._count(Graph(), attention(512))      # the program's build goes on; the failure is logged
+    finally:
+        hook._stop_capture()
+    assert "could not write the capture file" in caplog.text
+
+
+@pytest.mark.parametrize("sizes", [{"s": 1024, "s_q": 128}, {"s_q": 128, "s": 1024}, {"s_kv": 64, "s": 32}])
+def test_two_axes_that_set_one_dim_are_refused(sizes):
+    """s is s_q and s_kv together: with s_q too, whichever came last set s_q, and every variant was labelled with a
+    size it did not have."""
+    with pytest.raises(SpecError, match="both set"):
+        vary(attention(512), sizes)
+    assert [c for c, _ in variants(attention(512), {"s_q": [128], "s_kv": [64]})] == [{"s_q": 128, "s_kv": 64}]
