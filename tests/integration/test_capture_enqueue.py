@@ -86,7 +86,7 @@ def test_vary_without_a_graph_that_has_the_axis(server):
 
 
 def test_an_edited_capture_file_is_refused(server, capture_file):
-    capture_file.write_text(capture_file.read_text().replace('"count": 2', '"count": 0'))
+    capture_file.write_text(capture_file.read_text().replace('"count":2', '"count":0'))
     expected_failure(enqueue(server, str(capture_file)), ExitCode.FAILED, "not a valid capture file",
                      "plancache capture")
 
