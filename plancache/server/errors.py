@@ -120,6 +120,11 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
 
 async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OSError)
+    if request.method == "PUT" and exc.errno == errno.ENOENT:  # the file being written vanished under the writer
+        log.error("blob store lost a file while %s %s was written: %s", request.method, request.url.path, exc)
+        return error_response(503, "blob_store_unavailable", "the blob's file was removed while it was written (a "
+                              "`plans gc` whose grace is shorter than an upload?); nothing was stored, retry",
+                              {"Retry-After": "1"})
     if exc.errno not in STORAGE_ERRNOS:
         return await _internal_error(request, exc)
     name = errno.errorcode.get(exc.errno, str(exc.errno))

@@ -116,3 +116,23 @@ def test_a_blob_the_store_cannot_read_is_503_not_insufficient_storage(file_store
         assert "cannot be read now (EACCES" in answer.json()["error"]["message"] and "Retry-After" in answer.headers
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
 
+
+
+def test_a_blob_file_removed_while_it_is_written_is_503_retry(file_store: Any, make_spec: Any,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Before: a `plans gc` with no grace deleting an upload's temporary file (found by an audit with two replicas)
+    made the upload's rename fail with FileNotFoundError: a 500 and a traceback. Now 503, retry."""
+    real_replace = os.replace
+
+    def vanished(src: Any, dst: Any) -> None:  # gc deleted the temporary file just before the rename
+        os.unlink(src)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", vanished)
+    with open_api(file_store) as api, caplog.at_level(logging.INFO):
+        r = put_blob(api.client, b"plan bytes" * 1000, api.admin, check=False)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
+    assert "removed while it was written" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
+    assert _files(file_store.blob_store.root) == []
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
