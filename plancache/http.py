@@ -78,7 +78,7 @@ def error_body(resp: httpx.Response) -> tuple[str, str]:
     try:
         body = resp.json()["error"]
         code, message = str(body["code"]), str(body["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past the stack
         code, message = f"http_{resp.status_code}", resp.text or resp.reason_phrase
     return code, message[:MAX_MESSAGE_CHARS]
 
@@ -194,6 +194,8 @@ class CircuitBreaker:
         try:
             result = attempt()
         except ServerUnavailable as exc:
+            if exc.skipped:  # nothing was sent (e.g. its deadline had passed): says nothing about the server
+                raise
             raise self._trip(exc.message) from None
         except PlanCacheError as exc:
             if call.trips_on_auth and exc.http_status in AUTH_STATUSES:
@@ -290,8 +292,7 @@ class HttpClient:
         ServerUnavailable, at that instant)."""
         call = Call(method, self.server_url + path, retry, trips_on_auth, self.stop)
         headers = dict(headers or {})
-        if max_bytes is not None:
-            headers["Accept-Encoding"] = "identity"  # the cap counts what is sent
+        headers["Accept-Encoding"] = "identity"  # the server never compresses; a size cap counts what is sent
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
 
@@ -352,6 +353,9 @@ class HttpClient:
         def too_large(how: str) -> ServerUnavailable:
             return ServerUnavailable(f"{call}: the answer {how} the {max_bytes}-byte limit of this call; not read further")
 
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # asked for none: decoding could turn a few KiB into gigabytes at once
+            raise ServerUnavailable(f"{call}: the answer is {encoding[:40]}-encoded; identity was asked for")
         if max_bytes is not None:
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:
@@ -376,7 +380,7 @@ class HttpClient:
         next chunk; its timeouts are already no longer than the deadline."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ServerUnavailable(f"{call}: not sent, its deadline has passed")
+            raise ServerUnavailable(f"{call}: not sent, its deadline has passed", skipped=True)
         done, cancel = threading.Event(), threading.Event()
         outcome: list[httpx.Response | BaseException] = []
 

@@ -83,7 +83,8 @@ def worker(
         options = ["--server", server, "--signing-key", str(key_file), "--poll-interval", repr(poll_interval),
                    "--shutdown-grace", repr(shutdown_grace), *(["--once"] if once else [])]
         raise typer.Exit(_supervise(options, token, worker_id, spool_root, spool_fix,
-                                    settings.build_processes if build_processes is None else build_processes))
+                                    settings.build_processes if build_processes is None else build_processes,
+                                    kill_after=shutdown_grace + 60))
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
     client = open_jobs_api(server, token, settings, retry=Retry())
     stop = threading.Event()
@@ -103,7 +104,7 @@ def worker(
 
 
 def _supervise(options: list[str], token: str, worker_id: str, spool_root: Path, spool_fix: str,
-               build_processes: int | None) -> int:
+               build_processes: int | None, *, kill_after: float = 60.0) -> int:
     """Run one worker per visible GPU (:func:`worker_children`) under a supervisor; its exit status."""
     import os
 
@@ -122,7 +123,8 @@ def _supervise(options: list[str], token: str, worker_id: str, spool_root: Path,
     count = torch.cuda.device_count()
     builders = default_processes(max(usable_cores() // count, 1)) if build_processes is None else build_processes
     spools = [writable_folder(spool_root / f"gpu{n}", "the worker spool folder", spool_fix) for n in range(count)]
-    supervisor = Supervisor(worker_children(options, token, worker_id, spools, builders, os.environ))
+    supervisor = Supervisor(worker_children(options, token, worker_id, spools, builders, os.environ),
+                            kill_after=kill_after)  # a worker stuck past its drain is killed
     supervisor.install_signal_handlers()
     return supervisor.run()
 

@@ -114,7 +114,7 @@ class Remote:
         credentials at all, through a client of its own that trips no breaker; else ``GET /v1/blobs/{sha256}``."""
         limit = self.max_blob_bytes if size is None else min(size, self.max_blob_bytes)
         if url is None or url.startswith("/"):
-            return self.http.request("GET", url or f"/v1/blobs/{sha256}", max_bytes=limit, deadline=deadline).content
+            return self.http.read("GET", url or f"/v1/blobs/{sha256}", _blob_bytes, max_bytes=limit, deadline=deadline)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ServerUnavailable(f"blob {sha256}: the server named {url[:100]!r}, not a path or an http(s) URL")
@@ -125,7 +125,7 @@ class Remote:
                 http = self._elsewhere[origin] = HttpClient(origin, None, connect_timeout=self.http.connect_timeout,
                                                             read_timeout=self.http.read_timeout,
                                                             transport=self._transport)
-        return http.request("GET", url[len(origin):], max_bytes=limit, deadline=deadline, retry=False).content
+        return http.read("GET", url[len(origin):], _blob_bytes, max_bytes=limit, deadline=deadline, retry=False)
 
     def register_spec(self, spec: GraphSpec, *, deadline: float | None = None) -> str:
         """``POST /v1/specs``: store the spec so an admin can tune its key; returns the server's graph key.
@@ -138,3 +138,11 @@ class Remote:
         self.http.close()
         for http in self._elsewhere.values():
             http.close()
+
+
+def _blob_bytes(resp: httpx.Response) -> bytes:
+    """The body of a 200 answer; any other answer below 400 (a redirect, which is not followed, 204, 304) holds no
+    blob: a malformed answer (ServerUnavailable), so that a presigned URL's failure falls back to the server."""
+    if resp.status_code != 200:
+        raise ValueError(f"{resp.status_code} {resp.reason_phrase}, not 200 with the blob")
+    return resp.content

@@ -12,6 +12,7 @@ manager sees the failure and restarts the set, instead of a host running short o
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import FrameType
 from typing import IO
 
@@ -28,6 +30,8 @@ log = logging.getLogger("plancache.worker")
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 #: How long the output of a child that exited is still copied.
 PUMP_GRACE_SECONDS = 5.0
+#: The longest line of a child's output copied as one line (a longer one is copied in pieces of this many characters).
+MAX_LINE_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class Supervisor:
     """Runs ``children`` until all have exited (see the module docstring); their output goes to ``out``.
     ``poll``: seconds between looks at the children and at the signals received."""
 
-    def __init__(self, children: Sequence[Child], *, out: IO[str] | None = None, poll: float = 0.1) -> None:
+    def __init__(self, children: Sequence[Child], *, out: IO[str] | None = None, poll: float = 0.1,
+                 kill_after: float = 60.0) -> None:
         if not children:
             raise ValueError("a supervisor needs at least one child")
         if len({c.label for c in children}) != len(children):
@@ -57,6 +62,8 @@ class Supervisor:
         self.children = list(children)
         self.out = out if out is not None else sys.stderr
         self.poll = poll
+        self.kill_after = kill_after  # a child still running this long after it was told to stop is killed
+        self._stopping_since: float | None = None
         self._signals: list[int] = []  # received, not yet forwarded (appended by the signal handler)
         self._out_lock = threading.Lock()
 
@@ -96,6 +103,12 @@ class Supervisor:
                     if running:
                         log.error("stopping the other %d worker(s)", len(running))
                         self._signal(running.values(), signal.SIGTERM)
+            if running and self._stopping_since is not None and \
+                    time.monotonic() - self._stopping_since > self.kill_after:
+                log.error("%d worker(s) still running %.0f s after they were told to stop; killing them",
+                          len(running), self.kill_after)
+                self._signal(running.values(), signal.SIGKILL)
+                self._stopping_since = math.inf  # killed once
             if running:
                 time.sleep(self.poll)
         for pump in pumps:  # a builder process outliving its worker may hold the pipe a little longer
@@ -123,8 +136,9 @@ class Supervisor:
             raise
         return procs, pumps
 
-    @staticmethod
-    def _signal(procs: Iterable[subprocess.Popen[str]], signum: int) -> None:
+    def _signal(self, procs: Iterable[subprocess.Popen[str]], signum: int) -> None:
+        if self._stopping_since is None:
+            self._stopping_since = time.monotonic()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -133,7 +147,7 @@ class Supervisor:
         """Copy the child's output to :attr:`out`, each line behind ``[label]``."""
         assert proc.stdout is not None
         with proc.stdout:
-            for line in proc.stdout:
+            for line in iter(partial(proc.stdout.readline, MAX_LINE_CHARS), ""):
                 text = line.removesuffix("\n")
                 with self._out_lock:
                     self.out.write(f"[{label}] {text}\n")
