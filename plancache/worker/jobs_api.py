@@ -7,6 +7,7 @@ HTTP layer (:mod:`plancache.http`). A refusal arrives as its error class (``409 
 from __future__ import annotations
 
 import secrets
+import time
 
 from .._httpx import httpx
 from ..environment import Environment
@@ -65,9 +66,10 @@ class JobsApi:
     # that claimed the job (403 ``not_lease_holder`` → :class:`~plancache.errors.NotLeaseHolder` otherwise).
 
     def heartbeat(self, job_id: int, lease: LeaseRequest, *, timeout: float | None = None) -> None:
-        """Extend the lease: one attempt (the caller beats again on its own schedule)."""
+        """Extend the lease: one attempt (the caller beats again on its own schedule), its whole answer within
+        twice ``timeout`` (connect and answer): an answer trickled byte by byte cannot hold the beat past it."""
         self.http.request("POST", f"/v1/jobs/{job_id}/heartbeat", body=lease.model_dump(mode="json"), timeout=timeout,
-                          retry=False)
+                          retry=False, deadline=None if timeout is None else time.monotonic() + 2 * timeout)
 
     def complete(self, job_id: int, req: CompleteRequest) -> None:
         self.http.request("POST", f"/v1/jobs/{job_id}/complete", body=req.model_dump(mode="json"))

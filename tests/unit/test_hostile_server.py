@@ -184,3 +184,25 @@ print(out.n, out.longest, peak // 1024)
     done = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     pieces, longest, rss_mib = map(int, done.stdout.split())
     assert pieces > 1000 and longest < 100_000 and rss_mib < 150, done.stdout
+
+
+def test_a_heartbeat_answer_trickled_byte_by_byte_ends_at_its_deadline(servers):
+    """Before: a heartbeat had per-read timeouts only, so an answer sent a byte every 0.1 s held the beat thread (and
+    the worker's halt(), which joins it) for as long as the server kept trickling. Now its whole answer is due within
+    twice its timeout."""
+    from plancache.protocol import LeaseRequest
+    from plancache.worker.jobs_api import JobsApi
+
+    def trickle(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+        for _ in range(1000):
+            conn.sendall(b" ")
+            time.sleep(0.1)
+
+    servers.append(srv := RawServer(lambda path: trickle))
+    jobs = JobsApi(HttpClient(srv.url, "t", connect_timeout=2, read_timeout=2))
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable):
+        jobs.heartbeat(1, LeaseRequest(worker_id="w1", lease_token="tok"), timeout=0.5)
+    assert time.monotonic() - start < 2.0
+    jobs.close()
