@@ -134,6 +134,26 @@ class RecordingBackend:
             self.on_device_now = False
 
 
+def read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
+    """One HTTP request from a raw socket: its head (request line and headers) and its body (``Content-Length``
+    bytes); None when the peer hung up before the head ended."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head, body
+
+
 class DripServer:
     """A raw HTTP/1.1 server on 127.0.0.1 that answers every request with ``body`` (JSON), one byte every
     ``interval`` seconds — the body only, or the status line and headers too (``drip_headers``). ``sent``
@@ -176,17 +196,8 @@ class DripServer:
         with conn:
             try:
                 conn.settimeout(5)
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, rest = data.split(b"\r\n\r\n", 1)
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(rest) < length:
-                    rest += conn.recv(65536)
+                if read_request(conn) is None:
+                    return
                 self.requests += 1
                 status = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(self.body)}\r\n\r\n").encode()

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from plancache import errors
-from plancache.protocol import PlanRecord, Withdrawal
+from plancache.protocol import PlanMeta, PlanRecord, Withdrawal
 from plancache.store import open_store
 from tests.factories import make_meta, new_signer
 
@@ -26,19 +26,25 @@ def _pause_before_commit(store, statement_prefix: str, entered: threading.Event,
             time.sleep(seconds)
 
 
+def _published_with_its_withdrawal(store, make_spec, gpu_env) -> tuple[str, PlanMeta, bytes, Withdrawal]:
+    """A plan published on ``store`` and a signed withdrawal of it (not sent): its key, record, blob and withdrawal."""
+    signer = new_signer()
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    blob = b"the plan that turned out wrong" * 10
+    meta = make_meta(key, gpu_env, blob, signer)
+    record = store.publish_plan(meta, blob)
+    return key, meta, blob, signer.sign_withdrawal(Withdrawal(
+        graph_key=key, environment=gpu_env, blob_sha256=record.blob_sha256, withdrawn_revision=record.revision,
+        reason="wrong"))
+
+
 @pytest.mark.postgres
 def test_a_withdrawn_plan_published_again_during_the_withdrawal_stays_withdrawn(postgres_url, make_spec, gpu_env):
     a = open_store(postgres_url, create=True)
     b = open_store(postgres_url)
     try:
-        signer = new_signer()
-        key, spec = make_spec(0)
-        a.put_spec(key, spec)
-        blob = b"the plan that turned out wrong" * 10
-        meta = make_meta(key, gpu_env, blob, signer)
-        record = a.publish_plan(meta, blob)
-        w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record.blob_sha256,
-                                              withdrawn_revision=record.revision, reason="wrong"))
+        key, meta, blob, w = _published_with_its_withdrawal(a, make_spec, gpu_env)
         entered = threading.Event()
         _pause_before_commit(a, "INSERT INTO WITHDRAWALS", entered, 1.0)
         t = threading.Thread(target=a.withdraw_plan, args=(w,))
@@ -64,14 +70,7 @@ def test_a_publish_racing_a_withdrawal_after_its_insert_is_refused_cleanly(postg
     a = open_store(postgres_url, create=True)
     b = open_store(postgres_url)
     try:
-        signer = new_signer()
-        key, spec = make_spec(0)
-        a.put_spec(key, spec)
-        blob = b"the plan that turned out wrong" * 10
-        meta = make_meta(key, gpu_env, blob, signer)
-        record = a.publish_plan(meta, blob)
-        w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record.blob_sha256,
-                                              withdrawn_revision=record.revision, reason="wrong"))
+        key, meta, blob, w = _published_with_its_withdrawal(a, make_spec, gpu_env)
         entered = threading.Event()
         _pause_before_commit(b, "INSERT INTO PLANS", entered, 1.0)
         result: list[object] = []

@@ -25,7 +25,7 @@ from plancache.errors import ServerUnavailable
 from plancache.http import CircuitBreaker, HttpClient
 from plancache.protocol import ResolvedPlan, ResolveResponse
 from plancache.worker.supervisor import Child, Supervisor
-from tests.client_fakes import RecordingBackend
+from tests.client_fakes import RecordingBackend, read_request
 from tests.factories import H200, make_record, new_signer, trusted
 from tests.integration.test_client_ladder import CONV, blob_of
 
@@ -50,17 +50,10 @@ class RawServer:
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")), 0)
-            while len(body) < length:
-                body += conn.recv(65536)
-            line = head.split(b"\r\n")[0].decode()
+            request = read_request(conn)
+            if request is None:
+                return
+            line = request[0].split(b"\r\n")[0].decode()
             self.lines.append(line)
             out = self.answer(line.split(" ")[1])
             with contextlib.suppress(OSError):
