@@ -191,6 +191,11 @@ def _check_value(value: Any, where: str, uids: set[int], depth: int = 0) -> None
     if value is None or isinstance(value, (bool, str)):
         if isinstance(value, str) and len(value) > MAX_NAME:
             raise SpecError(f"{where}: string longer than {MAX_NAME}")
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): the UTF-8 of the key cannot hold it
+                raise SpecError(f"{where}: string {value[:40]!r} is not valid Unicode (a lone surrogate)") from None
         return
     if isinstance(value, int):
         if abs(value) > MAX_UID:
@@ -485,7 +490,10 @@ class GraphSpec(_Strict):
             return self._canonical
         remap = self.canonical_uids()
         uids = [t.uid for t in self.tensors]
-        if all(k == v for k, v in remap.items()) and uids == sorted(uids):
+        # ports in the order the key reads them (sorted): FE lowers a POINTWISE node's inputs by position, in the
+        # order its dict holds them, so a document listing IN_1 before IN_0 would build b - a under a - b's key
+        ports_sorted = all(list(ports) == sorted(ports) for n in self.nodes for ports in (n.inputs, n.outputs))
+        if all(k == v for k, v in remap.items()) and uids == sorted(uids) and ports_sorted:
             self._canonical = self
             return self
         doc = self.to_json()
@@ -495,7 +503,7 @@ class GraphSpec(_Strict):
                 t["ragged_offset"] = remap[t["ragged_offset"]]
         for n in doc["nodes"]:
             for section in ("inputs", "outputs"):
-                n[section] = {p: remap[u] for p, u in n[section].items()}
+                n[section] = {p: remap[n[section][p]] for p in sorted(n[section])}
             n["params"] = _map_tensors(n["params"], remap)
         doc["tensors"].sort(key=lambda t: t["uid"])
         self._canonical = parse_spec(doc)

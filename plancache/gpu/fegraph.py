@@ -65,6 +65,29 @@ def _value(value: Any, tensors: dict[int, Tensor], where: str) -> Any:
     return {k: _value(v, tensors, f"{where}.{k}") for k, v in value["$dict"].items()}
 
 
+#: Node types whose lowering passes every output's dims and strides to cuDNN as the document holds them, set or not.
+_PUSHES_OUTPUT_SHAPES = frozenset({"SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8", "SDPA_MXFP8_BWD"})
+
+
+def _left_to_fe(doc: GraphSpec) -> set[int]:
+    """The outputs of :data:`_PUSHES_OUTPUT_SHAPES` nodes whose dims and strides the caller did not set and FE infers
+    (its own table): decoded empty, so that ``validate()`` infers them as it did when the graph was captured. The
+    graph key leaves them out, so a document carrying other values under an honest key cannot have them built."""
+    from cudnn import _pygraph
+
+    left: set[int] = set()
+    for n in doc.nodes:
+        if n.type not in _PUSHES_OUTPUT_SHAPES:
+            continue
+        entry = _pygraph._STRUCTURED_BY_TYPE.get(NodeType[n.type]) or _pygraph._CAPTURED_BY_TYPE.get(NodeType[n.type])
+        inferred = entry[1].get("infer", {}) if entry else {}
+        for port, uid in n.outputs.items():
+            t = doc.tensor(uid)
+            if port in inferred and not t.dim_assigned and not t.stride_assigned:
+                left.add(uid)
+    return left
+
+
 def decode(spec: GraphSpec, *, handle: Any = None, kernel_cache: Any = None, device_property: Any = None,
            dynamic_shapes: bool = False) -> Any:
     """A ``cudnn.pygraph`` holding ``spec``'s canonical document (canonical uids), ready to validate and build."""
@@ -88,11 +111,13 @@ def decode(spec: GraphSpec, *, handle: Any = None, kernel_cache: Any = None, dev
         **kwargs,
     )
     tensors: dict[int, Tensor] = {}
+    left_to_fe = _left_to_fe(doc)
     for t in doc.tensors:
         where = f"tensor {t.name or t.uid!r}"
         reordering = None if t.reordering_type is None else _enum("tensor_reordering", t.reordering_type, where)
+        dim, stride = ([], []) if t.uid in left_to_fe else (list(t.dim), list(t.stride))
         tensors[t.uid] = Tensor(
-            name=t.name or f"t{t.uid}", data_type=_data_type(t.data_type, where), dim=list(t.dim), stride=list(t.stride),
+            name=t.name or f"t{t.uid}", data_type=_data_type(t.data_type, where), dim=dim, stride=stride,
             is_virtual=t.is_virtual, is_pass_by_value=t.is_pass_by_value, pass_by_value=t.pass_by_value, uid=t.uid,
             uid_assigned=True, dim_assigned=t.dim_assigned, stride_assigned=t.stride_assigned,
             reordering_type=reordering, ragged_offset_multiplier=t.ragged_offset_multiplier,

@@ -4,6 +4,7 @@ same graph again (same key, same canonical uids)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -58,3 +59,50 @@ def test_inputs_are_made_for_exactly_the_graphs_inputs_by_canonical_uid(name):
         if not t.is_pass_by_value:
             assert list(inputs[t.uid].shape) == list(t.dim), t.name
     assert parse_spec(doc_json := spec.to_json()).canonical_document().to_json() == doc_json
+
+
+def _attention(o_stride: list[int] | None = None):
+    import cudnn
+
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    q, k, v = (g.tensor(name=n, dim=[2, 8, 128, 64], stride=[65536, 8192, 64, 1], data_type=cudnn.data_type.BFLOAT16)
+               for n in ("q", "k", "v"))
+    o, stats = g.sdpa(q=q, k=k, v=v, attn_scale=0.125, generate_stats=True, use_causal_mask=True)
+    o.set_output(True)
+    if o_stride is not None:
+        o.set_stride(o_stride)
+    stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    return from_pygraph(g)
+
+
+def _inferred_shapes(spec) -> dict[str, tuple[list[int], list[int]]]:
+    """Each tensor's dims and strides once FE's validate() has inferred what the decoded graph leaves to it (the C++
+    check that follows needs libcudnn, absent on a CPU machine; the inference before it is FE's Python)."""
+    g = fegraph.decode(spec)
+    with contextlib.suppress(Exception):  # the backend's own validation, after the inference looked at here
+        g.validate()
+    return {t.name: (list(t.dim), list(t.stride)) for t in g._tensors.values()}
+
+
+def test_an_attention_output_the_caller_left_unset_is_built_as_fe_infers_it_whatever_the_document_says():
+    """Before (found by an audit of graph keys): the key leaves out an SDPA output's dims and strides the caller did
+    not set, but FE's lowering passes them to cuDNN as the document holds them, so a document registered first with
+    another layout under an honest graph's key had that layout tuned and served to every honest process. Now the
+    decoded graph leaves them to FE's inference: an honest document builds as before, a doctored one as the honest."""
+    honest = _attention()
+    doc = honest.to_json()
+    o = next(t for t in doc["tensors"] if t["name"].endswith("::O"))
+    o["dim"], o["stride"] = [2, 8, 256, 64], [131072, 64, 512, 1]  # still "not set by the caller"
+    doctored = parse_spec(doc)
+    assert doctored.graph_key == honest.graph_key
+    assert _inferred_shapes(doctored) == _inferred_shapes(honest)
+    name = o["name"]
+    assert _inferred_shapes(honest)[name] == ([2, 8, 128, 64], [65536, 8192, 64, 1])
+
+
+def test_an_attention_output_whose_stride_the_caller_set_keeps_it():
+    bshd = [131072, 64, 1024, 1]
+    spec = _attention(o_stride=bshd)
+    name = next(t.name for t in spec.tensors if t.name.endswith("::O"))
+    assert _inferred_shapes(spec)[name] == ([2, 8, 128, 64], bshd)

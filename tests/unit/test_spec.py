@@ -246,3 +246,40 @@ def test_documents_are_keyed_without_cudnn():
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == graph_key(doc)
+
+
+def fe_sub() -> object:
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    a, b = (g.tensor(name=n, dim=[1, 4, 8], stride=[32, 8, 1]) for n in "ab")
+    g.sub(a, b).set_output(True)
+    return g
+
+
+def test_the_document_workers_build_lists_ports_in_the_order_the_key_reads_them():
+    """FE lowers a POINTWISE node's inputs by position, in the order the node's dict holds them, and the key reads
+    ports sorted. Before: a document listing IN_1 before IN_0 had a - b's key, was stored as it came (the first
+    registered document of a key is what workers build), and built b - a. After: the stored document lists them
+    sorted, so what is built is a function of the key."""
+    from plancache.gpu.fegraph import decode
+
+    honest = from_pygraph(fe_sub())
+    doc = honest.to_json()
+    node = doc["nodes"][0]
+    assert list(node["inputs"]) == ["IN_0", "IN_1"] and node["params"] == {"mode": "sub"}
+    node["inputs"] = dict(reversed(list(node["inputs"].items())))
+    swapped = parse_spec(doc)
+    assert swapped.graph_key == honest.graph_key
+    for spec in (honest, swapped):
+        canon = spec.canonical_document()
+        assert list(canon.nodes[0].inputs) == ["IN_0", "IN_1"]
+        built = decode(parse_spec(canon.to_json()))  # the store keeps to_json() of the canonical document
+        assert [t.name for t in built._nodes[0].inputs.values()] == ["a", "b"]
+
+
+def test_a_lone_surrogate_in_a_string_param_is_a_spec_error():
+    """Before: JSON's "\\ud800" in a param string passed validation and graph_key raised UnicodeEncodeError (HTTP 500
+    from POST /v1/specs, any token). After: a SpecError naming the param (422)."""
+    text = json.dumps(from_pygraph(fe_sub()).to_json()).replace('"mode": "sub"', '"mode": "sub", "note": "\\ud800"')
+    with pytest.raises(SpecError, match=r"param 'note'.*not valid Unicode"):
+        parse_spec(text)
