@@ -85,6 +85,9 @@ def loaded(cache: PlanCache) -> list[bytes]:
 
 
 def make_cache(srv: LiveServer, tmp_path: Path, signer: Any, **kw: Any) -> PlanCache:
+    """A client of ``srv``; its request deadline 30 s unless given (a loaded CI machine once took over the default
+    5 s to answer a resolve, which added a warning to a test counting them)."""
+    kw.setdefault("request_deadline", 30.0)
     return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
                      trusted_keys=trusted(signer), **kw)
 
