@@ -71,8 +71,8 @@ PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, Spe
 #: finished or released; claimed with a token this worker no longer uses).
 LEASE_GONE: tuple[type[PlanCacheError], ...] = (LeaseLost, NotLeaseHolder, Conflict, NotFound)
 MAX_ERROR_CHARS = 8000
-#: How long a worker waits for a tuning it gave up on (past the job's time limit) to stop, so that two tunings do not
-#: time candidates on the GPU at once, before it goes on regardless (a build in flight ends first).
+#: How long a worker waits for a tuning it gave up on (past the job's time limit, or its lease lost) to stop, so that
+#: two tunings do not time candidates on the GPU at once, before it goes on regardless (a build in flight ends first).
 CANCEL_WAIT_SECONDS = 30.0
 
 
@@ -299,14 +299,12 @@ class Worker:
                 self._report_failure(job, lease, TuningError(
                     f"the job ran past its wall-clock limit of {self.job_timeout:g} s on worker {self.worker_id} "
                     "(PLANCACHE_JOB_TIMEOUT); its tuning was cancelled"))
-                if not done.wait(CANCEL_WAIT_SECONDS):
-                    log.error("job %d: the cancelled tuning is still running; going on without it", job.id)
+                _wait_for_cancelled(job.id, done)
                 return None
             if beat.lost.is_set():  # another worker has the job now: this tuning's result would be dropped
                 log.warning("job %d: lease was taken over while tuning; cancelling the tuning", job.id)
                 outcome.cancel.set()
-                if not done.wait(CANCEL_WAIT_SECONDS):
-                    log.error("job %d: the cancelled tuning is still running; going on without it", job.id)
+                _wait_for_cancelled(job.id, done)
                 break
             if stop.is_set():
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
@@ -422,6 +420,12 @@ class Worker:
             log.warning("job %d: failure not recorded: %s", job_id, exc.message)
         else:
             log.info("job %d: failure reported (%s)", job_id, "retryable" if retryable else "permanent")
+
+
+def _wait_for_cancelled(job_id: int, done: threading.Event) -> None:
+    """Wait up to :data:`CANCEL_WAIT_SECONDS` for a tuning told to stop to end (``done``)."""
+    if not done.wait(CANCEL_WAIT_SECONDS):
+        log.error("job %d: the cancelled tuning is still running; going on without it", job_id)
 
 
 def stop_on_signals(stop: threading.Event) -> None:
