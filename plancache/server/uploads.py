@@ -18,18 +18,24 @@ def accept_upload(upload: PlanUpload, principal: Principal, store: Store, settin
     ``replace`` needs an admin token (:class:`Forbidden`); a ``blob_size`` over ``ServerSettings.max_blob_bytes`` is
     :class:`PayloadTooLarge`; a spec that does not key to ``graph_key`` is refused by the store (422). That the blob
     is stored with ``blob_size`` bytes, and its digest, are checked by :meth:`Store.publish_plan`. ``job``: the
-    ``(job_id, worker_id, lease_token)`` the upload completes; the caller must hold that lease (or have completed
-    the job with it) before its spec is stored (what :func:`~plancache.store.jobs.held_job` raises otherwise).
+    ``(job_id, worker_id, lease_token)`` the upload completes; with a spec, the caller must hold that lease (or have
+    completed the job with it) before the spec is stored (what :func:`~plancache.store.jobs.held_job` raises
+    otherwise). Without one, publishing checks the lease, in its own transaction.
     """
     if upload.replace and not principal.may("admin"):
         raise Forbidden(f"token {principal.name!r} has role {principal.role}; replacing a stored plan needs admin")
     limit = settings.max_blob_bytes
     if upload.blob_size > limit:
         raise PayloadTooLarge(f"plan blob of {upload.blob_size} bytes exceeds the limit of {limit} bytes")
-    if job is not None and not store.completed_with(*job, holder=principal.identity):
-        store.check_held(*job, holder=principal.identity, completing=True)
-    if upload.spec is not None:
-        store.put_spec(upload.graph_key, upload.spec)
+    if upload.spec is None:
+        return
+    if job is not None:
+        try:
+            store.check_held(*job, holder=principal.identity, completing=True)
+        except LeaseLost:  # a completion repeated by its holder (its answer lost) stores its spec again, harmlessly
+            if not store.completed_with(*job, holder=principal.identity):
+                raise
+    store.put_spec(upload.graph_key, upload.spec)
 
 
 def publish_job_plan(store: Store, plan: PlanUpload, *, job_id: int, worker_id: str, lease_token: str,
