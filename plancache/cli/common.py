@@ -513,6 +513,26 @@ def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSett
                                read_timeout=READ_TIMEOUT, policies=[retry]))
 
 
+def admin_token_option(help: str = "admin token") -> Any:
+    return typer.Option(None, "--token", show_default=False,
+                        help=f"{help} (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)")
+
+
+def open_admin_api(server: str | None, token: str | None, command_name: str, *, server_use: str = "to ask",
+                   within: float = 5.0) -> JobsApi:
+    """The admin calls of ``plancache COMMAND_NAME`` to ``server`` (default: the settings'), with ``token`` (default:
+    the admin token, else the token of the settings), retried ``within`` seconds; ``server_use`` says in the error
+    what the server was wanted for."""
+    from ..http import Backoff, Retry
+
+    settings = settings_module.AdminSettings()
+    server = required(server or settings.server_url, f"{command_name} has no server {server_use}",
+                      f"give --server URL or set {env_name('server_url')}")
+    token = required(token or settings.admin_token or settings.token, f"{command_name} needs an admin token, and "
+                     "none was given", GIVE_ADMIN_TOKEN, ExitCode.AUTH)
+    return open_jobs_api(server, token, settings, retry=Retry(Backoff(initial=0.2, cap=2.0), within=within))
+
+
 @contextlib.contextmanager
 def quiet_retries() -> Iterator[None]:
     """Hold back the HTTP layer's 'retrying in …' warnings (an interactive command reports the outcome once)."""

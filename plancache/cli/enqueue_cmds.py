@@ -10,16 +10,15 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ..settings import AdminSettings, env_name
 from .common import (
     GIVE_ADMIN_TOKEN,
     ExitCode,
     Failure,
+    admin_token_option,
     command,
     load_spec_file,
-    open_jobs_api,
+    open_admin_api,
     quiet_retries,
-    required,
     server_option,
 )
 
@@ -32,8 +31,7 @@ if TYPE_CHECKING:
 def enqueue(
     files: list[Path] = typer.Argument(..., help="GraphSpec JSON files, or capture files (plancache capture)"),
     server: str | None = server_option("plancache server URL"),
-    token: str | None = typer.Option(None, "--token", show_default=False,
-                                        help="admin token (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)"),
+    token: str | None = admin_token_option(),
     sm: int | None = typer.Option(None, "--sm", help="compute capability major*10+minor, e.g. 90 (default: any)"),
     sm_count: int | None = typer.Option(None, "--sm-count", help="number of SMs, e.g. 132 (default: any)"),
     cudnn_version: int | None = typer.Option(None, "--cudnn-version", help="e.g. 91900 (default: any)"),
@@ -52,7 +50,6 @@ def enqueue(
 
     from ..client.remote import Remote
     from ..errors import Forbidden, Unauthorized
-    from ..http import Backoff, Retry
     from ..protocol import MAX_KEYS_PER_REQUEST, PRIORITY_MAX, TargetEnvironment, TuneRequest
 
     if abs(priority) > PRIORITY_MAX:  # before any spec is registered
@@ -68,14 +65,9 @@ def enqueue(
         first = exc.errors()[0]
         field = "--" + str(first["loc"][0]).replace("_", "-") if first.get("loc") else "the target"
         raise Failure(f"{field}: {first['msg']}", "see `plancache enqueue --help`", ExitCode.USAGE) from None
-    settings = AdminSettings()
-    server = required(server or settings.server_url, "enqueue has no server to send the jobs to",
-                      f"give --server URL or set {env_name('server_url')}")
-    token = required(token or settings.admin_token or settings.token, "enqueue needs an admin token, and none was "
-                     "given", GIVE_ADMIN_TOKEN, ExitCode.AUTH)
-    retry = Retry(Backoff(initial=0.2, cap=2.0), within=wait)
+    api = open_admin_api(server, token, "enqueue", server_use="to send the jobs to", within=wait)
     try:
-        with quiet_retries(), open_jobs_api(server, token, settings, retry=retry) as api:
+        with quiet_retries(), api:
             for name, spec, _ in specs:
                 key = Remote(api.http).register_spec(spec)
                 if key != spec.graph_key:

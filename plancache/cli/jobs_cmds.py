@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ..settings import AdminSettings, env_name
-from .common import GIVE_ADMIN_TOKEN, ExitCode, command, open_jobs_api, quiet_retries, required, server_option
-
-if TYPE_CHECKING:
-    from ..worker.jobs_api import JobsApi
+from .common import ExitCode, admin_token_option, command, open_admin_api, quiet_retries, server_option
 
 jobs_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                        help="List the server's tuning jobs; cancel queued or running ones (admin).")
-
 
 
 class StatusChoice(enum.StrEnum):
@@ -25,33 +19,16 @@ class StatusChoice(enum.StrEnum):
     failed = "failed"
 
 
-def _token_option() -> Any:
-    return typer.Option(None, "--token", show_default=False,
-                        help="admin token (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)")
-
-
-def _connect(server: str | None, token: str | None, what: str) -> JobsApi:
-    """The admin's job calls, retried for a few seconds (``what``: the command, for its errors)."""
-    from ..http import Backoff, Retry
-
-    settings = AdminSettings()
-    server = required(server or settings.server_url, f"{what} has no server to ask",
-                      f"give --server URL or set {env_name('server_url')}")
-    token = required(token or settings.admin_token or settings.token, f"{what} needs an admin token, and none "
-                     "was given", GIVE_ADMIN_TOKEN, ExitCode.AUTH)
-    return open_jobs_api(server, token, settings, retry=Retry(Backoff(initial=0.2, cap=2.0), within=5.0))
-
-
 @jobs_app.command("list")
 @command
 def jobs_list(
     status: StatusChoice | None = typer.Option(None, "--status", help="only jobs in this state"),
     limit: int = typer.Option(50, "--limit", min=1, max=1000, help="at most this many, newest first"),
     server: str | None = server_option("plancache server URL"),
-    token: str | None = _token_option(),
+    token: str | None = admin_token_option(),
 ) -> None:
     """Print the newest jobs: id, status, attempts, graph key, target and error."""
-    with quiet_retries(), _connect(server, token, "jobs list") as api:
+    with quiet_retries(), open_admin_api(server, token, "jobs list") as api:
         jobs = api.jobs(status=status.value if status else None, limit=limit)
     for job in jobs:
         target = ", ".join(f"{k}={v}" for k, v in job.target.model_dump(exclude_none=True).items()) or "any"
@@ -68,14 +45,14 @@ def jobs_cancel(
     job_ids: list[int] = typer.Argument(..., min=1, help="ids of queued or running jobs (`plancache jobs list`)"),
     reason: str = typer.Option("", "--reason", help="why; kept in each job's error"),
     server: str | None = server_option("plancache server URL"),
-    token: str | None = _token_option(),
+    token: str | None = admin_token_option(),
 ) -> None:
     """End queued or running jobs as failed: no worker claims them again, and a worker tuning one stops at its
     next heartbeat. Exits 1 if any could not be cancelled (unknown, or ended already), after trying each."""
     from ..errors import Conflict, NotFound
 
     refused = 0
-    with quiet_retries(), _connect(server, token, "jobs cancel") as api:
+    with quiet_retries(), open_admin_api(server, token, "jobs cancel") as api:
         for job_id in job_ids:
             try:
                 job = api.cancel(job_id, reason)

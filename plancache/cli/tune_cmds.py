@@ -13,6 +13,7 @@ from ..settings import AdminSettings, WorkerSettings, env_name
 from .common import (
     ExitCode,
     Failure,
+    admin_token_option,
     as_failure,
     build_processes_option,
     command,
@@ -33,9 +34,8 @@ def tune(
     files: list[Path] = typer.Argument(..., help="GraphSpec JSON files"),
     out: Path | None = typer.Option(None, "--out", help="write <name>.blob and <name>.json per spec here"),
     server: str | None = server_option("upload each plan to this server"),
-    token: str | None = typer.Option(None, "--token", show_default=False,
-                                        help="admin token for --server (a worker token uploads only the plans of "
-                                             "jobs it holds) (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)"),
+    token: str | None = admin_token_option("admin token for --server (a worker token uploads only the plans of "
+                                           "jobs it holds)"),
     signing_key: Path | None = signing_key_option("ed25519 private key that signs uploaded plans"),
     repeats: int = typer.Option(20, "--repeats", min=3, help="timed runs per candidate (fewer for slow ones)"),
     warmup: int = typer.Option(3, "--warmup", min=0, help="untimed runs per candidate before timing"),
