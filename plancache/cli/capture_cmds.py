@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -23,7 +22,7 @@ def capture(
     the capture file: keys, spec documents, how often each was built. Nothing is uploaded and no server is asked
     (PLANCACHE_SERVER_URL is unset for the program). Then `plancache enqueue FILE` tunes them. Exits with PROGRAM's
     exit code."""
-    from ..client.capture import BOOT_SOURCE, parse_capture
+    from ..client.capture import BOOT_SOURCE, read_capture
     from ..errors import SpecError
 
     out = out.absolute()
@@ -32,8 +31,8 @@ def capture(
                       "give --out a path in an existing folder", ExitCode.OS_ERROR)
     if out.exists():
         try:
-            parse_capture(json.loads(out.read_text(encoding="utf-8")))
-        except (OSError, ValueError, RecursionError, SpecError) as exc:
+            read_capture(out)
+        except SpecError as exc:
             raise Failure(f"{out} exists and is not a capture file this plancache can add to ({exc})",
                           "give --out a new file, or a capture file written by plancache capture",
                           ExitCode.USAGE) from None
@@ -51,7 +50,7 @@ def capture(
     if not out.exists():
         typer.echo(f"captured no graph: {program[0]} built no cuDNN FE graph (or did not run Python with cudnn)", err=True)
     else:
-        graphs = parse_capture(json.loads(out.read_text(encoding="utf-8")))
+        graphs = read_capture(out)
         typer.echo(f"captured {len(graphs)} graphs ({sum(n for _, n in graphs)} builds) into {out}", err=True)
     if rc:
         raise typer.Exit(rc)

@@ -102,15 +102,22 @@ def parse_capture(doc: Any) -> list[tuple[GraphSpec, int]]:
     return graphs
 
 
+def _load_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON document in the file ``path``; :class:`SpecError` naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the capture file ({exc.strerror or exc})") from None
+    except RecursionError:
+        raise SpecError(f"{path}: not a capture file (nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SpecError(f"{path}: not a capture file (not JSON: {exc})") from None
+
+
 def read_capture(path: str | os.PathLike[str]) -> list[tuple[GraphSpec, int]]:
     """:func:`parse_capture` of a file; :class:`SpecError` naming the file when it cannot be read or is not a valid
     capture file."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the capture file ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-        raise SpecError(f"{path}: not a capture file (not JSON: {exc})") from None
+    doc = _load_json(path)
     if not is_capture(doc):
         raise SpecError(f"{path}: not a capture file (write one with plancache capture or PLANCACHE_CAPTURE)")
     try:
@@ -160,10 +167,7 @@ class Recorder:
         with _file_lock(self.path):
             graphs: dict[str, dict[str, Any]] = {}
             if self.path.exists():
-                try:
-                    doc = json.loads(self.path.read_text(encoding="utf-8"))
-                except RecursionError:
-                    raise SpecError(f"{self.path}: not a capture file (nested too deeply)") from None
+                doc = _load_json(self.path)
                 # The entries are carried over as they are, their specs not parsed nor hashed again (that made the
                 # first build of each new graph wait 5.7 s under the lock with 10,000 graphs in the file); whoever
                 # reads the file checks each spec against its key. A key listed twice (files merged by hand) keeps
