@@ -105,7 +105,7 @@ def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
 
 
 def _parse_vary(values: list[str]) -> dict[str, list[int]]:
-    from ..client.capture import AXIS_ALIASES
+    from ..client.capture import setters
     from ..protocol import MAX_KEYS_PER_REQUEST
 
     axes: dict[str, list[int]] = {}
@@ -119,8 +119,7 @@ def _parse_vary(values: list[str]) -> dict[str, list[int]]:
             raise Failure(f"--vary {value!r}: expected AXIS=SIZES with positive integer sizes, each axis once",
                           "e.g. --vary s=128,256,512 --vary b=1,8", ExitCode.USAGE)
         axes[name] = list(dict.fromkeys(numbers))
-    parts = [part for name in axes for part in AXIS_ALIASES.get(name, (name,))]
-    twice = sorted({p for p in parts if parts.count(p) > 1})
+    twice = sorted(part for part, by in setters(axes).items() if len(by) > 1)
     if twice:  # s and s_q: one would override the other in every variant, whatever its label says
         raise Failure(f"--vary {', '.join(axes)}: {', '.join(twice)} given twice (s is s_q and s_kv together)",
                       "give s, or s_q and s_kv", ExitCode.USAGE)

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -210,20 +210,28 @@ def axes_of(spec: GraphSpec) -> list[str]:
     return sorted(common | {a for a, parts in AXIS_ALIASES.items() if set(parts) <= common})
 
 
+def setters(axes: Iterable[str]) -> dict[str, list[str]]:
+    """Each dimension that ``axes`` set (an alias of :data:`AXIS_ALIASES` sets all of its parts) and the axes that set
+    it, in order: more than one, and one would override the other."""
+    found: dict[str, list[str]] = {}
+    for axis in axes:
+        for part in AXIS_ALIASES.get(axis, (axis,)):
+            found.setdefault(part, []).append(axis)
+    return found
+
+
 def vary(spec: GraphSpec, sizes: dict[str, int]) -> GraphSpec:
     """``spec`` with each axis of ``sizes`` (:data:`AXES`, :data:`AXIS_ALIASES`) at that size: the graph the same
     code builds at that shape. :class:`SpecError` when the graph has no such axis or tensors :func:`vary` cannot
     move consistently (other node types; a bias, mask or sequence-length input)."""
-    wanted: dict[str, int] = {}
-    given: dict[str, str] = {}  # part -> the axis of sizes that sets it
     for axis, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise SpecError(f"axis {axis}: a size is a positive integer, not {size!r}")
-        for part in AXIS_ALIASES.get(axis, (axis,)):
-            if part in given:  # s and s_q: one would silently override the other
-                raise SpecError(f"axes {given[part]} and {axis} both set {part}; give one of them")
-            given[part] = axis
-            wanted[part] = size
+    wanted: dict[str, int] = {}
+    for part, by in setters(sizes).items():
+        if len(by) > 1:  # s and s_q: one would silently override the other
+            raise SpecError(f"axes {by[0]} and {by[1]} both set {part}; give one of them")
+        wanted[part] = sizes[by[0]]
     available = axes_of(spec)
     missing = [a for a in sizes if a not in available]
     if missing:
