@@ -210,10 +210,9 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
     (:func:`migrate_blobs` moves them all in one transaction), one referenced blob that it is the right folder."""
     with db.read() as conn:
         # whether any row holds bytes (a migration into the database leaves empty the rows whose bytes the source
-        # lacked: the first row alone could be one of those), and whether there are rows at all
-        any_in_row = conn.execute(sa.select(sa.exists().where(_IN_ROW))).scalar()
-        in_rows = True if any_in_row else (False if conn.execute(sa.select(sa.exists().select_from(blobs))).scalar()
-                                           else None)
+        # lacked: the first row alone could be one of those); None when there are no rows at all
+        any_bytes, any_row = conn.execute(sa.select(sa.exists().where(_IN_ROW), sa.exists().select_from(blobs))).one()
+        in_rows = bool(any_bytes) if any_row else None
         referenced = conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
         present = referenced is None or blob_store.has(conn, referenced)
     where = db.url.render_as_string(hide_password=True)
