@@ -1,11 +1,12 @@
 """Start-up on a GPU: plancache against local builds, against the floor, and 16 processes starting at once.
 
-    python bench/burst.py --plans DIR --out DIR [--processes 16]
+    python bench/burst.py --plans DIR --out DIR [--processes 16] [--repeats 5]
 
 ``--plans`` is the folder ``bench/tuning.py`` wrote (``plans.json``, signed by ``keys/bench.key``). A real
 ``plancache serve`` (SQLite) is seeded with those plans. Every figure is from fresh processes, timed from
 just after CUDA context creation (``torch.cuda.init()``, not plancache's to save) until every plan of the
-49-graph workload is ready to execute:
+49-graph workload is ready to execute. ``floor``, ``plancache`` and their ``_from_start`` forms are each the median of
+``--repeats`` processes, the four run in turn:
 
 - ``heuristic_cold``: cuDNN handle + heuristic build of every graph, ``CUDA_CACHE_DISABLE=1``;
 - ``heuristic_warm_jit``: the same with the driver's JIT cache already filled by an earlier process (a process
@@ -130,6 +131,9 @@ def child(phase: str, plans_dir: Path, server: str | None, token: str | None, wa
 
 # ---------------------------------------------------------------- the orchestrator
 
+ALONE = ("floor", "plancache", "floor_from_start", "plancache_from_start")  # phases timed alone, --repeats times
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra}
@@ -214,6 +218,8 @@ def main() -> None:
     ap.add_argument("--plans", type=Path, required=True)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--processes", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="fresh processes per phase timed alone, interleaved; medians reported (default 5)")
     ap.add_argument("--child")
     ap.add_argument("--server")
     ap.add_argument("--token")
@@ -236,18 +242,23 @@ def main() -> None:
     warm = {"CUDA_CACHE_DISABLE": "0", "CUDA_CACHE_PATH": jit}
     run_one("heuristic_warm_jit", args.plans, **warm)  # fills the JIT cache
     res["heuristic_warm_jit_s"] = run_one("heuristic_warm_jit", args.plans, **warm)["seconds"]
-    res["floor_s"] = run_one("floor", args.plans)["seconds"]
-    floor_burst = [r["seconds"] for r in run_burst(args.processes, "floor", args.plans)]
-    res["floor_from_start_s"] = run_one("floor_from_start", args.plans)["seconds"]
-    floor_spawned = [r["seconds"] for r in run_spawned(args.processes, "floor_from_start", args.plans)]
     proc, url, token = serve_and_seed(args.plans)
     try:
-        single = run_one("plancache", args.plans, url, token)
-        res["plancache_s"] = single["seconds"]
-        res["plancache_client_stats"] = single["client_stats"]
+        alone: dict[str, list[float]] = {p: [] for p in ALONE}
+        for _ in range(args.repeats):  # interleaved, so that a slow spell of the machine falls on every phase
+            for phase in ALONE:
+                server = (url, token) if phase.startswith("plancache") else (None, None)
+                result = run_one(phase, args.plans, *server)
+                alone[phase].append(result["seconds"])
+                if phase == "plancache":
+                    res["plancache_client_stats"] = result["client_stats"]
+        for phase, runs in alone.items():
+            res[f"{phase}_s"] = statistics.median(runs)
+            res[f"{phase}_runs_s"] = runs
+        floor_burst = [r["seconds"] for r in run_burst(args.processes, "floor", args.plans)]
+        floor_spawned = [r["seconds"] for r in run_spawned(args.processes, "floor_from_start", args.plans)]
         res["first_plan_s"] = run_one("first_plan", args.plans, url, token)["seconds"]
         burst_runs = run_burst(args.processes, "plancache", args.plans, url, token)
-        res["plancache_from_start_s"] = run_one("plancache_from_start", args.plans, url, token)["seconds"]
         spawned = [r["seconds"] for r in run_spawned(args.processes, "plancache_from_start", args.plans, url, token)]
         if args.profile:
             profiles["plancache_from_start"] = run_one("plancache_from_start", args.plans, url, token,
@@ -273,7 +284,7 @@ def main() -> None:
                      "from_start_burst_p99_over_floor_burst_p99": (res["from_start"]["burst"]["p99_s"]
                                                                    / res["from_start"]["floor_burst"]["p99_s"]),
                      "burst_p99_over_floor_burst_p99": res["burst"]["p99_s"] / res["floor_burst"]["p99_s"],
-"heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
+                     "heuristic_cold_over_plancache": res["heuristic_cold_s"] / res["plancache_s"],
                      "heuristic_warm_jit_over_plancache": res["heuristic_warm_jit_s"] / res["plancache_s"],
                      "plancache_over_floor": res["plancache_s"] / res["floor_s"],
                      "heuristic_cold_over_floor": res["heuristic_cold_s"] / res["floor_s"],
