@@ -270,6 +270,12 @@ class SchemaNotReady(PlanCacheError):
     http_status = 503
 
 
+class SchemaTooNew(SchemaNotReady):
+    """The database is at a schema revision this version of plancache does not have: a newer one migrated it."""
+
+    code = "schema_too_new"
+
+
 class BlobStoreMismatch(PlanCacheError):
     """The configured blob store (``PLANCACHE_BLOB_STORE``) is not where the database's blobs are."""
 

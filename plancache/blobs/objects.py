@@ -80,6 +80,15 @@ class ObjectStoreBlobs(BlobStore):
         except self._obs.exceptions.BaseError as exc:
             raise BlobStoreUnavailable(f"blob store {self.url}: {str(exc).splitlines()[0]}") from exc
 
+    def _write(self, call: Callable[[], T]) -> T:
+        """:meth:`_call` for a write: not-found there means the bucket (or container) does not exist, raised as
+        :class:`BlobStoreUnavailable` too."""
+        try:
+            return self._call(call)
+        except FileNotFoundError as exc:
+            raise BlobStoreUnavailable(f"blob store {self.url}: the bucket does not exist "
+                                       f"({str(exc).splitlines()[0]})") from exc
+
     def size(self, sha256: str) -> int | None:
         try:
             return int(self._call(lambda: self._obs.head(self._store, shard(sha256)))["size"])
@@ -105,9 +114,9 @@ class ObjectStoreBlobs(BlobStore):
         key = shard(sha256)
         if isinstance(data, bytes):  # one request: checked first, in one piece
             whole = data if proven(sha256, data) else b"".join(checked(sha256, [data]))
-            self._call(lambda: self._obs.put(self._store, key, whole))
+            self._write(lambda: self._obs.put(self._store, key, whole))
         else:  # a multipart upload, completed only after the last chunk passed the check
-            self._call(lambda: self._obs.put(self._store, key, checked_chunks(sha256, data)))
+            self._write(lambda: self._obs.put(self._store, key, checked_chunks(sha256, data)))
 
     def delete(self, sha256: str) -> None:
         self._call(lambda: self._obs.delete(self._store, shard(sha256)))

@@ -43,6 +43,7 @@ from ..errors import (
     PlanCacheError,
     RequestRefused,
     SchemaNotReady,
+    SchemaTooNew,
     ServerUnavailable,
     SignatureError,
     Unauthorized,
@@ -120,6 +121,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 #: Fixes of the plancache errors that have one beyond their message, and the class of each.
 _ERROR_CLASSES: list[tuple[type[PlanCacheError], ExitCode, str | None]] = [
+    (SchemaTooNew, ExitCode.DATABASE, "run the plancache release that migrated it (or a newer one); an older one "
+     "cannot use its schema"),
     (SchemaNotReady, ExitCode.DATABASE,
      "run `plancache db upgrade` (`plancache serve` runs it too, before it prints 'listening on')"),
     (BlobStoreMismatch, ExitCode.DATABASE,
@@ -337,8 +340,8 @@ def _open_when_migrated(url: str, create: bool, check_blobs: bool, settings: Sto
         try:
             return open_store(url, create=create, check_blobs=check_blobs, blob_store=settings.blob_store,
                               job_max_attempts=settings.job_max_attempts)
-        except SchemaNotReady:
-            if time.monotonic() >= deadline:
+        except SchemaNotReady as exc:
+            if isinstance(exc, SchemaTooNew) or time.monotonic() >= deadline:
                 raise
             if not told:
                 print(f"waiting up to {SCHEMA_WAIT_SECONDS:.0f} s for the database schema (a `plancache serve` "

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
-from ..errors import InvalidValue, SchemaNotReady
+from ..errors import InvalidValue, SchemaNotReady, SchemaTooNew
 from ..validation import INT32_MAX, INT64_MAX
 
 Clock = Callable[[], datetime]
@@ -188,12 +188,14 @@ class Database:
     def upgrade(self, revision: str = "head") -> None:
         """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised)."""
         from alembic import command
+        from alembic.runtime.migration import MigrationContext
 
         if self.is_sqlite:
             Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
         with self.write() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+            self._refuse_unknown(MigrationContext.configure(conn).get_current_revision())
             command.upgrade(self.alembic_config(conn), revision)
 
     def downgrade(self, revision: str) -> None:
@@ -201,6 +203,22 @@ class Database:
 
         with self.write() as conn:
             command.downgrade(self.alembic_config(conn), revision)
+
+    def _refuse_unknown(self, current: str | None) -> None:
+        """:class:`SchemaTooNew` when ``current`` is no revision of this plancache's migrations."""
+        from alembic.script import ScriptDirectory
+        from alembic.util import CommandError
+
+        if current is None:
+            return
+        script = ScriptDirectory.from_config(self.alembic_config())
+        try:
+            script.get_revision(current)
+        except CommandError:
+            raise SchemaTooNew(
+                f"database {self.url.render_as_string(hide_password=True)} is at schema revision {current}, which "
+                f"this plancache (schema {script.get_current_head()}) does not know: a newer plancache migrated it"
+            ) from None
 
     def head_revision(self) -> str | None:
         from alembic.script import ScriptDirectory
@@ -219,6 +237,7 @@ class Database:
         if self.is_sqlite and not Path(self.url.database or "").exists():
             raise SchemaNotReady(f"no SQLite database at {self.url.database}; run `plancache db upgrade` first")
         current, head = self.current_revision(), self.head_revision()
+        self._refuse_unknown(current)
         if current != head:
             raise SchemaNotReady(
                 f"database {where} is at schema revision {current or '(none)'}, this plancache needs {head}; "

@@ -94,3 +94,18 @@ def test_an_unreachable_object_store_is_a_503_to_retry(tmp_path: Path, monkeypat
         r = httpx.put(f"{srv.url}/v1/plans", json=upload_json(meta2, spec2), headers=admin, timeout=30)
         assert r.status_code in (404, 503), r.text
         assert srv.store.get_plan(key2, gpu_env) is None, "no record names bytes that were not stored"
+
+
+def test_a_missing_bucket_is_a_503_not_a_500(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_blob_url: str):
+    """The bucket is gone (deleted, or a typo in PLANCACHE_BLOB_STORE on a new database): an upload is 503
+    ``blob_store_unavailable``, as for an unreachable endpoint or wrong credentials, not a 500 (obstore raises a bare
+    FileNotFoundError for S3's NoSuchBucket)."""
+    from plancache.errors import BlobStoreUnavailable
+
+    gone = s3_blob_url.replace("s3://", "s3://no-such-", 1)
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", gone)
+    with LiveServer(tmp_path) as srv:
+        r = put_blob(httpx, SMALL, bearer(srv.admin_token), url=srv.url, check=False)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
+    with pytest.raises(BlobStoreUnavailable, match="no-such-"):
+        open_blobs(gone).put(hashlib.sha256(SMALL).hexdigest(), SMALL)

@@ -145,3 +145,19 @@ def test_candidates_inside_records_move_to_their_own_table_capped(db_url, make_s
         assert [c["index"] for c in back] == list(range(512))
     finally:
         store.close()
+
+
+def test_a_database_migrated_by_a_newer_plancache_is_refused_clearly(db_url, tmp_path):
+    """A revision this plancache does not have (a newer release migrated the database, then was rolled back):
+    opening, migrating and `plancache db upgrade` (which `serve` runs) say so, not an internal error or "run
+    `plancache db upgrade`"."""
+    with open_store(db_url, create=True) as store, store.db.write() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
+    for create in (False, True):
+        with pytest.raises(SchemaNotReady, match="revision 9999, which this plancache .* does not know"):
+            open_store(db_url, create=create)
+    env = {**os.environ, "PLANCACHE_DATABASE_URL": db_url}
+    proc = subprocess.run([sys.executable, "-m", "plancache", "db", "upgrade"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 6, proc.stderr  # ExitCode.DATABASE
+    assert "revision 9999" in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
