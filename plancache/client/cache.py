@@ -55,6 +55,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -68,7 +69,7 @@ from ..blobs.folder import FolderBlobs
 from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
 from ..files import atomic_write
-from ..protocol import GRAPH_KEY_PATTERN, PlanRecord
+from ..protocol import GRAPH_KEY_PATTERN, MAX_RECORD_BYTES, PlanRecord
 from ..validation import validation_message
 
 log = logging.getLogger("plancache.client")
@@ -96,6 +97,18 @@ STALE_TEMP_SECONDS = 3600.0
 LOCK_POLL_SECONDS = 0.005
 #: In an environment folder: the lock (``flock``) under which a process reads, compares and writes a revision file.
 REVISIONS_LOCK = ".revisions.lock"
+#: Opening a file of the folder: never through a symlink, never blocking on a FIFO planted under its name (as blobs are).
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _read_file(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (OSError for anything else: ELOOP for a symlink), at most ``limit`` + 1
+    of them (more than ``limit``: too long)."""
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return fh.read(limit + 1)
 
 
 def _unlink(path: Path) -> int:
@@ -162,7 +175,7 @@ class DiskCache:
 
     def _stored_revision(self, path: Path) -> int:
         try:
-            return int(path.read_bytes())
+            return int(_read_file(path, 64))
         except (OSError, ValueError):  # none yet, unreadable or damaged
             return 0
 
@@ -270,12 +283,15 @@ class DiskCache:
         that does not parse."""
         self.flush()
         try:
-            text = self._record_path(graph_key).read_bytes()
+            text = _read_file(self._record_path(graph_key), MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("plan cache: cannot read the record of %s: %s", graph_key[:12], exc)
             return None
+        if len(text) > MAX_RECORD_BYTES:
+            raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} is larger than a record can be "
+                                                      f"({MAX_RECORD_BYTES} bytes)")
         try:
             return PlanRecord.model_validate_json(text)
         except ValidationError as exc:
@@ -315,7 +331,7 @@ class DiskCache:
     def _open_lock(self, name: str) -> int:
         """An open descriptor of the lock file ``name`` in this folder, made (owner-only) with the folder if absent."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return os.open(self.dir / name, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
 
     def touch(self, record: PlanRecord) -> None:
         """Mark the entry of ``record`` (its record and blob files) used now, for the least recently used eviction;

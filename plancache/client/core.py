@@ -320,7 +320,6 @@ class DiskStep(StoreStep):
 
     def __init__(self, context: LoadContext) -> None:
         super().__init__(context)
-        self._fetch_lock: FetchLock | None = None  # this host's turn to fetch the load's missing keys
         self._due: list[str] = []  # keys served to ask the server about again
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
@@ -335,7 +334,7 @@ class DiskStep(StoreStep):
                 lock.release()
                 found.update(super().resolve(left))
             else:
-                self._fetch_lock = lock  # released by finish(), after this load's disk writes
+                c.fetch_lock = lock  # released once the server step's disk writes are asked for (or by finish())
         c.revalidator.schedule(self._due)  # in the background, after this load
         self._due = []
         return found
@@ -367,9 +366,7 @@ class DiskStep(StoreStep):
 
     def finish(self) -> None:
         """Release the host's turn to fetch once the plans fetched are written: the processes waiting read them."""
-        lock, self._fetch_lock = self._fetch_lock, None
-        if lock is not None:
-            self.context.disk.later(lock.release)
+        self.context.release_fetch_lock()
 
 
 #: Blobs the server step downloads at once (from presigned URLs or the server's route).
@@ -390,6 +387,12 @@ class ServerStep(StoreStep):
         self.counts_fallbacks = context.remote is not None
         self._reported: set[str] = set()
         self._may_register = True
+
+    def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
+        try:
+            return super().resolve(batch)
+        finally:  # what it fetched is queued for the disk: the processes waiting need not wait for local builds
+            self.context.release_fetch_lock()
 
     def entries(self, batch: list[Pending]) -> tuple[dict[Pending, PlanRecord], BlobReader]:
         """The records the server resolves for ``batch``, with the blobs received for them (the misses explained,
@@ -738,6 +741,9 @@ class LoadContext:
     memory: dict[str, Plan] = field(default_factory=dict)
     verified: dict[str, tuple[PlanRecord, bytes]] = field(default_factory=dict)
     revalidator: Revalidator = field(init=False)
+    #: This host's turn to fetch the load's missing keys (:meth:`~plancache.client.cache.DiskCache.fetch_lock`), taken
+    #: by the disk step.
+    fetch_lock: FetchLock | None = None
 
     def __post_init__(self) -> None:
         from .revalidate import Revalidator
@@ -757,6 +763,12 @@ class LoadContext:
                     environment=self.environment,
                     require_signature=not self.insecure_allow_unsigned if signed is None else signed,
                     min_revision=self.disk.revision(key))
+
+    def release_fetch_lock(self) -> None:
+        """Let the processes waiting for this load's fetch go once the disk writes asked for so far are done."""
+        lock, self.fetch_lock = self.fetch_lock, None
+        if lock is not None:
+            self.disk.later(lock.release)
 
     def authentic(self, record: PlanRecord, key: str) -> bool:
         """The record's signature verifies by a trusted key and it is meant for this graph and GPU, whatever its

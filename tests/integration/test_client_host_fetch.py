@@ -110,3 +110,43 @@ def test_a_folder_that_cannot_hold_a_lock_means_no_waiting(tmp_path):
     """A cache root that cannot be made a folder (here a file stands there): no lock, the server is asked at once."""
     (tmp_path / "file").write_text("not a folder")
     assert DiskCache(tmp_path / "file", H200).fetch_lock([SPECS[0].graph_key], 1) is None
+
+
+def test_the_turn_to_fetch_is_given_back_before_the_holders_local_builds(tmp_path):
+    """The server is down: the process holding the host's turn to fetch builds its graphs locally (slow: cuDNN compiles
+    kernels). Another one waiting for the same keys goes on once the holder's server step is over, not at its
+    ``request_deadline`` (nor after the holder's builds, whose plans are never written to the folder)."""
+    import threading
+
+    from plancache.client import PlanCache
+    from tests.client_fakes import RecordingBackend
+    from tests.factories import new_signer, trusted
+
+    building, built = threading.Event(), threading.Event()
+
+    class SlowBuilds(RecordingBackend):
+        def build_heuristic(self, spec, kernel_cache, *, graph=None):
+            building.set()
+            built.wait(10)
+            return super().build_heuristic(spec, kernel_cache, graph=graph)
+
+    signer = new_signer()
+
+    def cache(backend):  # nothing listens on port 9
+        return PlanCache("http://127.0.0.1:9", token="t", backend=backend, trusted_keys=trusted(signer),
+                         cache_dir=tmp_path / "cache", request_deadline=3)
+
+    holder, waiter = cache(SlowBuilds()), cache(RecordingBackend())
+    t = threading.Thread(target=holder.plan, args=(SPECS[0],))
+    t.start()
+    try:
+        assert building.wait(10)
+        t0 = time.monotonic()
+        assert waiter.plan(SPECS[0]).source == "heuristic"
+        waited = time.monotonic() - t0
+    finally:
+        built.set()
+        t.join()
+        holder.close()
+        waiter.close()
+    assert waited < 1.5  # before: 3 s, the whole request_deadline

@@ -3,6 +3,7 @@ other environments' folders, and processes sharing one folder."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -455,3 +456,59 @@ def test_a_write_asked_for_while_the_interpreter_exits_is_made_at_once(tmp_path)
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     disk = DiskCache(tmp_path, H200)
     assert disk.record("d" * 64) is not None and disk.revision("d" * 64) == 7
+
+
+def _within(seconds: float, call: Any) -> Any:
+    """``call()`` on a thread; AssertionError when it has not returned within ``seconds``."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "blocked"
+    return out[0]
+
+
+def test_a_fifo_or_symlink_planted_in_the_folder_is_never_waited_on_nor_followed(tmp_path):
+    """As the blob store's files: a FIFO under a record's or a revision's name is not read (the load would block for
+    good), and a symlink under a lock's name is not followed (its target would be made or opened read-write)."""
+    cache = DiskCache(tmp_path, H200)
+    cache.dir.mkdir(parents=True)
+    fifos = [cache.dir / f"{KEY}.json", cache.dir / f"{KEY}.revision"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    try:
+        assert _within(5, lambda: cache.record(KEY)) is None
+        assert _within(5, lambda: cache.revision(KEY)) == 0
+    finally:  # a reader still blocked (before the fix) gets its end of file
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (cache.dir / ".revisions.lock").symlink_to(elsewhere / "revisions")
+    digest = hashlib.sha256(KEY.encode()).hexdigest()[:32]
+    (cache.dir / f".fetch-{digest}.lock").symlink_to(elsewhere / "fetch")
+    cache.accept_revision(KEY, 3, background=False)  # no lock, so not written: the floor holds in this process
+    assert cache.revision(KEY) == 3
+    assert cache.fetch_lock([KEY], 0.1) is None
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_an_oversized_record_file_is_malformed_without_being_read_whole(tmp_path):
+    import tracemalloc
+
+    from plancache.protocol import MAX_RECORD_BYTES
+
+    cache = DiskCache(tmp_path, H200)
+    cache.dir.mkdir(parents=True)
+    with open(cache.dir / f"{KEY}.json", "wb") as fh:
+        fh.truncate(256 << 20)  # sparse
+    tracemalloc.start()
+    try:
+        with pytest.raises(VerificationError) as exc:
+            cache.record(KEY)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert exc.value.reason == "malformed"
+    assert peak < 4 * MAX_RECORD_BYTES, peak  # before: the whole 256 MiB
