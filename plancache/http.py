@@ -392,7 +392,10 @@ class HttpClient:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="plancache-http", daemon=True).start()
+        try:
+            threading.Thread(target=run, name="plancache-http", daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting (no new threads): on this thread, its timeouts within the deadline
+            run()
         if not done.wait(left):
             cancel.set()
             raise ServerUnavailable(f"{call}: no whole answer by its deadline ({left:.2f} s after it was sent)")

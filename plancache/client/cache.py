@@ -167,6 +167,7 @@ class DiskCache:
         self._writer: ThreadPoolExecutor | None = None  # one thread: writes in the order they were asked for
         self._pending: list[Future[Any]] = []
         self._pending_lock = threading.Lock()  # revalidation runs on its own thread
+        self._closed = False  # closed: writes are made by their caller (a load of another thread still under way)
 
     def _record_path(self, graph_key: str) -> Path:
         if not _GRAPH_KEY.match(graph_key):
@@ -232,8 +233,10 @@ class DiskCache:
                 _in_use(fd)
                 if self._stored_revision(path) < revision:
                     atomic_write(path, str(revision).encode())
-            finally:
-                os.close(fd)  # and with it the lock
+            finally:  # unlocked before closed: a child forked meanwhile shares the open file, and would keep it locked
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
 
@@ -243,19 +246,21 @@ class DiskCache:
         the interpreter also waits for them at exit. Once the interpreter is exiting (no new threads: a thread of
         the program still loading after the main thread returned) the write is made here."""
         with self._pending_lock:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
-            # forget the writes done: the writer runs them in order, so they are the first ones (a scan of every
-            # pending write at each call was quadratic in the writes of a load: 2-3 ms of a 49-plan prefetch)
-            done = 0
-            while done < len(self._pending) and self._pending[done].done():
-                done += 1
-            del self._pending[:done]
-            try:
-                self._pending.append(self._writer.submit(write, *args))
-                return
-            except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-                pending, self._pending = self._pending, []
+            if not self._closed:
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
+                # forget the writes done: the writer runs them in order, so they are the first ones (a scan of every
+                # pending write at each call was quadratic in the writes of a load: 2-3 ms of a 49-plan prefetch)
+                done = 0
+                while done < len(self._pending) and self._pending[done].done():
+                    done += 1
+                del self._pending[:done]
+                try:
+                    self._pending.append(self._writer.submit(write, *args))
+                    return
+                except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+                    pass
+            pending, self._pending = self._pending, []
         for f in pending:  # in the order they were asked for
             f.exception()
         try:
@@ -272,10 +277,14 @@ class DiskCache:
                 log.warning("plan cache: a background write failed: %s", exc)
 
     def close(self) -> None:
+        """Wait for the writes asked for and stop the writer thread; a write asked for later (by a load of another
+        thread still under way) is made by its caller."""
+        with self._pending_lock:
+            self._closed = True
+            writer, self._writer = self._writer, None
         self.flush()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        if writer is not None:
+            writer.shutdown(wait=True)
 
     def record(self, graph_key: str) -> PlanRecord | None:
         """The stored record of ``graph_key``, unverified; None when there is none (or it cannot be read, logged).

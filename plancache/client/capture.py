@@ -197,7 +197,9 @@ def _file_lock(path: Path) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
-    finally:
+    finally:  # unlocked before closed: a child forked meanwhile shares the open file, and would keep it locked
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 

@@ -456,8 +456,14 @@ class ServerStep(StoreStep):
             return blobs
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(min(FETCH_THREADS, len(downloads)), thread_name_prefix="plancache-blob") as pool:
-            results = list(pool.map(lambda d: self._download(d[1], deadline), downloads))
+        def download(d: tuple[Pending, ResolvedPlan]) -> tuple[bytes | PlanCacheError, str, bool]:
+            return self._download(d[1], deadline)
+
+        try:
+            with ThreadPoolExecutor(min(FETCH_THREADS, len(downloads)), thread_name_prefix="plancache-blob") as pool:
+                results = list(pool.map(download, downloads))
+        except RuntimeError:  # the interpreter is exiting (no new threads): one at a time, on this thread
+            results = [download(d) for d in downloads]
         stats = self.context.stats
         for (p, answer), (blob, source, fell_back) in zip(downloads, results, strict=True):
             stats.presigned_fallbacks += fell_back
@@ -995,6 +1001,7 @@ class PlanCache:
 
     def count_fe_build(self, reason: str) -> None:
         """Count a graph of the process that FE built itself, by why (``stats().fe_builds``)."""
+        self._check_process()  # the ladder's lock may be held by a thread of the parent that the child does not have
         self.context.count("fe_builds", reason)
 
     def _pending(self, obj: SpecLike) -> Pending:
@@ -1009,6 +1016,7 @@ class PlanCache:
 
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
+        self._check_process()  # the ladder's lock may be held by a thread of the parent that the child does not have
         with self.context.lock, self._memory_hits_lock:
             s = self.context.stats
             hits = dict(s.hits)

@@ -99,8 +99,13 @@ class Revalidator:
             self._asked.update(keys)
             self._queue.extend(keys)
             if self._queue and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="plancache-revalidate", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="plancache-revalidate", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # the interpreter is exiting (no new threads): the next process asks
+                    self._queue.clear()
+                    return
+                self._thread = thread
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the revalidation under way, if any (at most ``timeout`` seconds)."""

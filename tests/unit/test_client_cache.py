@@ -512,3 +512,59 @@ def test_an_oversized_record_file_is_malformed_without_being_read_whole(tmp_path
         tracemalloc.stop()
     assert exc.value.reason == "malformed"
     assert peak < 4 * MAX_RECORD_BYTES, peak  # before: the whole 256 MiB
+
+
+@pytest.mark.parametrize("which", ["revisions", "capture"])
+def test_a_child_forked_while_a_folder_lock_is_held_does_not_keep_it(tmp_path, monkeypatch, which):
+    """A process forked while a thread held the revisions lock (the disk writer) or the capture file's lock (a build
+    thread) shares the open lock file: closing the parent's descriptor alone left the lock held for as long as the child
+    lived (a data loader's workers), and every later revision write or capture of the host waited on it for ever."""
+    import fcntl
+
+    import plancache.client.cache as cache_module
+    import plancache.client.capture as capture_module
+    from plancache.client.capture import Recorder
+    from tests.factories import CONV_SPEC
+
+    module = cache_module if which == "revisions" else capture_module
+    real, children = module.atomic_write, []
+
+    def forking_write(path: Any, data: bytes, **kwargs: Any) -> None:
+        pid = os.fork()  # another thread starts a worker process now
+        if pid == 0:  # pragma: no cover - the child only lives on
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+        real(path, data, **kwargs)
+
+    monkeypatch.setattr(module, "atomic_write", forking_write)
+    if which == "revisions":
+        DiskCache(tmp_path, H200).accept_revision(KEY, 5, background=False)
+        lock_path = tmp_path / H200.env_id / ".revisions.lock"
+    else:
+        Recorder(tmp_path / "capture.json").add(CONV_SPEC)
+        lock_path = tmp_path / "capture.json.lock"
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the child holds it
+    finally:
+        os.close(fd)
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+
+
+def test_a_write_asked_for_after_close_is_made_by_its_caller_and_starts_no_writer(tmp_path):
+    """``PlanCache.close()`` while a load of another thread is still under way: that load's writes (its plans, the
+    revisions, the host's turn to fetch) came after the writer was shut down. They started a new writer thread that
+    outlived the close (or, racing with close setting the writer to None, raised AttributeError out of the load)."""
+    cache = DiskCache(tmp_path, H200)
+    cache.accept_revision(KEY, 1)  # a write on the writer thread
+    cache.close()
+    written = []
+    cache.later(written.append, "after close")
+    assert written == ["after close"]  # made at once, on the caller's thread
+    assert cache._writer is None
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("plancache-disk")]
+    cache.accept_revision(KEY, 2)
+    assert DiskCache(tmp_path, H200).revision(KEY) == 2
