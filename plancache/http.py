@@ -57,9 +57,13 @@ def check_url(server_url: str) -> str:
     if not server_url.startswith(("http://", "https://")):
         raise ValueError(f"server URL {server_url!r} must start with http:// or https://")
     try:
-        httpx.URL(server_url)
-    except httpx.InvalidURL as exc:  # e.g. http://[::1 or a port out of range
+        url = httpx.URL(server_url)
+    except httpx.InvalidURL as exc:  # e.g. http://[::1
         raise ValueError(f"server URL {server_url!r} is not a URL: {exc}") from None
+    if not url.host:  # e.g. http://$HOST:8787 with HOST unset
+        raise ValueError(f"server URL {server_url!r} has no host")
+    if url.port is not None and not 0 < url.port < 65536:
+        raise ValueError(f"server URL {server_url!r}: port {url.port} is out of range")
     return server_url.rstrip("/")
 
 

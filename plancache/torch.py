@@ -37,6 +37,7 @@ SDPA_ROUTES = {
 _lock = threading.Lock()
 _route: str | None = None
 _overrides: Any = None
+_LEFT_ON = object()  # _overrides of a provider the program had turned on before install: uninstall leaves it on
 
 
 def sdpa_route() -> str:
@@ -83,6 +84,9 @@ def _install_provider() -> tuple[str, Any]:
     if route == "flash_registry":
         import torch.nn.attention as attention
 
+        current = getattr(attention, "current_flash_attention_impl", None)  # torch versions without it: no reading
+        if current is not None and current() == "CUDNN":  # the program turned it on: it stays on
+            return route, _LEFT_ON
         attention.activate_flash_attention_impl("CUDNN")
         return route, None
     try:
@@ -116,11 +120,11 @@ def uninstall() -> None:
     with _lock:
         if _route == "torch_switch":
             _switch()(False)
-        elif _route == "flash_registry":
+        elif _route == "flash_registry" and _overrides is not _LEFT_ON:
             import torch.nn.attention as attention
 
             attention.restore_flash_attention_impl()
-        elif _overrides is not None:
+        elif _overrides is not None and _overrides is not _LEFT_ON:
             _overrides.remove()
         _route, _overrides = None, None
     hook.uninstall()

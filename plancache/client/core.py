@@ -277,7 +277,14 @@ class MemoryStep(Step):
                     c.verified.pop(p.key, None)
                     self.reject(p, exc.reason, exc.message)
                     continue
-                found[p] = self.wrap(p, Kept(held[0]) if p.warm else c.deserialize(p, *held))
+                try:
+                    built = Kept(held[0]) if p.warm else c.deserialize(p, *held)
+                except Exception as exc:  # noqa: BLE001 - as in Step.admit: a rung failure, not fatal
+                    c.verified.pop(p.key, None)
+                    self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
+                    self.learn(p, held[0])
+                    continue
+                found[p] = self.wrap(p, built)
         return found
 
 
@@ -806,13 +813,20 @@ class LoadContext:
 def _trusted_keys(value: TrustedKeys | str | Path | Iterable[str | Path] | None) -> TrustedKeys:
     """``trusted_keys=``: the keys themselves; a string as ``PLANCACHE_TRUSTED_KEYS`` reads it; one path, or several,
     each a public key file or a folder of ``*.pub`` files."""
+    from ..errors import SignatureError
     from ..signing import TrustedKeys
 
     if isinstance(value, TrustedKeys):
         return value
     if value is None or isinstance(value, str):
-        return TrustedKeys.from_setting(value)
-    return TrustedKeys.from_files([value] if isinstance(value, Path) else list(value))
+        keys = TrustedKeys.from_setting(value)
+    else:
+        value = [value] if isinstance(value, Path) else list(value)
+        keys = TrustedKeys.from_files(value)
+    if value and not keys:  # named key files or folders, none holding a key: never "no keys configured"
+        raise SignatureError(Reason.BAD_KEY, f"trusted_keys {value!r} names no public key: give .pub files "
+                                             "(`plancache keygen` writes them) or folders holding them")
+    return keys
 
 
 class PlanCache:

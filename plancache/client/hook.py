@@ -130,13 +130,18 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
         graph_class = cudnn.pygraph
     with _lock:
         if graph_class not in _originals:
-            _originals[graph_class] = {name: graph_class.__dict__[name] for name in (*_PIPELINE, *PLAN_LIST_CALLS)
+            missing = [name for name in _PIPELINE if not hasattr(graph_class, name)]
+            if missing:  # an FE whose build pipeline is not FE 1.32's: nothing is patched
+                raise SpecError(f"{graph_class.__module__}.{graph_class.__qualname__} has no "
+                                f"{', '.join(missing)}: plancache's hook patches FE 1.32's build pipeline "
+                                "and cannot serve this FE; nothing was installed")
+            wrappers = {name: _wrap(name, _find(graph_class, name), _HANDLERS[name]) for name in _PIPELINE}
+            wrappers.update({name: _wrap(name, _find(graph_class, name), _plan_list_call)
+                             for name in PLAN_LIST_CALLS if hasattr(graph_class, name)})
+            _originals[graph_class] = {name: graph_class.__dict__[name] for name in wrappers
                                        if name in graph_class.__dict__}
-            for name in _PIPELINE:
-                setattr(graph_class, name, _wrap(name, _find(graph_class, name), _HANDLERS[name]))
-            for name in PLAN_LIST_CALLS:
-                if hasattr(graph_class, name):
-                    setattr(graph_class, name, _wrap(name, _find(graph_class, name), _plan_list_call))
+            for name, wrapper in wrappers.items():
+                setattr(graph_class, name, wrapper)
         _cache = cache
     if specs and cache is not None:
         _start_warm(cache, specs)
@@ -269,12 +274,20 @@ def _count(graph: Any, spec: GraphSpec) -> None:
 
 @contextlib.contextmanager
 def installed(cache: PlanCache, *, graph_class: type | None = None) -> Iterator[PlanCache]:
-    """:func:`install` for the duration of a ``with`` block."""
+    """:func:`install` for the duration of a ``with`` block; an install around the block stays, with its cache."""
+    global _cache
+    with _lock:
+        before, was_installed = _cache, bool(_originals)
     install(cache, graph_class=graph_class)
     try:
         yield cache
     finally:
-        uninstall()
+        if was_installed:
+            _await_warm()
+            with _lock:
+                _cache = before
+        else:
+            uninstall()
 
 
 @contextlib.contextmanager

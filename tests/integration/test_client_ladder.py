@@ -898,3 +898,22 @@ def test_key_rotation_two_trusted_keys_then_one_retired(srv, tmp_path):
     assert again.plan(CONV).source == "server" and again.stats().rejects == {"unknown_signer": 1}  # its disk entry
     assert again.disk.revision(CONV.graph_key) == resigned.revision
 
+
+def test_trusted_keys_that_name_no_key_are_refused_not_taken_for_none(tmp_path, signer):
+    """Before: a trusted_keys folder holding no ``*.pub`` (an unpopulated secret mount, keys named ``*.pem``) was read
+    as "no trusted keys configured", so with insecure_allow_unsigned also set an unsigned plan from the disk cache
+    was deserialized. After: a value that names key files or folders but no key is refused, as the CLI refuses it."""
+    from plancache.errors import SignatureError
+
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    (folder / "fleet.pem").write_text("a key under a name the folder is not read for")
+    for keys in (folder, [folder], str(folder), f"{folder},{folder}"):
+        with pytest.raises(SignatureError, match="names no public key") as err:
+            PlanCache("", trusted_keys=keys, insecure_allow_unsigned=True, cache_dir=tmp_path / "c",
+                      backend=RecordingBackend())
+        assert err.value.reason == "bad_key"
+    for keys in (None, "", []):  # none named: no trusted keys, as before
+        pc = PlanCache("", trusted_keys=keys, cache_dir=tmp_path / "c", backend=RecordingBackend())
+        assert not pc.signatures_checked
+        pc.close()

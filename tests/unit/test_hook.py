@@ -235,3 +235,45 @@ def test_the_real_pygraph_is_patched_and_restored():
         assert cudnn.pygraph.create_execution_plans is not original
         assert cudnn.pygraph.create_execution_plans.__wrapped__ is original
     assert cudnn.pygraph.create_execution_plans is original
+
+
+def test_a_warm_kept_plan_cudnn_refuses_to_load_is_a_rejected_rung_not_an_error(tmp_path, signer):
+    """A blob a warm start kept, which cuDNN then refuses to deserialize into the caller's graph, is refused like the
+    same blob loaded without a warm start (``deserialize``): normal mode goes on down the ladder, no exception."""
+    cache = make_cache(tmp_path, signer)
+    spec = from_pygraph(rmsnorm()[0])
+    assert cache.warm([spec]) == [spec.graph_key]
+    cache._backend.fail.add("deserialize")
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(g)  # raised cuDNN's RuntimeError from build_plans
+    stats = cache.stats()
+    assert stats.rejects.get("deserialize", 0) >= 1 and stats.hits == {"disk": 1, "rebuild": 1}  # disk: the warm start
+
+
+def test_a_block_inside_a_process_wide_install_leaves_it_installed(tmp_path, signer):
+    outer, inner = make_cache(tmp_path / "a", signer), make_cache(tmp_path / "b", signer)
+    hook.install(outer, graph_class=StageGraph)
+    try:
+        with hook.installed(inner, graph_class=StageGraph):
+            assert hook._cache is inner
+        assert hook._cache is outer and "__wrapped__" in vars(StageGraph.__dict__["build_plans"])
+        g, _ = rmsnorm()
+        five_steps(g)
+        assert outer.stats().hits == {"disk": 1}
+    finally:
+        hook.uninstall()
+    assert not hasattr(StageGraph.__dict__["build_plans"], "__wrapped__")
+
+
+def test_an_fe_without_a_pipeline_method_is_refused_at_install_and_left_untouched(tmp_path, signer, monkeypatch):
+    from plancache.errors import SpecError
+
+    monkeypatch.delattr(cudnn.pygraph, "get_execution_plan_count")
+    before = dict(vars(cudnn.pygraph))
+    cache = make_cache(tmp_path, signer)
+    for _ in range(2):  # a second install is refused too, never half-installed
+        with pytest.raises(SpecError, match="get_execution_plan_count"):
+            hook.install(cache)
+        assert dict(vars(cudnn.pygraph)) == before and hook._cache is None
+    hook.uninstall()

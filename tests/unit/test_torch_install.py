@@ -53,3 +53,17 @@ def test_the_provider_can_be_left_off(cache):
         assert plancache.torch.installed_route() is None
     finally:
         plancache.torch.uninstall()
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.attention, "activate_flash_attention_impl"),
+                    reason=f"torch {torch.__version__} has no flash-attention implementation registry")
+def test_uninstall_leaves_fes_provider_on_where_the_program_turned_it_on(cache):
+    import torch.nn.attention as attention
+
+    attention.activate_flash_attention_impl("CUDNN")
+    try:
+        plancache.torch.install(cache)
+        plancache.torch.uninstall()
+        assert attention.current_flash_attention_impl() == "CUDNN"
+    finally:
+        attention.restore_flash_attention_impl(_raise_warn=False)
