@@ -69,7 +69,7 @@ from ..blobs.folder import FolderBlobs
 from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
 from ..files import atomic_write
-from ..protocol import GRAPH_KEY_PATTERN, MAX_RECORD_BYTES, PlanRecord
+from ..protocol import GRAPH_KEY_PATTERN, MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, PlanRecord
 from ..validation import validation_message
 
 log = logging.getLogger("plancache.client")
@@ -97,6 +97,9 @@ STALE_TEMP_SECONDS = 3600.0
 LOCK_POLL_SECONDS = 0.005
 #: In an environment folder: the lock (``flock``) under which a process reads, compares and writes a revision file.
 REVISIONS_LOCK = ".revisions.lock"
+#: The most a record file is read for: a record, or one an older client wrote with its tuning run's candidates in it
+#: (loaded, the candidates dropped), pretty-printed or not.
+RECORD_FILE_BYTES = 2 * (MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES)
 #: Opening a file of the folder: never through a symlink, never blocking on a FIFO planted under its name (as blobs are).
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -292,15 +295,15 @@ class DiskCache:
         that does not parse."""
         self.flush()
         try:
-            text = _read_file(self._record_path(graph_key), MAX_RECORD_BYTES)
+            text = _read_file(self._record_path(graph_key), RECORD_FILE_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("plan cache: cannot read the record of %s: %s", graph_key[:12], exc)
             return None
-        if len(text) > MAX_RECORD_BYTES:
-            raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} is larger than a record can be "
-                                                      f"({MAX_RECORD_BYTES} bytes)")
+        if len(text) > RECORD_FILE_BYTES:
+            raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} is larger than a record file can "
+                                                      f"be ({RECORD_FILE_BYTES} bytes)")
         try:
             return PlanRecord.model_validate_json(text)
         except ValidationError as exc:
