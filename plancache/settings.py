@@ -90,6 +90,11 @@ class AdminTokenSettings(_Section):
         if value is not None and len(value) < MIN_ADMIN_TOKEN_LENGTH:
             raise ValueError(f"is {len(value)} characters; use at least {MIN_ADMIN_TOKEN_LENGTH}, e.g. "
                              "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
+        # the server compares it with what follows 'Bearer ' in a header, which is printable ASCII with no space at
+        # either end: a token with a newline (a secret file's), a surrounding space or a non-ASCII character never matches
+        if value is not None and not (value.isascii() and value.isprintable() and value == value.strip()):
+            raise ValueError("has characters an HTTP header cannot carry (not printable ASCII) or spaces at either "
+                             "end (a secret file's trailing newline?): no request could present it")
         return value
 
 

@@ -55,7 +55,7 @@ def token_list(database_url: str | None = database_url_option()) -> None:
         table.add_column(col)
     for t in tokens:
         table.add_row(str(t.id), t.name, t.role, t.created_at.strftime("%Y-%m-%d %H:%M:%S"), "revoked" if t.revoked else "live")
-    Console(width=200).print(table)
+    Console(width=200, markup=False, emoji=False, highlight=False).print(table)  # names verbatim
 
 
 def register(app: typer.Typer) -> None:

@@ -188,3 +188,14 @@ def _publish_three(store, make_spec, make_plan, gpu_env) -> dict[str, bytes]:
         store.publish_plan(meta, blob)
         expected[key] = blob
     return expected
+
+
+def test_token_list_shows_names_verbatim(cli, db_url):
+    """A token name is any text: `token list` prints it as it is, never as rich markup or emoji codes."""
+    cli("db", "upgrade", "--database-url", db_url)
+    names = ["ci [/bold] team", "[red]ops[/red]", "gpu:thumbs_up:"]
+    for name in names:
+        cli("token", "create", "--role", "reader", "--name", name, "--database-url", db_url)
+    listing = cli("token", "list", "--database-url", db_url).stdout
+    for name in names:
+        assert name in listing
