@@ -51,6 +51,8 @@ from ..errors import (
 from ..settings import ConnectionSettings, StoreSettings, env_name
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from ..environment import Environment
     from ..http import HttpClient, Policy, Retry
     from ..signing import Signer, TrustedKeys
@@ -396,6 +398,14 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
 
 
 # ------------------------------------------------------------------------------------------------ files
+
+
+def plain_console(width: int | None = None) -> Console:
+    """A rich console that prints text verbatim: names, worker ids and file names are data, never markup or emoji
+    codes (a token named ``ci [/bold] team`` made every listing fail)."""
+    from rich.console import Console
+
+    return Console(width=width, markup=False, emoji=False, highlight=False)
 
 
 def writable_folder(path: Path, what: str, fix: str) -> Path:

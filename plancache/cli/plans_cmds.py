@@ -19,6 +19,7 @@ from .common import (
     load_signer,
     load_trusted_keys,
     open_database,
+    plain_console,
     required,
     signing_key_option,
 )
@@ -99,7 +100,6 @@ def plans_list(
         for r in records:
             typer.echo(r.model_dump_json())
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{len(records)} plans")
@@ -114,7 +114,7 @@ def plans_list(
             "-" if r.heuristic_median_ms is None else f"{r.heuristic_median_ms:.4f}", str(r.blob_size),
             r.signer_key_id or "no", r.worker_id, r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
-    Console(width=250).print(table)
+    plain_console(width=250).print(table)
 
 
 @plans_app.command("gc")

@@ -6,7 +6,7 @@ import enum
 
 import typer
 
-from .common import command, database_url_option, open_database
+from .common import command, database_url_option, open_database, plain_console
 
 token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage API tokens (stored hashed).")
 
@@ -45,7 +45,6 @@ def token_revoke(name_or_id: str = typer.Argument(..., help="the live token's na
 @command
 def token_list(database_url: str | None = database_url_option()) -> None:
     """List tokens (never their secrets)."""
-    from rich.console import Console
     from rich.table import Table
 
     with open_database(database_url) as store:
@@ -55,7 +54,7 @@ def token_list(database_url: str | None = database_url_option()) -> None:
         table.add_column(col)
     for t in tokens:
         table.add_row(str(t.id), t.name, t.role, t.created_at.strftime("%Y-%m-%d %H:%M:%S"), "revoked" if t.revoked else "live")
-    Console(width=200, markup=False, emoji=False, highlight=False).print(table)  # names verbatim
+    plain_console(width=200).print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,7 @@ from .common import (
     command,
     load_signer,
     load_spec_file,
+    plain_console,
     required,
     server_option,
     signing_key_option,
@@ -60,7 +61,6 @@ def tune(
         key_file = signing_key or worker.signing_key
         signer = load_signer(key_file) if key_file else None
 
-    from rich.console import Console
     from rich.progress import Progress
 
     from .. import (
@@ -75,7 +75,7 @@ def tune(
     if out is not None:
         writable_folder(out, "the --out folder", "give --out a folder you can write")
 
-    console = Console()
+    console = plain_console()
     results = []
     processes = build_processes if build_processes is not None else worker.build_processes
     processes = default_processes() if processes is None else processes

@@ -199,3 +199,12 @@ def test_token_list_shows_names_verbatim(cli, db_url):
     listing = cli("token", "list", "--database-url", db_url).stdout
     for name in names:
         assert name in listing
+
+
+def test_plans_list_shows_worker_ids_verbatim(cli, store, db_url, make_spec, make_plan, gpu_env):
+    """A worker id is any printable ASCII: `plans list` prints it as it is (one with a rich closing tag made the
+    listing fail with an internal error)."""
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    store.publish_plan(*make_plan(key, gpu_env, worker_id="gpu[/bold]7"))
+    assert "gpu[/bold]7" in cli("plans", "list", "--database-url", db_url).stdout
