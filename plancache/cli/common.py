@@ -79,6 +79,7 @@ class ExitCode(enum.IntEnum):
     GPU = 9  #: no usable GPU
     INTERNAL = 70  #: a bug in plancache
     INTERRUPTED = 130  #: Ctrl+C
+    BROKEN_PIPE = 141  #: the reader of the output went away (``| head``), as for a program SIGPIPE ends
 
 
 #: One line per exit code, as docs/CLI.md lists them (tests/integration/test_cli.py keeps the two the same).
@@ -99,6 +100,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.GPU: "no usable GPU: no CUDA device or driver, no such device, not enough device memory",
     ExitCode.INTERNAL: "a bug in plancache: the traceback is printed; please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl+C)",
+    ExitCode.BROKEN_PIPE: "the program reading the output stopped reading (as `head` does): nothing is printed, as for a "
+                          "program that SIGPIPE ends",
 }
 
 
@@ -240,6 +243,9 @@ def failures() -> Iterator[None]:
     except KeyboardInterrupt:
         typer.echo("error: interrupted", err=True)
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    except BrokenPipeError:  # stdout's reader is gone: nothing to tell it; stdout pointed at nothing for the exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(int(ExitCode.BROKEN_PIPE)) from None
     except Exception as exc:
         if type(exc).__module__.startswith(("click.", "typer.")):  # click's own (typer vendors click)
             raise

@@ -85,6 +85,8 @@ def worker(
         raise typer.Exit(_supervise(options, token, worker_id, spool_root, spool_fix,
                                     settings.build_processes if build_processes is None else build_processes,
                                     kill_after=shutdown_grace + 60))
+    from .. import gpu  # noqa: F401 - the gpu extra: without it exit 4 (MISSING_EXTRA), as tune and --all-devices
+
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
     client = open_jobs_api(server, token, settings, retry=Retry())
     stop = threading.Event()

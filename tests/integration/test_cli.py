@@ -248,6 +248,32 @@ def test_tune_without_the_gpu_extra(tmp_path):
     assert not (tmp_path / "tuned").exists()
 
 
+def test_output_into_a_reader_that_stops_is_a_quiet_exit_141(tmp_path):
+    """``plancache … | head -1``: the reader goes away; the command stops with 141, as a program SIGPIPE ends, not
+    "error: Broken pipe" with a hint to check a path (exit 5)."""
+    example = (ROOT / "examples" / "conv_bias_relu.json").read_text()
+    for i in range(1500):  # ~130 kB of output: more than a pipe holds
+        (tmp_path / f"g{i}.json").write_text(example)
+    files = sorted(str(f) for f in tmp_path.glob("g*.json"))
+    proc = subprocess.Popen([sys.executable, "-m", "plancache", "spec", "key", *files], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()  # the first line, as head -1 reads it
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == ExitCode.BROKEN_PIPE, err
+    assert err == "", err
+
+
+def test_worker_without_the_gpu_extra(tmp_path):
+    """docs/CLI.md: a missing extra is exit 4 (MISSING_EXTRA), for the worker as for tune and --all-devices."""
+    (tmp_path / "k").mkdir()
+    assert plancache("keygen", "k", cwd=tmp_path).returncode == 0
+    proc = plancache("worker", "--server", "http://127.0.0.1:9", "--token", "t", "--signing-key", "k/plancache.key",
+                     "--spool-dir", str(tmp_path / "spool"), "--once", cwd=tmp_path, without=GPU_EXTRA)
+    expected_failure(proc, ExitCode.MISSING_EXTRA, "pip install 'plancache[gpu]'", "No module named")
+
+
 def test_serve_takes_the_database_url_as_an_option(tmp_path):
     db = tmp_path / "given.db"
     port = free_port()
