@@ -22,6 +22,7 @@ import enum
 import functools
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -404,6 +405,15 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
 
 
 # ------------------------------------------------------------------------------------------------ files
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters shown as ``\\xNN``: a device name, worker id or job error a worker sent
+    never reaches a terminal as an escape sequence (a title set, a screen cleared) or a line break."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def plain_console(width: int | None = None) -> Console:

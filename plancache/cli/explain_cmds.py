@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..settings import ClientSettings, env_name
-from .common import ExitCode, Failure, command, http_client, load_environment, load_spec_file, required, server_option
+from .common import ExitCode, Failure, command, http_client, load_environment, load_spec_file, printable, required, server_option
 
 
 def _graph_key(item: str) -> tuple[str, str]:
@@ -56,10 +56,10 @@ def explain(
         reasons = remote.explain(env, [k for k, _ in keys])
     finally:
         remote.close()
-    typer.echo(f"on {env.describe()}:")
+    typer.echo(f"on {printable(env.describe())}:")
     for key, label in keys:
         reason = reasons[key]
-        typer.echo(f"{key[:12]}  {label + '  ' if label else ''}{reason.reason}: {reason.message}")
+        typer.echo(f"{key[:12]}  {label + '  ' if label else ''}{reason.reason}: {printable(reason.message)}")
 
 
 def register(app: typer.Typer) -> None:

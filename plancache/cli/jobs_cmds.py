@@ -6,7 +6,7 @@ import enum
 
 import typer
 
-from .common import ExitCode, admin_token_option, command, open_admin_api, quiet_retries, server_option
+from .common import ExitCode, admin_token_option, command, open_admin_api, printable, quiet_retries, server_option
 
 jobs_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                        help="List the server's tuning jobs; cancel queued or running ones (admin).")
@@ -32,7 +32,7 @@ def jobs_list(
         jobs = api.jobs(status=status.value if status else None, limit=limit)
     for job in jobs:
         target = ", ".join(f"{k}={v}" for k, v in job.target.model_dump(exclude_none=True).items()) or "any"
-        error = f"  {job.error.splitlines()[0][:120]}" if job.error else ""
+        error = f"  {printable(job.error.splitlines()[0][:120])}" if job.error else ""
         typer.echo(f"{job.id:>8}  {job.status:<9}  {job.attempts}/{job.max_attempts}  {job.graph_key[:16]}  "
                    f"[{target}]{error}")
     if not jobs:

@@ -20,6 +20,7 @@ from .common import (
     load_trusted_keys,
     open_database,
     plain_console,
+    printable,
     required,
     signing_key_option,
 )
@@ -109,10 +110,11 @@ def plans_list(
     for r in records:
         env = r.environment
         table.add_row(
-            r.graph_key[:16], r.env_id[:12], f"{env.device_name or 'GPU'} sm_{env.sm}x{env.sm_count}", str(env.cudnn_version),
+            r.graph_key[:16], r.env_id[:12], printable(f"{env.device_name or 'GPU'} sm_{env.sm}x{env.sm_count}"),
+            str(env.cudnn_version),
             str(r.engine_id), f"{r.winner_median_ms:.4f}",
             "-" if r.heuristic_median_ms is None else f"{r.heuristic_median_ms:.4f}", str(r.blob_size),
-            r.signer_key_id or "no", r.worker_id, r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            r.signer_key_id or "no", printable(r.worker_id), r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
     plain_console(width=250).print(table)
 

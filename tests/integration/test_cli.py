@@ -466,3 +466,12 @@ def test_plans_gc_takes_the_short_env_id_plans_list_prints(tmp_path, sqlite_url,
     assert [json.loads(ln)["env_id"] for ln in lines.splitlines()] == [gpu_env.env_id]
     result = CliRunner().invoke(app, ["plans", "gc", "--keep-environment", "h200.json", "--database-url", sqlite_url])
     expected_failure(result, ExitCode.FAILED, "no such environment", "plans list")
+
+
+def test_printable_shows_control_characters_and_keeps_the_rest():
+    """What a worker sent (a job error, a device name, a worker id) is printed with its control characters as text:
+    no escape sequence reaches the admin's terminal; markup-looking text and non-ASCII letters stay as they are."""
+    from plancache.cli.common import printable
+
+    assert printable("e\x1b]0;owned\x07\x1b[2J\nX\x9b") == "e\\x1b]0;owned\\x07\\x1b[2J\\x0aX\\x9b"
+    assert printable("gpu [/bold] Ü — ok") == "gpu [/bold] Ü — ok"

@@ -208,3 +208,15 @@ def test_plans_list_shows_worker_ids_verbatim(cli, store, db_url, make_spec, mak
     store.put_spec(key, spec)
     store.publish_plan(*make_plan(key, gpu_env, worker_id="gpu[/bold]7"))
     assert "gpu[/bold]7" in cli("plans", "list", "--database-url", db_url).stdout
+
+
+def test_plans_list_shows_control_characters_escaped(cli, store, db_url, make_spec, make_plan, gpu_env):
+    """A device name (and a worker id) is text a worker sent: `plans list` shows its control characters as escapes,
+    never as terminal escape sequences (a title set, a screen cleared, colours) in the admin's terminal."""
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    env = gpu_env.model_copy(update={"device_name": "GPU\x1b]0;owned\x07\x1b[2J"})
+    store.publish_plan(*make_plan(key, env))
+    out = cli("plans", "list", "--database-url", db_url).stdout
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    assert "GPU\\x1b]0;owned" in out
