@@ -58,9 +58,11 @@ NODE_TYPES = (
     "GDP_SUMMARY", "GDN_SUMMARY_BWD", "KDA_SUMMARY_BWD", "GDN2_SUMMARY_BWD", "GDP_SUMMARY_BWD", "MAMBA2", "MAMBA2_BWD",
     "MAMBA2_SUMMARY", "MAMBA2_SUMMARY_BWD")
 #: Enum types (attributes of the ``cudnn`` module) a param may hold.
-ENUM_TYPES = ("attention_implementation", "data_type", "diagonal_alignment", "gnn_activation_op", "gnn_agg_op",
-              "moe_grouped_matmul_mode", "norm_forward_phase", "reduction_mode", "reshape_mode", "scalar_type",
-              "tensor_reordering")
+ENUM_TYPES = ("attention_implementation", "convolution_mode", "data_type", "diagonal_alignment", "gnn_activation_op",
+              "gnn_agg_op", "moe_grouped_matmul_mode", "norm_forward_phase", "reduction_mode", "reshape_mode",
+              "scalar_type", "tensor_reordering")
+#: ``cudnn.scalar_type`` names: how a ``tensor_scalar`` value is bound (its ``scalar_type``; not a data type).
+SCALAR_TYPES = ("RUNTIME_PARAM", "COMPILE_TIME_CONST")
 #: Node types whose output dims FE pushes to the backend even when the user did not set them.
 PUSHED_OUTPUT_DIMS = frozenset({"CONV_DGRAD", "CONV_WGRAD", "MOE_GROUPED_MATMUL_BWD", "REDUCTION", "RESHAPE"})
 #: Node types whose ``Stats`` output FE types FLOAT when unset.
@@ -79,7 +81,7 @@ _FALSE_FLAGS = ("use_alibi_mask", "use_padding_mask", "use_causal_mask", "use_ca
 #: a list of 0s / 1s of any length). Only defaults of the cuDNN bindings are listed.
 PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
     **{t: {"padding": "zeros", "pre_padding": "zeros", "post_padding": "zeros", "stride": "ones", "dilation": "ones",
-           } for t in _CONV},
+           "convolution_mode": {"$enum": "convolution_mode", "name": "CROSS_CORRELATION"}} for t in _CONV},
     "MATMUL": {"padding": 0.0},
     **{t: {**{f: False for f in _FALSE_FLAGS if t != "SDPA" or f != "generate_stats"},
            "diagonal_alignment": {"$enum": "diagonal_alignment", "name": "TOP_LEFT"}} for t in _SDPA},
@@ -271,7 +273,7 @@ class GraphSpec(_Strict):
                 raise SpecError(f"{where}: uid {t.uid} is used twice")
             by_uid[t.uid] = t
             _check_enum_name("data type", t.data_type, DATA_TYPES, where)
-            _check_enum_name("data type", t.scalar_type, DATA_TYPES, where)
+            _check_enum_name("scalar type", t.scalar_type, SCALAR_TYPES, where)
             if t.reordering_type is not None and not _ENUM_NAME.match(t.reordering_type):
                 raise SpecError(f"{where}: reordering type {t.reordering_type!r} is not a valid name")
             if t.stride and t.dim and len(t.stride) != len(t.dim):
@@ -727,7 +729,12 @@ def from_pygraph(graph: Any, *, tuning: TuningSpec | None = None, name: str | No
         "nodes": nodes,
         "tuning": (tuning or TuningSpec()).model_dump(),
     }
-    return parse_spec(doc)
+    try:
+        return parse_spec(doc)
+    except UnsupportedGraph:
+        raise
+    except SpecError as exc:  # FE built it, the schema cannot hold it: a graph the spec cannot represent
+        raise UnsupportedGraph(exc.message) from None
 
 
 # ------------------------------------------------------------------ the builder

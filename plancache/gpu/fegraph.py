@@ -42,7 +42,8 @@ def _data_type(name: str | None, where: str) -> Any:
 
 
 def _enum(type_name: str, name: str, where: str) -> Any:
-    enum_type = getattr(cudnn, type_name, None)
+    # FE 1.32 exports most enums on ``cudnn``; some (convolution_mode) only on its compiled module
+    enum_type = getattr(cudnn, type_name, None) or getattr(cudnn._compiled_module, type_name, None)
     members = getattr(enum_type, "__members__", None)
     if members is None:
         raise SpecError(f"{where}: cudnn.{type_name} is not an enum of FE {cudnn.__version__}")
@@ -121,7 +122,8 @@ def decode(spec: GraphSpec, *, handle: Any = None, kernel_cache: Any = None, dev
             is_virtual=t.is_virtual, is_pass_by_value=t.is_pass_by_value, pass_by_value=t.pass_by_value, uid=t.uid,
             uid_assigned=True, dim_assigned=t.dim_assigned, stride_assigned=t.stride_assigned,
             reordering_type=reordering, ragged_offset_multiplier=t.ragged_offset_multiplier,
-            alignment_value=t.alignment_value, scalar_type=_data_type(t.scalar_type, where),
+            alignment_value=t.alignment_value,
+            scalar_type=None if t.scalar_type is None else _enum("scalar_type", t.scalar_type, where),
         )
     for t in doc.tensors:
         if t.ragged_offset is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
 pytest.importorskip("torch", reason="torch is not installed (the gpu extra)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "fe"))
@@ -106,3 +106,57 @@ def test_an_attention_output_whose_stride_the_caller_set_keeps_it():
     spec = _attention(o_stride=bshd)
     name = next(t.name for t in spec.tensors if t.name.endswith("::O"))
     assert _inferred_shapes(spec)[name] == ([2, 8, 128, 64], bshd)
+
+
+def _scaled(scalar_type, value=2.0):
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, compute_data_type=cudnn.data_type.FLOAT)
+    x = g.tensor(name="x", dim=[4, 8], data_type=cudnn.data_type.HALF)
+    g.scale(x, g.tensor_scalar(value, scalar_type)).set_output(True)
+    return g
+
+
+def test_a_tensor_scalar_is_encoded_keyed_by_its_scalar_type_and_decoded_as_one():
+    """Before (found by an audit of graph keys): ``scalar_type`` was checked as a data type, but FE's ``tensor_scalar``
+    takes a ``cudnn.scalar_type`` (RUNTIME_PARAM, COMPILE_TIME_CONST), so from_pygraph raised SpecError for every
+    graph embedding a scalar, and the hook's validate() raised it into the user's program."""
+    const = from_pygraph(_scaled(cudnn.scalar_type.COMPILE_TIME_CONST))
+    runtime = from_pygraph(_scaled(cudnn.scalar_type.RUNTIME_PARAM))
+    assert const.graph_key != runtime.graph_key
+    assert const.graph_key != from_pygraph(_scaled(cudnn.scalar_type.COMPILE_TIME_CONST, 3.0)).graph_key
+    t = next(t for t in fegraph.decode(const)._tensor_by_uid.values() if t.pass_by_value is not None)
+    assert (t.pass_by_value, t.scalar_type) == (2.0, cudnn.scalar_type.COMPILE_TIME_CONST)
+    assert from_pygraph(fegraph.decode(const)).graph_key == const.graph_key
+
+
+def _conv(**kw):
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, compute_data_type=cudnn.data_type.FLOAT)
+    x = g.tensor(name="x", dim=[1, 8, 16, 16], stride=[2048, 1, 128, 8])
+    w = g.tensor(name="w", dim=[8, 8, 3, 3], stride=[72, 1, 24, 8])
+    g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], **kw).set_output(True)
+    return g
+
+
+def test_a_convolution_mode_is_keyed_and_decoded():
+    """Before: ``convolution_mode`` (convolution vs cross-correlation, which FE 1.32 exports only on
+    ``cudnn._compiled_module``) was not an enum type of the schema: from_pygraph raised SpecError for any conv that
+    named it, the default included, and the hook's validate() raised it into the user's program."""
+    mode = cudnn._compiled_module.convolution_mode
+    conv = from_pygraph(_conv(convolution_mode=mode.CONVOLUTION))
+    assert conv.graph_key != from_pygraph(_conv(convolution_mode=mode.CROSS_CORRELATION)).graph_key
+    assert from_pygraph(_conv(convolution_mode=mode.CROSS_CORRELATION)).graph_key == from_pygraph(_conv()).graph_key
+    node = fegraph.decode(conv)._nodes[0]
+    assert node.params["convolution_mode"] == mode.CONVOLUTION
+    assert from_pygraph(fegraph.decode(conv)).graph_key == conv.graph_key
+
+
+def test_a_graph_fe_takes_but_the_schema_cannot_hold_is_unsupported_not_a_spec_error():
+    """The hook leaves an UnsupportedGraph to FE; any other SpecError from reading a user's graph reached the user's
+    validate() (here: a node whose compute type is FE's NOT_SET, which the schema has no name for)."""
+    from plancache.errors import UnsupportedGraph
+
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    a = g.tensor(name="a", dim=[1, 16, 32])
+    b = g.tensor(name="b", dim=[1, 32, 8])
+    g.matmul(a, b, compute_data_type=cudnn.data_type.NOT_SET).set_output(True)
+    with pytest.raises(UnsupportedGraph, match="NOT_SET"):
+        from_pygraph(g)
