@@ -457,6 +457,8 @@ class CompleteRequest(LeaseRequest):
 class FailRequest(LeaseRequest):
     error: str = Field(min_length=1, max_length=8000)
     retryable: bool = True
+    released: bool = Field(default=False, description="the worker stopped before the attempt ended: the job goes "
+                                                      "back to the queue and the attempt is not counted")
 
 
 class Miss(StrictModel):

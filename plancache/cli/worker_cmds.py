@@ -26,6 +26,9 @@ from .common import (
 if TYPE_CHECKING:
     from ..worker.supervisor import Child
 
+#: How long ``worker --once`` retries an unreachable server before it exits 7 (a worker without --once waits on).
+ONCE_RETRY_SECONDS = 120.0
+
 
 @command
 def worker(
@@ -88,7 +91,8 @@ def worker(
     from .. import gpu  # noqa: F401 - the gpu extra: without it exit 4 (MISSING_EXTRA), as tune and --all-devices
 
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
-    client = open_jobs_api(server, token, settings, retry=Retry())
+    # --once exits 7 (SERVER_UNAVAILABLE) when the server stays unreachable, instead of waiting for it forever
+    client = open_jobs_api(server, token, settings, retry=Retry(within=ONCE_RETRY_SECONDS) if once else Retry())
     stop = threading.Event()
     stop_on_signals(stop)
     logging.getLogger("plancache.worker").info("tuning on CUDA device %d of those visible (CUDA_VISIBLE_DEVICES=%s)",

@@ -325,14 +325,17 @@ class Jobs:
         return row_to_job(row)
 
     def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
-             holder: str | None = None) -> Job:
+             holder: str | None = None, released: bool = False) -> Job:
         """Record a failed attempt of a job this caller holds: back to ``queued`` (lease cleared) if retryable
-        with attempts left, else ``failed``."""
+        with attempts left, else ``failed``. ``released``: the worker stopped before the attempt ended; the job is
+        queued again and the attempt not counted."""
         with self.db.write() as conn:
             row = held_job(conn, job_id, worker_id, lease_token, holder)
             now = self.db.now(conn)
-            requeue = retryable and row.attempts < row.max_attempts
-            lease = {"lease_owner": None, "lease_holder": None, "lease_token_hash": None} if requeue else {}
+            requeue = released or (retryable and row.attempts < row.max_attempts)
+            lease: dict[str, Any] = {"lease_owner": None, "lease_holder": None, "lease_token_hash": None} if requeue else {}
+            if released:
+                lease["attempts"] = jobs.c.attempts - 1  # its claim counted it; a held job has attempts >= 1
             row = conn.execute(
                 sa.update(jobs).where(jobs.c.id == job_id)
                 .values(status="queued" if requeue else "failed", error=error, updated_at=now,

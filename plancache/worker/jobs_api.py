@@ -75,7 +75,8 @@ class JobsApi:
         self.http.request("POST", f"/v1/jobs/{job_id}/complete", body=req.model_dump(mode="json"))
 
     def fail(self, job_id: int, req: FailRequest) -> None:
-        self.http.request("POST", f"/v1/jobs/{job_id}/fail", body=req.model_dump(mode="json"))
+        # defaults left out: ``released`` reaches only servers that know it (an older one refuses unknown fields)
+        self.http.request("POST", f"/v1/jobs/{job_id}/fail", body=req.model_dump(mode="json", exclude_defaults=True))
 
     def put_plan(self, upload: PlanUpload) -> PlanRecord:
         """``PUT /v1/plans``: with an admin token any plan; with a worker token only a

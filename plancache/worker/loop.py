@@ -204,13 +204,17 @@ class Worker:
         try:
             while not stop.is_set():
                 if not self.flush_spool():
+                    if self.once and not stop.is_set():  # --once retries for a while only: it exits, saying why
+                        raise ServerUnavailable(f"the server could not be reached; results wait in {self.spool.directory}")
                     break
                 current, following = following, None
                 if current is None:
                     try:
                         current = self._claim()
                     except ServerUnavailable:
-                        break  # only raised once stopping
+                        if self.once and not stop.is_set():
+                            raise
+                        break  # only raised once stopping (--once: after its client's retries too)
                 if current is None:
                     if self.once:
                         log.info("worker %s: no job for this environment; exiting (--once)", self.worker_id)
@@ -222,15 +226,22 @@ class Worker:
                         following = self._claim()
                     except ServerUnavailable:
                         following = None
+                if stop.is_set():  # told to stop while claiming: never started, another worker may take it now
+                    self._release(current)
+                    break
                 self.process(current, stop, following=following.spec if following else None)
         finally:
             if following is not None:  # claimed ahead, never started: another worker may take it now
-                following.beat.finishing()
-                following.beat.halt()
-                self._fail(following.claim.job.id, following.lease, "worker shutting down", retryable=True)
-                self.stats.released += 1
+                self._release(following)
         log.info("worker %s: stopped (%s)", self.worker_id, self.stats)
         return self.stats
+
+    def _release(self, held: _Held) -> None:
+        """Give back a claimed job that was never started."""
+        held.beat.finishing()
+        held.beat.halt()
+        self._fail(held.claim.job.id, held.lease, "worker shutting down", retryable=True, released=True)
+        self.stats.released += 1
 
     def _claim(self) -> _Held | None:
         """The next job for this environment, its lease heartbeating from now on; None when there is none."""
@@ -311,7 +322,7 @@ class Worker:
                 if not done.wait(self.shutdown_grace):
                     outcome.cancel.set()
                     beat.finishing()
-                    self._fail(job.id, lease, "worker shutting down", retryable=True)
+                    self._fail(job.id, lease, "worker shutting down", retryable=True, released=True)
                     self.stats.released += 1
                     return None
         if beat.lost.is_set():
@@ -406,12 +417,13 @@ class Worker:
         self._fail(job.id, lease, reason, retryable=retryable)
         self.stats.failed += 1
 
-    def _fail(self, job_id: int, lease: LeaseRequest, reason: str, *, retryable: bool) -> None:
-        """Report a failed attempt (``retryable``: the job goes back to the queue)."""
+    def _fail(self, job_id: int, lease: LeaseRequest, reason: str, *, retryable: bool, released: bool = False) -> None:
+        """Report a failed attempt (``retryable``: the job goes back to the queue; ``released``: the worker is
+        stopping, and the attempt is given back)."""
         # as the wire takes text: an undecodable byte of a path (a lone surrogate) escaped, NUL spelled out
         wire = reason.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
         req = FailRequest(worker_id=lease.worker_id, lease_token=lease.lease_token, error=wire[:MAX_ERROR_CHARS],
-                          retryable=retryable)
+                          retryable=retryable, released=released)
         try:
             self.client.fail(job_id, req)
         except ServerUnavailable as exc:

@@ -112,5 +112,6 @@ def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: Set
 @router.post("/v1/jobs/{job_id}/fail", response_model=Job, summary="Report a failed attempt", responses=_LEASE_ERRORS)
 def fail(job_id: JobId, req: FailRequest, store: StoreDep, principal: Worker) -> Job:
     """Back to ``queued`` when ``retryable`` and attempts are left, else ``failed``."""
-    job = store.fail(job_id, req.worker_id, req.lease_token, req.error, retryable=req.retryable, holder=principal.identity)
+    job = store.fail(job_id, req.worker_id, req.lease_token, req.error, retryable=req.retryable,
+                     holder=principal.identity, released=req.released)
     return job_view(job, principal)

@@ -1,0 +1,85 @@
+"""A worker told to stop: what becomes of its jobs, and `--once` against a server that stays down."""
+
+import signal
+import threading
+import time
+
+from tests.integration.test_worker_loop import child, enqueue, job, keys, make_worker, running_by, srv, wait_for  # noqa: F401
+from tests.worker_fakes import FakeTuner
+
+
+def test_sigterm_release_on_the_last_attempt_leaves_the_job_queued(srv, tmp_path, keys):
+    """Before: a job released at SIGTERM had used an attempt, so on its last one it was failed for good."""
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
+    a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2")
+    try:
+        wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim")
+        a.send_signal(signal.SIGTERM)
+        out, _ = a.communicate(timeout=10)
+    finally:
+        a.kill()
+    released = job(srv, j.id)
+    assert released.status == "queued" and released.lease_owner is None and released.attempts == 0
+
+
+def test_a_job_claimed_as_the_worker_is_told_to_stop_is_released_at_once(srv, tmp_path, keys):
+    """Before: a job whose claim was on the wire when the signal came was tuned, holding the shutdown for its grace."""
+    (j,) = enqueue(srv, ["conv_bias_relu"])
+    tuner = FakeTuner(tune_seconds=30)
+    w = make_worker(srv, tmp_path, keys[0], tuner, shutdown_grace=20)
+    stop = threading.Event()
+    real_claim = w.client.claim
+
+    def claim(*a, **kw):  # SIGTERM arrives while the claim is on the wire
+        got = real_claim(*a, **kw)
+        stop.set()
+        return got
+
+    w.client.claim = claim
+    started = time.monotonic()
+    stats = w.run(stop)
+    took = time.monotonic() - started
+    assert took < 5, f"a job claimed as the worker stopped held the shutdown for {took:.1f}s"
+    assert stats.released == 1 and job(srv, j.id).status == "queued"
+
+
+def test_once_with_the_server_down_exits_saying_so(tmp_path, keys):
+    """Before: --once retried an unreachable server for ever (a GPU allocation held until its time limit)."""
+    import pytest
+
+    from plancache.errors import ServerUnavailable
+    from plancache.http import Backoff, Retry
+    from plancache.signing import Signer
+    from plancache.worker import JobsApi, Spool, Worker
+    w = Worker(JobsApi.open("http://127.0.0.1:9", "t", retry=Retry(Backoff(initial=0.05, cap=0.2), within=1)),
+               FakeTuner(), Signer.from_file(keys[0]), Spool(tmp_path / "sp"), worker_id="w", once=True)
+    with pytest.raises(ServerUnavailable):
+        w.run(threading.Event())
+
+
+def test_worker_once_cli_exits_7_when_the_server_stays_down(tmp_path, keys, monkeypatch):
+    """The CLI turns it into exit 7 (SERVER_UNAVAILABLE, worth retrying), an error line and a hint."""
+    from typer.testing import CliRunner
+
+    import plancache.cli.worker_cmds as wc
+    import plancache.worker
+    from plancache.cli import make_app
+
+    class CliFake(FakeTuner):
+        def __init__(self, *a, **kw):
+            super().__init__()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(plancache.worker, "GpuTuner", CliFake)
+    monkeypatch.setattr(plancache.worker, "stop_on_signals", lambda stop: None)  # the CLI runs in a thread here
+    monkeypatch.setattr(wc, "ONCE_RETRY_SECONDS", 1.0, raising=False)
+    box = {}
+    args = ["worker", "--once", "--server", "http://127.0.0.1:9", "--token", "t", "--signing-key", str(keys[0]),
+            "--spool-dir", str(tmp_path / "sp")]
+    t = threading.Thread(target=lambda: box.update(r=CliRunner().invoke(make_app(), args)), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "plancache worker --once still retrying a dead server after 20 s"
+    assert box["r"].exit_code == 7, box["r"].output
