@@ -169,6 +169,7 @@ def test_sigterm_releases_the_job_claimed_ahead_too(srv, tmp_path, keys):
     for x in (first, second):
         released = job(srv, x.id)
         assert released.status == "queued" and released.error == "worker shutting down" and released.lease_owner is None
+    assert released.attempts == 0
 
 
 def test_worker_claims_only_jobs_for_its_environment(srv, tmp_path, keys):
@@ -371,7 +372,8 @@ def test_a_completion_whose_lease_was_taken_over_is_dropped_from_the_spool(srv, 
 
 
 def test_sigterm_releases_a_job_that_cannot_finish_in_the_grace_period(srv, tmp_path, keys):
-    (j,) = enqueue(srv, ["conv_bias_relu"])
+    """Released, the job is queued again without using an attempt (before: on its last attempt it was failed)."""
+    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
     a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2")
     try:
         wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim")

@@ -1,25 +1,10 @@
 """A worker told to stop: what becomes of its jobs, and `--once` against a server that stays down."""
 
-import signal
 import threading
 import time
 
-from tests.integration.test_worker_loop import child, enqueue, job, keys, make_worker, running_by, srv, wait_for  # noqa: F401
+from tests.integration.test_worker_loop import enqueue, job, keys, make_worker, srv  # noqa: F401 - keys, srv: fixtures
 from tests.worker_fakes import FakeTuner
-
-
-def test_sigterm_release_on_the_last_attempt_leaves_the_job_queued(srv, tmp_path, keys):
-    """Before: a job released at SIGTERM had used an attempt, so on its last one it was failed for good."""
-    (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
-    a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2")
-    try:
-        wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim")
-        a.send_signal(signal.SIGTERM)
-        out, _ = a.communicate(timeout=10)
-    finally:
-        a.kill()
-    released = job(srv, j.id)
-    assert released.status == "queued" and released.lease_owner is None and released.attempts == 0
 
 
 def test_a_job_claimed_as_the_worker_is_told_to_stop_is_released_at_once(srv, tmp_path, keys):
