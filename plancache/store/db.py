@@ -58,6 +58,10 @@ def database_now(conn: Connection) -> datetime:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
 
 
+#: Seconds libpq waits to connect to Postgres (unless the URL says ``?connect_timeout=``).
+PG_CONNECT_TIMEOUT_S = 10
+
+
 def normalize_url(url: str | URL) -> URL:
     """Parse a database URL; ``postgres://`` and ``postgresql://`` mean psycopg 3. Only SQLite files and Postgres."""
     u = make_url(url)
@@ -115,7 +119,11 @@ def make_engine(url: str | URL) -> Engine:
         sa.event.listen(engine, "connect", _sqlite_on_connect)
         sa.event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    return sa.create_engine(u, pool_size=16, max_overflow=16, pool_pre_ping=True, pool_recycle=1800)
+    # without a connect timeout libpq waits for good on a host that accepts TCP but never answers (hung, or
+    # behind a partition): every request, /readyz too, would hang instead of answering 503 database_unavailable
+    connect_args = {} if "connect_timeout" in u.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return sa.create_engine(u, pool_size=16, max_overflow=16, pool_pre_ping=True, pool_recycle=1800,
+                            connect_args=connect_args)
 
 
 def lock_against_writers(conn: Connection, table: sa.Table) -> None:
