@@ -219,6 +219,16 @@ class Step(ABC):
         self.learn(p, record)
         return None
 
+    def load(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike | None:
+        """The verified ``blob`` deserialized into the caller's graph (a warm load: kept, see :class:`Kept`); None
+        when cuDNN refuses it (counted, the record learned for a rebuild)."""
+        try:
+            return Kept(record) if p.warm else self.context.deserialize(p, record, blob)
+        except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
+            self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
+            self.learn(p, record)
+            return None
+
     def admit(self, p: Pending, record: PlanRecord, blob: bytes) -> Plan | None:
         """Verify, then deserialize (a warm load: keep, see :class:`Kept`); None when refused (counted, and an
         authentic record is learned)."""
@@ -230,11 +240,7 @@ class Step(ABC):
             if exc.reason in ("size", "sha256"):
                 self.learn(p, record)
             return None
-        try:
-            built = Kept(record) if p.warm else c.deserialize(p, record, blob)
-        except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
-            self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
-            self.learn(p, record)
+        if (built := self.load(p, record, blob)) is None:
             return None
         c.verified[p.key] = (record, blob)
         if c.signatures_checked:  # the revision of a signed record only: an unsigned one may say anything
@@ -277,12 +283,8 @@ class MemoryStep(Step):
                     c.verified.pop(p.key, None)
                     self.reject(p, exc.reason, exc.message)
                     continue
-                try:
-                    built = Kept(held[0]) if p.warm else c.deserialize(p, *held)
-                except Exception as exc:  # noqa: BLE001 - as in Step.admit: a rung failure, not fatal
+                if (built := self.load(p, *held)) is None:
                     c.verified.pop(p.key, None)
-                    self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
-                    self.learn(p, held[0])
                     continue
                 found[p] = self.wrap(p, built)
         return found
