@@ -1,10 +1,16 @@
-"""Durable, atomic file writes: a reader sees the old file or the whole new one, and a crash loses neither."""
+"""Durable, atomic file writes: a reader sees the old file or the whole new one, and a crash loses neither; the
+flags for opening a file someone else could have planted; the release of a file lock that survives a fork."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
 from pathlib import Path
+
+#: Opening a file whose name someone else could have planted: never through a symlink (ELOOP), never blocking on a FIFO.
+SAFE_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -37,3 +43,11 @@ def atomic_write(path: Path | str, data: bytes, *, mode: int = 0o600, exclusive:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def unlock_and_close(fd: int) -> None:
+    """Release the ``flock`` held on ``fd``, then close it. Unlocked first: a process forked meanwhile (a data
+    loader's workers) shares the open file, and closing ours alone would leave it locked for as long as they live."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)

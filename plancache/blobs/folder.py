@@ -11,11 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from ..files import fsync_dir
+from ..files import SAFE_OPEN_FLAGS, fsync_dir
 from .base import BlobStore, BlobStream, Data, checked_chunks, chunks, log, shard
 
-#: Opening a blob file: never through a symlink, never blocking on a FIFO planted under its name.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: A shard folder's name (``ab`` of ``ab/cd/<sha256>``), a blob file's, and a temporary file's: ``.<sha256>.*.tmp``,
 #: as :meth:`FolderBlobs.put` (and :func:`plancache.files.atomic_write`) name the file they write.
 _SHARD = re.compile(r"^[0-9a-f]{2}$")
@@ -63,7 +61,7 @@ class FolderBlobs(BlobStore):
     def open(self, sha256: str) -> BlobStream | None:
         path = self.path(sha256)
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:

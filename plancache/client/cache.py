@@ -68,7 +68,7 @@ from pydantic import ValidationError
 from ..blobs.folder import FolderBlobs
 from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
-from ..files import atomic_write
+from ..files import SAFE_OPEN_FLAGS, atomic_write, unlock_and_close
 from ..protocol import GRAPH_KEY_PATTERN, MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, PlanRecord
 from ..validation import validation_message
 
@@ -100,14 +100,12 @@ REVISIONS_LOCK = ".revisions.lock"
 #: The most a record file is read for: a record, or one an older client wrote with its tuning run's candidates in it
 #: (loaded, the candidates dropped), pretty-printed or not.
 RECORD_FILE_BYTES = 2 * (MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES)
-#: Opening a file of the folder: never through a symlink, never blocking on a FIFO planted under its name (as blobs are).
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _read_file(path: Path, limit: int) -> bytes:
     """The bytes of the regular file ``path`` (OSError for anything else: ELOOP for a symlink), at most ``limit`` + 1
     of them (more than ``limit``: too long)."""
-    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path} is not a regular file")
@@ -142,14 +140,10 @@ class FetchLock:
         self.waited = waited
 
     def release(self) -> None:
-        """Let the next process waiting for these keys go; idempotent. Unlocked before it is closed: a process forked
-        meanwhile (a data loader's workers) shares the open file, and closing ours alone would leave it locked for as
-        long as they live."""
+        """Let the next process waiting for these keys go; idempotent (:func:`~plancache.files.unlock_and_close`)."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            unlock_and_close(fd)
 
 
 class DiskCache:
@@ -236,10 +230,8 @@ class DiskCache:
                 _in_use(fd)
                 if self._stored_revision(path) < revision:
                     atomic_write(path, str(revision).encode())
-            finally:  # unlocked before closed: a child forked meanwhile shares the open file, and would keep it locked
-                with contextlib.suppress(OSError):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+            finally:
+                unlock_and_close(fd)
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
 
@@ -343,7 +335,7 @@ class DiskCache:
     def _open_lock(self, name: str) -> int:
         """An open descriptor of the lock file ``name`` in this folder, made (owner-only) with the folder if absent."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return os.open(self.dir / name, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+        return os.open(self.dir / name, os.O_RDWR | os.O_CREAT | SAFE_OPEN_FLAGS, 0o600)
 
     def touch(self, record: PlanRecord) -> None:
         """Mark the entry of ``record`` (its record and blob files) used now, for the least recently used eviction;

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..files import atomic_write
+from ..files import atomic_write, unlock_and_close
 from ..spec import GraphSpec, parse_spec
 from ..validation import StrictModel, validation_message
 
@@ -197,10 +197,8 @@ def _file_lock(path: Path) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
-    finally:  # unlocked before closed: a child forked meanwhile shares the open file, and would keep it locked
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    finally:
+        unlock_and_close(fd)
 
 
 def axes_of(spec: GraphSpec) -> list[str]:
