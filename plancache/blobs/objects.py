@@ -8,6 +8,7 @@ for a plain-http endpoint (``GOOGLE_*`` and ``AZURE_*`` for the other two). obst
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -81,13 +82,26 @@ class ObjectStoreBlobs(BlobStore):
             raise BlobStoreUnavailable(f"blob store {self.url}: {str(exc).splitlines()[0]}") from exc
 
     def _write(self, call: Callable[[], T]) -> T:
-        """:meth:`_call` for a write: not-found there means the bucket (or container) does not exist, raised as
-        :class:`BlobStoreUnavailable` too."""
+        """:meth:`_call` for a write. A not-found there is raised as :class:`BlobStoreUnavailable` when the bucket
+        (or container) cannot be listed, as when it does not exist; otherwise (a multipart upload whose parts were
+        collected meanwhile: S3's NoSuchUpload) as a FileNotFoundError with ``errno`` ENOENT, a lost race: the
+        server answers it 503, retry, as for a folder's file removed while written."""
         try:
             return self._call(call)
         except FileNotFoundError as exc:
+            if self._listable():
+                raise FileNotFoundError(errno.ENOENT, f"blob store {self.url}: the upload was lost while it was "
+                                        f"written ({str(exc).splitlines()[0]})") from exc
             raise BlobStoreUnavailable(f"blob store {self.url}: the bucket does not exist "
                                        f"({str(exc).splitlines()[0]})") from exc
+
+    def _listable(self) -> bool:
+        """Whether the first key under the prefix can be listed (an empty bucket can)."""
+        try:
+            next(self._obs.list(self._store, chunk_size=1), None)
+        except (self._obs.exceptions.BaseError, FileNotFoundError):  # obstore's 404 for a missing bucket is generic
+            return False
+        return True
 
     def size(self, sha256: str) -> int | None:
         try:

@@ -4,6 +4,7 @@ object turns out damaged), gc deletes the object of a blob no record references.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from datetime import timedelta
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from plancache.blobs import ObjectStoreBlobs, open_blobs
+from plancache.errors import BlobStoreUnavailable
 from plancache.store.retention import gc
 
 from ..live_server import LiveServer
@@ -109,3 +111,20 @@ def test_a_missing_bucket_is_a_503_not_a_500(tmp_path: Path, monkeypatch: pytest
         assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
     with pytest.raises(BlobStoreUnavailable, match="no-such-"):
         open_blobs(gone).put(hashlib.sha256(SMALL).hexdigest(), SMALL)
+
+
+def test_a_not_found_write_to_a_bucket_that_exists_stays_a_not_found(s3_blob_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """A 404 during a write to a bucket that exists (a multipart upload gone meanwhile: S3's NoSuchUpload on its
+    abort) is the FileNotFoundError it is, for the caller to handle as a lost race, not 'the bucket does not
+    exist'. It carries errno ENOENT, which the server answers 503, retry (as a folder's file removed while written)."""
+    blobs = open_blobs(s3_blob_url)
+    assert isinstance(blobs, ObjectStoreBlobs)
+
+    def gone(*_args: object, **_kw: object) -> None:
+        raise FileNotFoundError("Object at location blobs/ab/cd/x not found: NoSuchUpload")
+
+    monkeypatch.setattr(blobs._obs, "put", gone)
+    with pytest.raises(FileNotFoundError, match="NoSuchUpload") as raised:
+        blobs.put(hashlib.sha256(SMALL).hexdigest(), SMALL)
+    assert not isinstance(raised.value, BlobStoreUnavailable) and raised.value.errno == errno.ENOENT

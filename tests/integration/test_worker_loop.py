@@ -390,7 +390,8 @@ def test_sigterm_lets_a_short_tuning_finish_and_publish(srv, tmp_path, keys):
     first, second = enqueue(srv, ["conv_bias_relu", "sdpa_causal"])
     a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "1.0", "--shutdown-grace", "20")
     try:
-        wait_for(lambda: any(job(srv, x.id).lease_owner == "w-term" for x in (first, second)), "a claim")
+        # a tuning under way (a stop that arrives during the claim releases the job untuned: another test's case)
+        wait_for(lambda: ": tuning (needs" in (tmp_path / "w-term.log").read_text(), "a tuning to start")
         a.send_signal(signal.SIGTERM)
         out, _ = a.communicate(timeout=15)
     finally:
