@@ -36,7 +36,7 @@ SDPA_ROUTES = {
 
 _lock = threading.Lock()
 _route: str | None = None
-_overrides: Any = None
+_overrides: Any = None  # what uninstall undoes: the overrides' handle, or the flash implementation install replaced
 _LEFT_ON = object()  # _overrides of a provider the program had turned on before install: uninstall leaves it on
 
 
@@ -77,6 +77,9 @@ def _install_provider() -> tuple[str, Any]:
 
     route = sdpa_route()
     if route == "torch_switch":
+        enabled = getattr(torch.backends.cuda, "cudnn_sdp_python_enabled", None)  # the switch's reading
+        if enabled is not None and enabled():  # the program turned it on: it stays on
+            return route, _LEFT_ON
         _switch()(True)
         return route, None
     import cudnn.torch
@@ -85,10 +88,11 @@ def _install_provider() -> tuple[str, Any]:
         import torch.nn.attention as attention
 
         current = getattr(attention, "current_flash_attention_impl", None)  # torch versions without it: no reading
-        if current is not None and current() == "CUDNN":  # the program turned it on: it stays on
+        previous = current() if current is not None else None
+        if previous == "CUDNN":  # the program turned it on: it stays on
             return route, _LEFT_ON
         attention.activate_flash_attention_impl("CUDNN")
-        return route, None
+        return route, previous  # the implementation the registry's one slot held: uninstall activates it again
     try:
         return route, cudnn.torch.install_sdpa_overrides()
     except (AttributeError, RuntimeError, ImportError) as exc:  # this torch has no varlen ops to override
@@ -115,16 +119,22 @@ def installed_route() -> str | None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: FE's SDPA provider off (where this module turned it on) and the hook removed."""
+    """Undo :func:`install`: the SDPA provider as the program had it before (FE's left on where the program had
+    turned it on; the flash implementation install replaced activated again) and the hook removed."""
     global _route, _overrides
     with _lock:
-        if _route == "torch_switch":
+        if _route is None or _overrides is _LEFT_ON:
+            pass
+        elif _route == "torch_switch":
             _switch()(False)
-        elif _route == "flash_registry" and _overrides is not _LEFT_ON:
+        elif _route == "flash_registry":
             import torch.nn.attention as attention
 
-            attention.restore_flash_attention_impl()
-        elif _overrides is not None and _overrides is not _LEFT_ON:
+            if _overrides is None:
+                attention.restore_flash_attention_impl()
+            else:
+                attention.activate_flash_attention_impl(_overrides)
+        else:
             _overrides.remove()
         _route, _overrides = None, None
     hook.uninstall()

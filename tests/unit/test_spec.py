@@ -283,3 +283,40 @@ def test_a_lone_surrogate_in_a_string_param_is_a_spec_error():
     text = json.dumps(from_pygraph(fe_sub()).to_json()).replace('"mode": "sub"', '"mode": "sub", "note": "\\ud800"')
     with pytest.raises(SpecError, match=r"param 'note'.*not valid Unicode"):
         parse_spec(text)
+
+
+def fe_matmul(**kw: object) -> object:
+    """bf16 [1,8,16] @ [1,16,4] through FE's ``matmul`` (``kw``: its padding)."""
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    a = g.tensor(name="A", dim=[1, 8, 16], stride=[128, 16, 1])
+    b = g.tensor(name="B", dim=[1, 16, 4], stride=[64, 4, 1])
+    g.matmul(a, b, **kw).set_output(True)
+    return g
+
+
+def test_a_matmul_padding_of_minus_zero_is_the_default():
+    # FE sets CUDNN_ATTR_MATMUL_PADDING_VALUE only where padding != 0.0, so -0.0 and 0.0 are one cuDNN graph
+    base = from_pygraph(fe_matmul()).graph_key
+    assert from_pygraph(fe_matmul(padding=0.0)).graph_key == base
+    assert from_pygraph(fe_matmul(padding=-0.0)).graph_key == base
+    assert from_pygraph(fe_matmul(padding=1.0)).graph_key != base
+
+
+def _set_pass_by_value(doc: dict, value: float) -> None:
+    next(t for t in doc["tensors"] if t["name"] == "alpha")["pass_by_value"] = value
+
+
+def _set_negative_slope(doc: dict, value: float) -> None:
+    next(n for n in doc["nodes"] if n["params"].get("mode") == "relu")["params"]["negative_slope"] = value
+
+
+@pytest.mark.parametrize("set_zero", [_set_pass_by_value, _set_negative_slope], ids=["scale", "negative_slope"])
+def test_a_zero_keeps_its_sign_in_the_key_where_a_product_shows_it(set_zero):
+    # x * -0.0 and x * 0.0 differ in sign: these floats are not canonicalized
+    keys = []
+    for zero in (0.0, -0.0):
+        doc = EXAMPLES["matmul_scale_bias_relu_amax_b4"].to_json()
+        set_zero(doc, zero)
+        keys.append(graph_key(doc))
+    assert keys[0] != keys[1]

@@ -67,3 +67,61 @@ def test_uninstall_leaves_fes_provider_on_where_the_program_turned_it_on(cache):
         assert attention.current_flash_attention_impl() == "CUDNN"
     finally:
         attention.restore_flash_attention_impl(_raise_warn=False)
+
+
+class _FakeSwitch:
+    """torch's ``enable_cudnn_sdp_python`` and its reading ``cudnn_sdp_python_enabled``, on one flag."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.calls: list[bool] = []
+
+    def enable(self, on: bool) -> None:
+        self.calls.append(on)
+        self.on = on
+
+    def enabled(self) -> bool:
+        return self.on
+
+
+@pytest.mark.parametrize("program_on", [True, False])
+def test_uninstall_leaves_the_switch_as_the_program_set_it(cache, monkeypatch, program_on):
+    switch = _FakeSwitch(program_on)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp_python", switch.enable, raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_python_enabled", switch.enabled, raising=False)
+    plancache.torch.install(cache)
+    try:
+        assert switch.on and plancache.torch.installed_route() == "torch_switch"
+    finally:
+        plancache.torch.uninstall()
+    assert switch.on is program_on
+    assert switch.calls == ([] if program_on else [True, False])
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.attention, "activate_flash_attention_impl"),
+                    reason=f"torch {torch.__version__} has no flash-attention implementation registry")
+def test_uninstall_activates_again_the_flash_implementation_install_replaced(cache, monkeypatch):
+    import torch.nn.attention as attention
+    from torch.nn.attention import _registry
+
+    live: list[str] = []
+
+    class _Handle:
+        def remove(self) -> None:
+            live.remove("FAKE")
+
+    def register() -> _Handle:
+        live.append("FAKE")
+        return _Handle()
+
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FAKE", register)
+    attention.activate_flash_attention_impl("FAKE")
+    try:
+        plancache.torch.install(cache)
+        try:
+            assert attention.current_flash_attention_impl() == "CUDNN" and live == []
+        finally:
+            plancache.torch.uninstall()
+        assert attention.current_flash_attention_impl() == "FAKE" and live == ["FAKE"]
+    finally:
+        attention.restore_flash_attention_impl(_raise_warn=False)
