@@ -208,11 +208,19 @@ class TrustedKeys:
         return sorted(self._keys)
 
     @classmethod
-    def from_files(cls, paths: list[Path | str]) -> TrustedKeys:
-        """The keys of ``paths``: PEM public key files, and folders of them (their ``*.pub`` files)."""
+    def from_files(cls, paths: Iterable[Path | str]) -> TrustedKeys:
+        """The keys of ``paths``: PEM public key files, and folders of them (their ``*.pub`` files). A folder that
+        holds no ``*.pub`` (an unpopulated mount, keys named ``*.pem``) is a :class:`SignatureError` (``bad_key``)
+        naming it, never "no key from there"."""
+        files: list[Path] = []
+        for folder_or_file in map(Path, paths):
+            found = sorted(folder_or_file.glob("*.pub")) if folder_or_file.is_dir() else [folder_or_file]
+            if not found:
+                raise _names_no_key(folder_or_file)
+            files += found
         keys = []
-        for path in [f for p in map(Path, paths) for f in (sorted(p.glob("*.pub")) if p.is_dir() else [p])]:
-            data = Path(path).read_bytes()
+        for path in files:
+            data = path.read_bytes()
             try:
                 key = serialization.load_pem_public_key(data)
             except (ValueError, UnsupportedAlgorithm) as exc:
@@ -224,10 +232,14 @@ class TrustedKeys:
 
     @classmethod
     def from_setting(cls, value: str | None) -> TrustedKeys:
-        """``PLANCACHE_TRUSTED_KEYS``: public key files (or folders of ``*.pub``) separated by ``,`` or ``:``."""
+        """``PLANCACHE_TRUSTED_KEYS``: public key files (or folders of ``*.pub``) separated by ``,`` or ``:``; empty
+        or None: no keys (a value of separators alone names no key: :meth:`from_files`' error)."""
         if not value:
             return cls([])
-        return cls.from_files([part.strip() for part in value.replace(os.pathsep, ",").split(",") if part.strip()])
+        parts = [part.strip() for part in value.replace(os.pathsep, ",").split(",") if part.strip()]
+        if not parts:
+            raise _names_no_key(repr(value))
+        return cls.from_files(parts)
 
     def open(self, envelope: Envelope | None, predicate_type: str, *, what: str) -> dict[str, Any]:
         """The in-toto statement in ``envelope``, once a trusted key's signature of it verifies; raises
@@ -297,6 +309,11 @@ class TrustedKeys:
         if differ:
             raise SignatureError(Reason.BAD_SIGNATURE, f"{what}: the record does not match its signed statement "
                                                   f"({', '.join(differ)})")
+
+
+def _names_no_key(named: object) -> SignatureError:
+    return SignatureError(Reason.BAD_KEY, f"{named} names no public key: give .pub files (`plancache keygen` writes "
+                                          "them) or folders holding them")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

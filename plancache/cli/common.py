@@ -494,19 +494,18 @@ def load_signer(path: Path, option: str = "--signing-key") -> Signer:
 
 def load_trusted_keys(value: str | None, option: str = "--trusted-keys") -> TrustedKeys:
     """The public keys ``value`` names (files or folders of ``*.pub``, ``,`` or ``:`` separated; None: none);
-    an unreadable one, or a value that names no key, is a :class:`Failure` naming the option and the setting."""
+    an unreadable one, one that is no ed25519 public key, or a folder that holds none, is a :class:`Failure` naming
+    the option and the setting."""
     from ..signing import TrustedKeys
 
     variable = env_name("trusted_keys")
     try:
-        trusted = TrustedKeys.from_setting(value)
+        return TrustedKeys.from_setting(value)
     except OSError as exc:
         raise Failure(f"cannot read the trusted keys {value!r}: {exc.strerror or exc} ({exc.filename})",
                       f"check {option} / {variable}", ExitCode.OS_ERROR) from None
-    if value and not trusted:
-        raise Failure(f"{option} {value!r} names no public key",
-                      "give .pub files (`plancache keygen` writes them) or folders holding them", ExitCode.FAILED)
-    return trusted
+    except SignatureError as exc:
+        raise Failure(f"{option}: {exc.message}", f"check {option} / {variable}", ExitCode.FAILED) from None
 
 
 # ------------------------------------------------------------------------------------------------ the server
@@ -542,6 +541,16 @@ def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSett
                                read_timeout=READ_TIMEOUT, policies=[retry]))
 
 
+def pick_token(token: str | None, *, admin: bool) -> str | None:
+    """The token a command sends: ``token`` (``--token``), else for an admin command ``PLANCACHE_ADMIN_TOKEN`` then
+    ``PLANCACHE_TOKEN``, for a reader's ``PLANCACHE_TOKEN`` then ``PLANCACHE_ADMIN_TOKEN`` (an admin may read too)."""
+    if token:
+        return token
+    settings = settings_module.AdminSettings()
+    order = (settings.admin_token, settings.token) if admin else (settings.token, settings.admin_token)
+    return next((t for t in order if t), None)
+
+
 def admin_token_option(help: str = "admin token") -> Any:
     return typer.Option(None, "--token", show_default=False,
                         help=f"{help} (default: PLANCACHE_ADMIN_TOKEN, else PLANCACHE_TOKEN)")
@@ -557,7 +566,7 @@ def open_admin_api(server: str | None, token: str | None, command_name: str, *, 
     settings = settings_module.AdminSettings()
     server = required(server or settings.server_url, f"{command_name} has no server {server_use}",
                       f"give --server URL or set {env_name('server_url')}")
-    token = required(token or settings.admin_token or settings.token, f"{command_name} needs an admin token, and "
+    token = required(pick_token(token, admin=True), f"{command_name} needs an admin token, and "
                      "none was given", GIVE_ADMIN_TOKEN, ExitCode.AUTH)
     return open_jobs_api(server, token, settings, retry=Retry(Backoff(initial=0.2, cap=2.0), within=within))
 

@@ -8,7 +8,18 @@ from pathlib import Path
 import typer
 
 from ..settings import ClientSettings, env_name
-from .common import ExitCode, Failure, command, http_client, load_environment, load_spec_file, printable, required, server_option
+from .common import (
+    ExitCode,
+    Failure,
+    command,
+    http_client,
+    load_environment,
+    load_spec_file,
+    pick_token,
+    printable,
+    required,
+    server_option,
+)
 
 
 def _graph_key(item: str) -> tuple[str, str]:
@@ -27,7 +38,8 @@ def explain(
     environment: str | None = typer.Option(None, "--environment",
                                            help="the environment: a JSON file or inline JSON (default: this GPU's)"),
     server: str | None = server_option("plancache server URL"),
-    token: str | None = typer.Option(None, "--token", show_default=False, help="reader token (default: PLANCACHE_TOKEN)"),
+    token: str | None = typer.Option(None, "--token", show_default=False,
+                                     help="reader token (default: PLANCACHE_TOKEN, else PLANCACHE_ADMIN_TOKEN)"),
 ) -> None:
     """Say, per graph, why the server has no plan for it on the environment: never registered, registered but
     never queued, queued, running, failed (with the job's error), tuned only for other environments (and in
@@ -50,7 +62,7 @@ def explain(
             raise Failure(f"no GPU here to take the environment from ({exc})",
                           "give --environment FILE (the environment JSON of a plan, e.g. from `plancache plans list "
                           "--json`)", ExitCode.USAGE) from None
-    remote = Remote(http_client(server, token or settings.token, connect_timeout=settings.connect_timeout,
+    remote = Remote(http_client(server, pick_token(token, admin=False), connect_timeout=settings.connect_timeout,
                                 read_timeout=settings.read_timeout))
     try:
         reasons = remote.explain(env, [k for k, _ in keys])

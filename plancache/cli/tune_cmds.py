@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ..settings import AdminSettings, WorkerSettings, env_name
+from ..settings import WorkerSettings, env_name
 from .common import (
     ExitCode,
     Failure,
@@ -19,6 +19,7 @@ from .common import (
     command,
     load_signer,
     load_spec_file,
+    pick_token,
     plain_console,
     required,
     server_option,
@@ -53,8 +54,7 @@ def tune(
     specs = [(p, load_spec_file(p)) for p in files]
     signer = None
     if server is not None:
-        admin = AdminSettings()
-        token = required(token or admin.admin_token or admin.token,
+        token = required(pick_token(token, admin=True),
                          "uploading to --server needs an admin token, and none was given",
                          f"give --token or set {env_name('admin_token')} (`plancache token create --role admin`)",
                          ExitCode.AUTH)

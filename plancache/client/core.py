@@ -820,15 +820,12 @@ def _trusted_keys(value: TrustedKeys | str | Path | Iterable[str | Path] | None)
 
     if isinstance(value, TrustedKeys):
         return value
-    if value is None or isinstance(value, str):
-        keys = TrustedKeys.from_setting(value)
-    else:
-        value = [value] if isinstance(value, Path) else list(value)
-        keys = TrustedKeys.from_files(value)
-    if value and not keys:  # named key files or folders, none holding a key: never "no keys configured"
-        raise SignatureError(Reason.BAD_KEY, f"trusted_keys {value!r} names no public key: give .pub files "
-                                             "(`plancache keygen` writes them) or folders holding them")
-    return keys
+    try:  # a named folder holding no key is refused there: never "no keys configured"
+        if value is None or isinstance(value, str):
+            return TrustedKeys.from_setting(value)
+        return TrustedKeys.from_files([value] if isinstance(value, Path) else list(value))
+    except SignatureError as exc:
+        raise SignatureError(exc.reason, f"trusted_keys (PLANCACHE_TRUSTED_KEYS): {exc.message}") from None
 
 
 class PlanCache:

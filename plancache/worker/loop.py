@@ -337,7 +337,12 @@ class Worker:
         assert tuned is not None and outcome.meta is not None
         # above the revision the claim names (a withdrawal's, signed on a clock that may run ahead of this one)
         floor = max(outcome.meta.revision, claim.min_revision)
-        meta = self.signer.sign(outcome.meta.model_copy(update={"revision": floor}))
+        try:
+            meta = self.signer.sign(outcome.meta.model_copy(update={"revision": floor}))
+        except InvalidValue as exc:  # the claim names the last revision there is: no plan can be above it
+            beat.finishing()
+            self._report_failure(job, lease, exc, permanent=True)
+            return None
         log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
                  job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
                  outcome.round_trip_error, tuned.tuning_seconds)
@@ -406,13 +411,15 @@ class Worker:
         self.spool.remove(entry)
         return True
 
-    def _report_failure(self, job: Job, lease: LeaseRequest, exc: Exception) -> None:
+    def _report_failure(self, job: Job, lease: LeaseRequest, exc: Exception, *, permanent: bool = False) -> None:
+        """Fail the job's attempt with ``exc``'s reason, for good when ``permanent`` or of a :data:`PERMANENT_ERRORS`
+        class (retried otherwise)."""
         if isinstance(exc, PlanCacheError):
             reason = f"{exc.code}: {exc.message}"
         else:
             log.error("job %d: unexpected error while tuning", job.id, exc_info=exc)
             reason = f"{type(exc).__name__}: {exc}"
-        retryable = not isinstance(exc, PERMANENT_ERRORS)
+        retryable = not (permanent or isinstance(exc, PERMANENT_ERRORS))
         log.error("job %d: failed (%s): %s", job.id, "will be retried" if retryable else "permanent", reason)
         self._fail(job.id, lease, reason, retryable=retryable)
         self.stats.failed += 1

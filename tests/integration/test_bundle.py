@@ -311,6 +311,10 @@ def test_cli_argument_errors(tmp_path, gpu_env, cli):
     empty.mkdir()
     r = cli("bundle", "import", str(tmp_path / "o.json"), "--trusted-keys", str(empty), "--database-url", url)
     assert r.exit_code == 1 and "names no public key" in r.output
+    keygen(tmp_path / "fleet", "k")
+    r = cli("bundle", "import", str(tmp_path / "o.json"), "--trusted-keys", f"{tmp_path / 'fleet'},{empty}",
+            "--database-url", url)  # a folder with no key beside one with a key: refused, naming it (before: dropped)
+    assert r.exit_code == 1 and f"{empty} names no public key" in r.output and "--trusted-keys" in r.output, r.output
     r = cli("bundle", "import", str(tmp_path / "o.json"), "--database-url", url)
     assert r.exit_code == 3 and "no trusted keys" in r.output and "--insecure-no-verify" in r.output
 

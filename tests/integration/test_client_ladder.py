@@ -904,6 +904,7 @@ def test_trusted_keys_that_name_no_key_are_refused_not_taken_for_none(tmp_path, 
     as "no trusted keys configured", so with insecure_allow_unsigned also set an unsigned plan from the disk cache
     was deserialized. After: a value that names key files or folders but no key is refused, as the CLI refuses it."""
     from plancache.errors import SignatureError
+    from plancache.signing import keygen
 
     folder = tmp_path / "keys"
     folder.mkdir()
@@ -912,7 +913,14 @@ def test_trusted_keys_that_name_no_key_are_refused_not_taken_for_none(tmp_path, 
         with pytest.raises(SignatureError, match="names no public key") as err:
             PlanCache("", trusted_keys=keys, insecure_allow_unsigned=True, cache_dir=tmp_path / "c",
                       backend=RecordingBackend())
-        assert err.value.reason == "bad_key"
+        assert err.value.reason == "bad_key" and "trusted_keys" in err.value.message
+    # one named folder holding no key next to one that does (a new key's unpopulated mount during a rotation): the
+    # empty one is refused, naming it, not dropped (before: the other folder's key alone was trusted, silently)
+    keygen(tmp_path / "fleet", "k")
+    for keys in (f"{tmp_path / 'fleet'},{folder}", [tmp_path / "fleet", folder], " , "):
+        with pytest.raises(SignatureError, match="names no public key") as err:
+            PlanCache("", trusted_keys=keys, cache_dir=tmp_path / "c", backend=RecordingBackend())
+        assert err.value.reason == "bad_key" and (str(folder) in err.value.message or keys == " , ")
     for keys in (None, "", []):  # none named: no trusted keys, as before
         pc = PlanCache("", trusted_keys=keys, cache_dir=tmp_path / "c", backend=RecordingBackend())
         assert not pc.signatures_checked

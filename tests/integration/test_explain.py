@@ -123,3 +123,28 @@ def test_explain_without_a_gpu_asks_for_the_environment(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "plancache", "explain", "e" * 64, "--server", "http://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "give --environment FILE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_explain_with_only_the_admin_token_set_uses_it(tmp_path, make_spec, make_plan, gpu_env, monkeypatch):
+    """A reader command sends PLANCACHE_TOKEN, else PLANCACHE_ADMIN_TOKEN (which outranks a reader): an operator with
+    only the admin token set got a 401 whose fix named the admin token it had."""
+    from typer.testing import CliRunner
+
+    from plancache.cli import make_app
+    from plancache.store import open_store
+    from tests.live_server import LiveServer
+
+    store = open_store(f"sqlite:///{tmp_path / 'x.db'}", create=True)
+    keys = seed(store, make_spec, make_plan, gpu_env, other(gpu_env))
+    monkeypatch.delenv("PLANCACHE_TOKEN", raising=False)
+    with LiveServer(tmp_path / "srv", store=store) as srv:  # reads need a token
+        monkeypatch.setenv("PLANCACHE_ADMIN_TOKEN", srv.admin_token)
+        result = CliRunner().invoke(make_app(), ["explain", keys["unknown"], "--environment",
+                                                 gpu_env.model_dump_json(), "--server", srv.url])
+        monkeypatch.delenv("PLANCACHE_ADMIN_TOKEN")
+        refused = CliRunner().invoke(make_app(), ["explain", keys["unknown"], "--environment",
+                                                  gpu_env.model_dump_json(), "--server", srv.url])
+    store.close()
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1].startswith(f"{keys['unknown'][:12]}  not_registered:")
+    assert refused.exit_code == 8 and "401" in refused.output, refused.output  # no token at all: still refused

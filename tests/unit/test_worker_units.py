@@ -25,6 +25,7 @@ from plancache.http import Backoff, HttpClient, Retry
 from plancache.protocol import ClaimResponse, FailRequest, Job, LeaseRequest, TargetEnvironment
 from plancache.signing import Signer, TrustedKeys, keygen
 from plancache.spec import parse_spec
+from plancache.validation import INT64_MAX
 from plancache.worker import JobsApi, Spool, SpoolEntry, Worker
 from plancache.worker.loop import lease_duration
 from plancache.worker.spool import ORPHAN_SECONDS
@@ -423,3 +424,23 @@ def test_a_spool_entry_removed_by_another_worker_meanwhile_is_left_out(tmp_path,
     monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(listed))
     assert [e.name for e in spool.pending()] == [entry.name]
     assert "unreadable" not in caplog.text
+
+
+def test_a_claim_whose_min_revision_no_plan_can_exceed_fails_the_job_not_the_worker(tmp_path):
+    """A claim may name the highest revision there is (a withdrawal's): no plan can be signed above it, so the job
+    is failed for good saying so, and the worker goes on (before: InvalidValue ended the worker's loop)."""
+    spec = example_spec()
+    priv, _, _ = keygen(tmp_path / "keys", "w")
+    now = datetime.now(UTC)
+    job = Job(id=9, graph_key=spec.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
+              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=30), created_at=now,
+              updated_at=now)
+    jobs = _OneJob(ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at,
+                                 min_revision=INT64_MAX))
+    worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
+                    once=True)
+    stats = worker.run(threading.Event())
+    assert (stats.claimed, stats.failed, stats.succeeded) == (1, 1, 0)
+    ((job_id, req),) = jobs.failed
+    assert job_id == 9 and not req.retryable and str(INT64_MAX) in req.error
+    assert not list(Spool(tmp_path / "spool").pending())
