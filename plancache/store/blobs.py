@@ -104,6 +104,11 @@ class BlobStore(ABC):
     def has(self, conn: Connection, sha256: str) -> bool:
         return self.size(conn, sha256) is not None
 
+    def get_up_to(self, conn: Connection, sha256: str, limit: int) -> tuple[int, bytes | None] | None:
+        """``(size, bytes)``, the bytes None (not read) when over ``limit``; None when absent."""
+        size = self.size(conn, sha256)
+        return None if size is None else (size, self.get(conn, sha256) if size <= limit else None)
+
     def get_many(self, conn: Connection, digests: Collection[str]) -> dict[str, bytes]:
         """The stored bytes of ``digests`` (absent ones left out)."""
         return {d: data for d in digests if (data := self.get(conn, d)) is not None}
@@ -135,6 +140,11 @@ class DatabaseBlobs(BlobStore):
 
     def size(self, conn: Connection, sha256: str) -> int | None:
         return conn.execute(sa.select(blobs.c.size).where(blobs.c.sha256 == sha256, _IN_ROW)).scalar()
+
+    def get_up_to(self, conn: Connection, sha256: str, limit: int) -> tuple[int, bytes | None] | None:
+        row = conn.execute(sa.select(blobs.c.size, sa.case((blobs.c.size <= limit, blobs.c.data)))
+                           .where(blobs.c.sha256 == sha256, _IN_ROW)).first()
+        return None if row is None else (row[0], None if row[1] is None else bytes(row[1]))
 
     def delete(self, conn: Connection, sha256: str) -> None:
         conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha256).values(data=b""))

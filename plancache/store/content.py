@@ -172,3 +172,8 @@ class SpecsAndBlobs:
     def blob_size(self, sha256: str) -> int | None:
         with self.db.read() as conn:
             return self.blob_store.size(conn, sha256)
+
+    def get_blob_up_to(self, sha256: str, limit: int) -> tuple[int, bytes | None] | None:
+        """:meth:`BlobStore.get_up_to`: a blob's size and, unless over ``limit`` bytes, its bytes (one query)."""
+        with self.db.read() as conn:
+            return self.blob_store.get_up_to(conn, sha256, limit)

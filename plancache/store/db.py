@@ -58,8 +58,16 @@ def database_now(conn: Connection) -> datetime:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
 
 
-#: Seconds libpq waits to connect to Postgres (unless the URL says ``?connect_timeout=``).
-PG_CONNECT_TIMEOUT_S = 10
+#: libpq settings of every Postgres connection, each unless the URL sets it (``?connect_timeout=5``). Without them a
+#: silent peer (a hung host, a partition) hangs a request for good, or for the kernel's ~15 min of retransmissions,
+#: instead of its 503 database_unavailable: ``connect_timeout`` (s) bounds a new connection; on an established one,
+#: ``tcp_user_timeout`` (ms; libpq 12+) aborts when sent data (a query, a keepalive probe) stays unacknowledged
+#: that long, and the keepalives (s) probe a connection that waits for an answer, so a peer gone while the query
+#: runs is noticed after ``keepalives_idle`` + ``tcp_user_timeout``. A live peer acknowledges both, however long
+#: its query runs. No bound on a peer that acknowledges but never answers (a stuck backend or proxy): the server's
+#: ``statement_timeout`` is for that (see docs/DEPLOYMENT.md).
+PG_CONNECT_ARGS: dict[str, int] = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
+                                   "keepalives_interval": 10, "keepalives_count": 3, "tcp_user_timeout": 30_000}
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -119,9 +127,7 @@ def make_engine(url: str | URL) -> Engine:
         sa.event.listen(engine, "connect", _sqlite_on_connect)
         sa.event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    # without a connect timeout libpq waits for good on a host that accepts TCP but never answers (hung, or
-    # behind a partition): every request, /readyz too, would hang instead of answering 503 database_unavailable
-    connect_args = {} if "connect_timeout" in u.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    connect_args = {key: value for key, value in PG_CONNECT_ARGS.items() if key not in u.query}
     return sa.create_engine(u, pool_size=16, max_overflow=16, pool_pre_ping=True, pool_recycle=1800,
                             connect_args=connect_args)
 

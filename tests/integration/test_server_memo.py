@@ -4,6 +4,7 @@ tokens (time-bounded)."""
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 
 from plancache.server.memo import BlobMemory, RecordMemo, TtlMemory
 from plancache.store.plans import PlanVersion
@@ -64,8 +65,8 @@ def test_ttl_memory_forgets_after_its_time():
     assert zero.get("k") is None
 
 
-def _publish(api, make_spec, make_plan, gpu_env, blob: bytes) -> str:
-    key, spec = make_spec(0)
+def _publish(api, make_spec, make_plan, gpu_env, blob: bytes, index: int = 0) -> str:
+    key, spec = make_spec(index)
     meta, _ = make_plan(key, gpu_env, blob)
     assert upload(api.client, meta, blob, spec, headers=api.admin).status_code == 201
     return meta.blob_sha256
@@ -87,6 +88,22 @@ def test_a_blob_read_once_is_served_from_memory(api, make_spec, make_plan, gpu_e
     assert again.status_code == 200 and again.content == first.content
     assert again.headers["etag"] == f'"{sha}"' and "immutable" in again.headers["cache-control"]
     assert api.client.get(f"/v1/blobs/{sha}", headers={**api.reader, "If-None-Match": f'"{sha}"'}).status_code == 304
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_the_first_read_of_a_database_blob_is_one_query(store, make_spec, make_plan, gpu_env):
+    """Size and bytes in one statement: a blob small enough for the memory is not looked up twice (a larger one
+    is sized first, to take its share of the in-flight budget before its bytes are read)."""
+    with open_api(store, blob_memory_bytes=16 * 2000) as api:  # blobs over 2000 bytes are not kept
+        small, large = b"plan-bytes" * 100, b"L" * 2001
+        digests = [_publish(api, make_spec, make_plan, gpu_env, blob, i) for i, blob in enumerate((small, large))]
+        statements: list[str] = []
+        sa.event.listen(store.db.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        for sha, blob, reads in ((digests[0], small, 1), (digests[1], large, 2), ("0" * 64, None, 1)):
+            statements.clear()
+            got = api.client.get(f"/v1/blobs/{sha}", headers=api.reader)
+            assert (got.status_code, got.content) == ((200, blob) if blob else (404, got.content))
+            assert len([s for s in statements if "FROM blobs" in s]) == reads, statements
 
 
 def test_a_revoked_token_is_refused_once_its_memory_expires(store):

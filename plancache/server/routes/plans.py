@@ -262,10 +262,10 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
         if stream is not None:
             data = await run_in_threadpool(stream.whole)
         else:
-            size = await run_in_threadpool(store.blob_size, sha256)
-            if size is not None and size > memory.max_item:  # read whole, not kept: a share of the budget until sent
-                return await _whole_blob(request, store, metrics, sha256, size, headers)
-            data = await run_in_threadpool(store.get_blob, sha256)
+            found = await run_in_threadpool(store.get_blob_up_to, sha256, memory.max_item)
+            if found is not None and found[1] is None:  # read whole, not kept: a share of the budget until sent
+                return await _whole_blob(request, store, metrics, sha256, found[0], headers)
+            data = None if found is None else found[1]
         if data is None:
             raise NotFound(f"no blob {sha256}")
         memory.put(sha256, data)
