@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 
-def run_together(procs: list[subprocess.Popen[str]], what: str, *, timeout: float = 600) -> list[dict[str, Any]]:
-    """Wait until every child printed ``ready`` (its imports and CUDA context done), send each ``go`` at once, and
-    return the JSON object each prints last, in order; RuntimeError naming ``what`` when one fails."""
+def run_together(procs: list[subprocess.Popen[str]], what: str, *, timeout: float = 600,
+                 released: Callable[[], object] | None = None) -> list[dict[str, Any]]:
+    """Wait until every child printed ``ready`` (its imports and CUDA context done), send each ``go`` at once (then
+    call ``released``, if given), and return the JSON object each prints last, in order; RuntimeError naming ``what``
+    when one fails."""
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
+    if released is not None:
+        released()
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout)

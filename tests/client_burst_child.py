@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.together import run_together
@@ -22,16 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def burst(n: int, url: str, token: str, keys: Path, cache_dirs: list[Path], specs_file: Path,
-          deadline: float | None = None) -> list[dict]:
+          deadline: float | None = None, released: Callable[[], object] | None = None) -> list[dict]:
     """Run ``n`` children (child ``i`` on ``cache_dirs[i % len(cache_dirs)]``), release them together once all are
-    ready, and return their JSON lines."""
+    ready (then call ``released``, if given), and return their JSON lines."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     children = [subprocess.Popen([sys.executable, "-m", "tests.client_burst_child", url, token, str(keys),
                                   str(cache_dirs[i % len(cache_dirs)]), str(specs_file),
                                   *([str(deadline)] if deadline else [])],
                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for i in range(n)]
-    return run_together(children, "a burst child", timeout=120)
+    return run_together(children, "a burst child", timeout=120, released=released)
 
 
 def main(argv: list[str]) -> None:

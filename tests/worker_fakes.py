@@ -2,9 +2,9 @@
 
 :class:`FakeTuner` is NOT a tuner: it sleeps for ``tune_seconds``, returns a deterministic
 pseudo-random "blob" derived from the graph key, and can be told to fail the numerics check,
-to claim the device is too small, or to hang on some graphs. Run as a script (``python -m tests.worker_fakes …``) it
-runs a real :class:`~plancache.worker.Worker` with a FakeTuner, for the subprocess tests
-(SIGKILL, SIGSTOP, SIGTERM); it prints the run's stats as one JSON line on exit.
+to claim the device is too small, to hang on some graphs, or to finish only once a test opens its gate.
+Run as a script (``python -m tests.worker_fakes …``) it runs a real :class:`~plancache.worker.Worker` with a
+FakeTuner, for the subprocess tests (SIGKILL, SIGSTOP, SIGTERM); it prints the run's stats as one JSON line on exit.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class FakeTuner:
 
     def __init__(self, environment: Environment = FAKE_ENV, *, tune_seconds: float = 0.0, fail_numerics: bool = False,
                  memory_bytes: int = 1 << 40, corrupt_digest: bool = False, blob_size: int = 4096,
-                 pipelined: bool = False, hang: tuple[str, ...] = ()) -> None:
+                 pipelined: bool = False, hang: tuple[str, ...] = (), gate: threading.Event | None = None) -> None:
         self.env = environment
         self.tune_seconds = tune_seconds
         self.fail_numerics = fail_numerics
@@ -78,6 +78,7 @@ class FakeTuner:
         self.pipelined = pipelined
         self.hang = hang  # graph keys whose tuning hangs until cancelled or ``unhang`` is set (then fails)
         self.unhang = threading.Event()
+        self.gate = gate  # when given, a tuning ends only once it is set (a test's step comes first, e.g. a server stop)
         self.cancelled: list[str] = []  # graph keys whose tuning stopped on being cancelled
         self.followings: list[str | None] = []  # per tuning, the graph key it was told comes next
         self.tuned: list[str] = []
@@ -105,6 +106,8 @@ class FakeTuner:
                     raise TuningError("FakeTuner: a hung tuning was cancelled")
             raise TuningError("FakeTuner: a hung tuning was let go")
         time.sleep(self.tune_seconds)
+        if self.gate is not None and not self.gate.wait(60):
+            raise TuningError("FakeTuner: the gate was not opened within 60 s")
         self.tuned.append(spec.graph_key)
         blob = fake_blob(spec.graph_key, self.blob_size)
         digest = "0" * 64 if self.corrupt_digest else hashlib.sha256(blob).hexdigest()

@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ["conv_bias_relu", "matmul_scale_bias_gelu_amax", "sdpa_causal"]
 LEASE = 1.0
 FAST = Backoff(initial=0.05, cap=0.3)
+#: How long a child worker may take to be seen working: its imports alone take seconds (7 s measured on a loaded
+#: 2-core machine), so the first wait after :func:`child` is longer than :func:`wait_for`'s default.
+CHILD_START = 60.0
 
 
 def spec(name: str = "conv_bias_relu") -> GraphSpec:
@@ -141,11 +144,13 @@ def test_worker_publishes_signed_plans_that_passed_the_round_trip(srv, tmp_path,
 
 def test_a_pipelined_worker_claims_the_next_job_ahead_and_tells_the_tuner(srv, tmp_path, keys):
     jobs = enqueue(srv, SEEDS)
-    tuner = FakeTuner(pipelined=True, tune_seconds=0.4)
+    checked = threading.Event()  # the first tuning ends only once the test has looked, however late
+    tuner = FakeTuner(pipelined=True, tune_seconds=0.4, gate=checked)
     worker = make_worker(srv, tmp_path, keys[0], tuner, once=True)
     t, _, box = in_thread(worker)
     wait_for(lambda: tuner.followings, "the first tuning to start")
     second_held_during_first = running_by(srv, sorted(x.id for x in jobs)[1], "w-a")()
+    checked.set()
     t.join(30)
     keys_in_order = [job(srv, x.id).graph_key for x in sorted(jobs, key=lambda x: x.id)]
     assert (box["stats"].claimed, box["stats"].succeeded) == (3, 3)
@@ -158,7 +163,7 @@ def test_sigterm_releases_the_job_claimed_ahead_too(srv, tmp_path, keys):
     first, second = enqueue(srv, ["conv_bias_relu", "sdpa_causal"])
     a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2", "--pipelined")
     try:
-        wait_for(lambda: all(running_by(srv, x.id, "w-term")() for x in (first, second)), "both claims")
+        wait_for(lambda: all(running_by(srv, x.id, "w-term")() for x in (first, second)), "both claims", CHILD_START)
         time.sleep(3 * LEASE)  # both leases outlive their first term: the one claimed ahead heartbeats too
         assert all(running_by(srv, x.id, "w-term")() for x in (first, second))
         a.send_signal(signal.SIGTERM)
@@ -265,7 +270,7 @@ def test_a_worker_killed_mid_job_leaves_it_to_be_reclaimed_after_the_lease(srv, 
     (j,) = enqueue(srv, ["conv_bias_relu"])
     a = child(srv, tmp_path, keys[0], "w-killed", "--tune-seconds", "30")
     try:
-        wait_for(running_by(srv, j.id, "w-killed"), "the child worker to claim")
+        wait_for(running_by(srv, j.id, "w-killed"), "the child worker to claim", CHILD_START)
         a.send_signal(signal.SIGKILL)
         assert a.wait(5) == -signal.SIGKILL
     finally:
@@ -286,7 +291,7 @@ def test_a_worker_paused_past_its_lease_is_fenced(srv, tmp_path, keys):
     (j,) = enqueue(srv, ["conv_bias_relu"])
     a = child(srv, tmp_path, keys[0], "w-paused", "--tune-seconds", "1.0", "--once")
     try:
-        wait_for(running_by(srv, j.id, "w-paused"), "the child worker to claim")
+        wait_for(running_by(srv, j.id, "w-paused"), "the child worker to claim", CHILD_START)
         a.send_signal(signal.SIGSTOP)
         time.sleep(LEASE * 1.5)
         # a heartbeat the server took just before the stop may have moved the lease on: wait until it has run out
@@ -310,10 +315,12 @@ def test_a_worker_paused_past_its_lease_is_fenced(srv, tmp_path, keys):
 
 def test_server_down_the_worker_backs_off_keeps_the_result_and_uploads_it_later(srv, tmp_path, keys):
     (j,) = enqueue(srv, ["conv_bias_relu"])
-    w = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.5))
+    down = threading.Event()  # the tuning ends once the server is down, however late the test sees the claim
+    w = make_worker(srv, tmp_path, keys[0], FakeTuner(gate=down))
     t, stop, box = in_thread(w)
     wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
     srv.stop()
+    down.set()
     spool = tmp_path / "spool-w-a"
     wait_for(lambda: list(spool.glob("job-*.json")), "the finished result to be spooled")
     time.sleep(1.0)  # the worker retries against a dead server meanwhile
@@ -336,10 +343,12 @@ def spool_a_result(srv, tmp_path, keys, **enqueue_kw):
     result waits in its spool; the worker is then stopped. Returns the job, whether the worker thread ended, and its
     stats."""
     (j,) = enqueue(srv, ["conv_bias_relu"], **enqueue_kw)
-    first = make_worker(srv, tmp_path, keys[0], FakeTuner(tune_seconds=0.3))
+    down = threading.Event()  # the tuning ends once the server is down, however late the test sees the claim
+    first = make_worker(srv, tmp_path, keys[0], FakeTuner(gate=down))
     t, stop, box = in_thread(first)
     wait_for(running_by(srv, j.id, "w-a"), "the worker to claim")
     srv.stop()
+    down.set()
     wait_for(lambda: list((tmp_path / "spool-w-a").glob("job-*.json")), "the result to be spooled")
     stop.set()
     t.join(5)
@@ -376,7 +385,7 @@ def test_sigterm_releases_a_job_that_cannot_finish_in_the_grace_period(srv, tmp_
     (j,) = enqueue(srv, ["conv_bias_relu"], max_attempts=1)
     a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "30", "--shutdown-grace", "0.2")
     try:
-        wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim")
+        wait_for(running_by(srv, j.id, "w-term"), "the child worker to claim", CHILD_START)
         a.send_signal(signal.SIGTERM)
         out, _ = a.communicate(timeout=10)
     finally:
@@ -391,7 +400,7 @@ def test_sigterm_lets_a_short_tuning_finish_and_publish(srv, tmp_path, keys):
     a = child(srv, tmp_path, keys[0], "w-term", "--tune-seconds", "1.0", "--shutdown-grace", "20")
     try:
         # a tuning under way (a stop that arrives during the claim releases the job untuned: another test's case)
-        wait_for(lambda: ": tuning (needs" in (tmp_path / "w-term.log").read_text(), "a tuning to start")
+        wait_for(lambda: ": tuning (needs" in (tmp_path / "w-term.log").read_text(), "a tuning to start", CHILD_START)
         a.send_signal(signal.SIGTERM)
         out, _ = a.communicate(timeout=15)
     finally:

@@ -328,7 +328,7 @@ def test_a_deadline_bounds_the_whole_answer_however_slowly_it_drips():
     with pytest.raises(ServerUnavailable, match="no whole answer by its deadline"):
         http.request("GET", "/x", deadline=time.monotonic() + 0.5)
     elapsed = time.monotonic() - t0
-    assert 0.45 <= elapsed < 0.8, elapsed
+    assert 0.45 <= elapsed < 2.0, elapsed  # the deadline's 0.5 s, not the 4 s of the drip (slack for a loaded CI)
     assert breaker.is_off
     time.sleep(0.25)
     assert slow.read < 10, "the abandoned read went on"
