@@ -12,7 +12,7 @@ from typing import Any
 from alembic import context
 
 from plancache.settings import StoreSettings
-from plancache.store.db import make_engine
+from plancache.store.db import Database
 from plancache.store.models import UTCDateTime, metadata
 
 config = context.config
@@ -43,13 +43,12 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url") or StoreSettings().database_url)
+    db = Database(config.get_main_option("sqlalchemy.url") or StoreSettings().database_url)
     try:
-        with engine.connect() as conn:
-            conn.execution_options(plancache_write=True)
+        with db.migrating() as conn:
             _run(conn)
     finally:
-        engine.dispose()
+        db.close()
 
 
 if context.is_offline_mode():

@@ -139,6 +139,16 @@ def lock_against_writers(conn: Connection, table: sa.Table) -> None:
         conn.execute(sa.text(f"LOCK TABLE {table.name} IN SHARE ROW EXCLUSIVE MODE"))
 
 
+def _check_foreign_keys(conn: Connection) -> None:
+    """SQLite: raise :class:`sqlalchemy.exc.IntegrityError` if a row references a row that does not exist."""
+    bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if bad:
+        table, rowid, parent, _ = bad[0]
+        raise sa.exc.IntegrityError("PRAGMA foreign_key_check", None, sqlite3.IntegrityError(
+            f"FOREIGN KEY constraint failed: {len(bad)} rows reference missing rows "
+            f"(the first: {table} row {rowid}, in {parent})"))
+
+
 def upsert_insert(conn: Connection, table: sa.Table) -> Any:
     """The dialect's INSERT with ``on_conflict_do_nothing`` / ``on_conflict_do_update`` (SQLite or Postgres)."""
     return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
@@ -206,17 +216,36 @@ class Database:
 
         if self.is_sqlite:
             Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
-        with self.write() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+        with self.migrating() as conn:
             self._refuse_unknown(MigrationContext.configure(conn).get_current_revision())
             command.upgrade(self.alembic_config(conn), revision)
 
     def downgrade(self, revision: str) -> None:
         from alembic import command
 
-        with self.write() as conn:
+        with self.migrating() as conn:
             command.downgrade(self.alembic_config(conn), revision)
+
+    @contextlib.contextmanager
+    def migrating(self) -> Iterator[Connection]:
+        """The write transaction of a migration; concurrent ones are serialised. SQLite enforces no foreign key
+        while it runs (a batch migration recreates a table: it drops the old one, which the rows referencing it
+        would refuse) and every one is checked before it commits."""
+        with self.engine.connect() as conn:
+            raw = conn.connection.driver_connection if self.is_sqlite else None
+            if raw is not None:
+                raw.execute("PRAGMA foreign_keys = OFF")  # outside any transaction: SQLite ignores it inside one
+            try:
+                conn.execution_options(plancache_write=True)
+                with conn.begin():
+                    if conn.dialect.name == "postgresql":
+                        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                    yield conn
+                    if raw is not None:
+                        _check_foreign_keys(conn)
+            finally:
+                if raw is not None:
+                    raw.execute("PRAGMA foreign_keys = ON")
 
     def _refuse_unknown(self, current: str | None) -> None:
         """:class:`SchemaTooNew` when ``current`` is no revision of this plancache's migrations."""

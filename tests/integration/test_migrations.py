@@ -41,6 +41,62 @@ def test_upgrade_downgrade_upgrade(db_url, make_spec):
         store.close()
 
 
+def test_every_revision_upgrades_with_a_plan_its_job_made(db_url, make_spec, make_plan, gpu_env):
+    """A plan that references the job that tuned it (the usual case) survives going down to every revision and up
+    again: SQLite's batch migrations recreate ``jobs`` (0003, 0006), dropping a table that ``plans`` references.
+    Foreign keys are enforced again afterwards."""
+    from plancache.protocol import TargetEnvironment
+
+    store = Store(db_url)
+    try:
+        store.upgrade()
+        key, spec = make_spec(0)
+        store.put_spec(key, spec)
+        job, _ = store.enqueue(key, TargetEnvironment(sm=90))
+        meta, blob = make_plan(key, gpu_env)
+        record = store.publish_plan(meta, blob)
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE plans SET job_id = :j"), {"j": job.id})
+        script = ScriptDirectory.from_config(store.db.alembic_config())
+        for rev in [r.revision for r in script.walk_revisions()][1:]:  # every one below head
+            store.db.downgrade(rev)
+            store.upgrade()
+            with store.engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT job_id FROM plans")).scalar_one() == job.id, rev
+            assert store.get_plan(key, gpu_env).blob_sha256 == record.blob_sha256
+            assert store.get_job(job.id) is not None
+        with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE plans SET job_id = 999"))
+    finally:
+        store.close()
+
+
+def test_a_sqlite_migration_leaving_a_dangling_reference_is_rolled_back(tmp_path, make_spec):
+    """Foreign keys are off while SQLite migrates: they are checked before the commit, which a dangling one
+    refuses (naming the row), and are on again for the next user of the connection."""
+    store = Store(f"sqlite:///{tmp_path / 'plancache.db'}")
+    try:
+        store.db.upgrade("0006")
+        key, _ = make_spec(0)
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO specs VALUES (:k, '{}', '2024-01-01 00:00:00')"), {"k": key})
+        with store.engine.connect() as conn:
+            conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")
+            conn.exec_driver_sql("INSERT INTO jobs (graph_key, target_key, status, priority, attempts, max_attempts, "
+                                 "fencing_token, created_at, updated_at) VALUES (?, '{}', 'queued', 0, 0, 1, 0, "
+                                 "'2024-01-01', '2024-01-01')", (key,))
+            conn.exec_driver_sql("UPDATE jobs SET graph_key = 'gone'")
+            conn.commit()
+            conn.connection.driver_connection.execute("PRAGMA foreign_keys = ON")
+        with pytest.raises(sa.exc.IntegrityError, match="jobs row 1, in specs"):
+            store.upgrade()
+        assert store.db.current_revision() == "0006"
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar_one() == 1
+    finally:
+        store.close()
+
+
 def test_one_linear_history_with_downgrades(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'unused.db'}")
     script = ScriptDirectory.from_config(store.db.alembic_config())
