@@ -246,6 +246,16 @@ def _response(resp: httpx.Response) -> httpx.Response:
 
 #: Headers that describe the body as it came over the wire, not the whole, decoded body handed to a reader.
 _WIRE_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+#: Sent with every request to a plancache server: the server never compresses, so a size cap counts what is sent.
+IDENTITY = {"Accept-Encoding": "identity"}
+
+
+def refuse_encoded(resp: httpx.Response, what: object) -> None:
+    """ServerUnavailable (naming ``what``, the call) when the answer's body is content-encoded although
+    :data:`IDENTITY` was asked for: decoding could turn a few KiB into gigabytes at once, before any size cap."""
+    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ServerUnavailable(f"{what}: the answer is {encoding[:40]}-encoded; identity was asked for")
 
 
 def _first_problem(exc: ValueError) -> str:
@@ -296,7 +306,7 @@ class HttpClient:
         ServerUnavailable, at that instant)."""
         call = Call(method, self.server_url + path, retry, trips_on_auth, self.stop)
         headers = dict(headers or {})
-        headers["Accept-Encoding"] = "identity"  # the server never compresses; a size cap counts what is sent
+        headers.update(IDENTITY)
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
 
@@ -357,9 +367,7 @@ class HttpClient:
         def too_large(how: str) -> ServerUnavailable:
             return ServerUnavailable(f"{call}: the answer {how} the {max_bytes}-byte limit of this call; not read further")
 
-        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):  # asked for none: decoding could turn a few KiB into gigabytes at once
-            raise ServerUnavailable(f"{call}: the answer is {encoding[:40]}-encoded; identity was asked for")
+        refuse_encoded(resp, call)
         if max_bytes is not None:
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:

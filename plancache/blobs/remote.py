@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from .._httpx import httpx
 from ..errors import IntegrityError, ServerUnavailable
-from ..http import check_url, error_from_response, tls_verification
+from ..http import IDENTITY, check_url, error_from_response, refuse_encoded, tls_verification
 from ..settings import BlobLimitSettings
 from .base import CHUNK_BYTES, BlobReader, BlobStream, check_name
 
@@ -16,15 +16,15 @@ DEFAULT_MAX_BYTES: int = BlobLimitSettings.model_fields["max_blob_bytes"].defaul
 
 class HttpBlobs(BlobReader):
     """The blobs a server at ``url`` serves, with ``token`` (a reader's) when reads need one. An answer over
-    ``max_bytes`` is refused; one that does not hash to its name is never completed (see :class:`BlobStream`).
-    Transport failures, 429 and 5xx are :class:`~plancache.errors.ServerUnavailable`; other refusals the error of
-    their code."""
+    ``max_bytes`` is refused; one that does not hash to its name is never completed (see :class:`BlobStream`);
+    one content-encoded (identity is asked for) is refused unread. Transport failures, 429, 5xx and encoded
+    answers are :class:`~plancache.errors.ServerUnavailable`; other refusals the error of their code."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.url = check_url(url)
         self.max_bytes = max_bytes
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {**IDENTITY, "Authorization": f"Bearer {token}"} if token else dict(IDENTITY)
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                     verify=tls_verification(self.url), follow_redirects=False)
 
@@ -34,6 +34,11 @@ class HttpBlobs(BlobReader):
             resp = self._client.send(request, stream=True)
         except httpx.TransportError as exc:
             raise ServerUnavailable(f"GET {request.url}: {type(exc).__name__}: {exc}") from None
+        try:  # before any body is read, an error answer's too
+            refuse_encoded(resp, f"GET {request.url}")
+        except ServerUnavailable:
+            resp.close()
+            raise
         if resp.status_code == 404:
             resp.close()
             return None

@@ -199,8 +199,8 @@ class Step(ABC):
 
     def read(self, p: Pending, record: PlanRecord, blobs: BlobReader) -> bytes | None:
         """The blob of ``record`` from ``blobs``, checked against its name as it is read; None when absent (noted)
-        or damaged (refused as :meth:`admit` refuses it: ``size`` when its length is not the record's, else
-        ``sha256``), or unreadable (logged)."""
+        or damaged (refused as :meth:`admit` refuses it: ``size`` when its stored length is not the record's, before
+        a byte is read, else ``sha256``), or unreadable (logged)."""
         stream = None
         try:
             stream = blobs.open(record.blob_sha256)
@@ -208,6 +208,9 @@ class Step(ABC):
                 p.note(self.name, "no blob")
                 return None
             with stream:
+                if stream.size != record.blob_size:  # the size step first: a planted huge file is never read
+                    raise IntegrityError(f"{stream.source}: blob {record.blob_sha256[:12]} has {stream.size} bytes, "
+                                         f"its record says {record.blob_size}")
                 return stream.read()
         except IntegrityError as exc:
             reason = Reason.SIZE if stream is None or stream.size != record.blob_size else Reason.SHA256

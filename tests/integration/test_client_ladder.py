@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from plancache.blobs import FolderBlobs
+from plancache.blobs.base import chunks
 from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step
 from plancache.client.cache import BLOBS
 from plancache.client.core import family_key
@@ -236,6 +238,28 @@ def test_a_damaged_disk_entry_is_rejected_dropped_and_replaced_from_the_server(s
     offline = client(None, tmp_path, signer)
     assert offline.plan(CONV).source == "heuristic"
     assert offline.stats().rejects == {"graph_key": 1} and offline._backend.deserialized == []
+
+
+def test_a_disk_blob_of_the_wrong_size_is_refused_before_a_byte_of_it_is_read(tmp_path, signer, monkeypatch):
+    """The disk step hashed a blob file whole before its size step: a 1 GiB (sparse) file planted under a plan's
+    name took 5.4 s and 1.2 GiB of memory to be refused for its size; a larger one exhausted memory."""
+    blob = blob_of(CONV)
+    with client(None, tmp_path, signer) as seeding:
+        seeding.disk.save(make_record(CONV.graph_key, H200, blob, signer), blob)
+    os.truncate(blob_path(tmp_path / "cache" / H200.env_id, hashlib.sha256(blob).hexdigest()), 64 * 2**20)
+    pulled: list[int] = []
+
+    def counted(data: Any) -> Any:
+        for piece in chunks(data):
+            pulled.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr("plancache.blobs.folder.chunks", counted)
+    pc = client(None, tmp_path, signer, mode="strict")
+    assert pc.plan(CONV).source == "rebuild"  # its record is authentic: its (engine_id, knobs) built here
+    assert pc.stats().rejects == {"size": 1} and pc._backend.deserialized == [] and pulled == []
+    pc.close()
+    assert pc.disk.record(CONV.graph_key) is None  # the entry was dropped
 
 
 def test_a_server_that_is_down_costs_one_failed_connect_then_is_skipped(srv, tmp_path, signer, wire):
