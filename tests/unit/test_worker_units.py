@@ -206,12 +206,20 @@ def test_spool_moves_an_entry_of_the_earlier_layout_into_its_blob_store(tmp_path
         f"{entry.name}.json", f"{damaged.name}.json.corrupt", f"{damaged.name}.blob.corrupt"])
 
 
+def running_claim(graph_key: str, spec: dict, *, job_id: int = 1, owner: str = "w1", lease_seconds: float = 30,
+                  now: datetime | None = None, **claim: object) -> ClaimResponse:
+    """A claim of a running job (attempt 1 of 3) whose lease ends ``lease_seconds`` after ``now``."""
+    now = now or datetime.now(UTC)
+    job = Job(id=job_id, graph_key=graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
+              max_attempts=3, lease_owner=owner, lease_expires_at=now + timedelta(seconds=lease_seconds),
+              created_at=now, updated_at=now)
+    return ClaimResponse(job=job, spec=spec, lease_token="tok", lease_expires_at=job.lease_expires_at,
+                         **claim)  # type: ignore[arg-type]
+
+
 def test_lease_duration_uses_the_servers_clock():
     now = datetime.now(UTC) - timedelta(hours=3)  # a skewed server clock does not matter
-    job = Job(id=1, graph_key="a" * 64, target=TargetEnvironment(), status="running", priority=0, attempts=1,
-              max_attempts=3, lease_owner="w", lease_expires_at=now + timedelta(seconds=90),
-              created_at=now, updated_at=now)
-    claim = ClaimResponse(job=job, spec={}, lease_token="tok", lease_expires_at=now + timedelta(seconds=90))
+    claim = running_claim("a" * 64, {}, owner="w", lease_seconds=90, now=now)
     assert lease_duration(claim) == pytest.approx(90)
 
 
@@ -248,11 +256,7 @@ def test_a_heartbeat_racing_the_workers_own_completion_is_not_a_lost_lease(tmp_p
     caplog.set_level(logging.DEBUG, logger="plancache.worker")
     spec = example_spec()
     priv, _, _ = keygen(tmp_path / "keys", "w")
-    now = datetime.now(UTC)
-    job = Job(id=1, graph_key=spec.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
-              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=0.3), created_at=now,
-              updated_at=now)
-    claim = ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at)
+    claim = running_claim(spec.graph_key, spec.to_json(), lease_seconds=0.3)
     jobs = _CompletionRacesHeartbeat(claim)
     worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1")  # type: ignore[arg-type]
     worker.environment = FAKE_ENV
@@ -287,11 +291,7 @@ class _OneJob:
 def test_a_job_whose_spec_is_not_its_graph_key_is_failed_for_good_and_never_tuned(tmp_path, pipelined):
     spec, other = example_spec(), example_spec("sdpa_causal")
     priv, _, _ = keygen(tmp_path / "keys", "w")
-    now = datetime.now(UTC)
-    job = Job(id=7, graph_key=other.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
-              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=30), created_at=now,
-              updated_at=now)
-    jobs = _OneJob(ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at))
+    jobs = _OneJob(running_claim(other.graph_key, spec.to_json(), job_id=7))
     tuner = FakeTuner(pipelined=pipelined)
     worker = Worker(jobs, tuner, Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
                     once=True)
@@ -431,12 +431,7 @@ def test_a_claim_whose_min_revision_no_plan_can_exceed_fails_the_job_not_the_wor
     is failed for good saying so, and the worker goes on (before: InvalidValue ended the worker's loop)."""
     spec = example_spec()
     priv, _, _ = keygen(tmp_path / "keys", "w")
-    now = datetime.now(UTC)
-    job = Job(id=9, graph_key=spec.graph_key, target=TargetEnvironment(), status="running", priority=0, attempts=1,
-              max_attempts=3, lease_owner="w1", lease_expires_at=now + timedelta(seconds=30), created_at=now,
-              updated_at=now)
-    jobs = _OneJob(ClaimResponse(job=job, spec=spec.to_json(), lease_token="tok", lease_expires_at=job.lease_expires_at,
-                                 min_revision=INT64_MAX))
+    jobs = _OneJob(running_claim(spec.graph_key, spec.to_json(), job_id=9, min_revision=INT64_MAX))
     worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
                     once=True)
     stats = worker.run(threading.Event())
