@@ -136,8 +136,9 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
 
 
 def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
-                      graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> None:
-    """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time)."""
+                      graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> Row[Any]:
+    """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time); the job's
+    row as it was before."""
     row = held_job(conn, job_id, worker_id, lease_token, holder, completing=True)
     if row.graph_key != graph_key:
         raise errors.Conflict(f"job {job_id} is for graph key {row.graph_key}, not {graph_key}")
@@ -148,6 +149,7 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
         sa.update(jobs).where(jobs.c.id == job_id)
         .values(status="succeeded", lease_expires_at=None, error=None, updated_at=now, finished_at=now)
     )
+    return row
 
 
 def _claim_statements() -> tuple[Any, Any]:

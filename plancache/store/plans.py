@@ -122,7 +122,8 @@ class Plans(Misses):
 
         Raises :class:`errors.IntegrityError` (size/sha256, by :func:`~plancache.verify.verify_blob`),
         :class:`errors.NotFound` (no spec),
-        :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``),
+        :class:`errors.Conflict` (another blob is stored for this key and environment, and not ``replace``; a job
+        queued after that record was written re-tunes it, as ``replace`` does),
         :class:`errors.StaleRevision` (``replace``, and the stored record's revision is not below ``meta``'s; or the
         plan of this key and environment was withdrawn with a revision not below ``meta``'s),
         :class:`errors.LeaseLost` / :class:`errors.NotLeaseHolder` (``worker_id``, ``lease_token`` and the API token
@@ -156,8 +157,8 @@ class Plans(Misses):
             lock_plan_key(conn, meta.graph_key, env.env_id)
             now = self.db.now(conn)  # the database's time, as for the job's lease
             values = _record_values(meta, job_id, now)
-            if job_id is not None:
-                complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key, env, now, holder=holder)
+            job = None if job_id is None else complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key,
+                                                                env, now, holder=holder)
             _check_spec(conn, meta.graph_key)
             withdrawn = conn.execute(sa.select(withdrawals.c.id, withdrawals.c.revision).where(
                 withdrawals.c.graph_key == meta.graph_key, *same_env(withdrawals, env)).with_for_update()).first()
@@ -196,7 +197,8 @@ class Plans(Misses):
                 ).one()
                 same = row.blob_sha256 == meta.blob_sha256 and (not replace or row.revision == meta.revision)
                 if not same:
-                    if not replace:
+                    # a job queued after the stored record was written is a re-tune of it: its plan takes the place
+                    if not replace and not (job is not None and row.created_at < job.created_at):
                         raise errors.Conflict(
                             f"a different plan (blob {row.blob_sha256}) is stored for graph key {meta.graph_key} "
                             f"on {env.describe()}; pass replace to overwrite it"

@@ -65,6 +65,33 @@ def test_enqueue_after_the_job_finished_creates_a_new_one(store, key, gpu_env):
     assert created and new.id != job.id
 
 
+def test_a_job_queued_after_its_plan_was_published_replaces_it(store, key, gpu_env, clock, make_plan):
+    """Before: re-enqueuing a key after its job succeeded (a re-tune) tuned it again, and the completion with the new
+    blob was refused 409 (a different plan is stored), so the worker failed the job for good and the old plan stayed.
+    After: the plan of a job queued after the stored record was written replaces it; a job queued before it (two
+    tunings racing) is still refused, as is an older revision."""
+    first, _ = store.enqueue(key, ANY)
+    claim = store.claim(gpu_env, "w1", lease_seconds=60)
+    store.publish_plan(*make_plan(key, gpu_env, b"old-plan"), job_id=first.id, worker_id="w1",
+                       lease_token=claim.lease_token)
+    clock.advance(1)
+    retune, created = store.enqueue(key, ANY)
+    racing, _ = store.enqueue(key, TargetEnvironment(sm=gpu_env.sm))  # queued too, before the re-tune's plan
+    assert created and retune.id != first.id
+    claims = {c.job.id: c for c in (store.claim(gpu_env, "w2", lease_seconds=60) for _ in range(2))}
+    clock.advance(1)
+    stale, blob = make_plan(key, gpu_env, b"stale-plan", revision=0)
+    with pytest.raises(errors.StaleRevision):
+        store.publish_plan(stale, blob, job_id=retune.id, worker_id="w2", lease_token=claims[retune.id].lease_token)
+    record = store.publish_plan(*make_plan(key, gpu_env, b"new-plan"), job_id=retune.id, worker_id="w2",
+                                lease_token=claims[retune.id].lease_token)
+    assert store.get_plan(key, gpu_env).blob_sha256 == record.blob_sha256 != make_plan(key, gpu_env, b"old-plan")[0].blob_sha256
+    assert store.get_job(retune.id).status == "succeeded" and record.job_id == retune.id
+    with pytest.raises(errors.Conflict, match="different plan"):
+        store.publish_plan(*make_plan(key, gpu_env, b"racing-plan"), job_id=racing.id, worker_id="w2",
+                           lease_token=claims[racing.id].lease_token)
+
+
 def test_enqueue_needs_the_spec_and_a_sane_max_attempts(store, key):
     with pytest.raises(errors.NotFound):
         store.enqueue("f" * 64, ANY)
