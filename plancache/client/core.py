@@ -75,6 +75,7 @@ from .plan import Plan
 
 if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module (plancache.client's docstring)
     import httpx
+    from cachetools import TTLCache
 
     from ..blobs import BlobReader
     from ..environment import Environment
@@ -383,6 +384,10 @@ class DiskStep(StoreStep):
 
 #: Blobs the server step downloads at once (from presigned URLs or the server's route).
 FETCH_THREADS = 8
+#: Seconds a process does not ask the server again about a key it missed (so the miss is not counted again), and
+#: how many such keys it remembers (the oldest forgotten first: asked again).
+MISS_RECHECK_SECONDS = 60.0
+MISS_MEMORY_KEYS = 10_000
 
 
 class ServerStep(StoreStep):
@@ -390,7 +395,8 @@ class ServerStep(StoreStep):
     object-store URL, without the token, or the server's route), all of it within the cache's
     ``request_deadline`` and each answer within its size limit; a verified blob whose signature was checked is
     saved to disk. The specs of the keys the server misses are registered once per process (time allowing), so
-    an admin can tune them."""
+    an admin can tune them; a key it missed is not asked about again for :data:`MISS_RECHECK_SECONDS` (a process
+    that loads it on every call neither waits on the server each time nor counts a miss each time)."""
 
     name = StepName.SERVER
 
@@ -399,6 +405,10 @@ class ServerStep(StoreStep):
         self.counts_fallbacks = context.remote is not None
         self._reported: set[str] = set()
         self._may_register = True
+        from cachetools import TTLCache  # with the first PlanCache, not the import
+
+        # key: when the server missed it, and why (steps run under the context's lock: no lock of its own)
+        self._missed: TTLCache[str, tuple[float, MissReason | None]] = TTLCache(MISS_MEMORY_KEYS, MISS_RECHECK_SECONDS)
 
     def resolve(self, batch: list[Pending]) -> dict[Pending, Plan]:
         try:
@@ -418,13 +428,21 @@ class ServerStep(StoreStep):
             for p in batch:
                 p.note(self.name, "none configured")
             return records, received
-        deadline = time.monotonic() + c.request_deadline
-        specs = {p.key: p.spec for p in batch}
-        answers, missing = self._ask(specs, deadline)
+        now = time.monotonic()
+        deadline = now + c.request_deadline
+        known = {p.key: missed for p in batch if (missed := self._missed.get(p.key)) is not None}
+        specs = {p.key: p.spec for p in batch if p.key not in known}
+        answers, missing = self._ask(specs, deadline) if specs else ({}, [])
         reasons = self._explain([k for k in missing if k in specs], deadline)
+        self._missed.update((k, (now, reasons.get(k))) for k in missing if k in specs)
         blobs = self._blobs([(p, answers[p.key]) for p in batch if answers and p.key in answers], deadline)
         for p in batch:
-            if answers is None:
+            if p.key in known:
+                asked, reason = known[p.key]
+                why = reason.message if reason else "none for this environment"
+                p.note(self.name, f"no plan {now - asked:.0f} s ago: {why}")
+                _bump(self.context.stats.miss_reasons, reason.reason if reason else "unexplained")
+            elif answers is None:
                 p.note(self.name, "unavailable")
             elif p.key not in answers:
                 reason = reasons.get(p.key)

@@ -3,20 +3,19 @@ and for a registered key never queued, what the autotune policy will do about it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
 from ..environment import VALIDITY_FIELDS, Environment
-from ..protocol import MissReason, Withdrawal, WithdrawalRecord
+from ..protocol import MissReason, TargetEnvironment, Withdrawal, WithdrawalRecord
+from .autotune import AutotunePolicy
 from .db import Database
 from .environments import same_env
 from .jobs import row_to_job
 from .models import jobs, misses, plans, specs, withdrawals, worker_environments
 from .plans import row_to_withdrawal
-
-if TYPE_CHECKING:
-    from .autotune import AutotunePolicy
 
 #: Job errors are quoted in a reason up to this many characters.
 ERROR_CHARS = 300
@@ -28,7 +27,9 @@ class Explanations:
     def explain_misses(self, env: Environment, graph_keys: list[str], *,
                        autotune: AutotunePolicy | None = None) -> dict[str, MissReason]:
         """A :class:`~plancache.protocol.MissReason` for each distinct key: six queries whatever the count.
-        ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it)."""
+        ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it). A
+        queued job on an environment no worker claimed for within the policy's worker window (default when off)
+        says so: nothing will run it."""
         keys = list(dict.fromkeys(graph_keys))
         if not keys:
             return {}
@@ -38,8 +39,8 @@ class Explanations:
                 misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id)).tuples().all())
             served_at = conn.execute(sa.select(worker_environments.c.last_claim_at).where(
                 worker_environments.c.env_id == env.env_id)).scalar()
-            served = served_at is not None and autotune is not None and \
-                served_at >= self.db.now(conn) - autotune.worker_window
+            window = (autotune or AutotunePolicy()).worker_window
+            served = served_at is not None and served_at >= self.db.now(conn) - window
             registered = set(conn.execute(sa.select(specs.c.graph_key).where(specs.c.graph_key.in_(keys))).scalars())
             newest: dict[str, Any] = {}
             for row in conn.execute(sa.select(jobs).where(jobs.c.graph_key.in_(keys)).order_by(jobs.c.id.desc())):
@@ -53,22 +54,28 @@ class Explanations:
                 elsewhere.setdefault(m["graph_key"], []).append([f for f in VALIDITY_FIELDS if m[f] != validity[f]])
             withdrawn = {row.graph_key: row_to_withdrawal(row) for row in conn.execute(
                 sa.select(withdrawals).where(withdrawals.c.graph_key.in_(keys), *same_env(withdrawals, env)))}
-        queueing = {k: _not_queued(env, counts.get(k, 0), autotune, served) for k in keys}
-        return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k])
-                for k in keys}
+        unserved = "" if served else _unserved(window, served_at)
+        queueing = {k: _not_queued(env, counts.get(k, 0), autotune, unserved) for k in keys}
+        return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k],
+                           unserved) for k in keys}
 
 
-def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, served: bool) -> str:
+def _unserved(window: timedelta, last_claim: datetime | None) -> str:
+    """That no worker claimed jobs for the environment within ``window`` (the last claim, if any)."""
+    last = "never" if last_claim is None else f"last at {last_claim:%Y-%m-%d %H:%M} UTC"
+    return (f"no worker claimed jobs for this environment in the last {window.total_seconds() / 3600:g} h ({last}): "
+            "start a worker on this GPU")
+
+
+def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, unserved: str) -> str:
     """Why a registered key with no job on ``env`` is not queued, and what will queue it."""
     here = env.describe()
     by_hand = "an admin enqueues it (POST /v1/admin/tune/misses, plancache enqueue)"
     times = f"missed {missed} time{'s' if missed != 1 else ''} on {here}"
     if autotune is None:
         return f"the spec is registered but was never queued for tuning on {here} (autotune is off): {by_hand}"
-    if not served:
-        hours = autotune.worker_window.total_seconds() / 3600
-        return (f"the spec is registered, {times}; no worker claimed jobs for this environment in the last "
-                f"{hours:g} h, so autotune does not queue it: start a worker on this GPU, or {by_hand}")
+    if unserved:
+        return f"the spec is registered, {times}; autotune does not queue it: {unserved}, or {by_hand}"
     if missed < autotune.min_misses:
         return (f"the spec is registered, {times}; autotune queues it at {autotune.min_misses} misses "
                 f"(PLANCACHE_AUTOTUNE_MIN_MISSES), or {by_hand}")
@@ -77,7 +84,8 @@ def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, 
 
 
 def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, env: Environment,
-            withdrawal: WithdrawalRecord | None, not_queued: str) -> MissReason:
+            withdrawal: WithdrawalRecord | None, not_queued: str, unserved: str) -> MissReason:
+    """``unserved``: empty, or why no worker will run a queued job for ``env``."""
     here = env.describe()
     nearest = min(elsewhere, key=len) if elsewhere else None
     if nearest is not None and not nearest:
@@ -85,6 +93,8 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
     if withdrawal is not None:
         queued = f"; job {job.id} is {job.status} to tune it again" if job is not None and job.status in (
             "running", "queued") else ""
+        if job is not None and job.status == "queued" and unserved:
+            queued += f", but {unserved}"
         signed = Withdrawal.model_validate(withdrawal.model_dump(include=set(Withdrawal.model_fields)))
         return MissReason(reason="withdrawn", withdrawal=signed, job_id=job.id if queued else None,
                           message=f"the plan for {here} (revision {withdrawal.withdrawn_revision}) was withdrawn by an "
@@ -92,7 +102,8 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
                                   f"{withdrawal.reason[:ERROR_CHARS]}{queued}")
     if job is not None and job.status in ("running", "queued"):
         verb = "being tuned" if job.status == "running" else "queued for tuning"
-        return MissReason(reason=job.status, message=f"{verb} (job {job.id}) for {here}", job_id=job.id)
+        idle = f", but {unserved}" if job.status == "queued" and unserved else ""
+        return MissReason(reason=job.status, message=f"{verb} (job {job.id}) for {here}{idle}", job_id=job.id)
     if job is not None and job.status == "failed":
         error = (job.error or "no error recorded")[:ERROR_CHARS]
         return MissReason(reason="failed", job_id=job.id,
@@ -102,6 +113,11 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
         return MissReason(reason="other_environments", differs=nearest,
                           message=f"tuned only for other environments; the nearest differs in {', '.join(nearest)} "
                                   f"(this one has {fields}): enqueue it for this environment")
+    if job is not None and job.status == "succeeded" and job.target == TargetEnvironment.exactly(env):
+        return MissReason(reason="not_queued", job_id=job.id, message=(
+            f"tuned for {here} by job {job.id}, but its plan is no longer stored (plans gc deletes the records of "
+            "environments it does not keep); autotune does not queue a graph once tuned for an environment: an admin "
+            "enqueues it again (POST /v1/admin/tune, plancache enqueue)"))
     if registered:
         return MissReason(reason="not_queued", message=not_queued)
     return MissReason(reason="not_registered", message="the server has never seen this graph's spec: a client that "

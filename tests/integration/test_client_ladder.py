@@ -498,6 +498,25 @@ def test_a_miss_says_why_the_server_has_no_plan(srv, tmp_path, signer, wire):
     assert wire.paths["/v1/plans/explain"] == 2 and not pc._remote.is_off
 
 
+def test_a_process_asks_about_a_missed_key_once_a_minute_not_at_every_load(srv, tmp_path, signer, wire):
+    """A strict process that loads a missed graph on every call (catching ``PlanMiss``; or FE building it again
+    through the hook) asked the server twice per load and counted a miss each time: one process reached autotune's
+    ``MIN_MISSES`` alone and spent its token's miss budget. It asks again once ``MISS_RECHECK_SECONDS`` passed."""
+    from plancache.client import core
+
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    for _ in range(3):
+        with pytest.raises(PlanMiss, match=r"server: no plan( \d+ s ago)?: the server has never seen this graph"):
+            pc.plan(CONV)
+    assert [m.count for m in srv.store.list_misses()] == [1]
+    assert wire.paths["/v1/plans/resolve"] == 1 and wire.paths["/v1/plans/explain"] == 1
+    assert pc.stats().miss_reasons == {"not_registered": 3}
+    seed(srv, CONV, signer)  # tuned meanwhile: taken once the process asks again
+    (step,) = [s for s in pc.steps if isinstance(s, core.ServerStep)]
+    step._missed.expire(time.monotonic() + core.MISS_RECHECK_SECONDS)  # as it is a minute on
+    assert pc.plan(CONV).source == "server" and wire.paths["/v1/plans/resolve"] == 2
+
+
 def test_a_server_without_the_explain_route_leaves_the_miss_unexplained(srv, tmp_path, signer):
     from plancache.errors import NotFound
 

@@ -148,3 +148,47 @@ def test_explain_with_only_the_admin_token_set_uses_it(tmp_path, make_spec, make
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1].startswith(f"{keys['unknown'][:12]}  not_registered:")
     assert refused.exit_code == 8 and "401" in refused.output, refused.output  # no token at all: still refused
+
+
+def test_a_job_queued_where_no_worker_claims_says_so(store, make_spec, gpu_env):
+    """"Why is nothing getting tuned?": a queued job on an environment no worker asks for jobs for is never run; its
+    explanation said only "queued for tuning" (and a withdrawn plan's, "queued to tune it again")."""
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    job, _ = store.enqueue(key, TargetEnvironment.exactly(gpu_env))
+    reason = store.explain_misses(gpu_env, [key])[key]
+    assert reason.reason == "queued" and reason.job_id == job.id
+    assert "no worker claimed jobs for this environment in the last 1 h (never): start a worker" in reason.message
+    elsewhere = other(gpu_env)
+    assert store.claim(elsewhere, "w2", lease_seconds=60) is None  # a worker for another GPU does not count
+    assert "(never)" in store.explain_misses(gpu_env, [key])[key].message
+    assert store.claim(gpu_env, "w1", lease_seconds=60).job.id == job.id
+    store.enqueue(key, TargetEnvironment(sm=gpu_env.sm), priority=1)  # queued, now that a worker serves the GPU
+    served = store.explain_misses(gpu_env, [key])[key]
+    assert served.reason in ("queued", "running") and "no worker" not in served.message
+
+
+def test_a_graph_tuned_here_whose_plan_was_deleted_is_not_promised_to_autotune(store, make_spec, make_plan, gpu_env):
+    """Once ``plans gc --keep-env`` deleted an environment's records, a graph tuned there (its job succeeded) said
+    "autotune queues it at its next step"; autotune never queues a graph tuned for that environment before."""
+    from datetime import timedelta
+
+    from plancache.store.autotune import AutotunePolicy, run_autotune
+    from plancache.store.retention import gc
+
+    key, spec = make_spec(0)
+    store.put_spec(key, spec)
+    job, _ = store.enqueue(key, TargetEnvironment.exactly(gpu_env))
+    claim = store.claim(gpu_env, "w1", lease_seconds=60)
+    meta, blob = make_plan(key, gpu_env)
+    store.publish_plan(meta, blob, job_id=job.id, worker_id="w1", lease_token=claim.lease_token)
+    kept, kept_spec = make_spec(1)
+    store.put_spec(kept, kept_spec)
+    store.publish_plan(*make_plan(kept, other(gpu_env), blob=b"other-plan"))
+    gc(store, grace=timedelta(0), keep_env_ids={other(gpu_env).env_id})
+    policy = AutotunePolicy(min_misses=1)
+    store.record_misses(gpu_env, [key])
+    reason = store.explain_misses(gpu_env, [key], autotune=policy)[key]
+    assert run_autotune(store, policy) == []
+    assert reason.reason == "not_queued" and reason.job_id == job.id
+    assert "no longer stored" in reason.message and "autotune does not queue" in reason.message
