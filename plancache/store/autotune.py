@@ -30,6 +30,8 @@ from .jobs import insert_job, target_key
 from .models import ACTIVE_JOB_STATUSES, jobs, misses, plans, specs, worker_environments
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
     from . import Store
 
 #: Postgres advisory lock key of the autotune step ("auto" in ASCII); the migration lock's differs.
@@ -53,6 +55,14 @@ class AutotunePolicy:
             raise errors.InvalidValue(f"autotune jobs_per_hour must be 0 or more, not {self.jobs_per_hour}")
         if self.worker_window <= timedelta(0):
             raise errors.InvalidValue(f"autotune worker_window must be positive, not {self.worker_window}")
+
+
+def hold_off_autotune(conn: Connection) -> None:
+    """Postgres: wait for a running autotune step and keep new ones from starting until commit (any number of
+    transactions may hold it off at once). For one that inserts several jobs in another order than the step, which
+    could otherwise wait for the step while the step waits for it. SQLite needs nothing: writers run one at a time."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": _PG_AUTOTUNE_LOCK})
 
 
 def run_autotune(store: Store, policy: AutotunePolicy) -> list[Job]:

@@ -21,6 +21,9 @@ from ..validation import INT32_MAX, INT64_MAX
 Clock = Callable[[], datetime]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: The longest SQLite's busy handler sleeps between two tries for a lock is 100 ms: a writer that leaves the write
+#: lock free this long between two transactions lets every writer waiting for it in.
+SQLITE_WRITER_GAP_S = 0.12
 # Any constant: serialises concurrent ``upgrade()`` calls against one Postgres database.
 _PG_MIGRATION_LOCK = 0x706C616E
 
@@ -196,6 +199,13 @@ class Database:
             conn.execution_options(plancache_write=True)
             with conn.begin():
                 yield conn
+
+    def let_writers_in(self) -> None:
+        """Between two write transactions of a long loop: SQLite pauses :data:`SQLITE_WRITER_GAP_S`, else writers
+        waiting for its write lock could miss the moment it is free until the loop ends. Postgres: nothing (rows
+        are locked, not the database)."""
+        if self.is_sqlite:
+            time.sleep(SQLITE_WRITER_GAP_S)
 
     # ------------------------------------------------------------------ migrations
 

@@ -193,24 +193,50 @@ def _claim_statements() -> tuple[Any, Any]:
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
 
 
+def _insert_active(conn: Connection) -> Any:
+    """An INSERT of jobs that skips a key and target with a queued or running job (the unique index of active jobs
+    decides, on every replica; on Postgres it waits for a concurrent transaction that inserted the same one)."""
+    return upsert_insert(conn, jobs).on_conflict_do_nothing(index_elements=["graph_key", "target_key"],
+                                                           index_where=_ACTIVE_PREDICATE)
+
+
+def _new_job(graph_key: str, target: TargetEnvironment, *, now: datetime, priority: int, max_attempts: int,
+             source: JobSource) -> dict[str, Any]:
+    """The row of a newly queued job."""
+    return dict(graph_key=graph_key, **target.model_dump(), target_key=target_key(target), status="queued",
+                priority=priority, attempts=0, max_attempts=max_attempts, fencing_token=0, created_at=now,
+                updated_at=now, source=source)
+
+
 def insert_job(conn: Connection, graph_key: str, target: TargetEnvironment, *, now: datetime, priority: int,
                max_attempts: int, source: JobSource) -> tuple[Job | None, bool]:
     """Queue a job in the caller's write transaction: ``(job, True)``, or the queued or running job of the same key
-    and target with ``False`` (the unique index of active jobs decides, on every replica), or ``(None, False)`` when
-    that job finished in between (try again)."""
-    key = target_key(target)
-    row = conn.execute(
-        upsert_insert(conn, jobs)
-        .values(graph_key=graph_key, **target.model_dump(), target_key=key, status="queued", priority=priority,
-                attempts=0, max_attempts=max_attempts, fencing_token=0, created_at=now, updated_at=now, source=source)
-        .on_conflict_do_nothing(index_elements=["graph_key", "target_key"], index_where=_ACTIVE_PREDICATE)
-        .returning(*jobs.c)
-    ).first()
+    and target with ``False`` (see :func:`_insert_active`), or ``(None, False)`` when that job finished in between
+    (try again)."""
+    row = conn.execute(_insert_active(conn).values(_new_job(graph_key, target, now=now, priority=priority,
+                                                            max_attempts=max_attempts, source=source))
+                       .returning(*jobs.c)).first()
     if row is not None:
         return row_to_job(row), True
-    row = conn.execute(sa.select(jobs).where(jobs.c.graph_key == graph_key, jobs.c.target_key == key,
+    row = conn.execute(sa.select(jobs).where(jobs.c.graph_key == graph_key, jobs.c.target_key == target_key(target),
                                              jobs.c.status.in_(ACTIVE_JOB_STATUSES))).first()
     return (None, False) if row is None else (row_to_job(row), False)
+
+
+def insert_jobs(conn: Connection, graph_keys: list[str], target: TargetEnvironment, *, now: datetime, priority: int,
+                max_attempts: int, source: JobSource) -> int:
+    """Queue a job for each of ``graph_keys`` (stored specs, ascending) in the caller's write transaction, a few
+    statements for all of them; keys with a queued or running job for ``target`` are skipped (see
+    :func:`_insert_active`). The number queued.
+
+    Ascending keys keep such callers on Postgres free of deadlocks with each other: each waits only for a key above
+    every one it inserted. One that may race the autotune step (whose order is another) holds it off first
+    (:func:`~.autotune.hold_off_autotune`)."""
+    if not graph_keys:
+        return 0
+    rows = [_new_job(key, target, now=now, priority=priority, max_attempts=max_attempts, source=source)
+            for key in graph_keys]
+    return len(conn.execute(_insert_active(conn).returning(jobs.c.id), rows).all())
 
 
 def record_claimer(conn: Connection, env: Environment, now: datetime) -> None:
@@ -228,15 +254,22 @@ class Jobs:
     db: Database
     job_max_attempts: int
 
-    def enqueue(self, graph_key: str, target: TargetEnvironment, *, priority: int = 0,
-                max_attempts: int | None = None, source: JobSource = "admin") -> tuple[Job, bool]:
-        """Queue a tuning job; a queued or running job for the same key and target is returned instead
-        (``False``). The spec must be stored (:class:`errors.NotFound`). ``source``: who asks for it."""
+    def checked_job_request(self, target: TargetEnvironment, *, priority: int, max_attempts: int | None,
+                            source: JobSource) -> int:
+        """The ``max_attempts`` of a job requested so (None: the store's default), once the request is checked
+        (:class:`errors.InvalidValue`)."""
         attempts_allowed = check_int("max_attempts", self.job_max_attempts if max_attempts is None else max_attempts, minimum=1)
         check_int("priority", priority)
         check_validity(target.model_dump())
         if source not in JOB_SOURCES:
             raise errors.InvalidValue(f"unknown job source {source!r}; one of {', '.join(JOB_SOURCES)}")
+        return attempts_allowed
+
+    def enqueue(self, graph_key: str, target: TargetEnvironment, *, priority: int = 0,
+                max_attempts: int | None = None, source: JobSource = "admin") -> tuple[Job, bool]:
+        """Queue a tuning job; a queued or running job for the same key and target is returned instead
+        (``False``). The spec must be stored (:class:`errors.NotFound`). ``source``: who asks for it."""
+        attempts_allowed = self.checked_job_request(target, priority=priority, max_attempts=max_attempts, source=source)
         for _ in range(3):  # only a concurrent enqueue + completion in between makes this loop
             with self.db.write() as conn:
                 if not spec_exists(conn, graph_key):
