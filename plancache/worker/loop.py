@@ -237,7 +237,7 @@ class Worker:
         return self.stats
 
     def _release(self, held: _Held) -> None:
-        """Give back a claimed job that was never started."""
+        """Give back a claimed job whose attempt does not count: never started, or its tuning cut off at a stop."""
         held.beat.finishing()
         held.beat.halt()
         self._fail(held.claim.job.id, held.lease, "worker shutting down", retryable=True, released=True)
@@ -321,9 +321,7 @@ class Worker:
                 log.warning("job %d: stop requested; giving tuning %.1fs to finish", job.id, self.shutdown_grace)
                 if not done.wait(self.shutdown_grace):
                     outcome.cancel.set()
-                    beat.finishing()
-                    self._fail(job.id, lease, "worker shutting down", retryable=True, released=True)
-                    self.stats.released += 1
+                    self._release(held)
                     return None
         if beat.lost.is_set():
             log.warning("job %d: lease was taken over while tuning; dropping the result", job.id)
