@@ -35,8 +35,8 @@ class Explanations:
             return {}
         validity = env.validity()
         with self.db.read() as conn:
-            counts = dict(conn.execute(sa.select(misses.c.graph_key, misses.c.count).where(
-                misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id)).tuples().all())
+            counts: dict[str, int] = {key: count for key, count in conn.execute(sa.select(
+                misses.c.graph_key, misses.c.count).where(misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id))}
             served_at = conn.execute(sa.select(worker_environments.c.last_claim_at).where(
                 worker_environments.c.env_id == env.env_id)).scalar()
             window = (autotune or AutotunePolicy()).worker_window

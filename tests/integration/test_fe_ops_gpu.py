@@ -132,15 +132,16 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
 
 def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path):
     """PLANCACHE_WARM: a fresh strict process fetches every captured graph's plan in one resolve at install; each
-    path's graphs then load from the kept blobs (memory), none asks the server -- but a graph without a tuned plan
-    (:data:`UNTUNED`), which asks again when built and raises PlanMiss."""
+    path's graphs then load from the kept blobs (memory), none asks the server; a graph without a tuned plan
+    (:data:`UNTUNED`), which that resolve missed, raises PlanMiss when built without asking again (a client
+    remembers a miss for a minute: plancache.client.core.MISS_RECHECK_SECONDS)."""
     srv, root, capture, tuned, failed = fleet
     before = srv.requests[RESOLVE]
     warm = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                  "--cache", str(tmp_path / "cache"), "--mode", "strict",
                  settings={"PLANCACHE_WARM": str(root / "capture.json")})
     check_numerics(warm, "warm", untuned=bool(failed))
-    assert srv.requests[RESOLVE] - before == 1 + len(failed)
+    assert srv.requests[RESOLVE] - before == 1
     stats = warm["stats"]
     assert stats["hits"] == {"server": len(tuned), "memory": len(tuned)} and stats["fe_builds"] == {}
     assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
