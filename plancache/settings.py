@@ -184,6 +184,8 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     """The client library (:class:`plancache.client.PlanCache`)."""
 
     insecure_allow_unsigned: bool = False  # without trusted keys, admit plans checked by digest alone (normal mode)
+    # with an https server, also GET blobs from plain-http presigned URLs (clear text; else the server's route serves them)
+    insecure_allow_http_presigned: bool = False
     # seconds: the whole server exchange of one plan()/prefetch()
     request_deadline: float = Field(default=5.0, gt=0, le=86400, allow_inf_nan=False)
     resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (see README, Configuration)

@@ -728,7 +728,8 @@ class ClientStats:
     (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``).
     ``blob_sources[where]``: blobs the server step received (before verification), by where: ``inline`` (in the
     resolve answer), ``server`` (its ``/v1/blobs`` route), ``presigned`` (an object-store URL the server presigned);
-    ``presigned_fallbacks``: presigned GETs that failed and were asked of the server's route instead."""
+    ``presigned_fallbacks``: presigned GETs that failed, or were refused (a plain-http URL from an https server,
+    :class:`~plancache.client.remote.Remote`), and were asked of the server's route instead."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -897,7 +898,8 @@ class PlanCache:
                                          policies=[CircuitBreaker(config.cooldown)],
                                          transport=config.transport),
                               max_blob_bytes=settings.max_blob_bytes,
-                              resolve_max_bytes=settings.resolve_max_bytes, transport=config.transport) if url else None
+                              resolve_max_bytes=settings.resolve_max_bytes, transport=config.transport,
+                              insecure_allow_http_presigned=settings.insecure_allow_http_presigned) if url else None
         cache_dir = config.cache_dir if config.cache_dir is not None else settings.cache_dir
         max_bytes = config.cache_max_bytes if config.cache_max_bytes is not None else settings.cache_max_bytes
         self.disk = DiskCache(cache_dir, self.environment, max_bytes=max_bytes,

@@ -8,7 +8,9 @@ cool-down, during which every call fails at once with :class:`~plancache.errors.
 (``skipped=True``) instead of waiting on the network again.
 
 A blob comes from where the resolve answer says (``blob_url``): the server's own route, with the token, or a
-presigned object-store URL, through a client of its own that never sends the token (:meth:`Remote.fetch_blob`).
+presigned object-store URL, through a client of its own that never sends the token (:meth:`Remote.fetch_blob`). A
+client of an https server refuses a plain-http presigned URL, unless ``insecure_allow_http_presigned``: the plan bytes,
+and which plans a host loads, would cross the network in clear text, for anyone on the path to read, stall or corrupt.
 
 Every answer is read with a size limit, while it streams in: a blob at most its record's ``blob_size``
 (and never over ``max_blob_bytes``), a resolve answer at most :meth:`Remote.resolve_limit` bytes. Each call
@@ -17,6 +19,7 @@ takes an optional ``deadline`` (a :func:`time.monotonic` instant) by which its w
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -29,6 +32,8 @@ from ..spec import GraphSpec
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger("plancache.client")
 
 #: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signed envelope,
 #: environment, knobs, timings) and the JSON around it; and once per answer.
@@ -48,10 +53,12 @@ def base64_size(n: int) -> int:
 
 class Remote:
     """The client's calls to one plancache server, on ``http``. ``max_blob_bytes``: the largest plan blob it
-    reads; ``resolve_max_bytes``: the largest resolve answer it reads, however many keys it asks for."""
+    reads; ``resolve_max_bytes``: the largest resolve answer it reads, however many keys it asks for;
+    ``insecure_allow_http_presigned``: GET plain-http presigned URLs even though the server is https."""
 
     def __init__(self, http: HttpClient, *, max_keys_per_request: int = 1000, max_blob_bytes: int = 64 * 1024 * 1024,
-                 resolve_max_bytes: int = 256 * 1024 * 1024, transport: httpx.BaseTransport | None = None) -> None:
+                 resolve_max_bytes: int = 256 * 1024 * 1024, transport: httpx.BaseTransport | None = None,
+                 insecure_allow_http_presigned: bool = False) -> None:
         if max_keys_per_request < 1:
             raise ValueError("max_keys_per_request must be >= 1")
         if max_blob_bytes < 1 or resolve_max_bytes < 1:
@@ -63,6 +70,9 @@ class Remote:
         self._transport = transport
         self._elsewhere: dict[str, HttpClient] = {}  # origin of presigned URLs -> a client without the token
         self._elsewhere_lock = threading.Lock()
+        #: Plain-http presigned URLs are refused: the server is https and no opt-in says otherwise.
+        self.refuses_http_presigned = self.http.server_url.startswith("https://") and not insecure_allow_http_presigned
+        self._refusal_logged = False
 
     @property
     def is_off(self) -> bool:
@@ -111,7 +121,8 @@ class Remote:
         """The blob's bytes (unverified), read up to ``size`` bytes (the record's ``blob_size``; at most
         ``max_blob_bytes``): a longer answer is cut off and fails with ServerUnavailable. From ``url`` when given:
         a path is on this server (sent with the token), an absolute http(s) URL (a presigned one) is GET with no
-        credentials at all, through a client of its own that trips no breaker; else ``GET /v1/blobs/{sha256}``."""
+        credentials at all, through a client of its own that trips no breaker (a plain-http one fails at once,
+        unsent, while :attr:`refuses_http_presigned`); else ``GET /v1/blobs/{sha256}``."""
         limit = self.max_blob_bytes if size is None else min(size, self.max_blob_bytes)
         if url is None or url.startswith("/"):
             return self.http.read("GET", url or f"/v1/blobs/{sha256}", _blob_bytes, max_bytes=limit, deadline=deadline)
@@ -119,6 +130,10 @@ class Remote:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ServerUnavailable(f"blob {sha256}: the server named {url[:100]!r}, not a path or an http(s) URL")
         origin = f"{parts.scheme}://{parts.netloc}"
+        if parts.scheme == "http" and self.refuses_http_presigned:
+            self._log_refusal(origin)
+            raise ServerUnavailable(f"blob {sha256}: the presigned URL is plain http ({origin}) and the server "
+                                    "https: refused (PLANCACHE_INSECURE_ALLOW_HTTP_PRESIGNED=1 accepts it)")
         with self._elsewhere_lock:
             http = self._elsewhere.get(origin)
             if http is None:
@@ -126,6 +141,18 @@ class Remote:
                                                             read_timeout=self.http.read_timeout,
                                                             transport=self._transport)
         return http.read("GET", url[len(origin):], _blob_bytes, max_bytes=limit, deadline=deadline, retry=False)
+
+    def _log_refusal(self, origin: str) -> None:
+        """Say once why plain-http presigned URLs are refused."""
+        with self._elsewhere_lock:
+            if self._refusal_logged:
+                return
+            self._refusal_logged = True
+        log.warning("plancache: the server %s hands out plain-http presigned blob URLs (%s): refused, so the plan "
+                    "bytes do not cross the network in clear text; each blob is fetched from the server's route instead "
+                    "(stats().presigned_fallbacks). Serve the object store over https, turn presigning off on the "
+                    "server (PLANCACHE_PRESIGN_BLOBS=false), or set PLANCACHE_INSECURE_ALLOW_HTTP_PRESIGNED=1 to "
+                    "accept them", self.http.server_url, origin)
 
     def register_spec(self, spec: GraphSpec, *, deadline: float | None = None) -> str:
         """``POST /v1/specs``: store the spec so an admin can tune its key; returns the server's graph key.

@@ -1,11 +1,13 @@
 """Blobs off the API server: a server whose blobs are in object storage (moto's S3 server) answers resolve with
 presigned GET URLs; the client fetches the bytes there without its token, checks them as any others, and falls back
-to the server's route once when a URL fails. Folder and database stores still answer the server's route."""
+to the server's route once when a URL fails. Folder and database stores still answer the server's route. A client of
+an https server refuses plain-http presigned URLs unless told otherwise."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +24,10 @@ import pytest
 import plancache.client.core as core
 from plancache.blobs.base import shard
 from plancache.client import PlanCache
+from plancache.protocol import ResolvedPlan, ResolveResponse
 from plancache.store import open_store
 from tests.client_fakes import RecordingBackend
-from tests.factories import H200, make_meta, new_signer, trusted
+from tests.factories import H200, make_meta, make_record, new_signer, trusted
 from tests.live_server import LiveServer
 from tests.server_util import api, open_api  # noqa: F401 (fixture)
 
@@ -193,3 +196,56 @@ def test_blobs_are_fetched_concurrently_a_few_at_a_time(s3_server, moto_s3, tmp_
     pc = client(s3_server, tmp_path, signer, wire)
     assert {p.source for p in pc.prefetch(specs).values()} == {"server"}
     assert pc.stats().blob_sources == {"presigned": len(specs)} and wire.most == 2  # 5 blobs, 2 at a time
+
+
+class PresigningFake:
+    """A server whose resolve answers give each blob as a presigned URL of ``{scheme}://store.test``, and that
+    store, on ``httpx.MockTransport``; each request's scheme, host and path are recorded."""
+
+    def __init__(self, scheme: str, signer: Any) -> None:
+        self.scheme = scheme
+        self.blobs = {spec.graph_key: blob_of(spec) for spec in (CONV, SDPA)}
+        self.records = {key: make_record(key, H200, blob, signer) for key, blob in self.blobs.items()}
+        self.seen: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(f"{request.url.scheme}://{request.url.host}{request.url.path}")
+        if request.url.path == "/v1/plans/resolve":
+            urls = {k: f"{self.scheme}://store.test/bucket/{r.blob_sha256}?X-Amz-Signature=1"
+                    for k, r in self.records.items()}
+            plans = {k: ResolvedPlan(record=self.records[k], blob_url=urls[k])
+                     for k in json.loads(request.content)["graph_keys"]}
+            return httpx.Response(200, content=ResolveResponse(plans=plans, missing=[]).model_dump_json())
+        sha = request.url.path.rsplit("/", 1)[-1]
+        return httpx.Response(200, content=next(b for k, b in self.blobs.items() if self.records[k].blob_sha256 == sha))
+
+
+@pytest.mark.parametrize(("server", "store", "opt_in", "presigned"), [
+    ("https", "http", False, False),  # the downgrade: refused, fetched from the server
+    ("https", "http", True, True),  # PLANCACHE_INSECURE_ALLOW_HTTP_PRESIGNED: the operator's choice
+    ("http", "http", False, True),  # nothing to downgrade
+    ("https", "https", False, True),
+])
+def test_a_client_of_an_https_server_refuses_plain_http_presigned_urls(tmp_path, signer, monkeypatch, caplog, server,
+                                                                       store, opt_in, presigned):
+    """An http presigned URL was fetched by a client whose server is https: the plan bytes (and which plans a host
+    loads) in clear text, and an on-path attacker able to stall or corrupt them into fallbacks."""
+    if opt_in:
+        monkeypatch.setenv("PLANCACHE_INSECURE_ALLOW_HTTP_PRESIGNED", "1")
+    fake = PresigningFake(store, signer)
+    pc = PlanCache(f"{server}://plancache.test", backend=RecordingBackend(), token="t", trusted_keys=trusted(signer),
+                   cache_dir=tmp_path / "cache", transport=httpx.MockTransport(fake))
+    with caplog.at_level(logging.INFO, logger="plancache"):
+        plans = pc.prefetch([CONV, SDPA])
+    assert {p.source for p in plans.values()} == {"server"}
+    assert sorted(pc._backend.deserialized) == sorted(fake.blobs.values())
+    s = pc.stats()
+    to_store = [u for u in fake.seen if "store.test" in u]
+    if presigned:
+        assert s.blob_sources == {"presigned": 2} and s.presigned_fallbacks == 0 and len(to_store) == 2
+    else:
+        assert s.blob_sources == {"server": 2} and s.presigned_fallbacks == 2 and to_store == []
+        assert sorted(u for u in fake.seen if u.startswith("https://plancache.test/v1/blobs/")) == sorted(
+            f"https://plancache.test/v1/blobs/{r.blob_sha256}" for r in fake.records.values())
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "PLANCACHE_INSECURE_ALLOW_HTTP_PRESIGNED" in warned[0].getMessage()
