@@ -433,31 +433,29 @@ class ServerStep(StoreStep):
         known = {p.key: missed for p in batch if (missed := self._missed.get(p.key)) is not None}
         specs = {p.key: p.spec for p in batch if p.key not in known}
         answers, missing = self._ask(specs, deadline) if specs else ({}, [])
-        reasons = self._explain([k for k in missing if k in specs], deadline)
-        self._missed.update((k, (now, reasons.get(k))) for k in missing if k in specs)
+        fresh = [k for k in missing if k in specs]
+        reasons = self._explain(fresh, deadline)
         blobs = self._blobs([(p, answers[p.key]) for p in batch if answers and p.key in answers], deadline)
+        registered = {k for k in fresh if self._register(k, specs[k], deadline)}
+        reasons = {k: _registered_now(r) if k in registered else r for k, r in reasons.items()}
+        self._missed.update((k, (now, reasons.get(k))) for k in fresh)
         for p in batch:
-            if p.key in known:
-                asked, reason = known[p.key]
+            if p.key in known or (answers is not None and p.key not in answers):
+                asked, reason = known.get(p.key, (now, reasons.get(p.key)))
+                ago = f" {now - asked:.0f} s ago" if p.key in known else ""
                 why = reason.message if reason else "none for this environment"
-                p.note(self.name, f"no plan {now - asked:.0f} s ago: {why}")
+                p.note(self.name, f"no plan{ago}: {why}" if reason or ago else "no plan for this environment")
                 _bump(self.context.stats.miss_reasons, reason.reason if reason else "unexplained")
             elif answers is None:
                 p.note(self.name, "unavailable")
-            elif p.key not in answers:
-                reason = reasons.get(p.key)
-                p.note(self.name, f"no plan: {reason.message}" if reason else "no plan for this environment")
-                _bump(self.context.stats.miss_reasons, reason.reason if reason else "unexplained")
-                if reason is not None and reason.withdrawal is not None:
-                    from .revalidate import apply_withdrawal
-
-                    apply_withdrawal(self.context, p.key, reason.withdrawal)
             elif (blob := blobs[p]) is not None:  # else refused or not downloaded, and noted so
                 records[p] = answers[p.key].record
                 received.add(records[p].blob_sha256, blob)
-        for key in missing:
-            if key in specs:
-                self._report_miss(key, specs[key], deadline)
+        for key, reason in reasons.items():
+            if reason.withdrawal is not None:
+                from .revalidate import apply_withdrawal
+
+                apply_withdrawal(self.context, key, reason.withdrawal)
         return records, received
 
     def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:
@@ -572,14 +570,15 @@ class ServerStep(StoreStep):
             log.debug("plancache: the server did not explain its misses: %s", exc.message)
             return {}
 
-    def _report_miss(self, key: str, spec: GraphSpec, deadline: float) -> None:
-        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it.
-        Not sent once the deadline has passed (a later load of the key sends it)."""
+    def _register(self, key: str, spec: GraphSpec, deadline: float) -> bool:
+        """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it: whether
+        this call stored it. Not sent once the deadline has passed (a later load of the key sends it)."""
         if key in self._reported or not self._may_register or time.monotonic() >= deadline:
-            return
+            return False
         self._reported.add(key)
         try:
             self._remote().register_spec(spec, deadline=deadline)
+            return True
         except ServerUnavailable as exc:
             self._count_failure(exc)
         except PlanCacheError as exc:
@@ -589,6 +588,18 @@ class ServerStep(StoreStep):
                          exc.message)
             else:
                 log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
+        return False
+
+
+def _registered_now(reason: MissReason) -> MissReason:
+    """``reason`` once this process registered the spec: the server explains a miss before the spec reaches it, so
+    its ``not_registered`` message ("a client that misses it registers it") is past; this one says what comes next."""
+    if reason.reason != "not_registered":
+        return reason
+    return reason.model_copy(update={"message": (
+        "the server had never seen this graph's spec: this process registered it after the miss; autotune queues it "
+        "once it missed PLANCACHE_AUTOTUNE_MIN_MISSES times here (where the server runs autotune and a worker "
+        "serves this GPU), or an admin enqueues it (POST /v1/admin/tune/misses, plancache enqueue)")})
 
 
 class RebuildStep(Step):

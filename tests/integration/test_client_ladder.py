@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from plancache.blobs.base import chunks
 from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step
 from plancache.client.cache import BLOBS
 from plancache.client.core import family_key
-from plancache.errors import PlanMiss
+from plancache.errors import Forbidden, PlanMiss
 from plancache.settings import Settings
 from plancache.spec import contiguous_strides, parse_spec
 from tests.client_fakes import CountedStream, DripServer, RecordingBackend
@@ -490,12 +491,39 @@ def test_a_miss_says_why_the_server_has_no_plan(srv, tmp_path, signer, wire):
     srv.store.put_spec(SDPA.graph_key, SDPA.to_json())
     srv.store.enqueue(SDPA.graph_key, TargetEnvironment(sm=H200.sm))
     pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
-    with pytest.raises(PlanMiss, match=r"server: no plan: the server has never seen this graph's spec"):
+    with pytest.raises(PlanMiss, match=r"server: no plan: the server had never seen this graph's spec: this process"):
         pc.plan(CONV)
     with pytest.raises(PlanMiss, match=r"server: no plan: queued for tuning \(job \d+\)"):
         pc.plan(SDPA)
     assert pc.stats().miss_reasons == {"not_registered": 1, "queued": 1}
     assert wire.paths["/v1/plans/explain"] == 2 and not pc._remote.is_off
+
+
+def test_the_first_miss_of_an_unregistered_graph_says_this_process_registered_it(srv, tmp_path, signer, wire):
+    """The server explains the miss before the spec reaches it: its "a client that misses it registers it" was stale
+    by the time PlanMiss was raised, since this very load registered the spec. The note says so, and what queues it
+    now; the process's later loads within the minute repeat it. A token that may not register keeps the server's."""
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    for _ in range(2):
+        with pytest.raises(PlanMiss) as exc:
+            pc.plan(CONV)
+        assert "a client that misses it registers it" not in str(exc.value)
+        assert re.search(r"server: no plan( \d+ s ago)?: the server had never seen this graph's spec: this process "
+                         r"registered it after the miss; autotune queues it once it missed "
+                         r"PLANCACHE_AUTOTUNE_MIN_MISSES times here .*or an admin enqueues it \(POST "
+                         r"/v1/admin/tune/misses", str(exc.value))
+    assert srv.store.get_spec(CONV.graph_key) is not None and wire.paths["/v1/specs"] == 1
+    assert pc.stats().miss_reasons == {"not_registered": 2}
+    refused = client(srv, tmp_path / "r", signer, mode="strict")
+
+    def forbidden(*args, **kwargs):
+        raise Forbidden("this token may not register specs")
+
+    refused._remote.register_spec = forbidden
+    with pytest.raises(PlanMiss, match=r"server: no plan: the server has never seen this graph's spec: a client that "
+                                       r"misses it registers it"):
+        refused.plan(SDPA)
+    assert srv.store.get_spec(SDPA.graph_key) is None
 
 
 def test_a_process_asks_about_a_missed_key_once_a_minute_not_at_every_load(srv, tmp_path, signer, wire):
@@ -506,7 +534,7 @@ def test_a_process_asks_about_a_missed_key_once_a_minute_not_at_every_load(srv, 
 
     pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
     for _ in range(3):
-        with pytest.raises(PlanMiss, match=r"server: no plan( \d+ s ago)?: the server has never seen this graph"):
+        with pytest.raises(PlanMiss, match=r"server: no plan( \d+ s ago)?: the server had never seen this graph"):
             pc.plan(CONV)
     assert [m.count for m in srv.store.list_misses()] == [1]
     assert wire.paths["/v1/plans/resolve"] == 1 and wire.paths["/v1/plans/explain"] == 1
