@@ -1,11 +1,14 @@
 """Durable, atomic file writes: a reader sees the old file or the whole new one, and a crash loses neither; the
-flags for opening a file someone else could have planted; the release of a file lock that survives a fork."""
+flags for opening a file someone else could have planted; reads of a user's file bounded in size; the release of a
+file lock that survives a fork."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -43,6 +46,36 @@ def atomic_write(path: Path | str, data: bytes, *, mode: int = 0o600, exclusive:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the file ``path``, at most ``limit``: past it ``OSError`` (``EFBIG``) whose ``strerror`` gives the
+    size (a regular file's before a byte is read) and the limit. At most ``limit + 1`` bytes are read, so a device or
+    pipe that never ends (``/dev/zero``) costs no more; a FIFO is opened without waiting for a writer (none: empty)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_size > limit:
+            raise too_large(path, info.st_size, limit)
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(limit + 1 - size, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise too_large(path, None, limit)
+    return b"".join(chunks)
+
+
+def too_large(path: str | os.PathLike[str], size: int | None, limit: int) -> OSError:
+    """The ``OSError`` (``EFBIG``) of a file of ``size`` bytes (None: not known, more than ``limit``) over ``limit``."""
+    said = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return OSError(errno.EFBIG, f"{said}, over the limit of {limit} bytes", os.fspath(path))
 
 
 def unlock_and_close(fd: int) -> None:

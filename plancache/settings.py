@@ -98,6 +98,11 @@ class AdminTokenSettings(_Section):
         return value
 
 
+#: The default body limit of a JSON request (``PLANCACHE_MAX_JSON_BYTES``), sized for a spec (a maximal document is
+#: about 770 KB indented, docs/SPEC.md "Limits"); also the largest spec or environment file the CLI reads.
+DEFAULT_MAX_JSON_BYTES = 1024 * 1024
+
+
 class BlobLimitSettings(_Section):
     """The largest plan blob: the server refuses larger uploads, the client never reads a larger download."""
 
@@ -112,7 +117,7 @@ class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
     max_resolve_keys: int = 1000
     lease_seconds: float = Field(default=120.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     # request limits (plancache.server.bodies, .limits, .serving; docs/DEPLOYMENT.md "Request limits")
-    max_json_bytes: int = 1024 * 1024  # body limit of every JSON body, plan uploads too (a record: the blob goes raw)
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES  # body limit of every JSON body, plan uploads too (a record: the blob goes raw)
     max_inflight_bytes: int = 512 * 1024 * 1024  # memory of request bodies and answers in flight, per process
     # a request over max_inflight_bytes waits this long, then 503
     inflight_wait_seconds: float = Field(default=2.0, ge=0, le=3600, allow_inf_nan=False)

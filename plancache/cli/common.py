@@ -49,7 +49,8 @@ from ..errors import (
     SignatureError,
     Unauthorized,
 )
-from ..settings import ConnectionSettings, StoreSettings, env_name
+from ..files import read_limited, too_large
+from ..settings import DEFAULT_MAX_JSON_BYTES, ConnectionSettings, StoreSettings, env_name
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -435,15 +436,29 @@ def writable_folder(path: Path, what: str, fix: str) -> Path:
     return path
 
 
-def load_spec_file(path: Path) -> GraphSpec:
-    """Read and validate a spec file; a problem names the file."""
+def _unreadable(path: Path, what: str, exc: OSError) -> Failure:
+    return Failure(f"cannot read the {what} {path}: {exc.strerror or exc}",
+                   "check the path (spec files are GraphSpec JSON, e.g. examples/*.json)", ExitCode.OS_ERROR)
+
+
+def read_spec_file(path: Path, limit: int = DEFAULT_MAX_JSON_BYTES, what: str = "spec file") -> bytes:
+    """The bytes of a spec file (or of a ``what`` that may be one), at most ``limit``; a problem names the file."""
+    try:
+        return read_limited(path, limit)
+    except OSError as exc:
+        raise _unreadable(path, what, exc) from None
+
+
+def load_spec_file(path: Path, data: bytes | None = None) -> GraphSpec:
+    """Read (unless its bytes are given) and validate a spec file; a problem names the file."""
     from ..spec import parse_spec
 
+    if data is None:
+        data = read_spec_file(path)
+    elif len(data) > DEFAULT_MAX_JSON_BYTES:  # read under a larger limit (enqueue's, for a capture file)
+        raise _unreadable(path, "spec file", too_large(path, len(data), DEFAULT_MAX_JSON_BYTES))
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise Failure(f"cannot read the spec file {path}: {exc.strerror or exc}",
-                      "check the path (spec files are GraphSpec JSON, e.g. examples/*.json)", ExitCode.OS_ERROR) from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise Failure(f"{path} is not a GraphSpec JSON file (not UTF-8 text)",
                       "give a GraphSpec JSON document (docs/SPEC.md), e.g. examples/conv_bias_relu.json",
@@ -464,9 +479,9 @@ def load_environment(value: str, option: str) -> Environment:
     text = value
     if not value.lstrip().startswith("{"):
         try:
-            text = Path(value).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise Failure(f"{option} {value}: cannot read the environment file: {exc.strerror or exc}",
+            text = read_limited(value, DEFAULT_MAX_JSON_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise Failure(f"{option} {value}: cannot read the environment file: {getattr(exc, 'strerror', None) or exc}",
                           f"give {option} an environment JSON file or inline JSON", ExitCode.USAGE) from None
     try:
         return Environment.model_validate_json(text)

@@ -3,7 +3,6 @@ optionally the variants of each graph along shape axes (``--vary``)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from .common import (
     load_spec_file,
     open_admin_api,
     quiet_retries,
+    read_spec_file,
     server_option,
 )
 
@@ -88,15 +88,18 @@ def enqueue(
 
 def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
     """(name shown, spec, from a capture file) for each graph of a spec file or a capture file."""
-    from ..client.capture import is_capture, parse_capture
+    from ..client.capture import MAX_CAPTURE_BYTES, is_capture, load_json, parse_capture, starts_as_capture
     from ..errors import SpecError
 
+    data = read_spec_file(path, MAX_CAPTURE_BYTES, "spec or capture file")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        doc = load_json(path, data)
+    except SpecError as exc:
+        if starts_as_capture(data):  # cut off
+            raise Failure(exc.message, None, ExitCode.FAILED) from None
         doc = None  # load_spec_file names the problem
     if not is_capture(doc):
-        return [(path.name, load_spec_file(path), False)]
+        return [(path.name, load_spec_file(path, data), False)]
     try:
         graphs = parse_capture(doc)
     except SpecError as exc:

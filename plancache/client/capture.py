@@ -21,6 +21,7 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,13 +31,18 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from ..errors import SpecError
-from ..files import atomic_write, unlock_and_close
+from ..files import atomic_write, read_limited, unlock_and_close
 from ..spec import GraphSpec, parse_spec
 from ..validation import StrictModel, validation_message
 
 CAPTURE_FORMAT = "plancache-capture"
 #: Most graphs one capture file holds.
 MAX_CAPTURED = 100_000
+#: The largest capture file read: :data:`MAX_CAPTURED` graphs of about 5 KB (a captured attention or matmul graph is
+#: 2-4 KB), so that ``/dev/zero`` or a large file given by mistake is refused, not read until memory runs out.
+MAX_CAPTURE_BYTES = 512 * 1024 * 1024
+#: How a capture file starts (:class:`Recorder` writes its format first): one cut off is still told from a spec.
+_CAPTURE_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"plancache-capture"')
 
 #: Shape axes :func:`vary` moves: per node type, per axis, the (port, dim index) pairs that move together.
 #: SDPA tensors are (batch, heads, sequence, head_dim); ``Stats`` is (batch, heads, s_q, 1). ``s`` is self-attention:
@@ -78,6 +84,11 @@ def is_capture(doc: Any) -> bool:
     return isinstance(doc, dict) and doc.get("format") == CAPTURE_FORMAT
 
 
+def starts_as_capture(data: bytes) -> bool:
+    """Whether a file's bytes start as a capture file's do, valid JSON or not (one cut off)."""
+    return _CAPTURE_START.match(data) is not None
+
+
 def _capture_file(doc: Any) -> CaptureFile:
     """``doc`` as a capture file, its specs not parsed; :class:`SpecError` names what is wrong."""
     try:
@@ -103,14 +114,26 @@ def parse_capture(doc: Any) -> list[tuple[GraphSpec, int]]:
 
 
 def _load_json(path: str | os.PathLike[str]) -> Any:
-    """The JSON document in the file ``path``; :class:`SpecError` naming the file when it cannot be read or parsed."""
+    """The JSON document in the file ``path`` (at most :data:`MAX_CAPTURE_BYTES`); :class:`SpecError` naming the file
+    when it cannot be read or parsed."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_limited(path, MAX_CAPTURE_BYTES)
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the capture file ({exc.strerror or exc})") from None
+    return load_json(path, data)
+
+
+def load_json(path: str | os.PathLike[str], data: bytes) -> Any:
+    """The JSON document of ``data``, the bytes of the file ``path``; :class:`SpecError` naming the file when it is
+    not JSON (one that starts as a capture file: cut off or damaged)."""
+    try:
+        return json.loads(data.decode("utf-8"))
     except RecursionError:
         raise SpecError(f"{path}: not a capture file (nested too deeply)") from None
-    except (UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError too
+        if starts_as_capture(data):
+            raise SpecError(f"{path}: the capture file is cut off or damaged (not valid JSON: {str(exc)[:200]}); copy "
+                            "it again, or capture again (plancache capture)") from None
         raise SpecError(f"{path}: not a capture file (not JSON: {exc})") from None
 
 

@@ -129,3 +129,29 @@ def test_more_keys_than_one_request_takes_are_queued_in_several(server, tmp_path
     result = enqueue(server, str(path), "--vary", "s=128,256,512")
     assert result.exit_code == 0, result.output[-2000:]
     assert sent == [3, 3] and len(server.store.list_jobs()) == 6
+
+
+def test_a_cut_off_capture_file_is_reported_as_a_capture_file(server, capture_file):
+    """Before: a capture file cut off was read as a spec: "spec is not valid JSON ... fix the spec (docs/SPEC.md)"."""
+    capture_file.write_bytes(capture_file.read_bytes()[:-100])
+    out = expected_failure(enqueue(server, str(capture_file)), ExitCode.FAILED, "graphs.json: the capture file is cut "
+                           "off or damaged (not valid JSON", "copy it again, or capture again (plancache capture)")
+    assert "spec" not in out
+    assert server.store.list_jobs() == []
+
+
+def test_a_spec_or_capture_file_over_its_limit_is_refused(server, capture_file, tmp_path, monkeypatch):
+    """Before: enqueue read its files whole, whatever their size (/dev/zero: until memory ran out)."""
+    from plancache.client import capture
+    from plancache.settings import DEFAULT_MAX_JSON_BYTES
+
+    spec = tmp_path / "big.json"
+    spec.write_text(EXAMPLE.read_text() + " " * DEFAULT_MAX_JSON_BYTES)
+    size = spec.stat().st_size
+    expected_failure(enqueue(server, str(spec)), ExitCode.OS_ERROR,
+                     f"big.json: {size} bytes, over the limit of {DEFAULT_MAX_JSON_BYTES} bytes")
+    monkeypatch.setattr(capture, "MAX_CAPTURE_BYTES", 100)
+    expected_failure(enqueue(server, str(capture_file)), ExitCode.OS_ERROR,
+                     f"graphs.json: {capture_file.stat().st_size} bytes, over the limit of 100 bytes")
+    expected_failure(enqueue(server, "/dev/zero"), ExitCode.OS_ERROR, "/dev/zero: more than 100 bytes")
+    assert server.store.list_jobs() == []

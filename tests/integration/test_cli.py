@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +312,24 @@ def test_a_spec_file_that_is_not_there_is_an_os_error_with_a_hint(tmp_path):
     expected_failure(plancache("spec", "key", "binary.json", cwd=tmp_path), ExitCode.USAGE, "not UTF-8", "hint: ")
 
 
+def test_a_spec_file_over_the_limit_or_endless_is_refused_without_reading_it_all(tmp_path):
+    """Before: a spec file was read whole: a 10 GB file given by mistake or /dev/zero took all memory, a FIFO without
+    a writer hung. Now one over the server's default JSON body limit is refused naming its size and the limit."""
+    from plancache.settings import DEFAULT_MAX_JSON_BYTES
+
+    (tmp_path / "big.json").write_text(EXAMPLE.read_text() + " " * DEFAULT_MAX_JSON_BYTES)
+    size = (tmp_path / "big.json").stat().st_size
+    expected_failure(plancache("spec", "key", "big.json", cwd=tmp_path), ExitCode.OS_ERROR,
+                     f"cannot read the spec file big.json: {size} bytes, over the limit of {DEFAULT_MAX_JSON_BYTES}")
+    expected_failure(plancache("spec", "key", "/dev/zero", cwd=tmp_path, timeout=60), ExitCode.OS_ERROR,
+                     f"/dev/zero: more than {DEFAULT_MAX_JSON_BYTES} bytes, over the limit")
+    os.mkfifo(tmp_path / "fifo.json")                 # no writer: read as empty, not waited for
+    expected_failure(plancache("spec", "key", "fifo.json", cwd=tmp_path, timeout=60), ExitCode.FAILED,
+                     "fifo.json: spec is not valid JSON")
+    proc = plancache("tune", "big.json", "--out", "x", cwd=tmp_path, without=GPU_EXTRA)
+    expected_failure(proc, ExitCode.OS_ERROR, f"big.json: {size} bytes, over the limit")
+
+
 def test_tune_checks_its_arguments_before_it_needs_the_gpu_extra(tmp_path):
     proc = plancache("tune", str(EXAMPLE), cwd=tmp_path, without=GPU_EXTRA)
     expected_failure(proc, ExitCode.USAGE, "--out DIR, --server URL")
@@ -335,6 +354,14 @@ def test_client_commands_need_no_extra(tmp_path):
 
 
 def test_unwritable_spool_or_cache_folder(tmp_path):
+    """In process, so without plancache.cli.main's filter of torch's warning when numpy is absent (the worker
+    imports torch; run alone with ``-p no:warnings``, the warning reached stderr): filtered here as main does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        _unwritable_spool_or_cache_folder(tmp_path)
+
+
+def _unwritable_spool_or_cache_folder(tmp_path: Path) -> None:
     key = tmp_path / "w.key"
     assert CliRunner().invoke(make_app(), ["keygen", str(tmp_path), "--name", "w"]).exit_code == 0
     blocker = tmp_path / "a-file"

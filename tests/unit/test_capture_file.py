@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 
 import pytest
 
@@ -108,3 +109,52 @@ def test_merging_into_a_large_file_does_not_parse_its_specs_again(tmp_path, monk
     assert parsed == []
     merged = counts(path)  # every spec still checks against its key here
     assert len(merged) == 41 and merged[attention(64).graph_key] == 2 and merged[attention(8).graph_key] == 1
+
+
+def _read_within(path, seconds: float = 10.0):
+    """read_capture(path) in a thread: what it raised, or a failure when it hangs."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read_capture(path)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"reading {path} hung"
+    return raised[0] if raised else None
+
+
+def test_a_capture_file_over_the_limit_or_endless_is_refused_without_reading_it_all(tmp_path, monkeypatch):
+    """Before: a capture file (PLANCACHE_WARM, enqueue) was read whole: /dev/zero or a 10 GB file given by mistake
+    took all memory, a FIFO without a writer hung. Now a file over MAX_CAPTURE_BYTES is refused naming its size and
+    the limit, at most the limit + 1 bytes are read, and a FIFO is opened without waiting for a writer."""
+    from plancache.client import capture
+
+    monkeypatch.setattr(capture, "MAX_CAPTURE_BYTES", 1000)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 2000)
+    with pytest.raises(SpecError, match=r"big\.json: cannot read the capture file \(2000 bytes, over the limit of "
+                                        r"1000 bytes\)"):
+        read_capture(big)
+    exc = _read_within("/dev/zero")
+    assert isinstance(exc, SpecError) and "more than 1000 bytes, over the limit of 1000 bytes" in exc.message
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    exc = _read_within(fifo)                      # no writer: read as empty
+    assert isinstance(exc, SpecError) and "fifo.json: not a capture file (not JSON" in exc.message
+
+
+def test_a_cut_off_capture_file_says_it_is_a_capture_file(tmp_path):
+    """Before: a capture file cut off (a copy interrupted) read as "not a capture file (not JSON ...)"."""
+    path = tmp_path / "graphs.json"
+    recorder = Recorder(path)
+    recorder.add(attention(512))
+    recorder.add(attention(256))
+    path.write_bytes(path.read_bytes()[:-200])
+    with pytest.raises(SpecError, match=r"graphs\.json: the capture file is cut off or damaged \(not valid JSON: "
+                                        r".*\); copy it again, or capture again \(plancache capture\)"):
+        read_capture(path)
