@@ -388,6 +388,9 @@ FETCH_THREADS = 8
 #: how many such keys it remembers (the oldest forgotten first: asked again).
 MISS_RECHECK_SECONDS = 60.0
 MISS_MEMORY_KEYS = 10_000
+#: Times a process sends the spec of a key whose registration failed for now (429, 5xx, unreachable, past the
+#: deadline, 408) before it gives up: once per miss of the key, so at most once every :data:`MISS_RECHECK_SECONDS`.
+REGISTER_ATTEMPTS = 3
 
 
 class ServerStep(StoreStep):
@@ -396,14 +399,16 @@ class ServerStep(StoreStep):
     ``request_deadline`` and each answer within its size limit; a verified blob whose signature was checked is
     saved to disk. The specs of the keys the server misses are registered once per process (time allowing), so
     an admin can tune them; a key it missed is not asked about again for :data:`MISS_RECHECK_SECONDS` (a process
-    that loads it on every call neither waits on the server each time nor counts a miss each time)."""
+    that loads it on every call neither waits on the server each time nor counts a miss each time). A registration
+    that failed for now is sent again at a later miss of its key, :data:`REGISTER_ATTEMPTS` times at most."""
 
     name = StepName.SERVER
 
     def __init__(self, context: LoadContext) -> None:
         super().__init__(context)
         self.counts_fallbacks = context.remote is not None
-        self._reported: set[str] = set()
+        self._reported: set[str] = set()  # registered, refused for good, or out of attempts: not sent again
+        self._failed: dict[str, int] = {}  # key: its registrations sent that failed for now
         self._may_register = True
         from cachetools import TTLCache  # with the first PlanCache, not the import
 
@@ -572,23 +577,42 @@ class ServerStep(StoreStep):
 
     def _register(self, key: str, spec: GraphSpec, deadline: float) -> bool:
         """The resolve recorded the miss; store the spec too, once per process, so an admin can tune it: whether
-        this call stored it. Not sent once the deadline has passed (a later load of the key sends it)."""
+        this call stored it. Not sent once the deadline has passed (a later load of the key sends it); one that
+        failed for now is sent again at a later miss of the key, one refused for good is not (:meth:`_gives_up`)."""
         if key in self._reported or not self._may_register or time.monotonic() >= deadline:
             return False
-        self._reported.add(key)
         try:
             self._remote().register_spec(spec, deadline=deadline)
-            return True
-        except ServerUnavailable as exc:
-            self._count_failure(exc)
+            registered = True
         except PlanCacheError as exc:
-            if exc.http_status in (401, 403):
-                self._may_register = False
-                log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
-                         exc.message)
-            else:
-                log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
-        return False
+            registered = False
+            if not self._gives_up(key, exc):
+                return False
+        self._reported.add(key)
+        self._failed.pop(key, None)
+        return registered
+
+    def _gives_up(self, key: str, exc: PlanCacheError) -> bool:
+        """Whether the registration of ``key`` that failed with ``exc`` is not to be sent again (said so): refused
+        for good (401/403: by no key; a spec refused, 409, 413, 422…), or failed for now (429, 5xx, unreachable,
+        past the deadline, 408) :data:`REGISTER_ATTEMPTS` times. One the remote held back unsent is no attempt."""
+        if isinstance(exc, ServerUnavailable):
+            self._count_failure(exc)
+            if exc.skipped:
+                return False
+        if isinstance(exc, ServerUnavailable) or exc.http_status == 408:  # 408: the body came in too slowly
+            self._failed[key] = failed = self._failed.get(key, 0) + 1
+            if failed < REGISTER_ATTEMPTS:
+                return False
+            log.warning("plancache: could not register the spec of %s in %d attempts (%s); this process does not send "
+                        "it again (an admin can: plancache enqueue)", key[:12], failed, exc.message)
+        elif exc.http_status in (401, 403):
+            self._may_register = False
+            log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
+                     exc.message)
+        else:
+            log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
+        return True
 
 
 def _registered_now(reason: MissReason) -> MissReason:

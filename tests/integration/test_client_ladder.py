@@ -47,16 +47,21 @@ def blob_of(spec: Any) -> bytes:
 
 class Wire(httpx.HTTPTransport):
     """The real network, with hooks: counts requests by path, may rewrite a resolve request's body
-    and a resolve answer (to play a corrupting link or a confused server)."""
+    and a resolve answer (to play a corrupting link or a confused server), and may answer a path's next requests
+    itself with the error statuses queued in ``refusals`` (to play a rate limit, an overloaded or a refusing server)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.paths: Counter[str] = Counter()
         self.edit_request: Callable[[dict], None] | None = None
         self.edit_answer: Callable[[dict], None] | None = None
+        self.refusals: dict[str, list[int]] = {}
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.paths[request.url.path] += 1
+        if queued := self.refusals.get(request.url.path):
+            status = queued.pop(0)
+            return httpx.Response(status, json={"error": {"code": f"http_{status}", "message": "refused by the wire"}})
         if request.url.path == "/v1/plans/resolve" and self.edit_request is not None:
             body = json.loads(request.content)
             self.edit_request(body)
@@ -543,6 +548,58 @@ def test_a_process_asks_about_a_missed_key_once_a_minute_not_at_every_load(srv, 
     (step,) = [s for s in pc.steps if isinstance(s, core.ServerStep)]
     step._missed.expire(time.monotonic() + core.MISS_RECHECK_SECONDS)  # as it is a minute on
     assert pc.plan(CONV).source == "server" and wire.paths["/v1/plans/resolve"] == 2
+
+
+def a_minute_on(pc: PlanCache) -> None:
+    """As it is a minute on for ``pc``: its miss memory and its circuit breaker's cool-down are past."""
+    from plancache.client import core
+    from plancache.http import CircuitBreaker
+
+    (step,) = [s for s in pc.steps if isinstance(s, core.ServerStep)]
+    step._missed.expire(time.monotonic() + core.MISS_RECHECK_SECONDS)
+    (breaker,) = [p for p in pc._remote.http.policies if isinstance(p, CircuitBreaker)]
+    breaker._off_until = None
+
+
+@pytest.mark.parametrize(("status", "retried"), [(429, True), (503, True), (408, True), (403, False), (409, False), (422, False)])
+def test_a_registration_refused_for_now_is_sent_again_at_a_later_miss(srv, tmp_path, signer, wire, status, retried):
+    """A spec was registered once per process whatever came of it: one refused by a rate limit (429) or an
+    overloaded server (503), or whose body came in too slowly (408), never reached the server, which kept saying it
+    had never seen the graph. Such a failure is tried again when the key is missed again (at most once a minute: the
+    miss memory); a refusal for good (the token may not, a conflict, a spec the server will never take) is not."""
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    wire.refusals["/v1/specs"] = [status]
+    for _ in range(2):  # the second load within the minute asks nothing
+        with pytest.raises(PlanMiss, match=r"the server has never seen this graph's spec: a client that misses it"):
+            pc.plan(CONV)
+    assert wire.paths["/v1/specs"] == 1 and srv.store.get_spec(CONV.graph_key) is None
+    a_minute_on(pc)
+    with pytest.raises(PlanMiss) as exc:
+        pc.plan(CONV)
+    assert wire.paths["/v1/plans/resolve"] == 2
+    assert wire.paths["/v1/specs"] == (2 if retried else 1)
+    assert (srv.store.get_spec(CONV.graph_key) is not None) is retried
+    assert ("this process registered it after the miss" in str(exc.value)) is retried
+
+
+def test_registrations_held_back_by_the_breaker_are_sent_later_and_a_failing_one_at_most_a_few_times(
+        srv, tmp_path, signer, wire):
+    """A 503 to the first registration of a load turns the remote off: the others are not sent at all, so they
+    are not attempts; each is sent at a later miss. A spec the server keeps refusing is sent
+    ``REGISTER_ATTEMPTS`` times in all, then no more by this process."""
+    from plancache.client.core import REGISTER_ATTEMPTS
+
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    wire.refusals["/v1/specs"] = [503] * (2 * REGISTER_ATTEMPTS + 1)
+    with pytest.raises(PlanMiss):
+        pc.prefetch([CONV, SDPA])
+    assert wire.paths["/v1/specs"] == 1 and pc.stats().remote_skipped == 1
+    for _ in range(2 * REGISTER_ATTEMPTS + 1):  # CONV's attempts (SDPA's held back by each 503), then SDPA's
+        a_minute_on(pc)
+        with pytest.raises(PlanMiss):
+            pc.prefetch([CONV, SDPA])
+    assert wire.paths["/v1/specs"] == 2 * REGISTER_ATTEMPTS
+    assert srv.store.get_spec(CONV.graph_key) is None and srv.store.get_spec(SDPA.graph_key) is None
 
 
 def test_a_server_without_the_explain_route_leaves_the_miss_unexplained(srv, tmp_path, signer):
