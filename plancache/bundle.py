@@ -48,8 +48,17 @@ from pydantic import Field, ValidationError
 
 from .canonical import canonical_json
 from .environment import ENV_ID_PATTERN, Environment
-from .errors import Conflict, IntegrityError, NotFound, PlanCacheError, Reason, SignatureError, VerificationError
-from .files import atomic_write
+from .errors import (
+    Conflict,
+    IntegrityError,
+    NotFound,
+    PayloadTooLarge,
+    PlanCacheError,
+    Reason,
+    SignatureError,
+    VerificationError,
+)
+from .files import atomic_write, read_limited
 from .protocol import Envelope, PlanMeta, PlanRecord, b64decode, b64encode
 from .signing import BUNDLE_PREDICATE, Signer, TrustedKeys, statement
 from .spec import graph_key
@@ -61,6 +70,9 @@ if TYPE_CHECKING:
 
 BUNDLE_FORMAT = "plancache-bundle"
 BUNDLE_VERSION: Final = 2
+#: The most a bundle file is read for (it is parsed whole, in memory): 1000 plans of 64 KiB make 89 MB
+#: (docs/DEPLOYMENT.md), so this holds about 12,000; ``/dev/zero`` or another file named by mistake is refused.
+MAX_BUNDLE_BYTES = 1 << 30
 
 
 class BundleHeader(StrictModel):
@@ -130,17 +142,23 @@ def build_bundle(environment: Environment, plans: Iterable[BundlePlan], signer: 
 
 
 def write_bundle(doc: dict[str, Any], path: Path | str) -> None:
-    """Write ``doc`` to ``path`` with :func:`~plancache.files.atomic_write` (compact JSON, UTF-8)."""
-    atomic_write(path, json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode())
+    """Write ``doc`` to ``path`` with :func:`~plancache.files.atomic_write` (compact JSON, UTF-8); one over
+    :data:`MAX_BUNDLE_BYTES`, which no import would read, is :class:`PayloadTooLarge` (nothing is written)."""
+    data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    if len(data) > MAX_BUNDLE_BYTES:
+        raise PayloadTooLarge(f"a bundle of {len(doc['entries'])} plans would be {len(data)} bytes, over the limit of "
+                              f"{MAX_BUNDLE_BYTES} bytes an import reads: export fewer plans per file (--keys FILE)")
+    atomic_write(path, data)
 
 
 def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
     """Parse a bundle file: the raw document (what the envelope's statement covers) and its validated model.
 
-    Raises :class:`VerificationError` (reason ``malformed``) for anything that is not a well-formed bundle.
+    Raises :class:`VerificationError` (reason ``malformed``) for anything that is not a well-formed bundle, and
+    ``OSError`` for a file that cannot be read or is over :data:`MAX_BUNDLE_BYTES` (``EFBIG``).
     """
     try:
-        raw = json.loads(Path(path).read_bytes())
+        raw = json.loads(read_limited(path, MAX_BUNDLE_BYTES))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise VerificationError(Reason.MALFORMED, f"{path}: not a plancache bundle (invalid JSON: {exc})") from None
     except RecursionError:  # arrays or objects nested deeper than Python's recursion limit

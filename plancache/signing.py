@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from .canonical import canonical_json
 from .errors import InvalidValue, Reason, SignatureError
-from .files import atomic_write
+from .files import atomic_write, read_limited
 from .protocol import DsseSignature, Envelope, PlanMeta, Withdrawal
 from .validation import INT64_MAX
 
@@ -54,6 +54,9 @@ WITHDRAWAL_PREDICATE = "https://plancache.dev/withdrawal/v1"
 #: The name records signed by earlier releases gave every plan statement's subject (still verified); a plan's
 #: subject is named by its graph key now.
 LEGACY_PLAN_SUBJECT = "plan blob"
+#: The most a key file is read for: an ed25519 key's PEM is about 120 bytes (``keygen`` writes it), so a larger
+#: file is another one named by mistake (``/dev/zero`` is refused too, not read until memory runs out).
+MAX_KEY_FILE_BYTES = 64 * 1024
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -178,9 +181,9 @@ class Signer:
     @classmethod
     def from_file(cls, path: Path | str) -> Signer:
         """The key of a PEM file (``keygen`` writes it owner-only); one that others may read is used, with a
-        warning saying so."""
+        warning saying so. A file over :data:`MAX_KEY_FILE_BYTES` is an ``OSError`` (``EFBIG``), as an unreadable one."""
         path = Path(path)
-        data = path.read_bytes()
+        data = read_limited(path, MAX_KEY_FILE_BYTES)
         mode = path.stat().st_mode
         if mode & 0o077:
             log.warning("signing key %s can be read by users other than its owner (mode %o): anyone who reads it "
@@ -211,7 +214,7 @@ class TrustedKeys:
     def from_files(cls, paths: Iterable[Path | str]) -> TrustedKeys:
         """The keys of ``paths``: PEM public key files, and folders of them (their ``*.pub`` files). A folder that
         holds no ``*.pub`` (an unpopulated mount, keys named ``*.pem``) is a :class:`SignatureError` (``bad_key``)
-        naming it, never "no key from there"."""
+        naming it, never "no key from there"; a file over :data:`MAX_KEY_FILE_BYTES` an ``OSError`` (``EFBIG``)."""
         files: list[Path] = []
         for folder_or_file in map(Path, paths):
             found = sorted(folder_or_file.glob("*.pub")) if folder_or_file.is_dir() else [folder_or_file]
@@ -220,7 +223,7 @@ class TrustedKeys:
             files += found
         keys = []
         for path in files:
-            data = path.read_bytes()
+            data = read_limited(path, MAX_KEY_FILE_BYTES)
             try:
                 key = serialization.load_pem_public_key(data)
             except (ValueError, UnsupportedAlgorithm) as exc:

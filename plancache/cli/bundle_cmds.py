@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from pathlib import Path
 
 import typer
 
+from ..files import read_limited
 from ..settings import SigningSettings, TrustSettings, env_name
 from .common import (
     ExitCode,
@@ -25,6 +27,11 @@ from .common import (
 bundle_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                           help="Signed single-file plan bundles for hosts without a server.")
 
+#: The most a ``--keys`` file is read for: 250,000 keys of a line each (64 hex and a newline), a capture file's
+#: 100,000 graphs (``capture.MAX_CAPTURED``) with room for comments.
+MAX_KEYS_FILE_BYTES = 16 * 1024 * 1024
+
+
 def _read_keys(path: Path) -> list[str]:
     """Graph keys from a file: a JSON list, or one key per line (blank lines and ``#`` comments ignored)."""
     from ..protocol import GRAPH_KEY_PATTERN
@@ -34,7 +41,7 @@ def _read_keys(path: Path) -> list[str]:
                                             "them), or a JSON list", ExitCode.USAGE)
 
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_limited(path, MAX_KEYS_FILE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise bad(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
     if text.lstrip().startswith("["):
@@ -56,7 +63,9 @@ def _read_keys(path: Path) -> list[str]:
 
 def _refused(file: Path, exc: Exception) -> Failure:
     if isinstance(exc, OSError):
-        return Failure(f"cannot read the bundle {file}: {exc.strerror or exc}", "check the path", ExitCode.OS_ERROR)
+        fix = ("check the path; a bundle is read whole, so export fewer plans per file (--keys FILE)"
+               if exc.errno == errno.EFBIG else "check the path")
+        return Failure(f"cannot read the bundle {file}: {exc.strerror or exc}", fix, ExitCode.OS_ERROR)
     return Failure(f"{file}: refused: {getattr(exc, 'message', exc)}", "nothing was stored; check that the bundle "
                    "is intact and signed by one of the trusted keys", ExitCode.FAILED)
 

@@ -503,3 +503,86 @@ def test_export_all_keeps_a_plan_replaced_during_the_export(tmp_path: Path, make
     assert export_bundle(store, gpu_env, None, tmp_path / "all.bundle") == 5
     exported = {p.record.graph_key: p.record for p in load_bundle(tmp_path / "all.bundle", None)}
     assert set(exported) == set(keys)
+
+
+# ------------------------------------------------------------------ files over their limit
+
+
+def _sparse(path: Path, size: int) -> Path:
+    """``path``, a file of ``size`` bytes that takes no disk space (its size is refused before a byte is read)."""
+    with path.open("wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+def test_a_file_over_its_limit_or_endless_is_refused_without_reading_it_all(tmp_path, gpu_env, keys, cli,
+                                                                             monkeypatch):
+    """Before: a --keys file, a bundle, a signing key and a trusted key were read whole: a huge file named by mistake
+    or /dev/zero took all memory (MemoryError, or the OOM killer). Now each is refused past its limit, naming the
+    file, its size and the limit, with the exit code of that file's other read errors."""
+    from plancache import bundle
+    from plancache.cli.bundle_cmds import MAX_KEYS_FILE_BYTES
+    from plancache.cli.common import ExitCode
+    from plancache.signing import MAX_KEY_FILE_BYTES
+    from tests.integration.test_cli import expected_failure
+
+    url, inline, out = f"sqlite:///{tmp_path / 'db.sqlite'}", gpu_env.model_dump_json(), str(tmp_path / "o.json")
+    open_store(url, create=True).close()
+    over = {"keys": MAX_KEYS_FILE_BYTES + 1, "key": MAX_KEY_FILE_BYTES + 1, "bundle": bundle.MAX_BUNDLE_BYTES + 1}
+    big = {name: _sparse(tmp_path / f"big.{name}", size) for name, size in over.items()}
+
+    export = ["bundle", "export", "--environment", inline, "--out", out, "--database-url", url]
+    for keys_file, size in ((big["keys"], f"{over['keys']} bytes"), ("/dev/zero", f"more than {MAX_KEYS_FILE_BYTES} bytes")):
+        expected_failure(cli(*export, "--keys", str(keys_file), "--unsigned"), ExitCode.USAGE,
+                         f"--keys {keys_file}: cannot read it: {size}, over the limit of {MAX_KEYS_FILE_BYTES} bytes")
+    for key_file, size in ((big["key"], f"{over['key']} bytes"), ("/dev/zero", f"more than {MAX_KEY_FILE_BYTES} bytes")):
+        expected_failure(cli(*export, "--all", "--signing-key", str(key_file)), ExitCode.OS_ERROR,
+                         f"cannot read the signing key {key_file}: {size}, over the limit of {MAX_KEY_FILE_BYTES}")
+        expected_failure(cli("bundle", "import", out, "--trusted-keys", str(key_file), "--database-url", url),
+                         ExitCode.OS_ERROR, f"{size}, over the limit of {MAX_KEY_FILE_BYTES} bytes ({key_file})")
+
+    refused = f"cannot read the bundle {big['bundle']}: {over['bundle']} bytes, over the limit of {over['bundle'] - 1}"
+    for where in (["--database-url", url], ["--cache-dir", str(tmp_path / "cache")]):
+        expected_failure(cli("bundle", "import", str(big["bundle"]), "--insecure-no-verify", *where),
+                         ExitCode.OS_ERROR, refused, "export fewer plans per file")
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1000)  # /dev/zero: read up to the limit (1 GiB) and refused
+    for where in (["--database-url", url], ["--cache-dir", str(tmp_path / "cache")]):
+        expected_failure(cli("bundle", "import", "/dev/zero", "--insecure-no-verify", *where), ExitCode.OS_ERROR,
+                         "cannot read the bundle /dev/zero: more than 1000 bytes, over the limit of 1000 bytes")
+    assert not (tmp_path / "cache").exists() and not Path(out).exists()
+
+
+def test_the_library_refuses_a_bundle_over_its_limit_as_an_unreadable_one(tmp_path, dest, monkeypatch):
+    import errno
+
+    from plancache import bundle
+
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1000)
+    for path in (_sparse(tmp_path / "big.bundle", 1001), Path("/dev/zero")):
+        with pytest.raises(OSError) as err:
+            import_bundle(dest, path, None)
+        assert err.value.errno == errno.EFBIG and err.value.filename == str(path)
+        assert "over the limit of 1000 bytes" in str(err.value)
+
+
+def test_export_refuses_a_bundle_no_import_would_read(tmp_path, store, make_spec, make_plan, gpu_env, keys, cli,
+                                                      monkeypatch):
+    """An export over MAX_BUNDLE_BYTES is refused, nothing written, rather than a file every import refuses."""
+    from plancache import bundle
+    from plancache.cli.common import ExitCode
+    from plancache.errors import PayloadTooLarge
+    from tests.integration.test_cli import expected_failure
+
+    url = f"sqlite:///{tmp_path / 'src.db'}"
+    with open_store(url, create=True) as src:
+        _seed(src, make_spec, make_plan, gpu_env, keys["signer"], n=2)
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1000)
+    out = tmp_path / "b.json"
+    r = cli("bundle", "export", "--environment", gpu_env.model_dump_json(), "--all", "--out", str(out),
+            "--database-url", url, "--unsigned")
+    expected_failure(r, ExitCode.FAILED, "a bundle of 2 plans would be", "over the limit of 1000 bytes an import reads",
+                     "--keys FILE")
+    _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
+    with pytest.raises(PayloadTooLarge):
+        export_bundle(store, gpu_env, None, out, keys["signer"])
+    assert not out.exists()

@@ -279,3 +279,19 @@ def test_verification_reasons_are_one_enum():
     assert VerificationError("sha256", "m").reason is Reason.SHA256  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not_a_reason"):
         VerificationError("not_a_reason", "m")  # type: ignore[arg-type]
+
+
+def test_a_key_file_over_its_limit_or_endless_is_refused_without_reading_it_all(tmp_path):
+    """Before: a signing or trusted key file was read whole (/dev/zero: until memory ran out). Now past
+    MAX_KEY_FILE_BYTES it is an OSError (EFBIG) naming the file, as an unreadable one is."""
+    import errno
+
+    big = tmp_path / "big.pub"
+    with big.open("wb") as fh:
+        fh.truncate(signing.MAX_KEY_FILE_BYTES + 1)
+    for path in (big, "/dev/zero"):
+        for load in (signing.Signer.from_file, lambda p: signing.TrustedKeys.from_files([p])):
+            with pytest.raises(OSError) as err:
+                load(path)
+            assert err.value.errno == errno.EFBIG and err.value.filename == str(path)
+            assert f"over the limit of {signing.MAX_KEY_FILE_BYTES} bytes" in str(err.value)
