@@ -293,15 +293,17 @@ class BlobStoreUnavailable(PlanCacheError, OSError):
 class ServerUnavailable(PlanCacheError):
     """The plancache server could not be used (unreachable, timed out, 429 or 5xx, or a malformed answer).
 
-    ``skipped``: no request was sent (a circuit breaker held it back after an earlier failure).
+    ``skipped``: no request was sent (a circuit breaker held it back after an earlier failure). ``throttled``: the
+    server answered 429 (this caller is over a budget of the route it called).
     """
 
     code = "server_unavailable"
     http_status = 503
 
-    def __init__(self, message: str | None = None, *, skipped: bool = False) -> None:
+    def __init__(self, message: str | None = None, *, skipped: bool = False, throttled: bool = False) -> None:
         super().__init__(message)
         self.skipped = skipped
+        self.throttled = throttled
 
 
 class RequestRefused(PlanCacheError):

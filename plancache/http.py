@@ -92,7 +92,7 @@ def error_from_response(resp: httpx.Response) -> PlanCacheError:
     code, message = error_body(resp)
     text = f"{resp.request.method} {resp.request.url}: {resp.status_code} {code}: {message}"
     if resp.status_code == 429 or resp.status_code >= 500:
-        return ServerUnavailable(text)
+        return ServerUnavailable(text, throttled=resp.status_code == 429)
     cls = BY_CODE.get(code)
     if cls is None:
         return RequestRefused(text, code=code, http_status=resp.status_code)
@@ -126,7 +126,8 @@ class Call:
     method: str
     url: str
     retry: bool  # Retry may send it again
-    trips_on_auth: bool  # a 401/403 answer trips a CircuitBreaker (else it concerns this call only)
+    # a 401/403 or 429 answer trips a CircuitBreaker; else it concerns this call's route only (its permission, its budget)
+    trips_on_refusal: bool
     stop: threading.Event  # set: waiting policies give up (shutting down)
 
     def __str__(self) -> str:
@@ -170,9 +171,10 @@ class Retry:
 
 
 class CircuitBreaker:
-    """After one failure (ServerUnavailable, or a 401/403 answer to a call that ``trips_on_auth``) every call fails
-    at once with ServerUnavailable(skipped=True), sending nothing, for ``cooldown`` seconds. The first call after
-    the cool-down is sent: a success closes the breaker, a failure re-arms it."""
+    """After one failure (ServerUnavailable, but a 429 to a call that does not ``trips_on_refusal``; or a 401/403
+    answer to one that does) every call fails at once with ServerUnavailable(skipped=True), sending nothing, for
+    ``cooldown`` seconds. The first call after the cool-down is sent: a success closes the breaker, a failure re-arms
+    it."""
 
     def __init__(self, cooldown: float = 30.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         if cooldown < 0:
@@ -200,9 +202,11 @@ class CircuitBreaker:
         except ServerUnavailable as exc:
             if exc.skipped:  # nothing was sent (e.g. its deadline had passed): says nothing about the server
                 raise
+            if exc.throttled and not call.trips_on_refusal:  # over that route's budget (spec writes): not the server's state
+                raise
             raise self._trip(exc.message) from None
         except PlanCacheError as exc:
-            if call.trips_on_auth and exc.http_status in AUTH_STATUSES:
+            if call.trips_on_refusal and exc.http_status in AUTH_STATUSES:
                 raise self._trip(exc.message) from None
             raise
         with self._lock:
@@ -287,24 +291,24 @@ class HttpClient:
                                   verify=tls_verification(self.server_url))
 
     def request(self, method: str, path: str, *, body: Any = None, timeout: float | None = None, retry: bool = True,
-                trips_on_auth: bool = True, max_bytes: int | None = None, deadline: float | None = None,
+                trips_on_refusal: bool = True, max_bytes: int | None = None, deadline: float | None = None,
                 content: bytes | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
         """The answer (status below 400) to ``method path`` with JSON ``body``, its body read whole; see :meth:`read`."""
         return self.read(method, path, _response, body=body, timeout=timeout, retry=retry,
-                         trips_on_auth=trips_on_auth, max_bytes=max_bytes, deadline=deadline, content=content,
+                         trips_on_refusal=trips_on_refusal, max_bytes=max_bytes, deadline=deadline, content=content,
                          headers=headers)
 
     def read(self, method: str, path: str, reader: Callable[[httpx.Response], T], *, body: Any = None,
-             timeout: float | None = None, retry: bool = True, trips_on_auth: bool = True,
+             timeout: float | None = None, retry: bool = True, trips_on_refusal: bool = True,
              max_bytes: int | None = None, deadline: float | None = None, content: bytes | None = None,
              headers: dict[str, str] | None = None) -> T:
         """``reader`` of the answer to ``method path`` with JSON ``body`` (or raw ``content``, as
         ``application/octet-stream``) and extra ``headers``, through the policies. ``timeout``
-        replaces the client's timeouts for this call; ``retry`` and ``trips_on_auth`` are the :class:`Call`'s.
+        replaces the client's timeouts for this call; ``retry`` and ``trips_on_refusal`` are the :class:`Call`'s.
         ``max_bytes``: the largest answer body read (more is ServerUnavailable); ``deadline``: the
         :func:`time.monotonic` instant by which each attempt's whole answer must have arrived (else
         ServerUnavailable, at that instant)."""
-        call = Call(method, self.server_url + path, retry, trips_on_auth, self.stop)
+        call = Call(method, self.server_url + path, retry, trips_on_refusal, self.stop)
         headers = dict(headers or {})
         headers.update(IDENTITY)
         if content is not None:

@@ -105,13 +105,14 @@ class Remote:
     def explain(self, environment: Environment, graph_keys: list[str], *,
                 deadline: float | None = None) -> dict[str, MissReason]:
         """``POST /v1/plans/explain``: why each of ``graph_keys`` has no plan for ``environment`` (a server without
-        the route answers 404: the caller goes without). A refusal does not trip a circuit breaker."""
+        the route answers 404: the caller goes without). A refusal (401/403, or 429: over the route's budget) does not
+        trip a circuit breaker."""
         reasons: dict[str, MissReason] = {}
         keys = list(dict.fromkeys(graph_keys))
         for start in range(0, len(keys), self.max_keys_per_request):
             req = ExplainRequest(environment=environment, graph_keys=keys[start:start + self.max_keys_per_request])
             part = self.http.read("POST", "/v1/plans/explain", json_as(ExplainResponse),
-                                  body=req.model_dump(mode="json"), deadline=deadline, trips_on_auth=False,
+                                  body=req.model_dump(mode="json"), deadline=deadline, trips_on_refusal=False,
                                   max_bytes=ANSWER_ALLOWANCE + len(req.graph_keys) * EXPLAIN_ALLOWANCE)
             reasons.update(part.reasons)
         return reasons
@@ -156,8 +157,9 @@ class Remote:
 
     def register_spec(self, spec: GraphSpec, *, deadline: float | None = None) -> str:
         """``POST /v1/specs``: store the spec so an admin can tune its key; returns the server's graph key.
-        Any token may (a reader's included); a refusal does not trip a circuit breaker."""
-        created = self.http.read("POST", "/v1/specs", json_as(SpecCreated), body=spec.to_json(), trips_on_auth=False,
+        Any token may (a reader's included); a refusal (401/403, or 429: over the token's spec-write budget) does not
+        trip a circuit breaker."""
+        created = self.http.read("POST", "/v1/specs", json_as(SpecCreated), body=spec.to_json(), trips_on_refusal=False,
                                  max_bytes=SPEC_ANSWER_LIMIT, deadline=deadline)
         return created.graph_key
 

@@ -330,6 +330,25 @@ def test_a_spec_file_over_the_limit_or_endless_is_refused_without_reading_it_all
     expected_failure(proc, ExitCode.OS_ERROR, f"big.json: {size} bytes, over the limit")
 
 
+def test_an_environment_file_over_the_limit_endless_or_not_utf8_is_a_usage_error(tmp_path):
+    """``--environment FILE`` is read as a spec file is (at most the default JSON limit, a FIFO not waited on); a file
+    that is not UTF-8 was a UnicodeDecodeError no handler caught."""
+    from plancache.cli.common import Failure, load_environment
+    from plancache.settings import DEFAULT_MAX_JSON_BYTES
+
+    big = tmp_path / "env.json"
+    big.write_bytes(b" " * (DEFAULT_MAX_JSON_BYTES + 1))
+    (tmp_path / "latin1.json").write_bytes(b'{"gpu": "caf\xe9"}')
+    os.mkfifo(tmp_path / "fifo.json")
+    for path, said in ((big, f"{DEFAULT_MAX_JSON_BYTES + 1} bytes, over the limit of {DEFAULT_MAX_JSON_BYTES} bytes"),
+                       ("/dev/zero", f"more than {DEFAULT_MAX_JSON_BYTES} bytes, over the limit"),
+                       (tmp_path / "latin1.json", "can't decode byte 0xe9"),
+                       (tmp_path / "fifo.json", "not an environment")):
+        with pytest.raises(Failure) as failure:
+            load_environment(str(path), "--environment")
+        assert failure.value.code == ExitCode.USAGE and said in failure.value.problem, failure.value.problem
+
+
 def test_tune_checks_its_arguments_before_it_needs_the_gpu_extra(tmp_path):
     proc = plancache("tune", str(EXAMPLE), cwd=tmp_path, without=GPU_EXTRA)
     expected_failure(proc, ExitCode.USAGE, "--out DIR, --server URL")

@@ -582,6 +582,22 @@ def test_a_registration_refused_for_now_is_sent_again_at_a_later_miss(srv, tmp_p
     assert ("this process registered it after the miss" in str(exc.value)) is retried
 
 
+def test_a_registration_over_the_spec_write_budget_leaves_the_server_on(srv, tmp_path, signer, wire):
+    """A 429 to POST /v1/specs (the token's spec-write budget: a fleet sharing one reader token, a warm start missing
+    many graphs) turned the server off for this process for the breaker's cool-down: a graph tuned on the server then
+    missed as 'server: unavailable' in strict mode, and each later retry of the registration did it again."""
+    seed(srv, SDPA, signer)
+    pc = client(srv, tmp_path, signer, wire=wire, mode="strict")
+    wire.refusals["/v1/specs"] = [429] * 3
+    with pytest.raises(PlanMiss, match="the server has never seen this graph's spec"):
+        pc.plan(CONV)
+    assert pc.plan(SDPA).source == "server" and pc.stats().remote_skipped == 0
+    a_minute_on(pc)
+    with pytest.raises(PlanMiss):
+        pc.plan(CONV)  # the registration is sent again, refused again
+    assert wire.paths["/v1/specs"] == 2 and not pc._remote.is_off
+
+
 def test_registrations_held_back_by_the_breaker_are_sent_later_and_a_failing_one_at_most_a_few_times(
         srv, tmp_path, signer, wire):
     """A 503 to the first registration of a load turns the remote off: the others are not sent at all, so they

@@ -236,7 +236,7 @@ def test_the_breaker_trips_on_refused_credentials_unless_the_call_says_otherwise
     script = Script([refusal(401, "unauthorized")])
     http = client(script, breaker)
     with pytest.raises(Unauthorized):
-        http.request("POST", "/v1/specs", trips_on_auth=False)
+        http.request("POST", "/v1/specs", trips_on_refusal=False)
     assert not breaker.is_off
     with pytest.raises(ServerUnavailable, match="401 unauthorized") as exc:
         http.request("GET", "/x")
@@ -244,6 +244,26 @@ def test_the_breaker_trips_on_refused_credentials_unless_the_call_says_otherwise
     with pytest.raises(ServerUnavailable, match="not sent") as exc:
         http.request("GET", "/x")
     assert exc.value.skipped and len(script.requests) == 2
+
+
+def test_a_429_trips_the_breaker_only_for_a_call_that_trips_on_refusal():
+    """A 429 to a spec registration (the token's spec-write budget, which says nothing about resolving plans) turned
+    the server off for the process for the cool-down, so its tuned plans missed as 'unavailable'. A 503 still trips
+    the breaker whatever the call; a 429 to a call that trips on refusal too."""
+    breaker = CircuitBreaker(30.0, clock=Clock())
+    script = Script([refusal(429, "rate_limited"), refusal(503, "unavailable")])
+    http = client(script, breaker)
+    with pytest.raises(ServerUnavailable, match="429 rate_limited") as exc:
+        http.request("POST", "/v1/specs", trips_on_refusal=False)
+    assert exc.value.throttled and not exc.value.skipped and not breaker.is_off
+    with pytest.raises(ServerUnavailable, match="503 unavailable") as exc:
+        http.request("POST", "/v1/specs", trips_on_refusal=False)
+    assert not exc.value.throttled and breaker.is_off
+    breaker = CircuitBreaker(30.0, clock=Clock())
+    script = Script([refusal(429, "rate_limited")])
+    with pytest.raises(ServerUnavailable, match="429"):
+        client(script, breaker).request("POST", "/v1/plans/resolve")
+    assert breaker.is_off
 
 
 def test_a_breaker_around_retries_trips_once_when_the_retries_give_up():
