@@ -158,3 +158,26 @@ def test_a_cut_off_capture_file_says_it_is_a_capture_file(tmp_path):
     with pytest.raises(SpecError, match=r"graphs\.json: the capture file is cut off or damaged \(not valid JSON: "
                                         r".*\); copy it again, or capture again \(plancache capture\)"):
         read_capture(path)
+
+
+def test_a_recorder_never_writes_a_capture_file_no_reader_takes(tmp_path, monkeypatch):
+    """The reader refuses a file over MAX_CAPTURED graphs or MAX_CAPTURE_BYTES, but the recorder wrote one: every
+    later merge (and PLANCACHE_WARM, enqueue) then failed on it. It keeps the most built graphs up to the count, and
+    leaves the file as it was rather than write one over the size."""
+    from plancache.client import capture
+
+    monkeypatch.setattr(capture, "MAX_CAPTURED", 2)
+    path = tmp_path / "graphs.json"
+    recorder = Recorder(path)
+    for seq, times in ((128, 1), (256, 3), (512, 2)):
+        for _ in range(times):
+            recorder.add(attention(seq))
+    recorder.flush()
+    kept = read_capture(path)  # 256 built 3 times; 128 and 512 counted 1 each when last merged, a tie by key
+    assert len(kept) == 2 and (kept[0][0].graph_key, kept[0][1]) == (attention(256).graph_key, 3)
+    monkeypatch.setattr(capture, "MAX_CAPTURED", 100)
+    monkeypatch.setattr(capture, "MAX_CAPTURE_BYTES", path.stat().st_size + 10)
+    before = path.read_bytes()
+    with pytest.raises(SpecError, match=r"graphs\.json: the capture file would be \d+ bytes, over the limit of "):
+        Recorder(path).add(attention(1024))
+    assert path.read_bytes() == before
