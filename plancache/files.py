@@ -48,13 +48,17 @@ def atomic_write(path: Path | str, data: bytes, *, mode: int = 0o600, exclusive:
     fsync_dir(path.parent)
 
 
-def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
+def read_limited(path: str | os.PathLike[str], limit: int, *, planted: bool = False) -> bytes:
     """The bytes of the file ``path``, at most ``limit``: past it ``OSError`` (``EFBIG``) whose ``strerror`` gives the
     size (a regular file's before a byte is read) and the limit. At most ``limit + 1`` bytes are read, so a device or
-    pipe that never ends (``/dev/zero``) costs no more; a FIFO is opened without waiting for a writer (none: empty)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    pipe that never ends (``/dev/zero``) costs no more; a FIFO is opened without waiting for a writer (none: empty).
+    With ``planted`` (a file whose name someone else could have planted) a symlink is not followed (``ELOOP``) and
+    anything but a regular file is refused (``EINVAL``) before a byte is read."""
+    fd = os.open(path, os.O_RDONLY | (SAFE_OPEN_FLAGS if planted else os.O_NONBLOCK | os.O_CLOEXEC))
     try:
         info = os.fstat(fd)
+        if planted and not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
         if stat.S_ISREG(info.st_mode) and info.st_size > limit:
             raise too_large(path, info.st_size, limit)
         os.set_blocking(fd, True)

@@ -49,13 +49,13 @@ that loses a file to another process just misses, and the plan comes from the ne
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import re
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -68,7 +68,7 @@ from pydantic import ValidationError
 from ..blobs.folder import FolderBlobs
 from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
-from ..files import SAFE_OPEN_FLAGS, atomic_write, unlock_and_close
+from ..files import SAFE_OPEN_FLAGS, atomic_write, read_limited, unlock_and_close
 from ..protocol import GRAPH_KEY_PATTERN, MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, PlanRecord
 from ..validation import validation_message
 
@@ -100,16 +100,6 @@ REVISIONS_LOCK = ".revisions.lock"
 #: The most a record file is read for: a record, or one an older client wrote with its tuning run's candidates in it
 #: (loaded, the candidates dropped), pretty-printed or not.
 RECORD_FILE_BYTES = 2 * (MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES)
-
-
-def _read_file(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` (OSError for anything else: ELOOP for a symlink), at most ``limit`` + 1
-    of them (more than ``limit``: too long)."""
-    fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return fh.read(limit + 1)
 
 
 def _unlink(path: Path) -> int:
@@ -173,7 +163,7 @@ class DiskCache:
 
     def _stored_revision(self, path: Path) -> int:
         try:
-            return int(_read_file(path, 64))
+            return int(read_limited(path, 64, planted=True))
         except (OSError, ValueError):  # none yet, unreadable or damaged
             return 0
 
@@ -287,15 +277,15 @@ class DiskCache:
         that does not parse."""
         self.flush()
         try:
-            text = _read_file(self._record_path(graph_key), RECORD_FILE_BYTES)
+            text = read_limited(self._record_path(graph_key), RECORD_FILE_BYTES, planted=True)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.EFBIG:
+                raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} is larger than a record "
+                                                          f"file can be ({exc.strerror})") from None
             log.warning("plan cache: cannot read the record of %s: %s", graph_key[:12], exc)
             return None
-        if len(text) > RECORD_FILE_BYTES:
-            raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} is larger than a record file can "
-                                                      f"be ({RECORD_FILE_BYTES} bytes)")
         try:
             return PlanRecord.model_validate_json(text)
         except ValidationError as exc:

@@ -28,8 +28,9 @@ from pydantic import ValidationError
 
 from ..blobs import FolderBlobs
 from ..errors import IntegrityError, VerificationError
-from ..files import atomic_write
-from ..protocol import Candidate, CandidateTable, PlanMeta, PlanUpload
+from ..files import atomic_write, read_limited
+from ..protocol import MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, Candidate, CandidateTable, PlanMeta, PlanUpload
+from ..settings import DEFAULT_MAX_JSON_BYTES
 from ..verify import verify_blob
 
 log = logging.getLogger("plancache.worker")
@@ -40,6 +41,10 @@ SPOOL_VERSION = 2
 ORPHAN_SECONDS = 3600.0
 #: The folder of the spool's blob store.
 BLOBS = "blobs"
+#: The most an entry's JSON file is read for: its record, spec (a maximal one is well within a request's JSON limit)
+#: and candidates (in its record, in an entry of an earlier version), with room for its lease token, worker id and
+#: escapes. A larger file is no entry this spool wrote: it is set aside unread.
+ENTRY_FILE_BYTES = 2 * (MAX_RECORD_BYTES + DEFAULT_MAX_JSON_BYTES + MAX_CANDIDATES_BYTES)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,9 @@ class Spool:
 
     def pending(self) -> list[SpoolEntry]:
         """Entries waiting for upload, oldest first. An unreadable or inconsistent one is renamed
-        ``*.corrupt`` (kept for inspection) with a log line, never uploaded."""
+        ``*.corrupt`` (kept for inspection) with a log line, never uploaded: so is one whose JSON or blob is a
+        symlink, a FIFO or anything but a regular file (none is followed or waited on), or larger than it can be
+        (:data:`ENTRY_FILE_BYTES`, its record's ``blob_size``: not read)."""
         entries = []
         for path in self._entry_files(oldest_first=True):
             if path.stem in self._undeletable:
@@ -123,7 +130,7 @@ class Spool:
         return [path for _, path in sorted(dated)]
 
     def _load(self, path: Path) -> SpoolEntry:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_limited(path, ENTRY_FILE_BYTES, planted=True))
         if doc.get("version") != SPOOL_VERSION:
             raise ValueError(f"unknown spool version {doc.get('version')!r}")
         legacy = doc["meta"].pop("candidates", None)  # an entry spooled when records carried them
@@ -138,13 +145,20 @@ class Spool:
 
     def _blob(self, meta: PlanMeta, path: Path) -> bytes:
         """The blob of the entry at ``path``, checked against its record (the store checks its digest as it reads
-        it, :func:`~plancache.verify.verify_blob` its size and digest); one of the earlier layout moved in first."""
+        it, :func:`~plancache.verify.verify_blob` its size and digest; one larger than that is not read); one of the
+        earlier layout moved in first."""
         old = path.with_suffix(".blob")
-        if old.exists():
-            with old.open("rb") as fh:
-                self.blobs.put(meta.blob_sha256, fh)
+        try:
+            self.blobs.put(meta.blob_sha256, read_limited(old, meta.blob_size, planted=True))
             old.unlink()
-        blob = self.blobs.get(meta.blob_sha256)
+        except FileNotFoundError:
+            pass
+        stream = self.blobs.open(meta.blob_sha256)
+        if stream is not None and stream.size > meta.blob_size:  # one no larger is read, and checked as any
+            stream.close()
+            raise ValueError(f"its blob {meta.blob_sha256} is {stream.size} bytes, more than the {meta.blob_size} of "
+                             f"its record (not read)")
+        blob = None if stream is None else stream.whole()
         if blob is None:
             raise ValueError(f"its blob {meta.blob_sha256} is missing or damaged")
         verify_blob(meta, blob, what=path.name)
@@ -155,7 +169,7 @@ class Spool:
         named = set()
         for path in self._entry_files():
             try:
-                named.add(str(json.loads(path.read_bytes())["meta"]["blob_sha256"]))
+                named.add(str(json.loads(read_limited(path, ENTRY_FILE_BYTES, planted=True))["meta"]["blob_sha256"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return named

@@ -206,6 +206,57 @@ def test_spool_moves_an_entry_of_the_earlier_layout_into_its_blob_store(tmp_path
         f"{entry.name}.json", f"{damaged.name}.json.corrupt", f"{damaged.name}.blob.corrupt"])
 
 
+def _oversized(path: Path) -> None:
+    with path.open("wb") as fh:
+        fh.truncate(2 << 30)  # sparse, 2 GiB
+
+
+#: What a spool's file can be replaced with that read whole would exhaust the worker, or block it for good; what the
+#: log says of it in an entry's JSON (or a blob of the earlier layout), and in the blob folder.
+PLANTED = {
+    "symlink to /dev/zero": (lambda path: path.symlink_to("/dev/zero"), "Too many levels of symbolic links",
+                             "is a symlink, treated as missing"),
+    "FIFO": (os.mkfifo, "not a regular file", "is not a regular file, treated as missing"),
+    "oversized file": (_oversized, "over the limit of", "of its record (not read)"),
+}
+#: ``Spool(argv[1]).pending()``, its memory (512 MiB) and the bytes it may write (64 MiB) bounded.
+_PENDING = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+from plancache.worker import Spool
+print(len(Spool(sys.argv[1]).pending()))
+"""
+
+
+@pytest.mark.parametrize("where", ["entry", "blob", "earlier layout's blob"])
+@pytest.mark.parametrize("planted", PLANTED)
+def test_a_spool_file_that_is_a_symlink_fifo_or_oversized_is_set_aside_unread(tmp_path, planted, where):
+    """Before: an entry's JSON (and a blob of the earlier layout) was read whole through symlinks, a blob whole
+    whatever its record's size: /dev/zero or a huge file took all memory (or, moved into the blob folder, all the
+    disk), a FIFO blocked the worker's next flush for good. Now none is followed, waited on or read past its bound;
+    the entry is set aside as a corrupt one is, and the worker goes on."""
+    spool = Spool(tmp_path / "spool")
+    entry = _entry(tmp_path)
+    spool.save(entry)
+    json_path = spool.directory / f"{entry.name}.json"
+    target = {"entry": json_path, "blob": spool.blobs.path(entry.meta.blob_sha256),
+              "earlier layout's blob": json_path.with_suffix(".blob")}[where]
+    if where != "entry":
+        spool.blobs.delete(entry.meta.blob_sha256)
+    target.unlink(missing_ok=True)
+    plant, said, said_in_blob_folder = PLANTED[planted]
+    plant(target)
+    done = subprocess.run([sys.executable, "-c", _PENDING, str(spool.directory)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr[-2000:]
+    assert f"spool entry {json_path} is unreadable" in done.stderr
+    assert (said_in_blob_folder if where == "blob" else said) in done.stderr, done.stderr[-2000:]
+    assert (json_path.with_name(json_path.name + ".corrupt")).exists() and not json_path.exists()
+    if where == "earlier layout's blob":
+        assert target.with_name(target.name + ".corrupt").exists()
+
+
 def running_claim(graph_key: str, spec: dict, *, job_id: int = 1, owner: str = "w1", lease_seconds: float = 30,
                   now: datetime | None = None, **claim: object) -> ClaimResponse:
     """A claim of a running job (attempt 1 of 3) whose lease ends ``lease_seconds`` after ``now``."""
