@@ -71,6 +71,11 @@ PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, Spe
 #: finished or released; claimed with a token this worker no longer uses).
 LEASE_GONE: tuple[type[PlanCacheError], ...] = (LeaseLost, NotLeaseHolder, Conflict, NotFound)
 MAX_ERROR_CHARS = 8000
+#: How far ahead of this worker's clock a claim's ``min_revision`` (a withdrawal's) may be, in milliseconds (revisions
+#: are milliseconds since the epoch): a day, where clocks differ by seconds. A plan signed further ahead would be kept
+#: by clients over every later plan of its key for as long (at the last revision there is: for good), so such a job
+#: fails for good, saying so, before it is tuned.
+MAX_REVISION_LEAD_MS = 24 * 3600 * 1000
 #: How long a worker waits for a tuning it gave up on (past the job's time limit, or its lease lost) to stop, so that
 #: two tunings do not time candidates on the GPU at once, before it goes on regardless (a build in flight ends first).
 CANCEL_WAIT_SECONDS = 30.0
@@ -290,10 +295,11 @@ class Worker:
         claim, lease, beat, job = held.claim, held.lease, held.beat, held.claim.job
         try:
             spec = held.checked_spec()
+            _check_revision_lead(claim.min_revision)
             need = self.tuner.check_memory(spec)
         except PlanCacheError as exc:
             beat.finishing()
-            self._report_failure(job, lease, exc)
+            self._report_failure(job, lease, exc, permanent=isinstance(exc, InvalidValue))
             return None
         log.info("job %d: tuning (needs ~%.1f MiB of device memory)", job.id, need / 2**20)
         outcome = _Tuning()
@@ -335,12 +341,7 @@ class Worker:
         assert tuned is not None and outcome.meta is not None
         # above the revision the claim names (a withdrawal's, signed on a clock that may run ahead of this one)
         floor = max(outcome.meta.revision, claim.min_revision)
-        try:
-            meta = self.signer.sign(outcome.meta.model_copy(update={"revision": floor}))
-        except InvalidValue as exc:  # the claim names the last revision there is: no plan can be above it
-            beat.finishing()
-            self._report_failure(job, lease, exc, permanent=True)
-            return None
+        meta = self.signer.sign(outcome.meta.model_copy(update={"revision": floor}))
         log.info("job %d: winner %.4f ms (heuristic %s ms), error %.3g, round trip error %.3g, tuned in %.2fs",
                  job.id, tuned.winner_median_ms, tuned.heuristic_median_ms, tuned.max_abs_err,
                  outcome.round_trip_error, tuned.tuning_seconds)
@@ -437,6 +438,16 @@ class Worker:
             log.warning("job %d: failure not recorded: %s", job_id, exc.message)
         else:
             log.info("job %d: failure reported (%s)", job_id, "retryable" if retryable else "permanent")
+
+
+def _check_revision_lead(min_revision: int) -> None:
+    """:class:`InvalidValue` when ``min_revision`` is more than :data:`MAX_REVISION_LEAD_MS` ahead of this clock."""
+    lead = min_revision - time.time_ns() // 1_000_000
+    if lead > MAX_REVISION_LEAD_MS:
+        raise InvalidValue(f"the claim asks for a plan above revision {min_revision}, {lead / 3_600_000:.0f} h ahead of "
+                           "this worker's clock: a plan signed that far ahead would hold off every later plan of its "
+                           "key for as long; check the clocks of the server's admins and workers (revisions are "
+                           "milliseconds since the epoch), then enqueue the graph again")
 
 
 def _wait_for_cancelled(job_id: int, done: threading.Event) -> None:

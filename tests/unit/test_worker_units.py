@@ -20,7 +20,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from plancache.errors import IntegrityError, LeaseLost, ServerUnavailable
+from plancache.errors import IntegrityError, InvalidValue, LeaseLost, ServerUnavailable
 from plancache.http import Backoff, HttpClient, Retry
 from plancache.protocol import ClaimResponse, FailRequest, Job, LeaseRequest, TargetEnvironment
 from plancache.signing import Signer, TrustedKeys, keygen
@@ -477,16 +477,29 @@ def test_a_spool_entry_removed_by_another_worker_meanwhile_is_left_out(tmp_path,
     assert "unreadable" not in caplog.text
 
 
-def test_a_claim_whose_min_revision_no_plan_can_exceed_fails_the_job_not_the_worker(tmp_path):
-    """A claim may name the highest revision there is (a withdrawal's): no plan can be signed above it, so the job
-    is failed for good saying so, and the worker goes on (before: InvalidValue ended the worker's loop)."""
+@pytest.mark.parametrize("ahead", ["the last revision there is", "two days"])
+def test_a_claim_whose_min_revision_is_far_ahead_fails_the_job_for_good_before_tuning(tmp_path, ahead):
+    """A claim may name a revision far ahead of the worker's clock (a withdrawal signed on a clock days ahead, or a
+    server asking for the last revision there is). Signed above it, the plan would be kept by clients over every
+    later plan of its key for as long (for good, at INT64_MAX - 1); before, a worker signed it, or at INT64_MAX its
+    InvalidValue ended the worker's loop after the tuning. Now the job fails for good, untuned, saying why, and the
+    worker goes on; a lead of an hour (clock skew) is signed above as before."""
+    from plancache.worker.loop import MAX_REVISION_LEAD_MS, _check_revision_lead
+
+    now_ms = time.time_ns() // 1_000_000
+    min_revision = INT64_MAX if ahead == "the last revision there is" else now_ms + 2 * 24 * 3600 * 1000
     spec = example_spec()
     priv, _, _ = keygen(tmp_path / "keys", "w")
-    jobs = _OneJob(running_claim(spec.graph_key, spec.to_json(), job_id=9, min_revision=INT64_MAX))
-    worker = Worker(jobs, FakeTuner(), Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
+    jobs = _OneJob(running_claim(spec.graph_key, spec.to_json(), job_id=9, min_revision=min_revision))
+    tuner = FakeTuner()
+    worker = Worker(jobs, tuner, Signer.from_file(priv), Spool(tmp_path / "spool"), worker_id="w1",  # type: ignore[arg-type]
                     once=True)
     stats = worker.run(threading.Event())
-    assert (stats.claimed, stats.failed, stats.succeeded) == (1, 1, 0)
+    assert (stats.claimed, stats.failed, stats.succeeded, tuner.tuned) == (1, 1, 0, [])
     ((job_id, req),) = jobs.failed
-    assert job_id == 9 and not req.retryable and str(INT64_MAX) in req.error
+    assert job_id == 9 and not req.retryable and str(min_revision) in req.error
+    assert "ahead of this worker's clock" in req.error and "check the clocks" in req.error
     assert not list(Spool(tmp_path / "spool").pending())
+    _check_revision_lead(now_ms + 3600 * 1000)  # an hour ahead: allowed
+    with pytest.raises(InvalidValue, match="25 h ahead"):
+        _check_revision_lead(now_ms + MAX_REVISION_LEAD_MS + 3600 * 1000)
