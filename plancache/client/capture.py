@@ -42,7 +42,7 @@ MAX_CAPTURED = 100_000
 #: 2-4 KB), so that ``/dev/zero`` or a large file given by mistake is refused, not read until memory runs out.
 MAX_CAPTURE_BYTES = 512 * 1024 * 1024
 #: How a capture file starts (:class:`Recorder` writes its format first): one cut off is still told from a spec.
-_CAPTURE_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"plancache-capture"')
+_CAPTURE_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(CAPTURE_FORMAT.encode()) + rb'"')
 
 #: Shape axes :func:`vary` moves: per node type, per axis, the (port, dim index) pairs that move together.
 #: SDPA tensors are (batch, heads, sequence, head_dim); ``Stats`` is (batch, heads, s_q, 1). ``s`` is self-attention:
