@@ -83,7 +83,7 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
         from plancache.client import PlanCache
 
         pc = plancache.torch.install(PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache, mode=mode),
-                                     sdpa_provider=False)
+                                     sdpa_route=False)
     step, hidden = _block(variant)
     out: dict[str, Any] = {"variant": variant, "import_ms": (time.perf_counter() - t_start) * 1e3, "lengths": {}}
     for s in LENGTHS:

@@ -1,42 +1,310 @@
-"""Which calls of ``F.scaled_dot_product_attention`` reach FE's SDPA provider on this torch (needs a GPU).
+"""PyTorch attention through plancache's route against torch's own kernels (needs a GPU and the server stack).
 
-    python bench/sdpa_route.py
+    python bench/sdpa_route.py            # writes bench/results/sdpa_route.json and prints the tables
+    python bench/sdpa_route.py --local    # no server: the route's plans built locally (host cost only)
 
-After ``plancache.torch.install``, runs a causal bf16 forward + backward (2, 16, 1024, 128) with torch's default
-backend choice and under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``, and prints the provider's call counters
-for each (``cudnn.torch.calls``) as one JSON line.
+One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
+
+1. ``capture``: plancache installed in normal mode against a live server runs every configuration below once: each
+   graph misses, FE builds it and its spec is registered; every registered miss is then autotuned (one process per
+   graph) and published signed.
+2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
+   own cuDNN (ATen) and plancache's route (every plan from the server), eager (median of 50 CUDA-event timings after
+   10 warm-ups) and replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's
+   host time per call (``time.perf_counter`` around 200 calls with the GPU kept busy, so launches never wait);
+   the route's worst normalised error against a float32 reference.
+3. ``block``: a fresh strict-mode process. LayerNorm -> QKV -> attention (causal) -> projection + residual, forward
+   and backward, at four shapes: the steady step (median of 50 after 10 warm-ups) for flash, torch's cuDNN and
+   the route; then the first step of each shape (synchronised wall time) with the route serving, after a first
+   shape of the process, and with torch's own cuDNN in a process of its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(2, 16, 1024, 128), (8, 16, 4096, 128), (16, 32, 512, 64), (1, 8, 8192, 128)]
+BLOCK_HEADS, BLOCK_DIM = 16, 128
+BLOCK_SHAPES = [(2, 512), (2, 1024), (4, 2048), (1, 4096)]  # (batch, sequence); the first warms the process
+BACKENDS = ("plancache", "flash", "aten_cudnn")  # the route first: its block's first steps are a new process's
 
 
-def main() -> None:
-    import cudnn.torch
+def _backend(name: str) -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION])
+
+
+def _route(on: bool, cache: Any) -> None:
+    from plancache.client import sdpa
+
+    if on:
+        sdpa.install(cache)
+    else:
+        sdpa.uninstall()
+
+
+def _median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _graphed_ms(fn: Any) -> float:
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _median_ms(graph.replay)
+
+
+def _error(got: Any, want: Any) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def kernels(cache: Any) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from plancache.client import sdpa
+
+    out: dict[str, Any] = {}
+    for shape in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+        q, k, v, do = (torch.randn(*shape, device="cuda", generator=gen).bfloat16() for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+
+        def step(q: Any = q, k: Any = k, v: Any = v, do: Any = do) -> None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(o, (q, k, v), do)
+
+        row: dict[str, Any] = {}
+        for name in BACKENDS:
+            _route(name == "plancache", cache)
+            with _backend(name):
+                before = sdpa.stats()
+                row[name] = {"eager_ms": _median_ms(step), "graphed_ms": _graphed_ms(step),
+                             "host_us": _host_us(q, k, v, do)}
+                if name == "plancache":
+                    after = sdpa.stats()
+                    row[name]["served"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
+                                           if after.get(k, 0) != before.get(k, 0)}
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    grads = torch.autograd.grad(o, (q, k, v), do)
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+        ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+        row["plancache"]["error"] = max(_error(o, ref), *(_error(g, r) for g, r in zip(grads, ref_grads)))
+        _route(False, cache)
+        out["x".join(map(str, shape))] = row
+    return out
+
+
+def _host_us(q: Any, k: Any, v: Any, do: Any) -> dict[str, float]:
+    """Host microseconds per forward and per backward call of the route, with the GPU busy throughout."""
+    import torch
+
+    q, k, v = (t.detach() for t in (q, k, v))
+    lse_needed = True
+    busy = torch.empty(1 << 26, device="cuda")
+    results = {}
+    for which in ("fwd", "bwd"):
+        torch.cuda.synchronize()
+        for _ in range(20):  # queue work so that the host never waits on the GPU below
+            busy.mul_(1.0)
+        fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse_needed, 0.0, True, False)
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if which == "fwd":
+                torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse_needed, 0.0, True, False)
+            else:
+                torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                    do, q, k, v, fwd[0], fwd[1], fwd[6], fwd[7], None, None, None, q.shape[2], k.shape[2], 0.0,
+                    True)
+        results[which] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return results
+
+
+def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    hidden = BLOCK_HEADS * BLOCK_DIM
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_qkv = (torch.randn(hidden, 3 * hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16().requires_grad_()
+    w_o = (torch.randn(hidden, hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16().requires_grad_()
+    ln = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step(x: Any, dy: Any) -> None:
+        b, s, _ = x.shape
+        q, k, v = (ln(x) @ w_qkv).view(b, s, 3, BLOCK_HEADS, BLOCK_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = x + o.transpose(1, 2).reshape(b, s, hidden) @ w_o
+        y.backward(dy)
+
+    out: dict[str, Any] = {}
+    for name in backends:
+        _route(name == "plancache", cache)
+        with _backend(name):
+            for b, s in BLOCK_SHAPES:
+                g2 = torch.Generator(device="cuda").manual_seed(s)
+                x = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16().requires_grad_()
+                dy = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(x, dy)
+                torch.cuda.synchronize()
+                first = (time.perf_counter() - t0) * 1e3
+                steady = _median_ms(lambda x=x, dy=dy: step(x, dy))
+                out.setdefault(f"{b}x{s}", {})[name] = {"first_ms": first, "steady_ms": steady}
+    _route(False, cache)
+    return out
+
+
+def child(what: str, server: str, token: str | None, trusted: str | None, cache_dir: str | None, mode: str) -> None:
+    t_start = time.perf_counter()
+    import torch
 
     import plancache.torch
     from plancache.client import PlanCache
 
-    plancache.torch.install(PlanCache("", cache_dir=None, trusted_keys=[]))
-    q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    report: dict[str, object] = {"torch": torch.__version__, "route": plancache.torch.installed_route(),
-                                 "has_varlen": hasattr(torch.nn.attention, "varlen")}
-    for label, backends in (("default", None), ("cudnn_backend", [SDPBackend.CUDNN_ATTENTION])):
-        before = dict(cudnn.torch.calls)
-        if backends is None:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        else:
-            with sdpa_kernel(backends):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        torch.cuda.synchronize()
-        report[label] = {k: cudnn.torch.calls[k] - before[k] for k in before if cudnn.torch.calls[k] != before[k]}
-    print(json.dumps(report))
+    cache = PlanCache(server, token=token, trusted_keys=trusted or [], cache_dir=cache_dir, mode=mode)
+    plancache.torch.install(cache, sdpa_route=False)
+    torch.cuda.synchronize()
+    result: dict[str, Any] = {"what": what, "import_ms": (time.perf_counter() - t_start) * 1e3,
+                              "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if what in ("kernels", "capture"):
+        result["kernels"] = kernels(cache)
+    if what in ("block", "capture"):
+        result["block"] = block(cache, BACKENDS)
+    if what == "block_aten":
+        result["block"] = block(cache, ("aten_cudnn",))
+    from plancache.client import sdpa
+
+    result["route_stats"] = sdpa.stats()
+    result["stats"] = cache.stats().as_dict()
+    cache.close()
+    print(json.dumps(result))
+
+
+def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
+    env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__)), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench child {args[:2]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tables(results: dict[str, Any]) -> None:
+    kern = results["kernels"]["kernels"]
+    print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} | "
+          f"{'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} | {'host us fwd/bwd':>28} {'error':>8}")
+    for shape, row in kern.items():
+        f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
+        print(f"{shape:>24} | {f['eager_ms']:>7.3f} {a['eager_ms']:>11.3f} {p['eager_ms']:>10.3f} "
+              f"{p['eager_ms'] / a['eager_ms']:>6.2f} | {f['graphed_ms']:>15.3f} {a['graphed_ms']:>7.3f} "
+              f"{p['graphed_ms']:>10.3f} {p['graphed_ms'] / a['graphed_ms']:>6.2f} | "
+              f"{p['host_us']['fwd']:>5.1f}/{p['host_us']['bwd']:<5.1f} vs ATen {a['host_us']['fwd']:>5.1f}/"
+              f"{a['host_us']['bwd']:<5.1f} {p['error']:>8.1e}")
+    blk = results["block"]["block"]
+    first_aten = results.get("block_aten", {}).get("block", {})
+    print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} | "
+          f"{'first step: plancache':>22} {'ATen cuDNN':>11}")
+    for shape, row in blk.items():
+        best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
+        aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", float("nan"))
+        print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
+              f"{row['plancache']['steady_ms']:>10.3f} {row['plancache']['steady_ms'] / best:>8.2f} | "
+              f"{row['plancache']['first_ms']:>22.1f} {aten_first:>11.1f}")
+    print("route:", results["kernels"]["route_stats"], results["block"]["route_stats"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--server", default="")
+    parser.add_argument("--token")
+    parser.add_argument("--trusted")
+    parser.add_argument("--cache")
+    parser.add_argument("--mode", default="normal")
+    parser.add_argument("--local", action="store_true", help="no server: the route's plans built locally")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sdpa_route.json")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.server, args.token, args.trusted, args.cache, args.mode)
+    results: dict[str, Any] = {}
+    if args.local:
+        results["kernels"] = _run("--child", "kernels")
+        results["block"] = _run("--child", "block")
+        results["block_aten"] = _run("--child", "block_aten")
+    else:
+        import tempfile
+
+        from plancache.protocol import PlanMeta
+        from plancache.signing import Signer, keygen
+        from tests.live_server import LiveServer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            priv, _, _ = keygen(root / "keys")
+            signer = Signer.from_file(priv)
+            with LiveServer(root / "server") as srv:
+                common = ["--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys")]
+                _run("--child", "capture", *common, "--cache", str(root / "c0"))
+                t0, tuned = time.perf_counter(), 0
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                for miss in srv.store.list_misses(limit=500):
+                    doc = srv.store.get_spec(miss.graph_key)
+                    if doc is None:
+                        continue
+                    (root / "spec.json").write_text(json.dumps(doc))
+                    proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune",
+                                           str(root / "spec.json"), str(root)], capture_output=True, text=True,
+                                          env=env, cwd=ROOT, timeout=600)
+                    if proc.returncode != 0:
+                        print(f"tuning {miss.graph_key[:12]} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                        continue
+                    meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
+                    srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
+                    tuned += 1
+                results["tuning"] = {"graphs": tuned, "seconds": time.perf_counter() - t0}
+                for what in ("kernels", "block"):
+                    results[what] = _run("--child", what, *common, "--cache", str(root / what), "--mode", "strict")
+                results["block_aten"] = _run("--child", "block_aten")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _tables(results)
 
 
 if __name__ == "__main__":

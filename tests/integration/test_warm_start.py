@@ -318,7 +318,7 @@ def test_plancache_torch_install_passes_the_warm_start_on(srv, tmp_path, signer)
     specs = [spec_of(g) for g in step_graphs()]
     seed(srv, signer, *specs)
     cache = make_cache(srv, tmp_path, signer)
-    assert plancache.torch.install(cache, sdpa_provider=False, warm=specs) is cache
+    assert plancache.torch.install(cache, sdpa_route=False, warm=specs) is cache
     plancache.torch.uninstall()  # after the warm start under way
     assert srv.requests[RESOLVE] == 1 and cache.stats().hits == {"server": 3}
     assert loaded(cache) == []

@@ -1,0 +1,264 @@
+"""plancache's route for torch's cuDNN attention (:mod:`plancache.client.sdpa`) on the CPU: the executor cache and
+its keys, the FE graphs it writes, the output layouts against torch's own fake (meta) kernel, and every fallback to
+torch's kernel. The kernels run on the GPU in tests/integration/test_sdpa_route_gpu.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+
+import plancache.torch  # noqa: E402
+from plancache.client import PlanCache, sdpa  # noqa: E402
+from plancache.errors import PlanMiss  # noqa: E402
+from plancache.spec import GraphSpec  # noqa: E402
+from tests.client_fakes import FakeBuiltPlan, RecordingBackend  # noqa: E402
+
+
+class FakeGraph:
+    """A loaded plan's graph: records each ordered execute."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[Any], Any, Any, tuple[int, ...]]] = []
+
+    def execute(self, buffers: list[Any], workspace: Any, handle: Any = None, tensor_uids: Any = None) -> None:
+        self.runs.append((list(buffers), workspace, handle, tuple(tensor_uids)))
+
+
+class GraphBackend(RecordingBackend):
+    """Heuristic builds hold a :class:`FakeGraph`; ``specs`` keeps every spec built."""
+
+    def __init__(self, *, fail: tuple[str, ...] = ()) -> None:
+        super().__init__(fail=fail)
+        self.specs: list[GraphSpec] = []
+
+    def build_heuristic(self, spec: GraphSpec, kernel_cache: Any, *, graph: Any = None) -> FakeBuiltPlan:
+        built = super().build_heuristic(spec, kernel_cache, graph=graph)
+        built.graph = FakeGraph()
+        self.specs.append(spec)
+        return built
+
+
+@pytest.fixture
+def route(tmp_path, monkeypatch):
+    backend = GraphBackend()
+    cache = PlanCache("", backend=backend, cache_dir=tmp_path, trusted_keys=[])
+    monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
+    aten: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(sdpa, "_aten_forward", lambda *a, **k: aten.append(("fwd", a)) or "aten")
+    monkeypatch.setattr(sdpa, "_aten_backward", lambda *a, **k: aten.append(("bwd", a)) or "aten")
+    sdpa.install(cache)
+    yield backend, aten
+    sdpa.uninstall()
+
+
+def qkv(b: int = 2, h: int = 4, s: int = 64, d: int = 32, dtype: Any = torch.bfloat16, kv_heads: int | None = None):
+    kv = kv_heads or h
+    return (torch.randn(b, h, s, d, dtype=dtype), torch.randn(b, kv, s, d, dtype=dtype),
+            torch.randn(b, kv, s, d, dtype=dtype))
+
+
+def forward(q, k, v, bias=None, *, causal=True, dropout=0.0, lse=True, scale=None):
+    return sdpa._forward(q, k, v, bias, lse, dropout, causal, False, scale=scale)
+
+
+def test_a_configuration_is_prepared_once_and_each_call_binds_its_buffers_in_plan_order(route):
+    backend, aten = route
+    q, k, v = qkv()
+    out = forward(q, k, v)
+    again = forward(q, k, v)
+    assert aten == [] and len(backend.specs) == 1, "one plan for one configuration"
+    graph = backend.specs[0]
+    o, lse = out[0], out[1]
+    assert o.shape == (2, 4, 64, 32) and lse.shape == (2, 4, 64, 1) and lse.dtype == torch.float32
+    assert out[4:6] == (64, 64) and again[0].data_ptr() != o.data_ptr()
+    stats = sdpa.stats()
+    assert stats["fwd"] == 2 and stats["load:heuristic"] == 1
+    # the spec is the attention forward torch's op stands for: causal, stats, the default scale
+    (node,) = graph.nodes
+    assert node.type == "SDPA" and node.params["generate_stats"] is True
+    assert node.params["attn_scale"] == pytest.approx(32 ** -0.5) and node.params["diagonal_band_right_bound"] == 0
+
+
+def test_buffers_reach_the_loaded_graph_by_canonical_uid(route, monkeypatch):
+    backend, _ = route
+    q, k, v = qkv()
+    graphs: list[FakeGraph] = []
+    original = GraphBackend.build_heuristic
+
+    def keep(self, spec, kernel_cache, *, graph=None):
+        built = original(self, spec, kernel_cache, graph=graph)
+        graphs.append(built.graph)
+        return built
+
+    monkeypatch.setattr(GraphBackend, "build_heuristic", keep)
+    o, lse = forward(q, k, v)[:2]
+    (run,) = graphs[0].runs
+    buffers, workspace, handle, uids = run
+    assert handle == "handle" and buffers[:3] == [q, k, v] and buffers[3] is o and buffers[4] is lse
+    canonical = backend.specs[0].canonical_uids()
+    assert uids == tuple(canonical[u] for u in (1, 2, 3, 100, 101))
+    assert workspace.numel() == 4096 and workspace.dtype == torch.uint8  # the plan's size, from torch's allocator
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "causal", "scale", "stats", "bias", "gqa"])
+def test_every_layout_and_flag_is_part_of_the_key(route, change):
+    backend, _ = route
+    q, k, v = qkv()
+    forward(q, k, v)
+    kwargs: dict[str, Any] = {}
+    if change == "shape":
+        q, k, v = qkv(s=128)
+    elif change == "stride":
+        q = torch.randn(2, 64, 4, 32, dtype=torch.bfloat16).transpose(1, 2)
+    elif change == "dtype":
+        q, k, v = qkv(dtype=torch.float16)
+    elif change == "causal":
+        kwargs["causal"] = False
+    elif change == "scale":
+        kwargs["scale"] = 0.5
+    elif change == "stats":
+        kwargs["lse"] = False
+    elif change == "bias":
+        kwargs["bias"] = torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16)
+    else:
+        q, k, v = qkv(kv_heads=2)
+    forward(q, k, v, **kwargs)
+    assert len(backend.specs) == 2
+    assert backend.specs[0].graph_key != backend.specs[1].graph_key
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "sbhd"])
+@pytest.mark.parametrize("d_v", [32, 48])
+def test_the_output_layout_is_torchs_fake_kernels(layout, d_v):
+    """torch.compile and autograd see the meta kernel's output: the route's must be the same, for every layout."""
+    base = {"bhsd": (2, 4, 64, 32), "bshd": (2, 64, 4, 32), "sbhd": (64, 2, 4, 32)}[layout]
+    perm = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}[layout]
+    q = torch.empty(base, device="meta").permute(*perm)
+    k = torch.empty(base, device="meta").permute(*perm)
+    v = torch.empty(*base[:3], d_v, device="meta").permute(*perm)
+    meta = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
+    assert meta[0].stride() == sdpa._matching_layout(q, d_v)
+
+
+def test_gradients_take_their_inputs_layouts_and_do_is_read_in_os(route):
+    backend, aten = route
+    q = torch.randn(2, 64, 4, 32, dtype=torch.bfloat16).transpose(1, 2)  # BSHD storage
+    k, v = q.clone(), q.clone()
+    o, lse = forward(q, k, v)[:2]
+    assert o.stride() == q.stride()
+    grad = torch.randn(o.shape, dtype=torch.bfloat16)  # BHSD: not O's layout
+    dq, dk, dv = sdpa._backward(grad, q, k, v, o, lse.squeeze(-1), None, None, None, None, None, 64, 64, 0.0, True)
+    assert aten == [] and dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
+    bwd = backend.specs[-1]
+    assert [n.type for n in bwd.nodes] == ["SDPA_BWD"]
+    tensors = {t.name: t for t in bwd.tensors}
+    assert tensors["dO"].stride == tensors["o"].stride == list(o.stride())
+    summed = torch.ones((), dtype=torch.bfloat16).expand(o.shape)  # what sum().backward() hands over: strides 0
+    sdpa._backward(summed, q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
+    assert len(backend.specs) == 2 and sdpa.stats()["bwd"] == 2, "a dO in another layout is copied, not a new plan"
+
+
+@pytest.mark.parametrize("mask", ["bool_padding", "additive_per_batch", "float32_additive"])
+def test_masks_become_the_additive_bias_cudnn_reads(route, mask):
+    backend, aten = route
+    q, k, v = qkv()
+    if mask == "bool_padding":
+        bias = (torch.arange(64) < 48).view(1, 1, 1, 64).expand(2, 4, 64, 64)
+    elif mask == "additive_per_batch":
+        bias = torch.randn(2, 1, 64, 64, dtype=torch.bfloat16).expand(2, 4, 64, 64)
+    else:
+        bias = torch.randn(2, 4, 64, 64)
+    forward(q, k, v, bias)
+    assert aten == []
+    (spec,) = backend.specs
+    tensors = {t.name: t for t in spec.tensors}
+    assert tensors["bias"].data_type == "BFLOAT16"
+    assert tensors["bias"].dim[1] == (4 if mask == "float32_additive" else 1), "broadcast heads stay broadcast"
+    converted = sdpa._bias(bias, q)
+    if mask == "bool_padding":
+        assert converted.dtype == torch.bfloat16 and torch.isinf(converted[0, 0, 0, 48:]).all()
+        assert (converted[0, 0, 0, :48] == 0).all()
+
+
+@pytest.mark.parametrize(("why", "call"), [
+    ("dropout", lambda q, k, v: forward(q, k, v, dropout=0.1)),
+    ("debug_mask", lambda q, k, v: sdpa._forward(q, k, v, None, True, 0.0, True, True)),
+    ("layout", lambda q, k, v: forward(q[..., ::2], k[..., ::2], v[..., ::2])),
+])
+def test_what_the_route_cannot_serve_runs_torchs_kernel_and_is_counted(route, why, call):
+    backend, aten = route
+    assert call(*qkv()) == "aten"
+    assert [a[0] for a in aten] == ["fwd"] and sdpa.stats()[f"fwd_aten:{why}"] == 1
+
+
+def test_nested_and_dropout_backward_run_torchs_kernel(route):
+    _, aten = route
+    q, k, v = qkv()
+    o = torch.empty_like(q)
+    lse = torch.empty(2, 4, 64, 1)
+    sdpa._backward(o, q, k, v, o, lse, None, None, None, torch.zeros(3), torch.zeros(3), 64, 64, 0.0, True)
+    sdpa._backward(o, q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.1, True)
+    assert [a[0] for a in aten] == ["bwd", "bwd"]
+    assert sdpa.stats()["bwd_aten:nested"] == 1 and sdpa.stats()["bwd_aten:dropout"] == 1
+
+
+def test_a_configuration_fe_refuses_is_remembered_and_runs_torchs_kernel(route, monkeypatch):
+    backend, aten = route
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("cuDNN attention takes float16 or bfloat16, not torch.float32")
+
+    monkeypatch.setattr(sdpa, "_forward_graph", refuse)
+    q, k, v = qkv(dtype=torch.float32)
+    assert forward(q, k, v) == "aten" and forward(q, k, v) == "aten"
+    assert len(calls) == 1 and sdpa.stats()["fwd_aten:unsupported"] == 2
+
+
+def test_a_float32_call_is_refused_by_the_graph_writer_with_a_clear_error():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        sdpa._fe_types(torch.float32)
+
+
+def test_strict_mode_raises_plan_miss_instead_of_building(tmp_path, monkeypatch):
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[], mode="strict")
+    monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
+    sdpa.install(cache)
+    try:
+        with pytest.raises(PlanMiss):
+            forward(*qkv())
+    finally:
+        sdpa.uninstall()
+
+
+def test_tensors_of_another_device_run_torchs_kernel(route, monkeypatch):
+    _, aten = route
+    monkeypatch.setattr(sdpa._route, "device", torch.device("meta"))
+    assert forward(*qkv()) == "aten" and sdpa.stats()["fwd_aten:device"] == 1
+
+
+def test_install_replaces_the_two_kernels_and_uninstall_gives_them_back(tmp_path):
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    original = cudnn.pygraph.build_plans
+    plancache.torch.install(cache)
+    try:
+        assert sdpa.installed() and cudnn.pygraph.build_plans is not original  # route and hook
+        for op in sdpa.OPS:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "CUDA")
+    finally:
+        plancache.torch.uninstall()
+    assert not sdpa.installed() and sdpa.stats() == {} and cudnn.pygraph.build_plans is original
+
+
+def test_the_route_can_be_left_off(tmp_path):
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    plancache.torch.install(cache, sdpa_route=False)
+    try:
+        assert not sdpa.installed()
+    finally:
+        plancache.torch.uninstall()
