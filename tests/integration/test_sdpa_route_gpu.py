@@ -1,0 +1,108 @@
+"""plancache's route for ``F.scaled_dot_product_attention`` on the GPU, per variant (tests/sdpa_route_gpu_child.py).
+
+A normal-mode process runs every variant: each configuration misses, is built locally and registered; every
+registered miss is autotuned here from its document alone and published signed; a fresh strict-mode process
+(``CUDA_CACHE_DISABLE=1``) then serves every variant from the server through the route, forward and backward,
+against a float32 reference, with a CUDA-graph replay equal to eager and a block under ``torch.compile``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu_util import requires_gpu
+from tests.live_server import LiveServer
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = 2e-2  # bfloat16/float16 outputs and gradients, normalised max error
+#: Variants the route leaves to torch's own kernel, by the reason it counts (plancache.client.sdpa.ATEN_REASONS).
+TO_ATEN = {"dropout": "dropout"}
+#: Variants served by the route: each must load its forward and backward plans and run both through it.
+SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask", "scale",
+          "cuda_graph_replay", "compiled_block")
+
+
+def child(*args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
+    env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "tests.sdpa_route_gpu_child", *args], capture_output=True, text=True,
+                          timeout=500, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check(run: dict, what: str, *, strict: bool) -> None:
+    """Every variant ran through the route (or, for TO_ATEN, through torch's kernel for the named reason), and every
+    output and gradient is within tolerance: all failures in one message."""
+    bad = []
+    for name, got in run["variants"].items():
+        route = got["route"]
+        if "error" in got:
+            bad.append(f"{name}: {got['error']}")
+            continue
+        if name in TO_ATEN:
+            if route.get(f"fwd_aten:{TO_ATEN[name]}", 0) < 1 or route.get("fwd", 0) or got["errors"]["finite"] != 1:
+                bad.append(f"{name}: expected torch's kernel ({TO_ATEN[name]}) and finite results, got {got}")
+            continue
+        if route.get("fwd", 0) < 1 or route.get("bwd", 0) < 1 or any(k.startswith(("fwd_aten", "bwd_aten"))
+                                                                     for k in route):
+            bad.append(f"{name}: not served by the route, forward and backward: {route}")
+        if strict and name not in ("cuda_graph_replay", "compiled_block") and \
+                route.get("load:server", 0) < 2:
+            bad.append(f"{name}: forward and backward plans not loaded from the server: {route}")
+        bad += [f"{name} {out}: error {err}" for out, err in got["errors"].items() if not err <= TOLERANCE]
+    assert not bad, f"{what}:\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from plancache.protocol import PlanMeta
+    from plancache.signing import Signer, keygen
+
+    root = tmp_path_factory.mktemp("sdpa_route")
+    priv, _, _ = keygen(root / "keys")
+    signer = Signer.from_file(priv)
+    with LiveServer(root / "server") as srv:
+        normal = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
+                       "--cache", str(root / "c0"), "--mode", "normal")
+        tuned, failed = 0, {}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        for miss in srv.store.list_misses(limit=500):
+            doc = srv.store.get_spec(miss.graph_key)
+            assert doc is not None, f"the miss {miss.graph_key[:12]} was recorded without its spec"
+            (root / "spec.json").write_text(json.dumps(doc))
+            proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(root / "spec.json"),
+                                   str(root)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+            if proc.returncode != 0:
+                failed[miss.graph_key] = proc.stderr.strip().splitlines()[-1:]
+                continue
+            meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
+            srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
+            tuned += 1
+        yield srv, root, normal, tuned, failed
+
+
+def test_a_normal_process_runs_every_variant_through_the_route_and_registers_its_graphs(fleet):
+    _, _, normal, tuned, failed = fleet
+    check(normal, "normal", strict=False)
+    assert failed == {}, f"graphs that could not be tuned: {failed}"
+    assert tuned >= 2 * 7, f"every served variant registers a forward and a backward graph ({tuned} tuned)"
+    print(f"\nnormal: {tuned} attention graphs registered and tuned; route {normal['variants']}")
+
+
+def test_a_fresh_strict_process_serves_every_variant_from_the_server(fleet, tmp_path):
+    srv, root, _, tuned, _ = fleet
+    strict = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
+                   "--cache", str(tmp_path / "cache"), "--mode", "strict")
+    check(strict, "strict", strict=True)
+    stats = strict["stats"]
+    assert stats["rejects"] == {} and stats["hits"].get("heuristic", 0) == 0 and stats["hits"].get("server") == tuned
+    for name in SERVED:
+        print(f"{name}: route {strict['variants'][name]['route']} errors {strict['variants'][name].get('errors')}")

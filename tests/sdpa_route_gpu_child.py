@@ -1,0 +1,184 @@
+"""A child process for tests/integration/test_sdpa_route_gpu.py: every attention variant through plancache's route.
+
+    python -m tests.sdpa_route_gpu_child --server URL --token T --trusted DIR --cache DIR --mode strict
+
+Installs ``plancache.torch`` and runs each variant of ``F.scaled_dot_product_attention`` under the cuDNN backend,
+forward and backward, against a float32 reference; then a CUDA-graph replay against eager, and a block under
+``torch.compile(fullgraph=True)``. Prints one JSON line: per variant, what the route did (its counters' change:
+``fwd``, ``bwd``, ``load:<source>``, ``fwd_aten:<reason>``) and the worst normalised error; the client's stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+B, H, S, D = 2, 8, 256, 64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", generator=_gen(seed)).to(dtype)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def _qkv(kv_heads: int = H, dtype: torch.dtype = torch.bfloat16, layout: str = "bhsd") -> list[torch.Tensor]:
+    out = []
+    for i, heads in enumerate((H, kv_heads, kv_heads)):
+        if layout == "bshd":  # a projection's output viewed as (b, h, s, d): the layout models hand over
+            t = _rand(B, S, heads, D, seed=i, dtype=dtype).transpose(1, 2)
+        else:
+            t = _rand(B, heads, S, D, seed=i, dtype=dtype)
+        out.append(t.requires_grad_())
+    return out
+
+
+def _attention(q: Any, k: Any, v: Any, **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Forward + backward under the cuDNN backend, and the same in float32 math (the reference)."""
+    do = _rand(*q.shape[:3], v.shape[-1], seed=9, dtype=q.dtype)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_kwargs = dict(kwargs)
+    if isinstance(ref_kwargs.get("attn_mask"), torch.Tensor) and ref_kwargs["attn_mask"].dtype != torch.bool:
+        ref_kwargs["attn_mask"] = ref_kwargs["attn_mask"].float()
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(*ref_in, **ref_kwargs)
+        ref_grads = torch.autograd.grad(ref, ref_in, do.float())
+    return [o, *grads], [ref, *ref_grads]
+
+
+def _checked(q: Any, k: Any, v: Any, **kwargs: Any) -> dict[str, float]:
+    got, want = _attention(q, k, v, **kwargs)
+    return {name: _error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def _dropout() -> dict[str, float]:
+    q, k, v = _qkv()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    return {"finite": float(all(bool(t.isfinite().all()) for t in (o, *grads)))}
+
+
+def _graph_replay() -> dict[str, float]:
+    """One forward + backward captured in a CUDA graph, replayed on new data: equal to eager on that data."""
+    q, k, v = _qkv()
+    do = _rand(B, H, S, D, seed=11)
+
+    def step() -> list[torch.Tensor]:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return [o, *torch.autograd.grad(o, (q, k, v), do)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for i, t in enumerate((q, k, v)):
+            t.copy_(_rand(*t.shape, seed=100 + i))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    return {"out": _error(captured[0], eager[0].float()),
+            **{n: _error(c, e.float()) for n, c, e in zip(("dq", "dk", "dv"), captured[1:], eager[1:])}}
+
+
+def _compiled_block() -> dict[str, float]:
+    """LayerNorm -> QKV -> attention -> projection + residual under torch.compile(fullgraph=True), against eager."""
+    hidden = H * D
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.bfloat16)
+    w_qkv = (torch.randn(hidden, 3 * hidden, device="cuda") * hidden ** -0.5).bfloat16()
+    w_o = (torch.randn(hidden, hidden, device="cuda") * hidden ** -0.5).bfloat16()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (ln(x) @ w_qkv).view(b, s, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + o.transpose(1, 2).reshape(b, s, hidden) @ w_o
+
+    x = _rand(B, S, hidden, seed=5).requires_grad_()
+    dy = _rand(B, S, hidden, seed=6)
+    compiled = torch.compile(block, fullgraph=True)
+    y = compiled(x)
+    (gx,) = torch.autograd.grad(y, (x,), dy)
+    y_ref = block(x)
+    (gx_ref,) = torch.autograd.grad(y_ref, (x,), dy)
+    return {"out": _error(y, y_ref.float()), "dx": _error(gx, gx_ref.float())}
+
+
+def _bool_padding() -> dict[str, float]:
+    q, k, v = _qkv()
+    keep = torch.arange(S, device="cuda") < S - 40
+    return _checked(q, k, v, attn_mask=keep.view(1, 1, 1, S))
+
+
+VARIANTS: dict[str, Callable[[], dict[str, float]]] = {
+    "causal": lambda: _checked(*_qkv(), is_causal=True),
+    "no_mask_fp16": lambda: _checked(*_qkv(dtype=torch.float16)),
+    "bshd_layout": lambda: _checked(*_qkv(layout="bshd"), is_causal=True),
+    "gqa": lambda: _checked(*_qkv(kv_heads=2), is_causal=True, enable_gqa=True),
+    "additive_bias": lambda: _checked(*_qkv(), attn_mask=_rand(B, 1, S, S, seed=7) * 0.5),
+    "bool_padding_mask": _bool_padding,
+    "scale": lambda: _checked(*_qkv(), is_causal=True, scale=0.3),
+    "dropout": _dropout,
+    "cuda_graph_replay": _graph_replay,
+    "compiled_block": _compiled_block,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--server", default="")
+    parser.add_argument("--token")
+    parser.add_argument("--trusted")
+    parser.add_argument("--cache")
+    parser.add_argument("--mode", default="normal")
+    parser.add_argument("variants", nargs="*")
+    args = parser.parse_args()
+
+    import plancache.torch
+    from plancache.client import PlanCache, sdpa
+
+    cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
+                                              cache_dir=args.cache, mode=args.mode))
+    out: dict[str, Any] = {"variants": {}}
+    for name in args.variants or VARIANTS:
+        before = sdpa.stats()
+        try:
+            errors = VARIANTS[name]()
+            torch.cuda.synchronize()
+            result: dict[str, Any] = {"errors": errors}
+        except Exception as exc:  # noqa: BLE001 - reported per variant, the test names it
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        after = sdpa.stats()
+        result["route"] = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        out["variants"][name] = result
+    out["stats"] = cache.stats().as_dict()
+    cache.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
