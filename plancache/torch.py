@@ -43,7 +43,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     return cache
 
 
-def sdpa_stats() -> dict[str, int]:
+def sdpa_stats() -> dict[str, float]:
     """What the attention route did (:func:`plancache.client.sdpa.stats`)."""
     return sdpa.stats()
 

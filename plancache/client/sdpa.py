@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanMiss
+from . import hook
 
 if TYPE_CHECKING:
     from .core import PlanCache
@@ -82,6 +84,7 @@ class _Route:
         self.index = self.device.index or 0
         self.executors: dict[tuple[Any, ...], _Executor | _Aten] = {}
         self.counts: dict[str, int] = {"fwd": 0, "bwd": 0}
+        self.prepare_seconds = 0.0  # first calls of configurations: writing, keying and loading their plans
         self.prepare_lock = threading.Lock()
         self.tls = threading.local()
         self.raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -147,11 +150,14 @@ def installed() -> bool:
     return _route is not None
 
 
-def stats() -> dict[str, int]:
-    """Calls served by the route (``fwd``, ``bwd``), by plan source on first load (``load:<source>``), and calls
-    left to torch's kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``)."""
+def stats() -> dict[str, float]:
+    """Calls served by the route (``fwd``, ``bwd``), plans loaded by source (``load:<source>``), calls left to torch's
+    kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of
+    configurations spent writing, keying and loading their plans (the waits for a warm start included)."""
     route = _route
-    return dict(route.counts) if route is not None else {}
+    if route is None:
+        return {}
+    return {**route.counts, "prepare_seconds": route.prepare_seconds}
 
 
 # ------------------------------------------------------------------ the kernels
@@ -332,8 +338,16 @@ def _prepare(route: _Route, ckey: tuple[Any, ...],
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return _Aten("capture")  # not remembered: the first eager call prepares it
-    from ..spec import from_pygraph
-    from . import hook
+    t0 = time.perf_counter()
+    try:
+        return _load(route, ckey, write)
+    finally:
+        route.prepare_seconds += time.perf_counter() - t0
+
+
+def _load(route: _Route, ckey: tuple[Any, ...],
+          write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Aten:
+    from ..spec import from_pygraph  # pydantic: not on the import of plancache.torch
 
     hook._await_warm()  # a warm start under way holds this process's plans: load from it, not the server again
     with route.prepare_lock:
