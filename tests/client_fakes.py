@@ -32,9 +32,18 @@ class FakeBuiltPlan:
     kernel_cache: Any = None
     graph: Any = None
     executions: list[tuple[dict[int, Any], Any, Any]] = field(default_factory=list)
+    #: What :meth:`layouts` answers (the loaded graph's layouts); None: the dims and strides the spec holds.
+    real_layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
         self.executions.append((tensors, workspace, handle))
+
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        if self.real_layouts is not None:
+            return dict(self.real_layouts)
+        doc = self.spec.canonical_document()
+        return {t.uid: (tuple(t.dim), tuple(t.stride)) for t in doc.input_tensors() + doc.output_tensors()
+                if t.dim and t.stride}
 
 
 class FakeKernelCache:

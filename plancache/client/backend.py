@@ -31,6 +31,11 @@ class BuiltPlanLike(Protocol):
 
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None: ...
 
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Dims and strides of the plan's non-virtual tensors by canonical uid, as the loaded graph holds them
+        (outputs whose layout FE inferred included); a tensor the graph cannot tell is left out."""
+        ...
+
 
 class Backend(Protocol):
     """Builds and loads plans on one device and binds its cuDNN handle to streams."""

@@ -265,6 +265,9 @@ class Kept:
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
         raise RuntimeError("a warm load is kept for the graph that will load it; it has no plan to run")
 
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        return {}
+
 
 class MemoryStep(Step):
     """Plans this cache already loaded; otherwise the blob admitted earlier (by a caller's graph or a warm load),

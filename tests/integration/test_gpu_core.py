@@ -282,3 +282,24 @@ def test_a_cancelled_tuning_stops_at_its_next_candidate_and_a_build_past_its_lim
         with pytest.raises(TuningError, match="build timed out after 0.001 s"):
             gpu.autotune(spec, repeats=3, builders=pool)
         assert pool._pool.restarts >= 1
+
+
+@pytest.mark.parametrize("name", SEEDS)
+def test_a_blob_loaded_into_an_empty_graph_tells_its_outputs_real_layouts(tuned, name):
+    """``Plan.execute`` checks an output whose layout FE inferred against the loaded plan's own layout: a blob
+    deserialized without the spec's graph must still tell every tensor's dims and strides (cuDNN's own graph)."""
+    import torch
+
+    from plancache import gpu
+
+    spec, t = tuned[name]
+    with torch.cuda.device(0):
+        handle = gpu.create_handle(0)
+        plan = gpu.deserialize_plan(spec, t.blob, handle)
+        real = plan.layouts()
+    for doc in spec.input_tensors() + spec.output_tensors():
+        if doc.is_pass_by_value:
+            continue
+        assert doc.uid in real, f"{name}: the loaded plan does not tell the layout of {doc.name or doc.uid}"
+        if doc.dim_assigned:
+            assert real[doc.uid][0] == tuple(doc.dim), (name, doc.name, real[doc.uid])
