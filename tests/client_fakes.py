@@ -83,6 +83,7 @@ class RecordingBackend:
         self.calls: list[tuple[str, str]] = []
         self.kernel_caches: list[FakeKernelCache] = []
         self.streams_set: list[Any] = []
+        self.workspaces: list[tuple[int, Any]] = []
         self.stream = FakeStream(7)
         self._current: Any = None
         self.on_device_now = False
@@ -127,6 +128,13 @@ class RecordingBackend:
 
     def current_stream(self) -> Any:
         return self.stream
+
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        """A CPU tensor; ``workspaces`` records ``(nbytes, stream)`` of each."""
+        import torch
+
+        self.workspaces.append((nbytes, stream))
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
 
     def set_stream(self, stream: Any) -> None:
         if stream is not self._current:

@@ -68,6 +68,11 @@ class Backend(Protocol):
         """The caller's current stream on :attr:`device`."""
         ...
 
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        """A uint8 tensor of ``nbytes`` (one at least) on :attr:`device`, allocated on ``stream``: the caching
+        allocator hands its memory to other work only once the work queued on ``stream`` is done."""
+        ...
+
     def set_stream(self, stream: Any) -> None:
         """Point :attr:`handle` at ``stream`` (a no-op when it already is)."""
         ...
@@ -154,6 +159,11 @@ class GpuBackend:
 
     def current_stream(self) -> Any:
         return self._torch.cuda.current_stream(self.device)
+
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        torch = self._torch
+        with torch.cuda.stream(stream):
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
 
     def on_device(self) -> AbstractContextManager[Any]:
         scope: AbstractContextManager[Any] = self._torch.cuda.device(self.device)  # Any without the gpu extra

@@ -192,9 +192,6 @@ class Plan:
             raise ValueError(f"workspace must be a contiguous tensor on {self._backend.device}")
         return workspace
 
-    def _new_workspace(self, torch: Any) -> Any:
-        return torch.empty(max(self.workspace_size, 1), dtype=torch.uint8, device=self._backend.device)
-
     def _stream_of(self, stream: Any) -> Any:
         if stream is None:
             return self._backend.current_stream()
@@ -216,7 +213,9 @@ class Plan:
         shape, strides of non-unit dims, device, 16-byte alignment: together the bytes the plan reads or writes), with
         a ``ValueError``/``TypeError`` naming the tensor. Pass-by-value scalars may be python
         floats or one-element float32 CPU tensors. ``workspace``: your own (at least
-        :attr:`workspace_size` bytes); otherwise the plan's, allocated once per stream and reused.
+        :attr:`workspace_size` bytes, used on ``stream``: keep it alive until that work is done, as torch asks of a
+        tensor used on a stream other than its own); otherwise the plan's, allocated once on each stream it runs on
+        and reused there.
         """
         torch = _torch()
         pack = self._bind(tensors, named, torch)
@@ -226,8 +225,8 @@ class Plan:
         else:
             key = id(run_on) if not hasattr(run_on, "cuda_stream") else int(run_on.cuda_stream)
             ws = self._workspaces.get(key)
-            if ws is None:
-                ws = self._workspaces[key] = self._new_workspace(torch)
+            if ws is None:  # allocated on the stream it runs on: its memory is never handed to another stream early
+                ws = self._workspaces[key] = self._backend.new_workspace(self.workspace_size, run_on)
         with self._lock, self._backend.on_device():  # launched on the plan's device, whichever is current here
             self._backend.set_stream(run_on)
             self._built.execute(pack, ws, self._backend.handle)
@@ -245,11 +244,12 @@ class Plan:
         """
         torch = _torch()
         pack = self._bind(tensors, named, torch)
-        ws = self._check_workspace(workspace, torch) if workspace is not None else self._new_workspace(torch)
+        caller = self._backend.current_stream()
+        ws = self._check_workspace(workspace, torch) if workspace is not None else \
+            self._backend.new_workspace(self.workspace_size, caller)  # the stream its replays run on
         device = self._backend.device
         handle = self._backend.handle
         with self._backend.on_device(), self._lock:
-            caller = self._backend.current_stream()
             side = torch.cuda.Stream(device=device)
             side.wait_stream(caller)
             try:

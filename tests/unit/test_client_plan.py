@@ -71,6 +71,9 @@ def test_workspace_is_allocated_once_per_stream_and_the_stream_set_only_when_it_
     assert workspaces[0] is workspaces[1] is workspaces[2] is workspaces[4]
     assert workspaces[3] is not workspaces[0]
     assert backend.streams_set == [backend.stream, other, backend.stream]
+    # Each allocated on the stream it runs on (allocated on the current stream, a workspace used on another could be
+    # handed to the current stream's next allocation while the other stream still ran on it).
+    assert backend.workspaces == [(4096, backend.stream), (4096, other)]
 
 
 def test_a_callers_workspace_is_used_and_checked():
