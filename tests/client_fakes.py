@@ -84,12 +84,23 @@ class RecordingBackend:
         self.kernel_caches: list[FakeKernelCache] = []
         self.streams_set: list[Any] = []
         self.workspaces: list[tuple[int, Any]] = []
+        self.made_for: list[RecordingBackend] = []
         self.stream = FakeStream(7)
         self._current: Any = None
         self.on_device_now = False
 
     def environment(self) -> Environment:
         return self._env
+
+    def for_device(self, device: int) -> RecordingBackend:
+        """A recording backend on ``cuda:<device>`` (a torch device, no GPU needed), of the same environment;
+        ``made_for`` records each."""
+        import torch
+
+        other = type(self)(self._env, fail=tuple(self.fail))
+        other.device = torch.device("cuda", device)
+        self.made_for.append(other)
+        return other
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
                     plan_name: str, graph: Any = None) -> FakeBuiltPlan:

@@ -48,6 +48,10 @@ class Backend(Protocol):
 
     def environment(self) -> Environment: ...
 
+    def for_device(self, device: int) -> Backend:
+        """A backend of the same kind on CUDA device ``device`` (the hook serves each device from its own cache)."""
+        ...
+
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
                     plan_name: str, graph: Any = None) -> BuiltPlanLike:
         """Load a serialized plan (into the caller's own ``graph`` when given). Called only with a verified blob."""
@@ -132,6 +136,9 @@ class GpuBackend:
 
     def environment(self) -> Environment:
         return self._env
+
+    def for_device(self, device: int) -> GpuBackend:
+        return GpuBackend(device)
 
     def _handle_for(self, graph: Any) -> Any:
         """A caller's graph made with ``handle=`` keeps it; otherwise the backend's handle."""
