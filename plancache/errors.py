@@ -191,6 +191,10 @@ class Reason(StrEnum):
     REVISION = "revision"
     #: A verified blob that cuDNN refused to load (counted by the client, never raised).
     DESERIALIZE = "deserialize"
+    #: A verified plan the client does not load (counted, never raised): one needing more workspace than the hook's
+    #: cap, or a python-engine plan (FE's ``CUDNN_FE_PYPLAN`` blob, which FE loads only into an empty graph).
+    WORKSPACE = "workspace"
+    PYTHON_ENGINE = "python_engine"
 
 
 class VerificationError(PlanCacheError):

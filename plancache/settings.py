@@ -199,6 +199,8 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     cache_max_age_days: float = Field(default=30.0, ge=0, allow_inf_nan=False)
     capture: Path | None = None  # the hook counts every graph built into this capture file (plancache capture)
     warm: Path | None = None  # the hook fetches the plans of every graph of this capture file at install
+    # the hook refuses a served plan needing more workspace bytes (FE builds that graph itself); 0: no cap
+    hook_max_workspace_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
 

@@ -21,6 +21,16 @@ if TYPE_CHECKING:  # a record in hand means its modules are loaded: the client i
     from .protocol import PlanMeta, Withdrawal
     from .signing import TrustedKeys
 
+#: The first bytes of FE's blob of a python-engine (CuTe DSL) plan (``cudnn._plan_serdes.MAGIC``, contract-tested):
+#: FE loads one only into an empty pygraph, never into a graph that already has nodes.
+PYTHON_PLAN_MAGIC = b"CUDNN_FE_PYPLAN\0"
+
+
+def is_python_plan(blob: bytes) -> bool:
+    """Whether ``blob`` is FE's serialized python-engine plan (its header), not a cuDNN backend plan."""
+    return blob[:len(PYTHON_PLAN_MAGIC)] == PYTHON_PLAN_MAGIC
+
+
 #: Every reason a blob is rejected for (:class:`~plancache.errors.Reason`, less ``bad_key``, which is about key files).
 REASONS: tuple[Reason, ...] = tuple(r for r in Reason if r is not Reason.BAD_KEY)
 

@@ -32,9 +32,18 @@ class FakeBuiltPlan:
     kernel_cache: Any = None
     graph: Any = None
     executions: list[tuple[dict[int, Any], Any, Any]] = field(default_factory=list)
+    #: What :meth:`layouts` answers (the loaded graph's layouts); None: the dims and strides the spec holds.
+    real_layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
         self.executions.append((tensors, workspace, handle))
+
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        if self.real_layouts is not None:
+            return dict(self.real_layouts)
+        doc = self.spec.canonical_document()
+        return {t.uid: (tuple(t.dim), tuple(t.stride)) for t in doc.input_tensors() + doc.output_tensors()
+                if t.dim and t.stride}
 
 
 class FakeKernelCache:
@@ -74,12 +83,24 @@ class RecordingBackend:
         self.calls: list[tuple[str, str]] = []
         self.kernel_caches: list[FakeKernelCache] = []
         self.streams_set: list[Any] = []
+        self.workspaces: list[tuple[int, Any]] = []
+        self.made_for: list[RecordingBackend] = []
         self.stream = FakeStream(7)
         self._current: Any = None
         self.on_device_now = False
 
     def environment(self) -> Environment:
         return self._env
+
+    def for_device(self, device: int) -> RecordingBackend:
+        """A recording backend on ``cuda:<device>`` (a torch device, no GPU needed), of the same environment;
+        ``made_for`` records each."""
+        import torch
+
+        other = type(self)(self._env, fail=tuple(self.fail))
+        other.device = torch.device("cuda", device)
+        self.made_for.append(other)
+        return other
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
                     plan_name: str, graph: Any = None) -> FakeBuiltPlan:
@@ -118,6 +139,13 @@ class RecordingBackend:
 
     def current_stream(self) -> Any:
         return self.stream
+
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        """A CPU tensor; ``workspaces`` records ``(nbytes, stream)`` of each."""
+        import torch
+
+        self.workspaces.append((nbytes, stream))
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
 
     def set_stream(self, stream: Any) -> None:
         if stream is not self._current:

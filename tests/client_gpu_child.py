@@ -30,6 +30,7 @@ from plancache import gpu
 from plancache.client import Plan, PlanCache
 from plancache.client.core import HeuristicStep, family_key
 from plancache.spec import GraphSpec, parse_spec
+from tests.gpu_util import loaded_engine_id
 
 DEV = torch.device("cuda", 0)
 
@@ -72,12 +73,12 @@ def fetch(args: argparse.Namespace) -> dict[str, Any]:
     plans = pc.prefetch(specs)
     prefetch_ms = (time.perf_counter() - t0) * 1000
     handle = gpu.create_handle(0)  # the user's own
-    out = {key: {"source": plan.source, "engine_id": plan.engine_id, **_run_plan(plan, handle, seed=4242)}
+    out = {key: {"source": plan.source, "engine_id": loaded_engine_id(plan.graph), **_run_plan(plan, handle, seed=4242)}
            for key, plan in plans.items()}
     for name in args.graph:
         g, tensors = graphs.EXAMPLES[name](handle)  # the user's code: a new, unbuilt graph
         plan = pc.build(g)
-        out[plan.graph_key] = {"source": plan.source, "engine_id": plan.engine_id,
+        out[plan.graph_key] = {"source": plan.source, "engine_id": loaded_engine_id(g),
                                **_run_user_graph(g, tensors, plan, handle, seed=4242)}
     return {"plans": out, "stats": pc.stats().as_dict(), "create_ms": created_ms, "prefetch_ms": prefetch_ms}
 

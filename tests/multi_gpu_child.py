@@ -5,12 +5,15 @@ into ``--out``. ``client``: a ``PlanCache(device=N)`` loads the specs from a ser
 on device N with the thread's current device left at 0, and checks it against the float32 reference.
 ``pair``: two caches, on devices 0 and 1, in this one process, load the same specs and run each plan on its own
 device, refusing the other's tensors. Each reports which devices this process holds a CUDA context on.
+``hook``: the hook installed with a cache on device 0 (``--mode``), FE's own ``rms_norm`` forward and backward on
+``cuda:1`` tensors with the current device left at 0: which caches served it, and its numerics.
 ``observe``: hold device ``--device``, print its free memory, then the lowest free memory seen every 20 ms until a
 line arrives on stdin (what the other processes took from that device meanwhile).
 
 usage: python -m tests.multi_gpu_child tune --device N --out DIR SPEC.json
        python -m tests.multi_gpu_child client --device N --cache DIR --server URL --token T --trusted PUB SPEC.json...
        python -m tests.multi_gpu_child pair --cache DIR --server URL --token T --trusted PUB SPEC.json...
+       python -m tests.multi_gpu_child hook --mode M --cache DIR --server URL --token T --trusted PUB
        python -m tests.multi_gpu_child observe --device N
 """
 
@@ -134,6 +137,35 @@ def pair(args: argparse.Namespace) -> dict[str, Any]:
             "contexts": contexts()}
 
 
+def hook(args: argparse.Namespace) -> dict[str, Any]:
+    from cudnn.ops.norm import rms_norm
+
+    from plancache.client import hook as fe_hook
+
+    cache = PlanCache(args.server, token=args.token, trusted_keys=[args.trusted], cache_dir=args.cache, mode=args.mode,
+                      device=0)
+    dev = torch.device("cuda", 1)
+    with fe_hook.installed(cache):
+        g = torch.Generator(device=dev).manual_seed(1)
+        x = torch.randn(256, 512, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+        w = (1 + 0.1 * torch.randn(512, device=dev, generator=g)).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(256, 512, device=dev, generator=g).to(torch.bfloat16)
+        y = rms_norm(x, w, None, 1e-5)
+        y.backward(dy)
+        torch.cuda.synchronize(dev)
+        caches = {str(d): c.stats().as_dict() for d, c in fe_hook.caches().items()}
+    xf, wf = (t.detach().float().requires_grad_() for t in (x, w))
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * wf
+    ref.backward(dy.float())
+    assert x.grad is not None and xf.grad is not None
+
+    def err(out: torch.Tensor, want: torch.Tensor) -> float:
+        return float((out.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+    return {"caches": caches, "errors": {"Y": err(y.detach(), ref.detach()), "dX": err(x.grad, xf.grad)},
+            "current_device": torch.cuda.current_device()}
+
+
 def observe(args: argparse.Namespace) -> None:
     dev = torch.device("cuda", args.device)
     torch.cuda.init()
@@ -161,13 +193,16 @@ def main() -> None:
         for option in ("--cache", "--server", "--token", "--trusted"):
             c.add_argument(option, required=True)
         c.add_argument("specs", nargs="+")
+    h = sub.add_parser("hook")
+    for option in ("--mode", "--cache", "--server", "--token", "--trusted"):
+        h.add_argument(option, required=True)
     o = sub.add_parser("observe")
     o.add_argument("--device", type=int, required=True)
     args = parser.parse_args()
     if args.cmd == "observe":
         observe(args)
         return
-    print(json.dumps({"tune": tune, "client": client, "pair": pair}[args.cmd](args), default=str))
+    print(json.dumps({"tune": tune, "client": client, "pair": pair, "hook": hook}[args.cmd](args), default=str))
 
 
 if __name__ == "__main__":

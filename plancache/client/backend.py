@@ -31,6 +31,11 @@ class BuiltPlanLike(Protocol):
 
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None: ...
 
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Dims and strides of the plan's non-virtual tensors by canonical uid, as the loaded graph holds them
+        (outputs whose layout FE inferred included); a tensor the graph cannot tell is left out."""
+        ...
+
 
 class Backend(Protocol):
     """Builds and loads plans on one device and binds its cuDNN handle to streams."""
@@ -42,6 +47,10 @@ class Backend(Protocol):
         """The cuDNN handle every plan of this backend executes with."""
 
     def environment(self) -> Environment: ...
+
+    def for_device(self, device: int) -> Backend:
+        """A backend of the same kind on CUDA device ``device`` (the hook serves each device from its own cache)."""
+        ...
 
     def deserialize(self, spec: GraphSpec, blob: bytes, *, engine_id: int | None, knobs: dict[str, int],
                     plan_name: str, graph: Any = None) -> BuiltPlanLike:
@@ -61,6 +70,11 @@ class Backend(Protocol):
 
     def current_stream(self) -> Any:
         """The caller's current stream on :attr:`device`."""
+        ...
+
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        """A uint8 tensor of ``nbytes`` (one at least) on :attr:`device`, allocated on ``stream``: the caching
+        allocator hands its memory to other work only once the work queued on ``stream`` is done."""
         ...
 
     def set_stream(self, stream: Any) -> None:
@@ -123,6 +137,9 @@ class GpuBackend:
     def environment(self) -> Environment:
         return self._env
 
+    def for_device(self, device: int) -> GpuBackend:
+        return GpuBackend(device)
+
     def _handle_for(self, graph: Any) -> Any:
         """A caller's graph made with ``handle=`` keeps it; otherwise the backend's handle."""
         return getattr(graph, "_handle", None) or self.handle
@@ -149,6 +166,11 @@ class GpuBackend:
 
     def current_stream(self) -> Any:
         return self._torch.cuda.current_stream(self.device)
+
+    def new_workspace(self, nbytes: int, stream: Any) -> Any:
+        torch = self._torch
+        with torch.cuda.stream(stream):
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
 
     def on_device(self) -> AbstractContextManager[Any]:
         scope: AbstractContextManager[Any] = self._torch.cuda.device(self.device)  # Any without the gpu extra

@@ -417,7 +417,9 @@ class DiskCache:
                     continue  # deleted meanwhile
                 path = Path(entry.path)
                 if entry.name.startswith(".") and entry.name.endswith((".tmp", ".lock")):
-                    if stale(st.st_mtime):
+                    # The revisions lock is never deleted, however old: a process holding the file's flock and one
+                    # that opened a new file of its name would both read, compare and write a revision at once.
+                    if entry.name != REVISIONS_LOCK and stale(st.st_mtime):
                         _unlink(path)
                 elif entry.name.endswith(RECORD_SUFFIX) and entry.is_file(follow_symlinks=False):
                     files.append((st.st_mtime, st.st_size, path))

@@ -69,7 +69,7 @@ from ..errors import (
     ServerUnavailable,
     VerificationError,
 )
-from ..verify import verify_blob
+from ..verify import is_python_plan, verify_blob
 from .backend import Backend, BuiltPlanLike
 from .plan import Plan
 
@@ -155,6 +155,7 @@ class Pending:
     record: PlanRecord | None = None  # an authentic tuned record whose blob could not be used
     refused: Reason | None = None  # the reason of the last refusal of a blob for it
     warm: bool = False  # a warm load (PlanCache.warm): a verified blob is kept for the graph to come, not loaded
+    max_workspace: int | None = None  # a plan needing more workspace bytes is refused (the hook's cap)
 
     def note(self, step: str, what: str) -> None:
         self.trail.append(f"{step}: {what}")
@@ -225,13 +226,30 @@ class Step(ABC):
 
     def load(self, p: Pending, record: PlanRecord, blob: bytes) -> BuiltPlanLike | None:
         """The verified ``blob`` deserialized into the caller's graph (a warm load: kept, see :class:`Kept`); None
-        when cuDNN refuses it (counted, the record learned for a rebuild)."""
+        when cuDNN refuses it (counted, the record learned for a rebuild), or when it is not loaded at all (counted,
+        never rebuilt: :meth:`unloadable`)."""
+        if (why := self.unloadable(p, record, blob)) is not None:
+            self.reject(p, *why)
+            return None
         try:
             return Kept(record) if p.warm else self.context.deserialize(p, record, blob)
         except Exception as exc:  # noqa: BLE001 - cuDNN refusing a verified blob is a rung failure, not fatal
             self.reject(p, Reason.DESERIALIZE, f"{type(exc).__name__}: {exc}")
             self.learn(p, record)
             return None
+
+    @staticmethod
+    def unloadable(p: Pending, record: PlanRecord, blob: bytes | None) -> tuple[Reason, str] | None:
+        """Why a verified plan is not loaded nor rebuilt for ``p``, or None: more workspace than ``p`` allows, or a
+        python-engine blob (FE loads one only into an empty graph, and rebuilding its CuTe DSL kernels takes
+        seconds; plancache's tuner never publishes one)."""
+        if p.max_workspace is not None and record.workspace_bytes > p.max_workspace:
+            return Reason.WORKSPACE, (f"plan {p.key[:12]} needs {record.workspace_bytes} bytes of workspace, more than "
+                                      f"the {p.max_workspace} allowed (PLANCACHE_HOOK_MAX_WORKSPACE_BYTES)")
+        if blob is not None and is_python_plan(blob):
+            return Reason.PYTHON_ENGINE, (f"plan {p.key[:12]} is a python-engine plan (engine {record.engine_id}, FE's "
+                                          "CUDNN_FE_PYPLAN blob): plancache does not load those")
+        return None
 
     def admit(self, p: Pending, record: PlanRecord, blob: bytes) -> Plan | None:
         """Verify, then deserialize (a warm load: keep, see :class:`Kept`); None when refused (counted, and an
@@ -264,6 +282,9 @@ class Kept:
 
     def execute(self, tensors: dict[int, Any], workspace: Any, handle: Any) -> None:
         raise RuntimeError("a warm load is kept for the graph that will load it; it has no plan to run")
+
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        return {}
 
 
 class MemoryStep(Step):
@@ -637,6 +658,8 @@ class RebuildStep(Step):
         for p in batch:
             if p.record is None:
                 p.note(self.name, "no authentic tuned record")
+            elif (why := self.unloadable(p, p.record, None)) is not None:
+                self.reject(p, *why)
             elif (plan := self._rebuild(p, p.record)) is not None:
                 found[p] = plan
         return found
@@ -1054,14 +1077,16 @@ class PlanCache:
             self._load_many(batch, frozenset({Builds.NOTHING}))
         return [key for key in wanted if key in self.context.verified]
 
-    def serve(self, graph: Any, spec: GraphSpec) -> Plan | None:
+    def serve(self, graph: Any, spec: GraphSpec, *, max_workspace: int | None = None) -> Plan | None:
         """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its
         ``spec`` read before lowering and its auto-assigned uids already canonical): the ladder without local
-        builds. On a miss: None in normal mode (the caller's own FE pipeline builds it, as it asked), or
-        :class:`PlanMiss` in strict and replay-only mode. This is what :mod:`plancache.client.hook` calls."""
+        builds. A plan needing more than ``max_workspace`` bytes of workspace is refused (``stats().rejects``
+        ``workspace``) before it is loaded. On a miss: None in normal mode (the caller's own FE pipeline builds it,
+        as it asked), or :class:`PlanMiss` in strict and replay-only mode. This is what :mod:`plancache.client.hook`
+        calls."""
         from ..spec import graph_key
 
-        p = Pending(graph_key(spec), spec, graph)
+        p = Pending(graph_key(spec), spec, graph, max_workspace=max_workspace)
         result = self._load_many([p], SERVING_STEPS[self.mode])[0]
         if isinstance(result, Plan):
             return result

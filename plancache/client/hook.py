@@ -27,6 +27,14 @@ FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` 
   ``warm=specs``): on a background thread, the plans of all those graphs (and of their variants along the shape axes
   of ``warm_vary``) are fetched and verified in one resolve round trip (:meth:`PlanCache.warm`); a graph built later
   waits for it, then loads its kept blob with no further request.
+- Each graph is served by a cache of its own device (its handle's, else the thread's current one): the installed
+  cache for its device, and for another device a cache the hook makes with the same options on that device
+  (:func:`caches`); a cache whose backend cannot be made for another device leaves such a graph to FE (strict and
+  replay-only: :class:`~plancache.errors.PlanMiss`). A served plan needing more workspace than
+  ``PLANCACHE_HOOK_MAX_WORKSPACE_BYTES`` is refused before it is loaded (``stats().rejects["workspace"]``), and FE
+  builds the graph as on a miss.
+- An unexpected error of the hook's own (not FE's) leaves the graph to FE in normal mode, logged once and counted
+  (``fe_builds["error"]``); strict and replay-only mode raise it.
 - A call that chooses among FE's own candidates (``build_plans(ALL)``, the plan-index APIs, engine and note
   filters, ``create_execution_plan``), a graph the spec cannot represent (a ``score_mod`` callback), an
   override-shape graph and a graph validated before the hook was installed are built by FE unchanged, with
@@ -40,15 +48,16 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanCacheError, SpecError, UnsupportedGraph
+from ..errors import PlanCacheError, PlanMiss, SpecError, UnsupportedGraph
 from .core import PlanCache, SpecLike
 
 if TYPE_CHECKING:
@@ -56,7 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["FE_BUILD_REASONS", "PLAN_LIST_CALLS", "install", "installed", "uninstall"]
+__all__ = ["FE_BUILD_REASONS", "PLAN_LIST_CALLS", "caches", "install", "installed", "uninstall"]
 
 #: ``stats().fe_builds`` keys: why the hook left a graph to FE.
 FE_BUILD_REASONS = {
@@ -65,6 +74,8 @@ FE_BUILD_REASONS = {
     "override_shape": "an override-shape graph executes with shapes other than the ones a plan was tuned for",
     "validated_early": "the graph was validated before the hook was installed, so its spec could not be read",
     "fe_candidates": "the caller chooses among FE's own candidate plans",
+    "other_device": "the graph is built for another device than the cache's, and no cache can be made for it",
+    "error": "the hook itself failed on this graph (normal mode; logged once)",
 }
 
 #: Methods that choose among, or read, FE's candidate list: on a deferred graph they make FE plan it first.
@@ -98,6 +109,9 @@ _graphs: weakref.WeakKeyDictionary[Any, _Graph] = weakref.WeakKeyDictionary()
 _recorder: Any = None            # a capture.Recorder while capturing
 _counted: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs the recorder counted
 _warming: threading.Thread | None = None  # the warm start under way or done
+_devices: dict[int | None, PlanCache] = {}  # caches the hook made for devices other than the installed cache's
+_max_workspace: int | None = None  # PLANCACHE_HOOK_MAX_WORKSPACE_BYTES (None: no cap)
+_error_logged = False            # the first error of the hook's own was logged with its traceback
 
 #: What a warm start takes: a capture file, or specs.
 WarmSource = str | os.PathLike[str] | Iterable[SpecLike]
@@ -115,10 +129,11 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes. A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
     and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
-    global _cache
+    global _cache, _max_workspace
     from ..settings import ClientSettings  # pydantic-settings: not on the import of this module
 
     settings = ClientSettings()
+    _max_workspace = settings.hook_max_workspace_bytes or None
     if warm is not None and cache is None:
         raise ValueError("a warm start fetches plans into a cache: give install() a PlanCache with warm=")
     warm = warm if warm is not None else settings.warm
@@ -142,6 +157,8 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
                                        if name in graph_class.__dict__}
             for name, wrapper in wrappers.items():
                 setattr(graph_class, name, wrapper)
+        if cache is not _cache:
+            _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
         _start_warm(cache, specs)
@@ -161,7 +178,74 @@ def uninstall() -> None:
                     delattr(cls, name)
         _originals.clear()
         _cache = None
+        _close_device_caches_locked()
     _stop_capture()
+
+
+def caches() -> dict[int | None, PlanCache]:
+    """The caches serving the hook's graphs, by CUDA device ordinal: the installed one (under its device, None where
+    its backend has no CUDA device) and those made for other devices."""
+    with _lock:
+        found: dict[int | None, PlanCache] = {} if _cache is None else {_device_index(_cache): _cache}
+        return {**found, **_devices}
+
+
+def _close_device_caches_locked() -> None:
+    for made in _devices.values():
+        made.close()
+    _devices.clear()
+
+
+def _device_index(cache: PlanCache) -> int | None:
+    return getattr(cache._backend.device, "index", None)
+
+
+def _device_of(graph: Any) -> int | None:
+    """The CUDA device FE builds ``graph`` for: its handle's, else the thread's current device (FE's default handle is
+    the current device's); None where neither is known."""
+    handle = getattr(graph, "_handle", None)
+    ordinal = getattr(handle, "_ordinal", None)
+    if ordinal is None and handle is not None:
+        ordinal = getattr(getattr(handle, "device", None), "ordinal", None)  # FE's own answer
+    if ordinal is None:
+        torch = sys.modules.get("torch")  # FE's ops have imported it; the hook does not import it itself
+        if torch is not None and torch.cuda.is_available():
+            ordinal = torch.cuda.current_device()
+    return None if ordinal is None else int(ordinal)
+
+
+def _cache_for(graph: Any, cache: PlanCache) -> PlanCache | None:
+    """The cache that serves ``graph``: ``cache`` on its own device (or where a device is unknown), else the cache
+    made for the graph's device with ``cache``'s options (made on first use); None where ``cache``'s backend cannot be
+    made for another device."""
+    mine, theirs = _device_index(cache), _device_of(graph)
+    if mine is None or theirs is None or theirs == mine:
+        return cache
+    with _lock:
+        made = _devices.get(theirs)
+        if made is None:
+            for_device = getattr(cache._backend, "for_device", None)
+            if for_device is None:
+                return None
+            # the environment is that device's own fingerprint (another GPU model is another environment)
+            made = _devices[theirs] = PlanCache(replace(cache.config, backend=for_device(theirs), environment=None))
+            log.info("plancache: the hook serves cuda:%d from a cache of its own (%s)", theirs,
+                     made.environment.describe())
+        return made
+
+
+def _hook_failed(cache: PlanCache, exc: Exception) -> None:
+    """An error of the hook's own: raised in strict and replay-only mode; in normal mode logged (with its traceback
+    the first time in the process) and FE builds the graph."""
+    global _error_logged
+    if cache.mode != "normal":
+        raise exc
+    if not _error_logged:
+        _error_logged = True
+        log.warning("plancache: the hook failed (%s: %s); FE builds such graphs itself, counted in "
+                    "stats().fe_builds['error'] (logged once)", type(exc).__name__, exc, exc_info=exc)
+    else:
+        log.debug("plancache: the hook failed again (%s: %s)", type(exc).__name__, exc)
 
 
 def _start_capture(path: str | os.PathLike[str] | None) -> None:
@@ -343,7 +427,11 @@ def _name(state: _Graph) -> str:
 def _validate(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if graph._lowered_graph is None and not graph._planning_done:  # FE's IR is still readable
-        _graphs[graph] = _capture(graph, cache)
+        try:
+            _graphs[graph] = _capture(graph, cache)
+        except Exception as exc:  # noqa: BLE001 - the hook's own failure: FE builds the graph (normal mode)
+            _hook_failed(cache, exc)
+            _graphs[graph] = _Graph(None, "error", f"{type(exc).__name__}: {exc}")
     return original(graph, *args, **kwargs)
 
 
@@ -416,8 +504,25 @@ def _build_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCa
     if state.spec is None:  # unreachable: a graph without a spec has a why_not, so FE planned it
         raise RuntimeError("plancache hook: a deferred graph without a spec")
     _await_warm()
-    with _inside():
-        plan = cache.serve(graph, state.spec)
+    plan = None
+    try:
+        serving = _cache_for(graph, cache)
+        if serving is not None:
+            with _inside():
+                plan = serving.serve(graph, state.spec, max_workspace=_max_workspace)
+    except PlanMiss:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the hook's own failure: FE builds the graph (normal mode)
+        _hook_failed(cache, exc)
+        _plan_with_fe(graph, cache, state, "error", f"{type(exc).__name__}: {exc}")
+        return original(graph, *args, **kwargs)
+    if serving is None:
+        detail = (f"it is built for cuda:{_device_of(graph)}, the cache serves cuda:{_device_index(cache)} and its "
+                  "backend cannot be made for another device: install a cache of that device")
+        if cache.mode != "normal":
+            raise PlanMiss(f"{_name(state)}: {detail}")
+        _plan_with_fe(graph, cache, state, "other_device", detail)
+        return original(graph, *args, **kwargs)
     if plan is not None:
         state.served = True
         return None

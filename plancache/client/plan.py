@@ -57,12 +57,15 @@ class _Expect:
             return value
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where} must be a torch.Tensor, not {type(value).__name__}")
+        if self.dims is None or self.strides is None:
+            raise ValueError(f"{where}: the loaded plan does not tell its dims and strides, so the tensor cannot be "
+                             "checked and the plan is not run (give the tensor's dims and strides in the graph)")
         if self.dtype is not None and value.dtype != self.dtype:
             raise ValueError(f"{where}: dtype {value.dtype}, the plan needs {self.dtype}")
-        if self.dims is not None and tuple(value.shape) != self.dims:
+        if tuple(value.shape) != self.dims:
             raise ValueError(f"{where}: shape {tuple(value.shape)}, the plan needs {self.dims}")
         strides = value.stride()
-        if self.dims is not None and self.strides is not None and any(
+        if len(strides) != len(self.strides) or any(
                 d != 1 and s != want for d, s, want in zip(self.dims, strides, self.strides)):
             raise ValueError(f"{where}: strides {tuple(strides)}, the plan was built for {self.strides} "
                              f"(another memory layout; build it with torch.empty_strided or the matching memory_format)")
@@ -133,22 +136,27 @@ class Plan:
     # ------------------------------------------------------------ checks
 
     def _expectations(self, torch: Any) -> dict[int, _Expect]:
-        """What the plan needs of each non-virtual tensor, by canonical uid (dims/strides None where the
-        backend infers them)."""
+        """What the plan needs of each non-virtual tensor, by canonical uid: the dims and strides the spec
+        assigns, else those of the loaded plan (:meth:`BuiltPlanLike.layouts`, where FE inferred them);
+        None where neither tells, which :meth:`_Expect.check` refuses."""
         if self._expect is None:
             from ..spec import TORCH_DTYPES
 
             doc = self.spec.canonical_document()
             names = {u: n for n, u in doc.io_names().items()}
+            real: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
             expect = {}
             for role, tensors in (("input", doc.input_tensors()), ("output", doc.output_tensors())):
                 for t in tensors:
-                    known = role == "input" or t.dim_assigned
+                    dims = tuple(t.dim) if (role == "input" or t.dim_assigned) and t.dim else None
+                    strides = tuple(t.stride) if (role == "input" or t.stride_assigned) and t.stride else None
+                    if (dims is None or strides is None) and not t.is_pass_by_value:
+                        real = self._built.layouts() if real is None else real
+                        if t.uid in real:
+                            dims, strides = dims or real[t.uid][0], strides or real[t.uid][1]
                     dtype = TORCH_DTYPES.get(doc.data_type_of(t))
-                    expect[t.uid] = _Expect(
-                        names.get(t.uid, ""), t.uid, role, tuple(t.dim) if known and t.dim else None,
-                        tuple(t.stride) if (role == "input" or t.stride_assigned) and t.stride else None,
-                        getattr(torch, dtype) if dtype else None, t.is_pass_by_value)
+                    expect[t.uid] = _Expect(names.get(t.uid, ""), t.uid, role, dims, strides,
+                                            getattr(torch, dtype) if dtype else None, t.is_pass_by_value)
             self._expect = expect
         return self._expect
 
@@ -184,9 +192,6 @@ class Plan:
             raise ValueError(f"workspace must be a contiguous tensor on {self._backend.device}")
         return workspace
 
-    def _new_workspace(self, torch: Any) -> Any:
-        return torch.empty(max(self.workspace_size, 1), dtype=torch.uint8, device=self._backend.device)
-
     def _stream_of(self, stream: Any) -> Any:
         if stream is None:
             return self._backend.current_stream()
@@ -203,11 +208,14 @@ class Plan:
         not be the thread's current device) — asynchronous, like torch ops.
 
         Tensors are given by name, as keywords (``X=x, W=w, Y=y``), or in a mapping by name or by uid
-        (for names that are not identifiers, or unnamed tensors). Every input and output is required; each is checked against the
-        spec (dtype, shape, strides of non-unit dims, device, 16-byte alignment) before the launch,
-        with a ``ValueError``/``TypeError`` naming the tensor. Pass-by-value scalars may be python
+        (for names that are not identifiers, or unnamed tensors). Every input and output is required; each is checked
+        before the launch against the spec and, for what the spec leaves to FE, the loaded plan's own layout (dtype,
+        shape, strides of non-unit dims, device, 16-byte alignment: together the bytes the plan reads or writes), with
+        a ``ValueError``/``TypeError`` naming the tensor. Pass-by-value scalars may be python
         floats or one-element float32 CPU tensors. ``workspace``: your own (at least
-        :attr:`workspace_size` bytes); otherwise the plan's, allocated once per stream and reused.
+        :attr:`workspace_size` bytes, used on ``stream``: keep it alive until that work is done, as torch asks of a
+        tensor used on a stream other than its own); otherwise the plan's, allocated once on each stream it runs on
+        and reused there.
         """
         torch = _torch()
         pack = self._bind(tensors, named, torch)
@@ -217,8 +225,8 @@ class Plan:
         else:
             key = id(run_on) if not hasattr(run_on, "cuda_stream") else int(run_on.cuda_stream)
             ws = self._workspaces.get(key)
-            if ws is None:
-                ws = self._workspaces[key] = self._new_workspace(torch)
+            if ws is None:  # allocated on the stream it runs on: its memory is never handed to another stream early
+                ws = self._workspaces[key] = self._backend.new_workspace(self.workspace_size, run_on)
         with self._lock, self._backend.on_device():  # launched on the plan's device, whichever is current here
             self._backend.set_stream(run_on)
             self._built.execute(pack, ws, self._backend.handle)
@@ -236,11 +244,12 @@ class Plan:
         """
         torch = _torch()
         pack = self._bind(tensors, named, torch)
-        ws = self._check_workspace(workspace, torch) if workspace is not None else self._new_workspace(torch)
+        caller = self._backend.current_stream()
+        ws = self._check_workspace(workspace, torch) if workspace is not None else \
+            self._backend.new_workspace(self.workspace_size, caller)  # the stream its replays run on
         device = self._backend.device
         handle = self._backend.handle
         with self._backend.on_device(), self._lock:
-            caller = self._backend.current_stream()
             side = torch.cuda.Stream(device=device)
             side.wait_stream(caller)
             try:

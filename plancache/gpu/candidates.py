@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cudnn.engines.engine_ids import is_python_engine
 
 from ..canonical import canonical_json
 from ..environment import device_selector
@@ -67,9 +68,17 @@ def default_processes(cores: int | None = None) -> int:
     return 0 if cores < 4 else min(MAX_DEFAULT_PROCESSES, max(cores - 4, cores // 2))
 
 
+#: Why a python-engine candidate is recorded unbuilt (FE 1.32 offers them by default for some SDPA and norm graphs).
+PYTHON_ENGINE_REFUSED = ("not built: a python-engine (CuTe DSL) plan; FE serializes it as CUDNN_FE_PYPLAN, which loads "
+                         "only into an empty pygraph, never into the caller's graph that the client and the hook load into")
+
+
 def build_serialized(graph: Any, index: int) -> BuiltCandidate:
-    """Build candidate ``index`` of a prepared graph and serialize it; a candidate cuDNN declines is data."""
+    """Build candidate ``index`` of a prepared graph and serialize it; a candidate cuDNN declines is data, and so is
+    a python-engine candidate, never built (:data:`PYTHON_ENGINE_REFUSED`)."""
     engine_id, knobs, name = plan_identity(graph, index)
+    if engine_id is not None and is_python_engine(engine_id):
+        return BuiltCandidate(index, engine_id, knobs, name, None, 0, 0.0, PYTHON_ENGINE_REFUSED)
     t0 = time.perf_counter()
     try:
         graph.build_plan_at_index(index)

@@ -122,6 +122,28 @@ class BuiltPlan:
     def serialize(self) -> bytes:
         return bytes(self.graph.serialize(as_bytes=True))
 
+    def layouts(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Dims and strides of the spec's non-virtual tensors as the loaded graph holds them: the lowered cuDNN
+        graph's (a blob's own, after cuDNN's layout inference; a blob loaded into an empty graph has no other),
+        else FE's Python IR's (a python-engine plan); a tensor neither tells is left out."""
+        lowered = getattr(self.graph, "_lowered_graph", None)
+        ir = getattr(self.graph, "_tensor_by_uid", None) or {}
+        out = {}
+        for doc in self.spec.input_tensors() + self.spec.output_tensors():
+            dims: Any = None
+            strides: Any = None
+            if lowered is not None:
+                try:
+                    t = lowered.query_tensor_attributes_of_uid(doc.uid)
+                    dims, strides = t.get_dim(), t.get_stride()
+                except Exception:  # noqa: BLE001 - cuDNN's graph does not hold this uid: the IR may
+                    pass
+            if not dims and doc.uid in ir:
+                dims, strides = ir[doc.uid].dim, ir[doc.uid].stride
+            if dims and strides and len(dims) == len(strides):
+                out[doc.uid] = (tuple(int(d) for d in dims), tuple(int(s) for s in strides))
+        return out
+
 
 def plan_identity(graph: Any, index: int) -> tuple[int | None, dict[str, int], str]:
     """``(engine_id, knobs, plan name)`` of candidate ``index`` (None / {} where the backend exposes none)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from plancache.spec import parse_spec
-from tests.gpu_util import requires_gpu
+from tests.gpu_util import loaded_engine_id, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -44,36 +44,46 @@ def test_autotune_matches_reference_and_serializes(tuned, name):
     assert hashlib.sha256(t.blob).hexdigest() == t.sha256 and len(t.blob) > 0
     assert t.engine_id is not None
     assert t.environment.sm >= 70 and t.environment.cudnn_version > 0
-    if t.heuristic_median_ms is not None:
-        assert t.winner_median_ms <= t.heuristic_median_ms * 1.01
+    # the winner against FE's own choice is measured independently: test_fresh_process_deserializes_and_runs_the_winner
     print(f"\n{name}: {len(t.candidates)} candidates, {len(ok)} ok, winner #{t.winner_index} {t.winner_median_ms:.4f} ms, "
           f"heuristic #{t.heuristic_index} {t.heuristic_median_ms} ms, worst {t.worst_median_ms} ms, "
           f"tuning {t.tuning_seconds:.2f} s (build {t.build_seconds:.2f} s, timing {t.timing_seconds:.2f} s)")
 
 
+def gpu_child(*args: str) -> dict:
+    """tests/gpu_child.py in a fresh process (its own CUDA context: no timing shares a process with the tuner)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_child.py"), *args], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+#: The reloaded winner may be this much slower than FE's own heuristic build, both timed in fresh processes
+#: (medians of 50; timing noise of a few microseconds on kernels of tens of microseconds).
+BASELINE_SLACK = 1.10
+BASELINE_SLACK_MS = 0.003
+
+
 @pytest.mark.parametrize("name", SEEDS)
 def test_fresh_process_deserializes_and_runs_the_winner(tuned, name, tmp_path):
+    """The winner reloads in a fresh process, cuDNN reports the recorded engine for the loaded plan, its numerics
+    pass, and it is no slower than what FE's own heuristics build for the same graph (timed in another fresh
+    process: a baseline independent of the tuner's own numbers)."""
     from plancache.gpu.reference import TOLERANCE
 
     spec, t = tuned[name]
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_json()))
     (tmp_path / "plan.blob").write_bytes(t.blob)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_child.py"), str(tmp_path / "spec.json"),
-                           str(tmp_path / "plan.blob")], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = gpu_child(str(tmp_path / "spec.json"), str(tmp_path / "plan.blob"))
+    fe = gpu_child("--heuristic", str(tmp_path / "spec.json"))
     assert set(res["errors"]) == {str(o.uid) for o in spec.output_tensors()}
     for uid, err in res["errors"].items():
         assert err <= TOLERANCE[spec.data_type_of(spec.tensor(int(uid)))], (uid, err)
-    print(f"\n{name}: fresh-process deserialize {res['deserialize_ms']:.1f} ms, reloaded {res['median_ms']:.4f} ms, "
-          f"winner {t.winner_median_ms:.4f} ms, heuristic {t.heuristic_median_ms} ms")
-    heur = t.heuristic_median_ms
-    if heur is not None and t.winner_index != t.heuristic_index and heur > 1.15 * t.winner_median_ms:
-        # The reloaded plan is the winner, not the heuristic's choice: its time is nearer the winner's.
-        assert abs(res["median_ms"] - t.winner_median_ms) < abs(res["median_ms"] - heur)
-    else:
-        assert res["median_ms"] <= max(t.winner_median_ms, heur or 0) * 1.25
+    assert res["engine_id"] == t.engine_id, f"cuDNN reports engine {res['engine_id']} for the loaded plan"
+    print(f"\n{name}: fresh-process deserialize {res['deserialize_ms']:.1f} ms, reloaded winner {res['median_ms']:.4f} ms "
+          f"(engine {res['engine_id']}), FE's own heuristic build {fe['median_ms']:.4f} ms (engine {fe['engine_id']})")
+    assert res["median_ms"] <= fe["median_ms"] * BASELINE_SLACK + BASELINE_SLACK_MS
 
 
 @pytest.mark.parametrize("name", SEEDS)
@@ -88,7 +98,7 @@ def test_heuristic_and_engine_config_builds_match_reference(tuned, name):
     dev = torch.device("cuda", 0)
     heuristic = gpu.build_heuristic(spec, handle)
     rebuilt = gpu.build_engine_config(spec, handle, t.engine_id, t.knobs)
-    assert rebuilt.engine_id == t.engine_id
+    assert loaded_engine_id(rebuilt.graph) == t.engine_id  # read back from cuDNN, not the record's own field
     for seed, plan in enumerate((heuristic, rebuilt), start=3):
         _, check = run_and_check(plan, handle, dev, seed=seed)  # raises TuningError past the tolerance
         assert check == "reference"
@@ -282,3 +292,24 @@ def test_a_cancelled_tuning_stops_at_its_next_candidate_and_a_build_past_its_lim
         with pytest.raises(TuningError, match="build timed out after 0.001 s"):
             gpu.autotune(spec, repeats=3, builders=pool)
         assert pool._pool.restarts >= 1
+
+
+@pytest.mark.parametrize("name", SEEDS)
+def test_a_blob_loaded_into_an_empty_graph_tells_its_outputs_real_layouts(tuned, name):
+    """``Plan.execute`` checks an output whose layout FE inferred against the loaded plan's own layout: a blob
+    deserialized without the spec's graph must still tell every tensor's dims and strides (cuDNN's own graph)."""
+    import torch
+
+    from plancache import gpu
+
+    spec, t = tuned[name]
+    with torch.cuda.device(0):
+        handle = gpu.create_handle(0)
+        plan = gpu.deserialize_plan(spec, t.blob, handle)
+        real = plan.layouts()
+    for doc in spec.input_tensors() + spec.output_tensors():
+        if doc.is_pass_by_value:
+            continue
+        assert doc.uid in real, f"{name}: the loaded plan does not tell the layout of {doc.name or doc.uid}"
+        if doc.dim_assigned:
+            assert real[doc.uid][0] == tuple(doc.dim), (name, doc.name, real[doc.uid])

@@ -213,3 +213,33 @@ def test_two_caches_in_one_process_on_two_devices_stay_apart(served, tmp_path):
             assert_within_tolerance(spec, result[key]["eager"], f"{name} eager on device {device}")
             assert_within_tolerance(spec, result[key]["replay"], f"{name} replayed on device {device}")
             assert f"the plan runs on cuda:{device}" in result[key]["other_device_refused"], (name, result)
+
+
+def test_the_hook_serves_a_graph_of_device_1_from_a_cache_of_device_1(served, tmp_path):
+    """FE's ops build a graph with the handle of its tensors' device: with the hook's cache on device 0, a norm on
+    ``cuda:1`` misses in a cache the hook made for device 1 (FE builds it, its spec captured); tuned on device 1 and
+    published, a strict process then gets both graphs from the server through that device-1 cache, none through
+    device 0's and none built by FE."""
+    from plancache.client.capture import read_capture
+
+    srv, root, pub, _, _ = served
+    common = ("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(pub))
+    first = child("hook", "--mode", "normal", "--cache", str(tmp_path / "first"), *common,
+                  PLANCACHE_CAPTURE=str(tmp_path / "capture.json"))
+    assert set(first["caches"]) == {"0", "1"} and first["current_device"] == 0, first
+    assert first["caches"]["1"]["misses"] == 2 and first["caches"]["0"]["fe_builds"] == {"miss": 2}, first
+    signer = Signer.from_file(root / "keys" / "plancache.key")  # the served fixture's signing key
+    captured = [spec for spec, _ in read_capture(tmp_path / "capture.json")]
+    assert len(captured) == 2
+    for n, spec in enumerate(captured):
+        path = tmp_path / f"captured-{n}.json"
+        path.write_text(json.dumps(spec.to_json()))
+        out = tmp_path / f"tuned-{n}"
+        child("tune", "--device", "1", "--out", str(out), str(path))
+        meta = PlanMeta.model_validate_json((out / "meta.json").read_text())
+        srv.store.publish_plan(signer.sign(meta), (out / "blob").read_bytes())
+    second = child("hook", "--mode", "strict", "--cache", str(tmp_path / "second"), *common)
+    assert second["caches"]["1"]["hits"] == {"server": 2} and second["caches"]["0"]["hits"] == {}, second
+    assert second["caches"]["0"]["fe_builds"] == {}, second
+    for what, run in (("normal", first), ("strict", second)):
+        assert all(e <= 2e-2 for e in run["errors"].values()), (what, run["errors"])

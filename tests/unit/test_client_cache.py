@@ -280,6 +280,18 @@ def test_fetch_lock_files_unused_for_an_hour_are_removed_by_a_scan(tmp_path):
     held.release()
 
 
+def test_the_revisions_lock_is_never_removed_by_a_scan(tmp_path):
+    """Deleted after an hour idle, a process still holding the old file's lock and one creating a new file of its
+    name would both enter a revision's read-compare-write, and the floor could be lowered."""
+    cache = DiskCache(tmp_path, H200, max_bytes=1 << 30)
+    cache.accept_revision(KEY, 3, background=False)
+    lock = cache.dir / ".revisions.lock"
+    os.utime(lock, (time.time() - 48 * 3600,) * 2)
+    cache.size()
+    cache.evict()
+    assert lock.exists()
+
+
 def test_plancache_opens_the_cache_with_its_settings(tmp_path):
     from plancache.client import PlanCache
     from plancache.settings import Settings

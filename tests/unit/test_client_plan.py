@@ -71,6 +71,9 @@ def test_workspace_is_allocated_once_per_stream_and_the_stream_set_only_when_it_
     assert workspaces[0] is workspaces[1] is workspaces[2] is workspaces[4]
     assert workspaces[3] is not workspaces[0]
     assert backend.streams_set == [backend.stream, other, backend.stream]
+    # Each allocated on the stream it runs on (allocated on the current stream, a workspace used on another could be
+    # handed to the current stream's next allocation while the other stream still ran on it).
+    assert backend.workspaces == [(4096, backend.stream), (4096, other)]
 
 
 def test_a_callers_workspace_is_used_and_checked():
@@ -200,3 +203,50 @@ def test_a_spec_of_the_same_graph_with_other_names_gets_the_loaded_plan_with_its
         one.execute(X=x, W=w, Y=y)
         assert one._built.executions[-1][0][port_a] is x
         assert cache.stats().misses == 1 and len(cache._backend.calls) == 1
+
+
+def inferred_output_matmul():
+    """A ``[1, 256, 64] @ [1, 64, 128]`` matmul whose output ``Y`` carries no dims or strides, as a graph captured
+    before FE inferred them (``PlanCache.build(graph)``, the hook) holds it."""
+    from plancache.spec import parse_spec
+
+    b = SpecBuilder(io_data_type="bfloat16", name="inferred_matmul")
+    b.matmul(b.tensor("X", dim=[1, 256, 64]), b.tensor("W", dim=[1, 64, 128])).set_output(True).set_name("Y")
+    doc = b.build().to_json()
+    for t in doc["tensors"]:
+        if t["name"] == "Y":
+            t.update(dim=[], stride=[], dim_assigned=False, stride_assigned=False)
+    return parse_spec(doc)
+
+
+def test_an_output_whose_layout_fe_inferred_is_checked_against_the_loaded_plan():
+    """The issue's reproduction: a one-element ``Y`` was accepted for a ``[1, 256, 128]`` matmul (cuDNN would write
+    64 KiB into a 2-byte buffer). The output's layout comes from the loaded plan's graph."""
+    spec = inferred_output_matmul()
+    uid = spec.canonical_document().io_names()
+    real = {uid["Y"]: ((1, 256, 128), (256 * 128, 128, 1))}
+    built = FakeBuiltPlan(spec.canonical_document(), "test", real_layouts=real)
+    plan = Plan(spec, spec.graph_key, built, RecordingBackend(), source="server", lock=threading.Lock())
+    bf = torch.bfloat16
+    x, w = torch.randn(1, 256, 64).to(bf), torch.randn(1, 64, 128).to(bf)
+    with pytest.raises(ValueError, match=r"output tensor 'Y': shape \(1,\), the plan needs \(1, 256, 128\)"):
+        plan.execute(X=x, W=w, Y=torch.empty(1, dtype=bf))
+    with pytest.raises(ValueError, match=r"'Y': strides \(32768, 1, 256\), the plan was built for \(32768, 128, 1\)"):
+        plan.execute(X=x, W=w, Y=torch.empty(1, 128, 256, dtype=bf).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"output tensor 'Y': shape \(2, 256, 128\), the plan needs"):
+        plan.capture(X=x, W=w, Y=torch.empty(2, 256, 128, dtype=bf))
+    assert built.executions == []
+    plan.execute(X=x, W=w, Y=torch.empty(1, 256, 128, dtype=bf))
+    assert len(built.executions) == 1
+
+
+def test_an_output_whose_layout_the_loaded_plan_cannot_tell_is_refused_by_name():
+    spec = inferred_output_matmul()
+    built = FakeBuiltPlan(spec.canonical_document(), "test", real_layouts={})
+    plan = Plan(spec, spec.graph_key, built, RecordingBackend(), source="server", lock=threading.Lock())
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="output tensor 'Y': the loaded plan does not tell its dims and strides"):
+        plan.execute(X=torch.randn(1, 256, 64).to(bf), W=torch.randn(1, 64, 128).to(bf),
+                     Y=torch.empty(1, 256, 128, dtype=bf))
+    assert built.executions == []
+    assert plan.tensor_names() == ["W", "X", "Y"]

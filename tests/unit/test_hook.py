@@ -277,3 +277,111 @@ def test_an_fe_without_a_pipeline_method_is_refused_at_install_and_left_untouche
             hook.install(cache)
         assert dict(vars(cudnn.pygraph)) == before and hook._cache is None
     hook.uninstall()
+
+
+# ------------------------------------------------------------------ one cache per device
+
+
+def on_cuda(cache: PlanCache, device: int = 0) -> PlanCache:
+    """``cache`` with its recording backend on ``cuda:<device>`` (a torch device: no GPU needed)."""
+    import torch
+
+    cache._backend.device = torch.device("cuda", device)
+    return cache
+
+
+def test_a_graph_of_another_device_is_served_by_a_cache_of_that_device(tmp_path, signer):
+    """FE's ops build each graph with the handle of its tensors' device: a graph of ``cuda:1`` was checked against
+    device 0's environment and loaded with device 0's backend."""
+    cache = on_cuda(make_cache(tmp_path, signer))
+    g0, _ = rmsnorm()
+    g0._handle = cudnn.Handle(0x1000, 0)
+    g1, _ = rmsnorm()
+    g1._handle = cudnn.Handle(0x2000, 1)
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(g0)
+        five_steps(g1)
+        made = hook.caches()
+        assert set(made) == {0, 1} and made[0] is cache
+        assert str(made[1]._backend.device) == "cuda:1" and made[1].environment == cache.environment
+        assert cache._backend.deserialized == [BLOB] and made[1]._backend.deserialized == [BLOB]
+        assert made[1].stats().hits == {"disk": 1} and cache.stats().hits == {"disk": 1}
+    assert hook.caches() == {}  # closed with the hook
+
+
+@pytest.mark.parametrize("mode", ["normal", "strict"])
+def test_a_graph_of_another_device_is_refused_where_no_cache_can_be_made_for_it(tmp_path, signer, mode):
+    cache = on_cuda(make_cache(tmp_path, signer, mode=mode))
+    cache._backend.for_device = None  # a backend of one device only
+    g, _ = rmsnorm()
+    g._handle = cudnn.Handle(0x2000, 1)
+    with hook.installed(cache, graph_class=StageGraph):
+        if mode == "strict":
+            with pytest.raises(PlanMiss, match="built for cuda:1, the cache serves cuda:0"):
+                five_steps(g)
+            return
+        five_steps(g)
+    assert cache.stats().fe_builds == {"other_device": 1} and cache._backend.deserialized == []
+    assert [s[0] for s in g.stages][2:] == ["create_execution_plans", "check_support", "build_plans"]
+
+
+# ------------------------------------------------------------------ workspace cap, the hook's own errors
+
+
+@pytest.mark.parametrize("mode", ["normal", "strict"])
+def test_a_served_plan_over_the_workspace_cap_is_refused_before_it_is_loaded(tmp_path, signer, monkeypatch, mode):
+    monkeypatch.setenv("PLANCACHE_HOOK_MAX_WORKSPACE_BYTES", "1000")
+    cache = make_cache(tmp_path, signer, mode=mode)  # its record needs 1024 bytes
+    g, _ = rmsnorm()
+    with hook.installed(cache, graph_class=StageGraph):
+        if mode == "strict":
+            with pytest.raises(PlanMiss, match=r"disk: rejected \(workspace\)"):
+                five_steps(g)
+        else:
+            five_steps(g)
+    stats = cache.stats()
+    assert stats.rejects == {"workspace": 1} and cache._backend.deserialized == []
+    assert ("engine_config", from_pygraph(rmsnorm()[0]).graph_key) not in cache._backend.calls  # nor rebuilt
+    if mode == "normal":
+        assert stats.fe_builds == {"miss": 1} and [s[0] for s in g.stages][-1] == "build_plans"
+
+
+def test_the_workspace_cap_admits_a_plan_within_it(tmp_path, signer, monkeypatch):
+    monkeypatch.setenv("PLANCACHE_HOOK_MAX_WORKSPACE_BYTES", "1024")
+    cache = make_cache(tmp_path, signer)
+    with hook.installed(cache, graph_class=StageGraph):
+        five_steps(rmsnorm()[0])
+    assert cache.stats().hits == {"disk": 1}
+
+
+@pytest.mark.parametrize("where", ["serve", "prepare_graph"])
+def test_an_error_of_the_hooks_own_leaves_the_graph_to_fe_logged_once(tmp_path, signer, monkeypatch, caplog, where):
+    cache = make_cache(tmp_path, signer)
+    monkeypatch.setattr(hook, "_error_logged", False)
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("a bug of the hook")
+
+    monkeypatch.setattr(cache if where == "serve" else cache._backend, where, boom)
+    graphs = [rmsnorm()[0], rmsnorm()[0]]
+    with caplog.at_level("WARNING", logger="plancache.client"), hook.installed(cache, graph_class=StageGraph):
+        for g in graphs:
+            five_steps(g)  # raised KeyError from build_plans / validate
+    assert cache.stats().fe_builds == {"error": 2}
+    for g in graphs:
+        assert [s[0] for s in g.stages] == ["validate", "build_operation_graph", "create_execution_plans",
+                                            "check_support", "build_plans"]
+    assert [r.message for r in caplog.records if "the hook failed" in r.message] == [
+        "plancache: the hook failed (KeyError: 'a bug of the hook'); FE builds such graphs itself, counted in "
+        "stats().fe_builds['error'] (logged once)"]
+
+
+def test_an_error_of_the_hooks_own_is_raised_in_strict_mode(tmp_path, signer, monkeypatch):
+    cache = make_cache(tmp_path, signer, mode="strict")
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("a bug of the hook")
+
+    monkeypatch.setattr(cache, "serve", boom)
+    with hook.installed(cache, graph_class=StageGraph), pytest.raises(KeyError, match="a bug of the hook"):
+        five_steps(rmsnorm()[0])
