@@ -215,20 +215,24 @@ def _graph_cache_fn(seed: int = 5) -> dict[str, float]:
 
 
 def _torch_sdpa(seed: int = 6) -> dict[str, float]:
-    from cudnn.torch import calls
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from plancache.client import sdpa
+
     q, k, v, do = _qkv(2, 8, 8, 384, 384, 64, seed)
-    before = dict(calls)
+    before = sdpa.stats()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o.backward(do)
-    if calls["fwd"] == before["fwd"]:
-        raise RuntimeError(f"FE's SDPA provider served no call (torch {torch.__version__}, counters {dict(calls)})")
+    after = sdpa.stats()
+    served = {k: after.get(k, 0) - before.get(k, 0) for k in ("fwd", "bwd")}
+    if not served["fwd"] or not served["bwd"]:
+        raise RuntimeError(f"plancache's attention route did not serve the call (torch {torch.__version__}, "
+                           f"counters {after})")
     ro, rdq, rdk, rdv = _attention_ref(q, k, v, do, _mask(2, 384, 384, causal=True), 64 ** -0.5)
     assert q.grad is not None and k.grad is not None and v.grad is not None
     return {"O": _err(o, ro), "dQ": _err(q.grad, rdq), "dK": _err(k.grad, rdk), "dV": _err(v.grad, rdv),
-            "provider_fwd_calls": calls["fwd"] - before["fwd"], "provider_bwd_calls": calls["bwd"] - before["bwd"]}
+            "route_fwd_calls": served["fwd"], "route_bwd_calls": served["bwd"]}
 
 
 def _cuda_graph_replay(seed: int = 7) -> dict[str, float]:
@@ -343,7 +347,7 @@ def main() -> None:
                                       if v != before.fe_builds.get(k, 0)}
     print(json.dumps({"paths": out, "stats": cache.stats().as_dict() if cache is not None else None,
                       "ready_ms": ready_ms, "torch": torch.__version__,
-                      "sdpa_route": plancache.torch.installed_route()}))
+                      "sdpa_route": plancache.torch.sdpa_stats()}))
     if cache is not None:
         cache.close()
 
