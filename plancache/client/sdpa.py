@@ -55,7 +55,7 @@ _UID = {"q": 1, "k": 2, "v": 3, "bias": 4, "o": 100, "stats": 101, "dO": 200, "d
 _ALIGNMENT = 16
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Executor:
     """A loaded plan of one configuration and how to feed it."""
 
@@ -63,6 +63,7 @@ class _Executor:
     uids: tuple[int, ...]  # canonical uids, in the order of the call's buffers
     workspace: int
     out_strides: tuple[int, ...]  # the forward's output layout (torch's meta kernel's); () for the backward
+    ordered: bool = True  # FE's ordered execute; False once it refused this graph (then by uid mapping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +277,16 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
     import torch
 
     handle = route.handle()
-    workspace = torch.empty(ex.workspace, dtype=torch.uint8, device=route.device) if ex.workspace else None
-    ex.graph.execute(buffers, workspace, handle=handle, tensor_uids=ex.uids)
+    workspace = torch.empty(max(ex.workspace, 1), dtype=torch.uint8, device=route.device)
+    if ex.ordered:
+        try:
+            ex.graph.execute(buffers, workspace, handle=handle, tensor_uids=ex.uids)
+            return
+        except (ValueError, KeyError, TypeError) as exc:  # refused while binding, before any launch
+            log.info("plancache: FE's ordered execute refused a loaded attention plan (%s); binding by uid", exc)
+            ex.ordered = False
+            route.count("unordered")
+    ex.graph.execute(dict(zip(ex.uids, buffers)), workspace, handle=handle)
 
 
 def _misaligned(*tensors: Any) -> bool:

@@ -262,3 +262,21 @@ def test_the_route_can_be_left_off(tmp_path):
         assert not sdpa.installed()
     finally:
         plancache.torch.uninstall()
+
+
+def test_a_graph_that_refuses_ordered_execution_is_bound_by_uid_from_then_on(route, monkeypatch):
+    backend, _ = route
+    calls: list[Any] = []
+
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        calls.append("ordered" if tensor_uids is not None else dict(buffers))
+        if tensor_uids is not None:
+            raise ValueError("The graph has no operand layout for ordered execution")
+
+    monkeypatch.setattr(FakeGraph, "execute", execute)
+    q, k, v = qkv()
+    o = forward(q, k, v)[0]
+    forward(q, k, v)
+    canonical = backend.specs[0].canonical_uids()
+    assert calls[0] == "ordered" and calls[1][canonical[1]] is q and calls[1][canonical[100]] is o
+    assert calls[2] != "ordered" and len(calls) == 3 and sdpa.stats()["unordered"] == 1
