@@ -201,6 +201,7 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     warm: Path | None = None  # the hook fetches the plans of every graph of this capture file at install
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
+    index_url: str | None = None  # a published static index (plancache index publish) read before the server
 
 
 class AdminSettings(ConnectionSettings, AdminTokenSettings):
