@@ -1,0 +1,275 @@
+"""Start-up storms from the signed static index (``plancache index publish``) against today's API path.
+
+    python bench/index_storm.py [--blobs] [--s3 | --static http.server|asyncio] [--rates 32,128,512]
+                                [--api-rates 32,128,512] [--duration 5] [--plans N] [--shard-plans 64] [--out FILE]
+
+The 49-graph workload (``bench/workload.py``, 64 KiB blobs) is stored and signed as in ``bench/storm.py`` (SQLite), and
+published as a static index into a folder (or, with ``--s3``, a bucket of moto's S3 server), with ``--plans`` more
+signed records of other graph keys beside them (a larger store: more shards; their blobs are not written). The folder
+is served by a plain static file server (``bench/static_server.py``: Python's ``http.server``, threads, keep-alive;
+or ``--static asyncio``, a small event-loop one), moto serves the bucket. A start-up from the index is what a fresh
+client process GETs: the environment's root, the shards of its 49 keys and, with ``--blobs``, the 49 blobs, on new
+keep-alive connections (one, then up to 8 at once for shards and blobs, as the client), each answer's status and
+length checked; the client's own work (parsing, signature
+checks) is per host and left out, as ``bench/storm.py`` leaves it out. The API path is ``bench/storm.py``'s start-up
+against one ``plancache serve`` process on the same store: one resolve of the 49 keys, records only without
+``--blobs`` (the blobs from elsewhere: the index path's GETs of root and shards stand against it), blobs inline with
+``--blobs``. The API server runs during the index storms too, idle: its CPU seconds then are reported (goal 0), and
+the static server's. Per rate: p50/p99/max from the scheduled arrival to the last byte, failures; then the highest
+rate with p99 <= 1 s and no failure for each path, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import h11  # noqa: E402
+import httpx  # noqa: E402
+
+from bench.load_server import ENV, HOST, database, server  # noqa: E402
+from bench.report import percentile  # noqa: E402
+from bench.storm import (  # noqa: E402
+    DEADLINE_S,
+    FETCH_AT_ONCE,
+    P99_GOAL_S,
+    TIMEOUT_S,
+    cpu_seconds,
+    moto_bucket,
+    seed,
+    server_pid,
+)
+from bench.storm import storm as api_storm  # noqa: E402
+from plancache.blobs.base import shard  # noqa: E402
+from plancache.index import FolderTarget, ObjectTarget, build_index, root_path  # noqa: E402
+from plancache.protocol import PlanRecord  # noqa: E402
+from plancache.signing import Signer  # noqa: E402
+from plancache.store import open_store  # noqa: E402
+from tests.factories import make_record  # noqa: E402
+
+
+def publish(url: str, keys: list[str], signer: Signer, target: FolderTarget | ObjectTarget, extra: int,
+            shard_plans: int) -> None:
+    """The index of the store's plans on ``ENV`` (and ``extra`` more signed records, blobs not written) in ``target``."""
+    with open_store(url) as store:
+        records = [r for _, r in store.plan_records(ENV, keys).values()]
+        for r in records:
+            target.blobs.put(r.blob_sha256, store.get_blob(r.blob_sha256) or b"")
+    filler = [make_record(os.urandom(32).hex(), ENV, os.urandom(16), signer) for _ in range(extra)]
+    root, shards = build_index(ENV, [*records, *filler], signer, version=1, shard_plans=shard_plans)
+    for name, data in shards.items():
+        target.write(name, data)
+    target.write(root_path(ENV.env_id), root)
+
+
+def start_up_paths(get: Any, keys: list[str], prefix: str) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """``(root and shards, blobs)`` a start-up of ``keys`` GETs, as ``(path, size)``; ``get(name)`` reads a file."""
+    root = json.loads(get(root_path(ENV.env_id)))
+    length = root["header"]["prefix_length"]
+    wanted = {k[:length] for k in keys}
+    meta = [(f"{prefix}/{root_path(ENV.env_id)}", len(get(root_path(ENV.env_id))))]
+    records: list[PlanRecord] = []
+    for ref in root["shards"]:
+        if ref["prefix"] in wanted:
+            name = f"index/{ENV.env_id}/shards/{ref['sha256']}.json"
+            meta.append((f"{prefix}/{name}", ref["size"]))
+            records += [PlanRecord.model_validate(p) for p in json.loads(get(name))["plans"] if p["graph_key"] in keys]
+    assert len(records) == len(keys), "every key is in the index"
+    return meta, [(f"{prefix}/{shard(r.blob_sha256)}", r.blob_size) for r in records]
+
+
+class Connection:
+    """One keep-alive connection of a start-up (plain HTTP, h11)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.conn = h11.Connection(h11.CLIENT)
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def get_all(self, paths: list[tuple[str, int]]) -> bool:
+        """GET each of ``paths`` in turn; True when each answer is 200 of its size."""
+        if self.streams is None:
+            self.streams = await asyncio.open_connection(self.host, self.port)
+        return await _get_all(self.host, self.port, self.conn, *self.streams, paths)
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+
+
+async def _get_all(host: str, port: int, conn: h11.Connection, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter, paths: list[tuple[str, int]]) -> bool:
+    headers = [("Host", f"{host}:{port}"), ("Accept", "*/*"), ("Accept-Encoding", "identity"),
+               ("User-Agent", f"python-httpx/{httpx.__version__}")]
+    for path, size in paths:
+        writer.write(b"".join(conn.send(e) or b"" for e in (h11.Request(method="GET", target=path, headers=headers),
+                                                            h11.EndOfMessage())))
+        status, got = 0, 0
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(1 << 16))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                got += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                return False
+        if status != 200 or got != size:
+            return False
+        conn.start_next_cycle()
+    return True
+
+
+async def lanes(pool: list[Connection], paths: list[tuple[str, int]]) -> bool:
+    """``paths`` over up to :data:`FETCH_AT_ONCE` connections of ``pool`` at once (kept alive, as httpx keeps them)."""
+    parts = [paths[i::FETCH_AT_ONCE] for i in range(min(FETCH_AT_ONCE, len(paths)))]
+    return all(await asyncio.gather(*(conn.get_all(part) for conn, part in zip(pool, parts))))
+
+
+async def index_start_up(host: str, port: int, meta: list[tuple[str, int]], blobs: list[tuple[str, int]]) -> bool:
+    """The root, then the shards, then the blobs, each step over connections kept alive from the one before."""
+    pool = [Connection(host, port) for _ in range(FETCH_AT_ONCE)]
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            return (await pool[0].get_all(meta[:1]) and await lanes(pool, meta[1:])
+                    and (not blobs or await lanes(pool, blobs)))
+    except (OSError, TimeoutError, h11.ProtocolError):
+        return False
+    finally:
+        for conn in pool:
+            conn.close()
+
+
+async def index_storm(host: str, port: int, meta: list[tuple[str, int]], blobs: list[tuple[str, int]], rate: float,
+                      duration: float) -> dict[str, Any]:
+    """Index start-ups arriving at ``rate`` for ``duration`` seconds (open loop)."""
+    t0 = time.perf_counter() + 0.05
+    latencies: list[float] = []
+    failed = 0
+
+    async def one(at: float) -> None:
+        nonlocal failed
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        ok = await index_start_up(host, port, meta, blobs)
+        latencies.append(time.perf_counter() - at)
+        failed += not ok
+
+    n = max(1, int(rate * duration))
+    await asyncio.gather(*(one(t0 + i / rate) for i in range(n)))
+    latencies.sort()
+    late = sum(x > DEADLINE_S for x in latencies)
+    return {"rate": rate, "start_ups": n, "p50_s": round(percentile(latencies, 0.5), 3),
+            "p99_s": round(percentile(latencies, 0.99), 3), "max_s": round(latencies[-1], 3), "failed": failed,
+            "later_than_deadline": late, "fallbacks": failed + late}
+
+
+@contextlib.contextmanager
+def static_server(folder: Path, kind: str) -> Iterator[tuple[str, int]]:
+    """``bench/static_server.py`` serving ``folder``: ``(base URL, pid)``."""
+    flags = ["--asyncio"] if kind == "asyncio" else []
+    with server([str(ROOT / "bench" / "static_server.py"), str(folder), *flags], dict(os.environ),
+                f"/{root_path(ENV.env_id)}") as base:
+        pid = int(subprocess.check_output(["pgrep", "-n", "-f", f"static_server.py {folder}"]).split()[0])
+        yield base, pid
+
+
+def sustained(rows: list[dict[str, Any]]) -> float | None:
+    return max((r["rate"] for r in rows if r["p99_s"] <= P99_GOAL_S and not r["fallbacks"]), default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blobs", action="store_true", help="start-ups fetch the 49 blobs too (API: inline)")
+    parser.add_argument("--s3", action="store_true", help="the index in a bucket of moto's S3 server, not a folder")
+    parser.add_argument("--static", choices=("http.server", "asyncio"), default="http.server",
+                        help="the static file server of the folder (bench/static_server.py)")
+    parser.add_argument("--rates", default="32,128,512")
+    parser.add_argument("--api-rates", default="32,128,512")
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--plans", type=int, default=0, help="signed records of other keys in the index")
+    parser.add_argument("--shard-plans", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    load = os.getloadavg()
+    with database(None) as (_, url), tempfile.TemporaryDirectory() as tmp, \
+            (moto_bucket() if args.s3 else contextlib.nullcontext(("", {}))) as (bucket_url, aws):
+        os.environ.update(aws)
+        keys, token = seed(url, Path(tmp) / "keys")
+        signer = Signer.from_file(Path(tmp) / "keys" / "storm.key")
+        folder = Path(tmp) / "pub"
+        target = ObjectTarget(bucket_url) if args.s3 else FolderTarget(folder)
+        publish(url, keys, signer, target, args.plans, args.shard_plans)
+
+        def read(name: str) -> bytes:
+            data = target.read(name, 1 << 30)
+            assert data is not None
+            return data
+
+        prefix = "/" + bucket_url.removeprefix("s3://") if args.s3 else ""
+        meta, blobs = start_up_paths(read, keys, prefix)
+        blobs = blobs if args.blobs else []
+        env = {**os.environ, "PLANCACHE_DATABASE_URL": url, "PLANCACHE_ADMIN_TOKEN": secrets.token_urlsafe(24)}
+        env.pop("PLANCACHE_OPEN_READS", None)
+        result: dict[str, Any] = {"blobs": args.blobs, "store": "s3 (moto)" if args.s3 else f"folder ({args.static})",
+                                  "graphs": len(keys), "index_plans": len(keys) + args.plans,
+                                  "shards_read": len(meta) - 1, "index_bytes_read": sum(n for _, n in meta),
+                                  "gets_per_start_up": len(meta) + len(blobs), "duration_s": args.duration,
+                                  "load_before": [round(x, 2) for x in load]}
+        with server(["-m", "plancache", "serve"], env, "/readyz") as api, \
+                (contextlib.nullcontext((aws["AWS_ENDPOINT_URL"], None)) if args.s3 else static_server(folder, args.static)) \
+                as (static, static_pid):
+            api_pid = server_pid(api)
+            host, port = HOST, int(static.rsplit(":", 1)[1])
+            asyncio.run(index_storm(host, port, meta, blobs, 4, 1))  # warm-up
+            rows = []
+            for rate in map(float, args.rates.split(",")):
+                cpu0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid) if static_pid else 0.0
+                row = asyncio.run(index_storm(host, port, meta, blobs, rate, args.duration))
+                row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - cpu0, 3)
+                if static_pid:
+                    row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / row["start_ups"], 5)
+                rows.append(row)
+                print("index", row, flush=True)
+            result["index"] = rows
+            run = {"inline": args.blobs, "fetch": args.blobs}
+            asyncio.run(api_storm([api], token, keys, 2, 1, **run))  # warm-up
+            rows = []
+            for rate in map(float, args.api_rates.split(",")):
+                cpu0 = cpu_seconds(api_pid)
+                row = asyncio.run(api_storm([api], token, keys, rate, args.duration, **run))
+                row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - cpu0) / row["start_ups"], 5)
+                rows.append(row)
+                print("api", row, flush=True)
+            result["api"] = rows
+    result["index_sustained_per_s"], result["api_sustained_per_s"] = sustained(result["index"]), sustained(result["api"])
+    if result["index_sustained_per_s"] and result["api_sustained_per_s"]:
+        result["ratio"] = round(result["index_sustained_per_s"] / result["api_sustained_per_s"], 1)
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "load_after": os.getloadavg()}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("index", "api")}))
+    if args.out:
+        merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+        where = "s3" if args.s3 else args.static
+        merged[f"{where}/{'blobs' if args.blobs else 'records'}/{len(keys) + args.plans}"] = result
+        args.out.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
