@@ -94,48 +94,49 @@ def start_up_paths(get: Any, keys: list[str], prefix: str) -> tuple[list[tuple[s
 
 
 class Connection:
-    """One keep-alive connection of a start-up (plain HTTP, h11)."""
+    """One keep-alive connection of a start-up (plain HTTP, h11), opened again when the server closes it."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
+        self.headers = [("Host", f"{host}:{port}"), ("Accept", "*/*"), ("Accept-Encoding", "identity"),
+                        ("User-Agent", f"python-httpx/{httpx.__version__}")]
         self.conn = h11.Connection(h11.CLIENT)
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def get_all(self, paths: list[tuple[str, int]]) -> bool:
         """GET each of ``paths`` in turn; True when each answer is 200 of its size."""
-        if self.streams is None:
-            self.streams = await asyncio.open_connection(self.host, self.port)
-        return await _get_all(self.host, self.port, self.conn, *self.streams, paths)
+        for path, size in paths:
+            if self.streams is None:
+                self.streams = await asyncio.open_connection(self.host, self.port)
+                self.conn = h11.Connection(h11.CLIENT)
+            reader, writer = self.streams
+            request = h11.Request(method="GET", target=path, headers=self.headers)
+            writer.write(b"".join(self.conn.send(e) or b"" for e in (request, h11.EndOfMessage())))
+            status, got = 0, 0
+            while True:
+                event = self.conn.next_event()
+                if event is h11.NEED_DATA:
+                    self.conn.receive_data(await reader.read(1 << 16))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    got += len(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif isinstance(event, h11.ConnectionClosed):
+                    return False
+            if status != 200 or got != size:
+                return False
+            if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+                self.conn.start_next_cycle()
+            else:  # the server closes it (HTTP/1.0, Connection: close)
+                self.close()
+        return True
 
     def close(self) -> None:
         if self.streams is not None:
             self.streams[1].close()
-
-
-async def _get_all(host: str, port: int, conn: h11.Connection, reader: asyncio.StreamReader,
-                   writer: asyncio.StreamWriter, paths: list[tuple[str, int]]) -> bool:
-    headers = [("Host", f"{host}:{port}"), ("Accept", "*/*"), ("Accept-Encoding", "identity"),
-               ("User-Agent", f"python-httpx/{httpx.__version__}")]
-    for path, size in paths:
-        writer.write(b"".join(conn.send(e) or b"" for e in (h11.Request(method="GET", target=path, headers=headers),
-                                                            h11.EndOfMessage())))
-        status, got = 0, 0
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await reader.read(1 << 16))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                got += len(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                return False
-        if status != 200 or got != size:
-            return False
-        conn.start_next_cycle()
-    return True
+            self.streams = None
 
 
 async def lanes(pool: list[Connection], paths: list[tuple[str, int]]) -> bool:
@@ -191,6 +192,13 @@ def static_server(folder: Path, kind: str) -> Iterator[tuple[str, int]]:
         yield base, pid
 
 
+def public_read(endpoint: str, bucket: str) -> None:
+    """Let anyone GET the bucket's objects (a bucket policy), as a bucket serving an index to a fleet does."""
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
+                                                      "Resource": f"arn:aws:s3:::{bucket}/*"}]}
+    httpx.put(f"{endpoint}/{bucket}?policy", content=json.dumps(policy), timeout=10).raise_for_status()
+
+
 def sustained(rows: list[dict[str, Any]]) -> float | None:
     return max((r["rate"] for r in rows if r["p99_s"] <= P99_GOAL_S and not r["fallbacks"]), default=None)
 
@@ -212,6 +220,8 @@ def main() -> None:
     with database(None) as (_, url), tempfile.TemporaryDirectory() as tmp, \
             (moto_bucket() if args.s3 else contextlib.nullcontext(("", {}))) as (bucket_url, aws):
         os.environ.update(aws)
+        if args.s3:
+            public_read(aws["AWS_ENDPOINT_URL"], bucket_url.removeprefix("s3://").split("/")[0])
         keys, token = seed(url, Path(tmp) / "keys")
         signer = Signer.from_file(Path(tmp) / "keys" / "storm.key")
         folder = Path(tmp) / "pub"

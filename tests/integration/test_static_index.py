@@ -288,3 +288,24 @@ def test_the_cli_publishes_an_index_a_client_reads_and_says_what_to_do_without_a
                       cache_dir=tmp_path / "c", backend=RecordingBackend(), mode="replay_only")
     with cache:
         assert {p.source for p in cache.prefetch(SPECS).values()} == {"index"}
+
+
+def test_an_index_published_to_a_bucket_is_read_from_its_http_url(published, tmp_path, s3_blob_url, moto_s3):
+    from plancache.index import ObjectTarget
+
+    with open_store(f"sqlite:///{published.parent / 'store.db'}") as store:
+        done = publish_index(store, H200, ObjectTarget(s3_blob_url), SIGNER, shard_plans=4)
+    assert done.blobs_copied == len(SPECS)
+    public_read(moto_s3, s3_blob_url.removeprefix("s3://").split("/")[0])
+    bucket_url = f"{moto_s3}/{s3_blob_url.removeprefix('s3://')}"  # the bucket's plain HTTP URL, no credentials
+    with client(tmp_path, bucket_url) as cache:
+        assert {p.source for p in cache.prefetch(SPECS).values()} == {"index"}
+
+
+def public_read(endpoint: str, bucket: str) -> None:
+    """Let anyone GET the bucket's objects, as a bucket that serves an index to a fleet does."""
+    import httpx
+
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
+                                                      "Resource": f"arn:aws:s3:::{bucket}/*"}]}
+    httpx.put(f"{endpoint}/{bucket}?policy", content=json.dumps(policy), timeout=10).raise_for_status()
