@@ -12,7 +12,8 @@ The root (:class:`IndexRoot`, like TUF's snapshot or a Nix binary cache's narinf
     {"format": "plancache-index",
      "header": {"version": V, "environment": {...}, "env_id": "...", "published_at": "...", "expires": "...",
                 "prefix_length": L, "shards": N},
-     "shards": [{"prefix": "3f", "sha256": "...", "size": 1234, "plans": 40}, ...],
+     "shards": [{"prefix": "3f", "sha256": "...", "size": 1234, "plans": 40}, ...,
+                {"prefix": "", "set": "llm-serving", "sha256": "...", "size": 91234, "plans": 49}, ...],
      "envelope": <DSSE envelope>}
 
 The envelope (:mod:`plancache.signing`) carries an in-toto statement (:func:`index_statement`) whose predicate
@@ -20,7 +21,9 @@ The envelope (:mod:`plancache.signing`) carries an in-toto statement (:func:`ind
 signature covers every shard's digest, so a shard is checked by its sha256 alone. A shard (:class:`IndexShard`) holds
 the signed plan records of the graph keys that start with its ``prefix`` (the first ``prefix_length`` hex digits;
 the publisher picks the length that keeps shards at most ``shard_plans`` records), so a start-up reads the root and
-the shards of its own keys: kilobytes, not the whole environment's index.
+the shards of its own keys. A named set (``--set NAME=KEYS``: the graphs of one model or capture) is one more shard
+holding the records of those keys: a client that names it (``PLANCACHE_INDEX_SETS``) reads the root and that shard,
+kilobytes, however many plans the environment has; a key outside its sets is looked up by prefix.
 
 A root is refused (:func:`open_root`, a :class:`~plancache.errors.VerificationError`) unless its envelope verifies by a
 trusted key and states this document (``bad_signature`` and the other signature reasons), it is for the reader's
@@ -68,16 +71,21 @@ DEFAULT_SHARD_PLANS = 64
 #: The most a reader reads of a root (65,536 shards of about 110 bytes) and of a shard.
 MAX_ROOT_BYTES = 16 << 20
 MAX_SHARD_BYTES = 64 << 20
+#: A set's name.
+SET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Records read from the store per query while publishing.
+READ_BATCH = 1000
 #: How long a root stays valid by default, and at most.
 DEFAULT_EXPIRY = timedelta(days=7)
 MAX_EXPIRY = timedelta(days=366)
 
 
 class ShardRef(StrictModel):
-    """A shard as the root names it: the graph keys starting with ``prefix``, in a file of ``size`` bytes whose
-    sha256 is ``sha256``, holding ``plans`` records."""
+    """A shard as the root names it: the graph keys starting with ``prefix`` (or those of the named ``set``, whose
+    prefix is empty), in a file of ``size`` bytes whose sha256 is ``sha256``, holding ``plans`` records."""
 
     prefix: str = Field(pattern=rf"^[0-9a-f]{{0,{MAX_PREFIX_LENGTH}}}$")
+    set: str | None = Field(default=None, pattern=SET_NAME_PATTERN)
     sha256: str = Field(pattern=SHA256_PATTERN)
     size: Int = Field(ge=1, le=MAX_SHARD_BYTES)
     plans: Int = Field(ge=1, le=INT64_MAX)
@@ -90,7 +98,7 @@ class IndexHeader(StrictModel):
     published_at: datetime
     expires: datetime
     prefix_length: int = Field(ge=0, le=MAX_PREFIX_LENGTH)
-    shards: int = Field(ge=0, le=16 ** MAX_PREFIX_LENGTH)
+    shards: int = Field(ge=0, le=2 * 16 ** MAX_PREFIX_LENGTH)
 
 
 class IndexRoot(StrictModel):
@@ -98,21 +106,27 @@ class IndexRoot(StrictModel):
 
     format: Literal["plancache-index"]
     header: IndexHeader
-    shards: list[ShardRef] = Field(max_length=16 ** MAX_PREFIX_LENGTH)
+    shards: list[ShardRef] = Field(max_length=2 * 16 ** MAX_PREFIX_LENGTH)
     envelope: Envelope | None = None
 
     def shard_for(self, graph_key: str) -> ShardRef | None:
-        """The shard that holds ``graph_key`` if the index has it; None when no shard has its prefix."""
+        """The prefix shard that holds ``graph_key`` if the index has it; None when no shard has its prefix."""
         prefix = graph_key[:self.header.prefix_length]
-        return next((s for s in self.shards if s.prefix == prefix), None)
+        return next((s for s in self.shards if s.prefix == prefix and s.set is None), None)
+
+    def set_named(self, name: str) -> ShardRef | None:
+        """The shard of the set ``name``; None when the index has no such set."""
+        return next((s for s in self.shards if s.set == name), None)
 
 
 class IndexShard(StrictModel):
-    """The records of the graph keys that start with ``prefix`` on ``env_id``, sorted by graph key."""
+    """The records of the graph keys that start with ``prefix`` (or of the set ``set``) on ``env_id``, sorted by
+    graph key."""
 
     format: Literal["plancache-index-shard"]
     env_id: str = Field(pattern=ENV_ID_PATTERN)
     prefix: str = Field(pattern=rf"^[0-9a-f]{{0,{MAX_PREFIX_LENGTH}}}$")
+    set: str | None = Field(default=None, pattern=SET_NAME_PATTERN)
     plans: list[PlanRecord]
 
 
@@ -148,9 +162,11 @@ def _json(doc: dict[str, Any]) -> bytes:
 
 def build_index(environment: Environment, records: Iterable[PlanRecord], signer: Signer, *, version: int,
                 now: datetime | None = None, expires_in: timedelta = DEFAULT_EXPIRY,
-                shard_plans: int = DEFAULT_SHARD_PLANS) -> tuple[bytes, dict[str, bytes]]:
+                shard_plans: int = DEFAULT_SHARD_PLANS,
+                sets: dict[str, list[str]] | None = None) -> tuple[bytes, dict[str, bytes]]:
     """The root's bytes and the shards' (by name, :func:`shard_path`) of ``records`` on ``environment``, signed by
-    ``signer``, at ``version``, valid for ``expires_in`` from ``now``."""
+    ``signer``, at ``version``, valid for ``expires_in`` from ``now``; ``sets``: named sets of graph keys, each a
+    shard of the records of its keys (keys without a record left out)."""
     if not timedelta(0) < expires_in <= MAX_EXPIRY:
         raise ValueError(f"an index expires after more than 0 and at most {MAX_EXPIRY.days} days, not {expires_in}")
     if shard_plans < 1:
@@ -161,13 +177,16 @@ def build_index(environment: Environment, records: Iterable[PlanRecord], signer:
     groups: dict[str, list[PlanRecord]] = {}
     for key in sorted(by_key):
         groups.setdefault(key[:length], []).append(by_key[key])
+    named = {name: [by_key[k] for k in sorted(set(keys)) if k in by_key] for name, keys in (sets or {}).items()}
     refs, files = [], {}
-    for prefix, group in groups.items():
-        data = _json({"format": SHARD_FORMAT, "env_id": environment.env_id, "prefix": prefix,
+    for (prefix, name), group in [*(((p, None), g) for p, g in groups.items()),
+                                  *((("", n), g) for n, g in sorted(named.items()) if g)]:
+        named_part = {} if name is None else {"set": name}
+        data = _json({"format": SHARD_FORMAT, "env_id": environment.env_id, "prefix": prefix, **named_part,
                       "plans": [r.model_dump(mode="json") for r in group]})
         sha = hashlib.sha256(data).hexdigest()
         files[shard_path(environment.env_id, sha)] = data
-        refs.append({"prefix": prefix, "sha256": sha, "size": len(data), "plans": len(group)})
+        refs.append({"prefix": prefix, **named_part, "sha256": sha, "size": len(data), "plans": len(group)})
     header = IndexHeader(version=version, environment=environment, env_id=environment.env_id, published_at=now,
                          expires=now + expires_in, prefix_length=length, shards=len(refs))
     doc: dict[str, Any] = {"format": INDEX_FORMAT, "header": header.model_dump(mode="json"), "shards": refs}
@@ -207,15 +226,19 @@ def open_root(data: bytes, trusted: TrustedKeys, environment: Environment, *, mi
     if header.version < min_version:
         raise VerificationError(Reason.REVISION, f"{what}: version {header.version} is older than version "
                                                  f"{min_version} accepted before (a replayed or stale copy)")
-    if header.shards != len(root.shards) or any(len(s.prefix) != header.prefix_length for s in root.shards) \
-            or len({s.prefix for s in root.shards}) != len(root.shards):
+    by_prefix = [s for s in root.shards if s.set is None]
+    named = [s for s in root.shards if s.set is not None]
+    if header.shards != len(root.shards) or any(len(s.prefix) != header.prefix_length for s in by_prefix) \
+            or len({s.prefix for s in by_prefix}) != len(by_prefix) or any(s.prefix for s in named) \
+            or len({s.set for s in named}) != len(named):
         raise VerificationError(Reason.MALFORMED, f"{what}: its shards do not match its header")
     return root
 
 
 def open_shard(data: bytes, ref: ShardRef, root: IndexRoot, *, what: str = "index shard") -> IndexShard:
     """The shard in ``data``, which the root names as ``ref``: its sha256 is checked first (``sha256``), then that it
-    is a shard of ``ref``'s prefix on the root's environment whose records all have that prefix (``malformed``)."""
+    is a shard of ``ref``'s prefix (or set) on the root's environment whose records all have that prefix
+    (``malformed``)."""
     digest = hashlib.sha256(data).hexdigest()
     if digest != ref.sha256:
         raise VerificationError(Reason.SHA256, f"{what} {ref.prefix!r}: sha256 {digest}, its root says {ref.sha256}")
@@ -224,7 +247,7 @@ def open_shard(data: bytes, ref: ShardRef, root: IndexRoot, *, what: str = "inde
     except ValidationError as exc:
         raise VerificationError(Reason.MALFORMED, f"{what} {ref.prefix!r}: invalid: "
                                                   f"{validation_message(exc.errors(), 1)}") from None
-    if shard.env_id != root.header.env_id or shard.prefix != ref.prefix \
+    if shard.env_id != root.header.env_id or shard.prefix != ref.prefix or shard.set != ref.set \
             or any(not r.graph_key.startswith(ref.prefix) for r in shard.plans):
         raise VerificationError(Reason.MALFORMED, f"{what} {ref.prefix!r}: not the shard its root names")
     return shard
@@ -317,17 +340,22 @@ class Published(StrictModel):
     shards_written: int
     blobs_copied: int
     expires: datetime
+    #: Graph keys of each named set without a plan on the environment (left out of its shard).
+    sets_missing: dict[str, int] = {}
 
 
 def publish_index(store: Store, environment: Environment, target: Target, signer: Signer, *,
                   expires_in: timedelta = DEFAULT_EXPIRY, shard_plans: int = DEFAULT_SHARD_PLANS,
-                  now: datetime | None = None) -> Published:
-    """Publish the index of every plan stored for ``environment`` to ``target``: the blobs it lacks first, then the
-    shards it lacks, then the root (so a reader never sees a root naming a file not yet there). The version is
+                  sets: dict[str, list[str]] | None = None, now: datetime | None = None) -> Published:
+    """Publish the index of every plan stored for ``environment`` to ``target`` (records read :data:`READ_BATCH` at a
+    time): the blobs it lacks first, then the
+    shards it lacks, then the root (so a reader never sees a root naming a file not yet there). ``sets``: named sets
+    of graph keys (:func:`build_index`). The version is
     above the target's current root's (:func:`~plancache.signing.next_revision`). :class:`NotFound` when no plan is
     stored there."""
     keys = store.plan_graph_keys(environment.env_id)
-    records = [record for _, record in store.plan_records(environment, keys).values()]
+    records = [record for start in range(0, len(keys), READ_BATCH)
+               for _, record in store.plan_records(environment, keys[start:start + READ_BATCH]).values()]
     if not records:
         raise NotFound(f"no plans are stored for {environment.describe()} (env id {environment.env_id})")
     copied = 0
@@ -340,7 +368,8 @@ def publish_index(store: Store, environment: Environment, target: Target, signer
             copied += 1
     version = next_revision(_current_version(target, environment.env_id))
     root, shards = build_index(environment, records, signer, version=version, now=now, expires_in=expires_in,
-                               shard_plans=shard_plans)
+                               shard_plans=shard_plans, sets=sets)
+    stored = {r.graph_key for r in records}
     written = 0
     for name, data in shards.items():
         if target.read(name, MAX_SHARD_BYTES) != data:
@@ -348,8 +377,9 @@ def publish_index(store: Store, environment: Environment, target: Target, signer
             written += 1
     target.write(root_path(environment.env_id), root)
     header = json.loads(root)["header"]
+    missing = {name: n for name, keys in (sets or {}).items() if (n := len(set(keys) - stored))}
     return Published(version=version, plans=len(records), shards=len(shards), shards_written=written,
-                     blobs_copied=copied, expires=header["expires"])
+                     blobs_copied=copied, expires=header["expires"], sets_missing=missing)
 
 
 def _current_version(target: Target, env_id: str) -> int:

@@ -725,7 +725,7 @@ class ClientConfig:
     ``revalidate_seconds`` ``PLANCACHE_REVALIDATE_SECONDS`` (a plan loaded from disk that the server last confirmed
     longer ago is asked about again in the background: :mod:`plancache.client.revalidate`), ``index_url``
     ``PLANCACHE_INDEX_URL`` (a published static index read before the server, ``""``: none:
-    :mod:`plancache.client.index`). After a server failure
+    :mod:`plancache.client.index`), ``index_sets`` ``PLANCACHE_INDEX_SETS`` (its named sets read first). After a server failure
     the server is not asked again for ``cooldown`` seconds. ``backend`` defaults to
     :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment`` to the backend's
     fingerprint. ``steps``: the ladder, before the mode filters it."""
@@ -743,6 +743,7 @@ class ClientConfig:
     insecure_allow_unsigned: bool | None = None
     revalidate_seconds: float | None = None
     index_url: str | None = None
+    index_sets: str | None = None
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
@@ -982,7 +983,8 @@ class PlanCache:
             return None
         from .index import make_source
 
-        return make_source(url, connect_timeout=config.connect_timeout or settings.connect_timeout,
+        sets = config.index_sets if config.index_sets is not None else settings.index_sets
+        return make_source(url, sets, connect_timeout=config.connect_timeout or settings.connect_timeout,
                            read_timeout=config.read_timeout or settings.read_timeout, cooldown=config.cooldown,
                            transport=config.transport)
 

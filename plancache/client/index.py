@@ -13,6 +13,10 @@ cache as the revision of :data:`INDEX_VERSION_KEY`, so a replayed older root is 
 shard by its sha256 in the root, then each record and blob as any other (:meth:`Step.admit`: size, sha256, signature,
 graph key, environment, revision). Everything is read within the cache's ``request_deadline`` and with a size limit.
 A verified root is used again for :data:`ROOT_REFRESH_SECONDS` (its expiry still checked); shards are kept by digest.
+
+``PLANCACHE_INDEX_SETS`` (``index_sets=``) names sets published with the index (``plancache index publish --set``,
+e.g. a model's graphs): their shards are read first, whatever keys are asked for, so the start-up of a process whose
+graphs are in its sets reads the root and those shards only; any other key is looked up in its prefix shard.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ class IndexSource:
     missing file is None; anything else that fails is :class:`~plancache.errors.ServerUnavailable`."""
 
     def __init__(self, url: str, *, connect_timeout: float, read_timeout: float, cooldown: float,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 sets: tuple[str, ...] = (), transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
+        #: The named sets read first.
+        self.sets = sets
         parts = urlsplit(url)
         self._folder: Path | None = None
         self._http: HttpClient | None = None
@@ -106,11 +112,20 @@ def _body(resp: httpx.Response) -> bytes:
     return resp.content
 
 
-def make_source(url: str, *, connect_timeout: float, read_timeout: float, cooldown: float,
+def make_source(url: str, sets: str | None, *, connect_timeout: float, read_timeout: float, cooldown: float,
                 transport: httpx.BaseTransport | None = None) -> IndexSource:
-    """The :class:`IndexSource` of ``PLANCACHE_INDEX_URL``; ValueError naming the problem for a bad URL."""
+    """The :class:`IndexSource` of ``PLANCACHE_INDEX_URL`` and ``PLANCACHE_INDEX_SETS`` (names separated by ``,``);
+    ValueError naming the problem for a bad URL or set name."""
+    import re
+
+    from ..index import SET_NAME_PATTERN
+
+    names = tuple(dict.fromkeys(n.strip() for n in (sets or "").split(",") if n.strip()))
+    bad = [n for n in names if not re.match(SET_NAME_PATTERN, n)]
+    if bad:
+        raise ValueError(f"index sets {bad[0][:80]!r}: a set name is letters, digits, '.', '_' and '-' (at most 128)")
     return IndexSource(url, connect_timeout=connect_timeout, read_timeout=read_timeout, cooldown=cooldown,
-                       transport=transport)
+                       sets=names, transport=transport)
 
 
 class IndexStep(StoreStep):
@@ -185,9 +200,30 @@ class IndexStep(StoreStep):
         return root
 
     def _records(self, root: IndexRoot, batch: list[Pending], deadline: float) -> dict[Pending, PlanRecord]:
-        """The records the index holds for ``batch`` (their shards read and checked; the others noted)."""
-        refs = {p: root.shard_for(p.key) for p in batch}
-        wanted = {ref.sha256: ref for ref in refs.values() if ref is not None and ref.sha256 not in self._shards}
+        """The records the index holds for ``batch`` (their shards read and checked; the others noted): from the
+        named sets first, then by prefix."""
+        assert self.context.index is not None
+        named = [ref for name in self.context.index.sets if (ref := root.set_named(name)) is not None]
+        failed = self._read_shards(root, named, deadline)
+        in_sets = {}
+        for ref in named:
+            in_sets.update(self._shards.get(ref.sha256, {}))
+        refs = {p: None if p.key in in_sets else root.shard_for(p.key) for p in batch}
+        failed.update(self._read_shards(root, [ref for ref in refs.values() if ref is not None], deadline))
+        found: dict[Pending, PlanRecord] = {}
+        for p, ref in refs.items():
+            record = in_sets.get(p.key) or (None if ref is None else self._shards.get(ref.sha256, {}).get(p.key))
+            if record is not None:
+                found[p] = record
+            elif ref is not None and ref.sha256 in failed:
+                p.note(self.name, failed[ref.sha256])
+            else:
+                p.note(self.name, "not in the index")
+        return found
+
+    def _read_shards(self, root: IndexRoot, refs: list[ShardRef], deadline: float) -> dict[str, str]:
+        """Read and check the shards of ``refs`` not held yet, at once; why each one that failed did, by digest."""
+        wanted = {ref.sha256: ref for ref in refs if ref.sha256 not in self._shards}
         failed: dict[str, str] = {}
         for sha, result in zip(wanted, self._fetch_all([partial(self._shard, root, ref, deadline)
                                                         for ref in wanted.values()]), strict=True):
@@ -199,16 +235,7 @@ class IndexStep(StoreStep):
                 if len(self._shards) >= SHARDS_KEPT:
                     self._shards.pop(next(iter(self._shards)))
                 self._shards[sha] = {r.graph_key: r for r in result.plans}
-        found: dict[Pending, PlanRecord] = {}
-        for p, ref in refs.items():
-            record = None if ref is None else self._shards.get(ref.sha256, {}).get(p.key)
-            if record is not None:
-                found[p] = record
-            elif ref is not None and ref.sha256 in failed:
-                p.note(self.name, failed[ref.sha256])
-            else:
-                p.note(self.name, "not in the index")
-        return found
+        return failed
 
     def _shard(self, root: IndexRoot, ref: ShardRef, deadline: float) -> IndexShard | PlanCacheError:
         from ..index import open_shard, shard_path

@@ -21,7 +21,15 @@ from bench.workload import workload
 from plancache.client import PlanCache
 from plancache.client.index import INDEX_VERSION_KEY
 from plancache.errors import PlanMiss, Reason, VerificationError
-from plancache.index import FolderTarget, build_index, open_root, prefix_length, publish_index, root_path
+from plancache.index import (
+    FolderTarget,
+    build_index,
+    open_root,
+    prefix_length,
+    publish_index,
+    root_path,
+    shard_path,
+)
 from plancache.store import open_store
 from tests.client_fakes import RecordingBackend
 from tests.factories import H200, OTHER_GPU, make_meta, new_signer, trusted
@@ -119,6 +127,32 @@ def test_a_fresh_client_loads_every_plan_from_the_static_index_with_no_api_call(
     with client(tmp_path, index_url, api_url) as cache:
         assert {p.source for p in cache.prefetch(SPECS).values()} == {"disk"}
     assert asked == [] and api_asked == []
+
+
+def test_a_named_set_is_one_shard_read_first_and_other_keys_are_read_by_prefix(published, tmp_path, serve):
+    folder = tmp_path / "pub"
+    app = [s.graph_key for s in SPECS[:8]]
+    with open_store(f"sqlite:///{published.parent / 'store.db'}") as store:
+        done = publish_index(store, H200, FolderTarget(folder), SIGNER, shard_plans=1,
+                             sets={"app": [*app, "0" * 64], "other": app[:1]})
+    assert done.sets_missing == {"app": 1}
+    index_url, asked = serve(folder)
+    with client(tmp_path, index_url, index_sets="app, missing-set") as cache:
+        assert {p.source for p in cache.prefetch(SPECS[:8]).values()} == {"index"}
+        assert [a for a in asked if "/shards/" in a] == [f"/{shard_path(H200.env_id, set_shard(folder, 'app'))}"]
+        asked.clear()
+        cache.plan(SPECS[8])  # outside the set: its prefix shard
+        assert sum("/shards/" in a for a in asked) == 1 and cache.stats().hits == {"index": 9}
+
+
+def set_shard(folder: Path, name: str) -> str:
+    root = json.loads((folder / root_path(H200.env_id)).read_text())
+    return next(s["sha256"] for s in root["shards"] if s.get("set") == name)
+
+
+def test_a_bad_set_name_is_refused_when_the_cache_is_made(tmp_path):
+    with pytest.raises(ValueError, match="index sets"):
+        client(tmp_path, "http://127.0.0.1:9", index_sets="ok,no/slash")
 
 
 def test_a_key_the_index_lacks_goes_on_to_the_server_and_is_noted(folder, tmp_path, serve):
@@ -279,9 +313,15 @@ def test_the_cli_publishes_an_index_a_client_reads_and_says_what_to_do_without_a
     result = CliRunner().invoke(make_app(), args)
     assert result.exit_code == 3 and "no signing key" in result.output and "--signing-key" in result.output
     private, public, _ = keygen(tmp_path / "keys", "ops")
-    result = CliRunner().invoke(make_app(), [*args, "--signing-key", str(private), "--shard-plans", "4"])
+    keys = tmp_path / "app-keys.txt"
+    keys.write_text("\n".join(s.graph_key for s in SPECS[:3]) + "\n" + "0" * 64 + "\n")
+    result = CliRunner().invoke(make_app(), [*args, "--signing-key", str(private), "--set", "bad name=x"])
+    assert result.exit_code == 2 and "--set" in result.output
+    result = CliRunner().invoke(make_app(), [*args, "--signing-key", str(private), "--shard-plans", "4",
+                                             "--set", f"app={keys}"])
     assert result.exit_code == 0, result.output
     assert "12 plans" in result.output and "12 blobs copied" in result.output
+    assert "set app: 1 graph keys have no plan" in result.output
     workers = tmp_path / "keys" / "workers.pub"  # the records' signer: the index may be signed by another key
     workers.write_bytes(SIGNER.private_key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
     cache = PlanCache("", index_url=(tmp_path / "pub").as_uri(), trusted_keys=tmp_path / "keys",
