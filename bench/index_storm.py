@@ -1,22 +1,25 @@
 """Start-up storms from the signed static index (``plancache index publish``) against today's API path.
 
     python bench/index_storm.py [--blobs] [--s3 | --static http.server|asyncio] [--rates 32,128,512]
-                                [--api-rates 32,128,512] [--duration 5] [--plans N] [--shard-plans 64] [--out FILE]
+                                [--api-rates 32,128,512] [--duration 5] [--plans N] [--shard-plans 64] [--set]
+                                [--out FILE]
 
-The 49-graph workload (``bench/workload.py``, 64 KiB blobs) is stored and signed as in ``bench/storm.py`` (SQLite), and
-published as a static index into a folder (or, with ``--s3``, a bucket of moto's S3 server), with ``--plans`` more
-signed records of other graph keys beside them (a larger store: more shards; their blobs are not written). The folder
-is served by a plain static file server (``bench/static_server.py``: Python's ``http.server``, threads, keep-alive;
-or ``--static asyncio``, a small event-loop one), moto serves the bucket. A start-up from the index is what a fresh
+The 49-graph workload (``bench/workload.py``, 64 KiB blobs) is stored and signed as in ``bench/storm.py`` (SQLite),
+and published as a static index into a folder (or, with ``--s3``, a bucket of moto's S3 server), with ``--plans`` more
+signed records of other graph keys beside them (a larger store: more shards; their blobs are not written), and with
+``--set`` the workload's keys as a named set, whose shard a start-up reads instead of prefix shards. The folder is
+served by a plain static file server (``bench/static_server.py``: Python's ``http.server``, threads, keep-alive; or
+``--static asyncio``, a small event-loop one), moto serves the bucket. A start-up from the index is what a fresh
 client process GETs: the environment's root, the shards of its 49 keys and, with ``--blobs``, the 49 blobs, on new
 keep-alive connections (one, then up to 8 at once for shards and blobs, as the client), each answer's status and
-length checked; the client's own work (parsing, signature
-checks) is per host and left out, as ``bench/storm.py`` leaves it out. The API path is ``bench/storm.py``'s start-up
-against one ``plancache serve`` process on the same store: one resolve of the 49 keys, records only without
-``--blobs`` (the blobs from elsewhere: the index path's GETs of root and shards stand against it), blobs inline with
-``--blobs``. The API server runs during the index storms too, idle: its CPU seconds then are reported (goal 0), and
-the static server's. Per rate: p50/p99/max from the scheduled arrival to the last byte, failures; then the highest
-rate with p99 <= 1 s and no failure for each path, and their ratio.
+length checked (read by its Content-Length, no HTTP library: the generator shares the servers' cores); the client's
+own work (parsing, signature checks) is per host and left out, as ``bench/storm.py`` leaves it out. The API path is
+``bench/storm.py``'s start-up against one ``plancache serve`` process on the same store: one resolve of the 49 keys,
+records only without ``--blobs`` (the blobs from elsewhere: the index path's GETs of root and shards stand against
+it), blobs inline with ``--blobs``. The API server runs during the index storms too, idle: its CPU seconds then are
+reported (goal 0), and the static server's and the load generator's per start-up. Per rate: p50/p99/max from the
+scheduled arrival to the last byte, failures; then the highest rate with p99 <= 1 s and no failure for each path, and
+their ratio.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import h11  # noqa: E402
 import httpx  # noqa: E402
 
 from bench.load_server import ENV, HOST, database, server  # noqa: E402
@@ -64,14 +66,16 @@ from tests.factories import make_record  # noqa: E402
 
 
 def publish(url: str, keys: list[str], signer: Signer, target: FolderTarget | ObjectTarget, extra: int,
-            shard_plans: int) -> None:
-    """The index of the store's plans on ``ENV`` (and ``extra`` more signed records, blobs not written) in ``target``."""
+            shard_plans: int, named: bool) -> None:
+    """The index of the store's plans on ``ENV`` (and ``extra`` more signed records, blobs not written) in ``target``;
+    ``named``: the workload's keys are also the set ``workload``."""
     with open_store(url) as store:
         records = [r for _, r in store.plan_records(ENV, keys).values()]
         for r in records:
             target.blobs.put(r.blob_sha256, store.get_blob(r.blob_sha256) or b"")
     filler = [make_record(os.urandom(32).hex(), ENV, os.urandom(16), signer) for _ in range(extra)]
-    root, shards = build_index(ENV, [*records, *filler], signer, version=1, shard_plans=shard_plans)
+    root, shards = build_index(ENV, [*records, *filler], signer, version=1, shard_plans=shard_plans,
+                               sets={"workload": keys} if named else None)
     for name, data in shards.items():
         target.write(name, data)
     target.write(root_path(ENV.env_id), root)
@@ -81,11 +85,12 @@ def start_up_paths(get: Any, keys: list[str], prefix: str) -> tuple[list[tuple[s
     """``(root and shards, blobs)`` a start-up of ``keys`` GETs, as ``(path, size)``; ``get(name)`` reads a file."""
     root = json.loads(get(root_path(ENV.env_id)))
     length = root["header"]["prefix_length"]
+    named = [ref for ref in root["shards"] if ref.get("set") == "workload"]
     wanted = {k[:length] for k in keys}
     meta = [(f"{prefix}/{root_path(ENV.env_id)}", len(get(root_path(ENV.env_id))))]
     records: list[PlanRecord] = []
-    for ref in root["shards"]:
-        if ref["prefix"] in wanted:
+    for ref in named or [ref for ref in root["shards"] if "set" not in ref]:
+        if named or ref["prefix"] in wanted:
             name = f"index/{ENV.env_id}/shards/{ref['sha256']}.json"
             meta.append((f"{prefix}/{name}", ref["size"]))
             records += [PlanRecord.model_validate(p) for p in json.loads(get(name))["plans"] if p["graph_key"] in keys]
@@ -94,42 +99,34 @@ def start_up_paths(get: Any, keys: list[str], prefix: str) -> tuple[list[tuple[s
 
 
 class Connection:
-    """One keep-alive connection of a start-up (plain HTTP, h11), opened again when the server closes it."""
+    """One keep-alive connection of a start-up (plain HTTP/1.1), opened again when the server closes it. An answer is
+    read by its ``Content-Length`` (the servers here send one; a chunked answer counts as a failure): the generator
+    shares the servers' cores, so it parses no more than it must."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.headers = [("Host", f"{host}:{port}"), ("Accept", "*/*"), ("Accept-Encoding", "identity"),
-                        ("User-Agent", f"python-httpx/{httpx.__version__}")]
-        self.conn = h11.Connection(h11.CLIENT)
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.head = (f"Host: {host}:{port}\r\nAccept: */*\r\nAccept-Encoding: identity\r\n"
+                     f"User-Agent: python-httpx/{httpx.__version__}\r\n\r\n").encode()
 
     async def get_all(self, paths: list[tuple[str, int]]) -> bool:
         """GET each of ``paths`` in turn; True when each answer is 200 of its size."""
         for path, size in paths:
             if self.streams is None:
                 self.streams = await asyncio.open_connection(self.host, self.port)
-                self.conn = h11.Connection(h11.CLIENT)
             reader, writer = self.streams
-            request = h11.Request(method="GET", target=path, headers=self.headers)
-            writer.write(b"".join(self.conn.send(e) or b"" for e in (request, h11.EndOfMessage())))
-            status, got = 0, 0
-            while True:
-                event = self.conn.next_event()
-                if event is h11.NEED_DATA:
-                    self.conn.receive_data(await reader.read(1 << 16))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    got += len(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-                elif isinstance(event, h11.ConnectionClosed):
-                    return False
-            if status != 200 or got != size:
+            writer.write(b"GET " + path.encode() + b" HTTP/1.1\r\n" + self.head)
+            try:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            except asyncio.IncompleteReadError:
                 return False
-            if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
-                self.conn.start_next_cycle()
-            else:  # the server closes it (HTTP/1.0, Connection: close)
+            lines = head.split("\r\n")
+            fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+            length = fields.get("content-length", "").strip()
+            if lines[0].split(" ")[1:2] != ["200"] or not length.isdigit() or int(length) != size:
+                return False
+            await reader.readexactly(size)
+            if "close" in fields.get("connection", "") or lines[0].startswith("http/1.0"):
                 self.close()
         return True
 
@@ -152,7 +149,7 @@ async def index_start_up(host: str, port: int, meta: list[tuple[str, int]], blob
         async with asyncio.timeout(TIMEOUT_S):
             return (await pool[0].get_all(meta[:1]) and await lanes(pool, meta[1:])
                     and (not blobs or await lanes(pool, blobs)))
-    except (OSError, TimeoutError, h11.ProtocolError):
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
         return False
     finally:
         for conn in pool:
@@ -214,6 +211,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--plans", type=int, default=0, help="signed records of other keys in the index")
     parser.add_argument("--shard-plans", type=int, default=64)
+    parser.add_argument("--set", action="store_true", help="publish the workload as a named set; start-ups read it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     load = os.getloadavg()
@@ -226,7 +224,7 @@ def main() -> None:
         signer = Signer.from_file(Path(tmp) / "keys" / "storm.key")
         folder = Path(tmp) / "pub"
         target = ObjectTarget(bucket_url) if args.s3 else FolderTarget(folder)
-        publish(url, keys, signer, target, args.plans, args.shard_plans)
+        publish(url, keys, signer, target, args.plans, args.shard_plans, args.set)
 
         def read(name: str) -> bytes:
             data = target.read(name, 1 << 30)
@@ -239,7 +237,8 @@ def main() -> None:
         env = {**os.environ, "PLANCACHE_DATABASE_URL": url, "PLANCACHE_ADMIN_TOKEN": secrets.token_urlsafe(24)}
         env.pop("PLANCACHE_OPEN_READS", None)
         result: dict[str, Any] = {"blobs": args.blobs, "store": "s3 (moto)" if args.s3 else f"folder ({args.static})",
-                                  "graphs": len(keys), "index_plans": len(keys) + args.plans,
+                                  "graphs": len(keys), "index_plans": len(keys) + args.plans, "named_set": args.set,
+                                  "root_bytes": meta[0][1],
                                   "shards_read": len(meta) - 1, "index_bytes_read": sum(n for _, n in meta),
                                   "gets_per_start_up": len(meta) + len(blobs), "duration_s": args.duration,
                                   "load_before": [round(x, 2) for x in load]}
@@ -252,8 +251,10 @@ def main() -> None:
             rows = []
             for rate in map(float, args.rates.split(",")):
                 cpu0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid) if static_pid else 0.0
+                g0 = time.process_time()
                 row = asyncio.run(index_storm(host, port, meta, blobs, rate, args.duration))
                 row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - cpu0, 3)
+                row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
                 if static_pid:
                     row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / row["start_ups"], 5)
                 rows.append(row)
@@ -263,9 +264,10 @@ def main() -> None:
             asyncio.run(api_storm([api], token, keys, 2, 1, **run))  # warm-up
             rows = []
             for rate in map(float, args.api_rates.split(",")):
-                cpu0 = cpu_seconds(api_pid)
+                cpu0, g0 = cpu_seconds(api_pid), time.process_time()
                 row = asyncio.run(api_storm([api], token, keys, rate, args.duration, **run))
                 row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - cpu0) / row["start_ups"], 5)
+                row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
                 rows.append(row)
                 print("api", row, flush=True)
             result["api"] = rows
@@ -277,7 +279,8 @@ def main() -> None:
     if args.out:
         merged = json.loads(args.out.read_text()) if args.out.exists() else {}
         where = "s3" if args.s3 else args.static
-        merged[f"{where}/{'blobs' if args.blobs else 'records'}/{len(keys) + args.plans}"] = result
+        shards = "set" if args.set else "prefix"
+        merged[f"{where}/{'blobs' if args.blobs else 'records'}/{len(keys) + args.plans}-plans/{shards}"] = result
         args.out.write_text(json.dumps(merged, indent=2) + "\n")
 
 
