@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import Field, ValidationError
 
 from .canonical import canonical_json
 from .environment import ENV_ID_PATTERN, Environment
-from .errors import NotFound, Reason, SignatureError, VerificationError
+from .errors import BlobStoreUnavailable, NotFound, Reason, SignatureError, VerificationError
 from .protocol import SHA256_PATTERN, Envelope, PlanRecord
 from .signing import Signer, TrustedKeys, next_revision, statement
 from .validation import INT64_MAX, Int, StrictModel, validation_message
@@ -57,6 +57,8 @@ from .validation import INT64_MAX, Int, StrictModel, validation_message
 if TYPE_CHECKING:
     from .blobs import BlobStore
     from .store import Store
+
+T = TypeVar("T")
 
 INDEX_FORMAT = "plancache-index"
 SHARD_FORMAT = "plancache-index-shard"
@@ -308,13 +310,19 @@ class ObjectTarget:
 
     def read(self, name: str, max_bytes: int) -> bytes | None:
         try:
-            data = bytes(self._obs.get(self._store, name).bytes())
+            return bytes(self._call(lambda: self._obs.get(self._store, name).bytes()))[:max_bytes + 1]
         except FileNotFoundError:
             return None
-        return data[:max_bytes + 1]
 
     def write(self, name: str, data: bytes) -> None:
-        self._obs.put(self._store, name, data)
+        self._call(lambda: self._obs.put(self._store, name, data))
+
+    def _call(self, call: Callable[[], T]) -> T:
+        """``call()``, obstore's errors other than not-found raised as :class:`BlobStoreUnavailable`."""
+        try:
+            return call()
+        except self._obs.exceptions.BaseError as exc:
+            raise BlobStoreUnavailable(f"index target {self.blobs.url}: {str(exc).splitlines()[0]}") from exc
 
 
 def open_target(url: str) -> FolderTarget | ObjectTarget:

@@ -986,7 +986,7 @@ class PlanCache:
         sets = config.index_sets if config.index_sets is not None else settings.index_sets
         return make_source(url, sets, connect_timeout=config.connect_timeout or settings.connect_timeout,
                            read_timeout=config.read_timeout or settings.read_timeout, cooldown=config.cooldown,
-                           transport=config.transport)
+                           max_blob_bytes=settings.max_blob_bytes, transport=config.transport)
 
     @property
     def forked(self) -> bool:

@@ -53,8 +53,8 @@ T = TypeVar("T")
 INDEX_VERSION_KEY = hashlib.sha256(b"plancache index version").hexdigest()
 #: Seconds a verified root is used again before it is read again.
 ROOT_REFRESH_SECONDS = 60.0
-#: Shards kept in memory (by digest), the oldest forgotten first.
-SHARDS_KEPT = 1024
+#: Bytes of shards kept in memory (by digest), the oldest forgotten first.
+SHARD_MEMORY_BYTES = 32 << 20
 
 
 class IndexSource:
@@ -62,8 +62,11 @@ class IndexSource:
     missing file is None; anything else that fails is :class:`~plancache.errors.ServerUnavailable`."""
 
     def __init__(self, url: str, *, connect_timeout: float, read_timeout: float, cooldown: float,
-                 sets: tuple[str, ...] = (), transport: httpx.BaseTransport | None = None) -> None:
+                 sets: tuple[str, ...] = (), max_blob_bytes: int = 64 << 20,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
+        #: The largest blob read (``PLANCACHE_MAX_BLOB_BYTES``).
+        self.max_blob_bytes = max_blob_bytes
         #: The named sets read first.
         self.sets = sets
         parts = urlsplit(url)
@@ -113,7 +116,7 @@ def _body(resp: httpx.Response) -> bytes:
 
 
 def make_source(url: str, sets: str | None, *, connect_timeout: float, read_timeout: float, cooldown: float,
-                transport: httpx.BaseTransport | None = None) -> IndexSource:
+                max_blob_bytes: int, transport: httpx.BaseTransport | None = None) -> IndexSource:
     """The :class:`IndexSource` of ``PLANCACHE_INDEX_URL`` and ``PLANCACHE_INDEX_SETS`` (names separated by ``,``);
     ValueError naming the problem for a bad URL or set name."""
     import re
@@ -125,7 +128,7 @@ def make_source(url: str, sets: str | None, *, connect_timeout: float, read_time
     if bad:
         raise ValueError(f"index sets {bad[0][:80]!r}: a set name is letters, digits, '.', '_' and '-' (at most 128)")
     return IndexSource(url, connect_timeout=connect_timeout, read_timeout=read_timeout, cooldown=cooldown,
-                       sets=names, transport=transport)
+                       sets=names, max_blob_bytes=max_blob_bytes, transport=transport)
 
 
 class IndexStep(StoreStep):
@@ -138,6 +141,7 @@ class IndexStep(StoreStep):
         self.counts_fallbacks = context.index is not None
         self._root: tuple[IndexRoot, float] | None = None  # the verified root and when it was read (monotonic)
         self._shards: dict[str, dict[str, PlanRecord]] = {}  # shard sha256: its records by graph key
+        self._shard_bytes: dict[str, int] = {}  # shard sha256: its size
 
     def entries(self, batch: list[Pending]) -> tuple[dict[Pending, PlanRecord], BlobReader]:
         from .received import ReceivedBlobs
@@ -232,9 +236,11 @@ class IndexStep(StoreStep):
                                else "shard unavailable")
                 log.warning("plancache: index shard %s: %s", sha[:12], result.message)
             else:
-                if len(self._shards) >= SHARDS_KEPT:
-                    self._shards.pop(next(iter(self._shards)))
+                while self._shards and sum(self._shard_bytes.values()) + wanted[sha].size > SHARD_MEMORY_BYTES:
+                    oldest = next(iter(self._shards))
+                    del self._shards[oldest], self._shard_bytes[oldest]
                 self._shards[sha] = {r.graph_key: r for r in result.plans}
+                self._shard_bytes[sha] = wanted[sha].size
         return failed
 
     def _shard(self, root: IndexRoot, ref: ShardRef, deadline: float) -> IndexShard | PlanCacheError:
@@ -268,7 +274,7 @@ class IndexStep(StoreStep):
 
         def get(record: PlanRecord) -> bytes | PlanCacheError | None:
             try:
-                return source.get(shard(record.blob_sha256), record.blob_size, deadline)
+                return source.get(shard(record.blob_sha256), min(record.blob_size, source.max_blob_bytes), deadline)
             except PlanCacheError as exc:
                 return exc
 
