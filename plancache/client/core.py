@@ -762,7 +762,7 @@ class ClientConfig:
 
 @dataclass
 class ClientStats:
-    """What the ladder did. ``hits[step]``: plans returned by step (``memory``, ``disk``, ``server``,
+    """What the ladder did. ``hits[step]``: plans returned by step (``memory``, ``disk``, ``index``, ``server``,
     ``rebuild``, ``heuristic``). ``misses``: loads that found no verified tuned blob. ``rejects[reason]``:
     blobs refused (never deserialized; ``deserialize`` counts verified blobs cuDNN refused to load).
     ``fallbacks[step]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
@@ -778,8 +778,10 @@ class ClientStats:
     (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``).
     ``blob_sources[where]``: blobs the server step received (before verification), by where: ``inline`` (in the
     resolve answer), ``server`` (its ``/v1/blobs`` route), ``presigned`` (an object-store URL the server presigned);
-    ``presigned_fallbacks``: presigned GETs that failed, or were refused (a plain-http URL from an https server,
-    :class:`~plancache.client.remote.Remote`), and were asked of the server's route instead."""
+    and ``index``, those the static index step read (:mod:`plancache.client.index`: a refused root counts in
+    ``rejects`` by reason, an unreachable one in ``remote_errors``). ``presigned_fallbacks``: presigned GETs that
+    failed, or were refused (a plain-http URL from an https server, :class:`~plancache.client.remote.Remote`), and
+    were asked of the server's route instead."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
