@@ -349,3 +349,16 @@ def public_read(endpoint: str, bucket: str) -> None:
     policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
                                                       "Resource": f"arn:aws:s3:::{bucket}/*"}]}
     httpx.put(f"{endpoint}/{bucket}?policy", content=json.dumps(policy), timeout=10).raise_for_status()
+
+
+def test_a_record_of_a_signed_index_is_verified_as_a_servers_is(tmp_path, serve):
+    """The root's signature covers the shard, not the plan: a record signed by an untrusted key is refused."""
+    folder = tmp_path / "pub"
+    key, blob = SPECS[0].graph_key, blob_of(SPECS[0].graph_key)
+    target = FolderTarget(folder)
+    target.blobs.put(hashlib.sha256(blob).hexdigest(), blob)
+    root, shards = build_index(H200, [record_of(make_meta(key, H200, blob, new_signer()))], SIGNER, version=1)
+    for name, data in {**shards, root_path(H200.env_id): root}.items():
+        target.write(name, data)
+    message = refused(tmp_path, serve(folder)[0], "unknown_signer")
+    assert "index: rejected (unknown_signer)" in message
