@@ -12,7 +12,8 @@ environment, not expired, its version not below the highest one this host accept
 cache as the revision of :data:`INDEX_VERSION_KEY`, so a replayed older root is refused by every later process), each
 shard by its sha256 in the root, then each record and blob as any other (:meth:`Step.admit`: size, sha256, signature,
 graph key, environment, revision). Everything is read within the cache's ``request_deadline`` and with a size limit.
-A verified root is used again for :data:`ROOT_REFRESH_SECONDS` (its expiry still checked); shards are kept by digest.
+A verified root is used again for :data:`ROOT_REFRESH_SECONDS` (its expiry still checked), and one refused or
+unreadable is not asked for again that long (its loads go on to the server); shards are kept by digest.
 
 ``PLANCACHE_INDEX_SETS`` (``index_sets=``) names sets published with the index (``plancache index publish --set``,
 e.g. a model's graphs): their shards are read first, whatever keys are asked for, so the start-up of a process whose
@@ -140,6 +141,7 @@ class IndexStep(StoreStep):
         super().__init__(context)
         self.counts_fallbacks = context.index is not None
         self._root: tuple[IndexRoot, float] | None = None  # the verified root and when it was read (monotonic)
+        self._down: tuple[str, float] | None = None  # why the last root was refused or unreadable, and when
         self._shards: dict[str, dict[str, PlanRecord]] = {}  # shard sha256: its records by graph key
         self._shard_bytes: dict[str, int] = {}  # shard sha256: its size
 
@@ -151,17 +153,23 @@ class IndexStep(StoreStep):
         received = ReceivedBlobs("the index" if source is None else source.url)
         if source is None:
             return records, received
-        deadline = time.monotonic() + c.request_deadline
+        now = time.monotonic()
+        if self._down is not None and now - self._down[1] < ROOT_REFRESH_SECONDS:  # not asked again for a while
+            return self._passed(batch, self._down[0]), received
         try:
-            root = self._verified_root(deadline)
+            root = self._verified_root(now + c.request_deadline)
         except VerificationError as exc:
             _bump(c.stats.rejects, exc.reason)
             log.warning("plancache: refused the index at %s (%s): %s", source.url, exc.reason, exc.message)
-            return self._passed(batch, f"index refused ({exc.reason}): {exc.message}"), received
+            self._down = (f"index refused ({exc.reason}): {exc.message}", now)
+            return self._passed(batch, self._down[0]), received
         except PlanCacheError as exc:
             c.stats.remote_errors += 1
             log.warning("plancache: the index at %s is unavailable: %s", source.url, exc.message)
-            return self._passed(batch, "unavailable"), received
+            self._down = ("unavailable", now)
+            return self._passed(batch, self._down[0]), received
+        self._down = None
+        deadline = now + c.request_deadline
         if root is None:
             return self._passed(batch, "no index published for this environment"), received
         found = self._records(root, batch, deadline)

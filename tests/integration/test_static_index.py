@@ -362,3 +362,14 @@ def test_a_record_of_a_signed_index_is_verified_as_a_servers_is(tmp_path, serve)
         target.write(name, data)
     message = refused(tmp_path, serve(folder)[0], "unknown_signer")
     assert "index: rejected (unknown_signer)" in message
+
+
+def test_a_refused_root_is_not_asked_for_again_at_each_load(folder, tmp_path, serve):
+    path = folder / root_path(H200.env_id)
+    path.write_bytes(path.read_bytes().replace(b'"version":', b'"version":1', 1))  # a replayed version, edited
+    index_url, asked = serve(folder)
+    with client(tmp_path, index_url) as cache:
+        for spec in SPECS[:3]:
+            with pytest.raises(PlanMiss, match=r"index refused \(bad_signature\)"):
+                cache.plan(spec)
+        assert asked == [f"/{root_path(H200.env_id)}"] and cache.stats().rejects == {"bad_signature": 1}
