@@ -187,8 +187,11 @@ class Reason(StrEnum):
     #: The record is for another graph key, or another GPU environment.
     GRAPH_KEY = "graph_key"
     ENVIRONMENT = "environment"
-    #: A signed record older than one already accepted for its graph key and environment (a replay).
+    #: A signed record older than one already accepted for its graph key and environment (a replay), or an index root
+    #: older than one accepted before.
     REVISION = "revision"
+    #: A signed index root past its expiry (:mod:`plancache.index`).
+    EXPIRED = "expired"
     #: A verified blob that cuDNN refused to load (counted by the client, never raised).
     DESERIALIZE = "deserialize"
     #: A verified plan the client does not load (counted, never raised): one needing more workspace than the hook's

@@ -203,6 +203,8 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     hook_max_workspace_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
+    index_url: str | None = None  # a published static index (plancache index publish) read before the server
+    index_sets: str | None = None  # names of the index's sets (publish --set) read first, separated by ","
 
 
 class AdminSettings(ConnectionSettings, AdminTokenSettings):

@@ -11,6 +11,7 @@ command                    module
 ``token create|revoke|list``  :mod:`plancache.cli.token_cmds`
 ``plans list|gc``          :mod:`plancache.cli.plans_cmds`
 ``bundle export|import``   :mod:`plancache.cli.bundle_cmds`
+``index publish``          :mod:`plancache.cli.index_cmds`
 ``spec key|canonical``     :mod:`plancache.cli.spec_cmds`
 ``tune``                   :mod:`plancache.cli.tune_cmds` (tables: :mod:`plancache.cli.report`)
 ``worker``                 :mod:`plancache.cli.worker_cmds`
@@ -38,6 +39,7 @@ COMMAND_MODULES = [
     "plancache.cli.token_cmds",
     "plancache.cli.plans_cmds",
     "plancache.cli.bundle_cmds",
+    "plancache.cli.index_cmds",
     "plancache.cli.spec_cmds",
     "plancache.cli.tune_cmds",
     "plancache.cli.worker_cmds",

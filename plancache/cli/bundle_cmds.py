@@ -32,12 +32,12 @@ bundle_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
 MAX_KEYS_FILE_BYTES = 16 * 1024 * 1024
 
 
-def _read_keys(path: Path) -> list[str]:
+def read_keys(path: Path, option: str = "--keys") -> list[str]:
     """Graph keys from a file: a JSON list, or one key per line (blank lines and ``#`` comments ignored)."""
     from ..protocol import GRAPH_KEY_PATTERN
 
     def bad(problem: str) -> Failure:
-        return Failure(f"--keys {problem}", "give a file of graph keys: one per line (`plancache spec key` prints "
+        return Failure(f"{option} {problem}", "give a file of graph keys: one per line (`plancache spec key` prints "
                                             "them), or a JSON list", ExitCode.USAGE)
 
     try:
@@ -89,7 +89,7 @@ def bundle_export(
         raise Failure("give exactly one of --keys FILE and --all", "--keys FILE exports those graph keys, --all "
                       "every plan of the environment", ExitCode.USAGE)
     env = load_environment(environment, "--environment")
-    graph_keys = _read_keys(keys) if keys is not None else None
+    graph_keys = read_keys(keys) if keys is not None else None
     key_file = signing_key or SigningSettings().signing_key
     if key_file is None and not unsigned:
         raise Failure("no signing key: a bundle is signed unless you ask for an unsigned one",

@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module 
     from ..signing import TrustedKeys
     from ..spec import GraphSpec
     from .cache import DiskCache, FetchLock
+    from .index import IndexSource
     from .remote import Remote
     from .revalidate import Revalidator
 
@@ -120,6 +121,7 @@ class StepName(StrEnum):
 
     MEMORY = "memory"
     DISK = "disk"
+    INDEX = "index"
     SERVER = "server"
     REBUILD = "rebuild"
     HEURISTIC = "heuristic"
@@ -362,7 +364,7 @@ class DiskStep(StoreStep):
         process held it, what that process wrote."""
         found = super().resolve(batch)
         c, left = self.context, [p for p in batch if p not in found]
-        if left and c.remote is not None and c.signatures_checked:
+        if left and (c.remote is not None or c.index is not None) and c.signatures_checked:
             lock = c.disk.fetch_lock([p.key for p in left], c.request_deadline)
             if lock is not None and lock.waited:
                 lock.release()
@@ -717,8 +719,17 @@ class HeuristicStep(Step):
 
 
 StepFactory = Callable[["LoadContext"], Step]
+
+
+def index_step(context: LoadContext) -> Step:
+    """The static index's step (:class:`plancache.client.index.IndexStep`), imported when a cache is made."""
+    from .index import IndexStep
+
+    return IndexStep(context)
+
+
 #: The ladder, in order; a mode keeps the steps it allows.
-LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, ServerStep, RebuildStep, HeuristicStep)
+LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, index_step, ServerStep, RebuildStep, HeuristicStep)
 
 
 # ------------------------------------------------------------ the client
@@ -735,7 +746,9 @@ class ClientConfig:
     none), ``insecure_allow_unsigned`` ``PLANCACHE_INSECURE_ALLOW_UNSIGNED`` (normal mode without trusted keys only:
     admit plans checked by digest alone, never written to disk; ignored by strict and replay-only modes),
     ``revalidate_seconds`` ``PLANCACHE_REVALIDATE_SECONDS`` (a plan loaded from disk that the server last confirmed
-    longer ago is asked about again in the background: :mod:`plancache.client.revalidate`). After a server failure
+    longer ago is asked about again in the background: :mod:`plancache.client.revalidate`), ``index_url``
+    ``PLANCACHE_INDEX_URL`` (a published static index read before the server, ``""``: none:
+    :mod:`plancache.client.index`), ``index_sets`` ``PLANCACHE_INDEX_SETS`` (its named sets read first). After a server failure
     the server is not asked again for ``cooldown`` seconds. ``backend`` defaults to
     :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment`` to the backend's
     fingerprint. ``steps``: the ladder, before the mode filters it."""
@@ -752,6 +765,8 @@ class ClientConfig:
     cache_max_bytes: int | None = None
     insecure_allow_unsigned: bool | None = None
     revalidate_seconds: float | None = None
+    index_url: str | None = None
+    index_sets: str | None = None
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
@@ -770,7 +785,7 @@ class ClientConfig:
 
 @dataclass
 class ClientStats:
-    """What the ladder did. ``hits[step]``: plans returned by step (``memory``, ``disk``, ``server``,
+    """What the ladder did. ``hits[step]``: plans returned by step (``memory``, ``disk``, ``index``, ``server``,
     ``rebuild``, ``heuristic``). ``misses``: loads that found no verified tuned blob. ``rejects[reason]``:
     blobs refused (never deserialized; ``deserialize`` counts verified blobs cuDNN refused to load).
     ``fallbacks[step]``: times the ladder went past ``disk``, ``server`` or ``rebuild`` to a lower rung.
@@ -786,8 +801,10 @@ class ClientStats:
     (``applied``; ``not_newer``: not above the revision known here; or why one was refused, e.g. ``bad_signature``).
     ``blob_sources[where]``: blobs the server step received (before verification), by where: ``inline`` (in the
     resolve answer), ``server`` (its ``/v1/blobs`` route), ``presigned`` (an object-store URL the server presigned);
-    ``presigned_fallbacks``: presigned GETs that failed, or were refused (a plain-http URL from an https server,
-    :class:`~plancache.client.remote.Remote`), and were asked of the server's route instead."""
+    and ``index``, those the static index step read (:mod:`plancache.client.index`: a refused root counts in
+    ``rejects`` by reason, an unreachable one in ``remote_errors``). ``presigned_fallbacks``: presigned GETs that
+    failed, or were refused (a plain-http URL from an https server, :class:`~plancache.client.remote.Remote`), and
+    were asked of the server's route instead."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -839,6 +856,8 @@ class LoadContext:
     #: This host's turn to fetch the load's missing keys (:meth:`~plancache.client.cache.DiskCache.fetch_lock`), taken
     #: by the disk step.
     fetch_lock: FetchLock | None = None
+    #: The static index (:mod:`plancache.client.index`); None: none configured.
+    index: IndexSource | None = None
 
     def __post_init__(self) -> None:
         from .revalidate import Revalidator
@@ -967,7 +986,8 @@ class PlanCache:
         #: What the ladder's steps see of this cache.
         self.context = LoadContext(self.environment, self.trusted_keys, self.insecure_allow_unsigned, backend,
                                    self.disk, self._remote, self.request_deadline,
-                                   settings.revalidate_seconds if revalidate is None else revalidate)
+                                   settings.revalidate_seconds if revalidate is None else revalidate,
+                                   index=self._index_source(config, settings))
         self._pid = os.getpid()  # the process this cache belongs to (a forked child makes its own)
         self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
         self._memory_hits_lock = threading.Lock()
@@ -980,6 +1000,18 @@ class PlanCache:
     def signatures_checked(self) -> bool:
         """Whether trusted keys are configured, so that a plan's signature can be verified."""
         return len(self.trusted_keys) > 0
+
+    @staticmethod
+    def _index_source(config: ClientConfig, settings: ClientSettings) -> IndexSource | None:
+        url = config.index_url if config.index_url is not None else settings.index_url
+        if not url:
+            return None
+        from .index import make_source
+
+        sets = config.index_sets if config.index_sets is not None else settings.index_sets
+        return make_source(url, sets, connect_timeout=config.connect_timeout or settings.connect_timeout,
+                           read_timeout=config.read_timeout or settings.read_timeout, cooldown=config.cooldown,
+                           max_blob_bytes=settings.max_blob_bytes, transport=config.transport)
 
     @property
     def forked(self) -> bool:
@@ -1132,6 +1164,8 @@ class PlanCache:
         self.disk.close()
         if self._remote is not None:
             self._remote.close()
+        if self.context.index is not None:
+            self.context.index.close()
 
     def __enter__(self) -> PlanCache:
         return self

@@ -930,9 +930,9 @@ def test_a_mode_keeps_the_steps_it_allows(tmp_path):
     config = ClientConfig(server_url="", backend=RecordingBackend(), cache_dir=tmp_path, steps=(*LADDER, Guess))
     assert PlanCache(config).config is config
     ladders = {mode: [s.name for s in PlanCache(config, mode=mode).steps] for mode in MODES}
-    assert ladders == {"normal": ["memory", "disk", "server", "rebuild", "heuristic", "guess"],
-                       "strict": ["memory", "disk", "server", "rebuild"],
-                       "replay_only": ["memory", "disk", "server"]}
+    assert ladders == {"normal": ["memory", "disk", "index", "server", "rebuild", "heuristic", "guess"],
+                       "strict": ["memory", "disk", "index", "server", "rebuild"],
+                       "replay_only": ["memory", "disk", "index", "server"]}
 
 
 def test_a_custom_step_joins_the_ladder(srv, tmp_path, signer, wire):
@@ -945,7 +945,7 @@ def test_a_custom_step_joins_the_ladder(srv, tmp_path, signer, wire):
     wire.edit_request = lambda body: asked.extend(body["graph_keys"])
     steps = (*LADDER[:2], partial(Bundled, entries=entries), *LADDER[2:])
     pc = client(srv, tmp_path, signer, wire=wire, steps=steps)
-    assert [s.name for s in pc.steps] == ["memory", "disk", "bundle", "server", "rebuild", "heuristic"]
+    assert [s.name for s in pc.steps] == ["memory", "disk", "bundle", "index", "server", "rebuild", "heuristic"]
     plans = pc.prefetch([CONV, SDPA, MATMUL, n8])
     assert {k: p.source for k, p in plans.items()} == {
         CONV.graph_key: "bundle", SDPA.graph_key: "server", MATMUL.graph_key: "rebuild", n8.graph_key: "heuristic"}

@@ -229,7 +229,7 @@ LAYERS = (
     ("protocol",),
     ("signing", "blobs"),
     ("verify",),
-    ("bundle", "store", "gpu"),
+    ("bundle", "index", "store", "gpu"),
     ("server", "worker", "client"),
     ("cli", "torch"),
 )
