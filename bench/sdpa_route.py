@@ -222,7 +222,8 @@ def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, str(Path(__file__)), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
     if proc.returncode != 0:
-        raise SystemExit(f"bench child {args[:2]} failed:\n{proc.stderr[-3000:]}")
+        lines = [line for line in proc.stderr.splitlines() if "nanobind" not in line and "leaked" not in line]
+        raise SystemExit(f"bench child {args[:2]} failed:\n" + "\n".join(lines[-40:]))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

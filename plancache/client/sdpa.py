@@ -294,27 +294,29 @@ def _misaligned(*tensors: Any) -> bool:
 
 
 def _bias(bias: Any, query: Any) -> Any:
-    """torch's ``attn_bias`` as the additive tensor cuDNN reads: batch and head dims broadcast by a stride-0
-    expansion kept at size 1, the query-sequence dim materialised, a boolean mask as 0 / -inf in the query's dtype
-    (converted at its broadcast size)."""
+    """torch's ``attn_bias`` as the additive tensor cuDNN reads: a head dim broadcast by a stride-0 expansion kept at
+    size 1; the batch and query-sequence dims materialised (cuDNN's backward gave wrong gradients for a batch-broadcast
+    bias on the H100, its forward right ones); a boolean mask as 0 / the dtype's lowest value (not -inf: exp of either
+    is 0), converted at its broadcast size."""
     import torch
 
     if bias.dim() < 4:
         bias = bias.expand(query.shape[0], query.shape[1], *bias.shape[-2:])
-    if bias.stride(0) == 0 and bias.shape[0] > 1:
+    batch, rows = bias.shape[0], bias.shape[2]
+    if bias.stride(0) == 0 and batch > 1:
         bias = bias[:1]
     if bias.stride(1) == 0 and bias.shape[1] > 1:
         bias = bias[:, :1]
-    rows = bias.shape[2]
     if bias.stride(2) == 0 and rows > 1:
         bias = bias[:, :, :1]
     if bias.dtype == torch.bool:
-        bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill_(~bias, float("-inf"))
+        bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill_(
+            ~bias, torch.finfo(query.dtype).min)
     elif bias.dtype != query.dtype:
         bias = bias.to(query.dtype)
-    if bias.shape[2] != rows:
-        bias = bias.expand(*bias.shape[:2], rows, bias.shape[3])
-    if bias.stride(2) == 0 or bias.stride(3) != 1:
+    if bias.shape[0] != query.shape[0] or bias.shape[2] != rows:
+        bias = bias.expand(query.shape[0], bias.shape[1], rows, bias.shape[3])
+    if bias.stride(0) == 0 or bias.stride(2) == 0 or bias.stride(3) != 1:
         bias = bias.contiguous()
     return bias
 

@@ -180,7 +180,8 @@ def test_masks_become_the_additive_bias_cudnn_reads(route, mask):
     assert tensors["bias"].dim[1] == (4 if mask == "float32_additive" else 1), "broadcast heads stay broadcast"
     converted = sdpa._bias(bias, q)
     if mask == "bool_padding":
-        assert converted.dtype == torch.bfloat16 and torch.isinf(converted[0, 0, 0, 48:]).all()
+        assert converted.dtype == torch.bfloat16 and (converted[0, 0, 0, 48:] == torch.finfo(torch.bfloat16).min).all()
+        assert converted.shape == (2, 1, 64, 64), "the batch dim materialised, the heads broadcast"
         assert (converted[0, 0, 0, :48] == 0).all()
 
 
