@@ -33,14 +33,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from . import __version__
 from ._httpx import httpx
 from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
 from .settings import ConnectionSettings
-from .validation import validation_message
+from .validation import from_answer, validation_message
 
 log = logging.getLogger("plancache.http")
 
@@ -50,6 +51,23 @@ M = TypeVar("M", bound=BaseModel)
 MAX_MESSAGE_CHARS = 500
 #: Refusals that say the server cannot help this client now (its token), not that one request was wrong.
 AUTH_STATUSES = frozenset({401, 403})
+
+
+#: The wire's revision within ``/v1`` (``MAJOR.MINOR``): a minor step only adds (a field in an answer, a route, an
+#: optional field in a request), so a caller of any earlier minor works against it unchanged; a major step is a
+#: new path prefix. Every answer names it in :data:`API_VERSION_HEADER`, and ``/healthz`` in its body.
+API_VERSION = "1.1"
+API_VERSION_HEADER = "X-Plancache-Api-Version"
+#: What calls a server: a client library, a worker, the command line. Each sends ``User-Agent:
+#: plancache-<agent>/<release>`` (:func:`user_agent`); the server counts calls per agent and release.
+Agent = Literal["client", "worker", "cli"]
+#: A ``User-Agent`` that :func:`user_agent` makes: group 1 the agent, group 2 the release (a PEP 440 version).
+USER_AGENT_PATTERN = r"^plancache-(client|worker|cli)/([0-9][0-9A-Za-z.+!-]{0,31})(?:[ ;(]|$)"
+
+
+def user_agent(agent: Agent) -> str:
+    """The ``User-Agent`` of ``agent`` at this release."""
+    return f"plancache-{agent}/{__version__}"
 
 
 def check_url(server_url: str) -> str:
@@ -102,8 +120,9 @@ def error_from_response(resp: httpx.Response) -> PlanCacheError:
 
 
 def json_as(model: type[M]) -> Callable[[httpx.Response], M]:
-    """A reader for :meth:`HttpClient.read`: the answer's JSON body as ``model``."""
-    return lambda resp: model.model_validate_json(resp.content)
+    """A reader for :meth:`HttpClient.read`: the answer's JSON body as ``model``, fields it does not declare ignored
+    (:func:`~plancache.validation.from_answer`)."""
+    return lambda resp: from_answer(model, resp.content)
 
 
 @dataclass(frozen=True)
@@ -270,9 +289,10 @@ class HttpClient:
     """One plancache server over HTTP: bearer ``token``, connect/read timeouts (default: the settings'
     ``PLANCACHE_CONNECT_TIMEOUT`` / ``PLANCACHE_READ_TIMEOUT``), the error mapping of the module docstring,
     and ``policies`` (outermost first) around every attempt. Set ``stop`` to make waiting policies give up.
-    Thread-safe."""
+    Every request names ``agent`` and this release in its ``User-Agent``. Thread-safe."""
 
-    def __init__(self, server_url: str, token: str | None = None, *, policies: Sequence[Policy] = (),
+    def __init__(self, server_url: str, token: str | None = None, *, agent: Agent = "client",
+                 policies: Sequence[Policy] = (),
                  connect_timeout: float | None = None, read_timeout: float | None = None,
                  stop: threading.Event | None = None, transport: httpx.BaseTransport | None = None) -> None:
         self.server_url = check_url(server_url)
@@ -285,7 +305,9 @@ class HttpClient:
         self.policies = tuple(policies)
         self.stop = stop or threading.Event()
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"User-Agent": user_agent(agent)}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.server_url, headers=headers, transport=transport,
                                   timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
                                   verify=tls_verification(self.server_url))

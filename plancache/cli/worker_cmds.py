@@ -92,7 +92,8 @@ def worker(
 
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
     # --once exits 7 (SERVER_UNAVAILABLE) when the server stays unreachable, instead of waiting for it forever
-    client = open_jobs_api(server, token, settings, retry=Retry(within=ONCE_RETRY_SECONDS) if once else Retry())
+    client = open_jobs_api(server, token, settings, retry=Retry(within=ONCE_RETRY_SECONDS) if once else Retry(),
+                           agent="worker")
     stop = threading.Event()
     stop_on_signals(stop)
     logging.getLogger("plancache.worker").info("tuning on CUDA device %d of those visible (CUDA_VISIBLE_DEVICES=%s)",

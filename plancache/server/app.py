@@ -10,8 +10,10 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..http import API_VERSION, API_VERSION_HEADER
 from ..settings import ServerSettings
 from ..store import Store, open_store
 from .autotune import Autotuner, policy_from
@@ -59,6 +61,27 @@ def prepare_process() -> None:
         gc.collect()
         gc.freeze()
         sys.setswitchinterval(SWITCH_INTERVAL)
+
+
+class ApiVersionMiddleware:
+    """Names :data:`~plancache.http.API_VERSION` in every HTTP answer's :data:`~plancache.http.API_VERSION_HEADER`."""
+
+    HEADER = (API_VERSION_HEADER.lower().encode("latin-1"), API_VERSION.encode("latin-1"))
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.HEADER]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
 
 
 def create_app(settings: ServerSettings | None = None, *, store: Store | None = None) -> FastAPI:
@@ -110,4 +133,5 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     install_docs(app)
     install_openapi_rules(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(ApiVersionMiddleware)  # outermost: every answer, errors of the metrics' middleware too
     return app

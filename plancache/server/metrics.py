@@ -8,11 +8,15 @@
 - ``plancache_jobs{status}`` (read from the store at scrape time)
 - ``plancache_tuning_seconds`` (autotuning time of each newly published plan)
 - ``plancache_autotune_jobs_total`` (jobs this process's autotune policy enqueued, :mod:`plancache.server.autotune`)
+- ``plancache_callers_total{agent,release}`` (requests by the ``User-Agent`` that plancache's clients, workers and
+  command line send, :func:`plancache.http.user_agent`; any other caller is ``agent="other"``; past
+  :data:`MAX_RELEASES` distinct releases a process has seen, a new one counts as ``release="other"``)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,12 +28,18 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..http import USER_AGENT_PATTERN
+
 log = logging.getLogger("plancache.server")
 
 UNMATCHED_ROUTE = "<unmatched>"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _TUNING_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+#: Distinct releases ``plancache_callers_total`` names per process; a fleet runs a few at a time.
+MAX_RELEASES = 16
+OTHER = "other"
+_USER_AGENT = re.compile(USER_AGENT_PATTERN)
 
 
 class _JobsCollector(Collector):
@@ -80,7 +90,24 @@ class Metrics:
                                         buckets=_TUNING_BUCKETS, registry=r)
         self.autotune_jobs = Counter("plancache_autotune_jobs", "Jobs the autotune policy of this process enqueued",
                                      registry=r)
+        self.callers = Counter("plancache_callers", "HTTP requests by calling agent and its release",
+                               ["agent", "release"], registry=r)
+        self._releases: set[str] = set()
         r.register(_JobsCollector(store))
+
+    def observe_caller(self, user_agent: str) -> None:
+        """Counts one request of the caller that ``user_agent`` names (bounded labels, see the module docstring)."""
+        match = _USER_AGENT.match(user_agent)
+        if match is None:
+            self.callers.labels(OTHER, "").inc()
+            return
+        agent, release = match.groups()
+        if release not in self._releases:
+            if len(self._releases) >= MAX_RELEASES:
+                release = OTHER
+            else:
+                self._releases.add(release)
+        self.callers.labels(agent, release).inc()
 
     def observe_resolve(self, hits: int, misses: int, blob_bytes: int) -> None:
         self.resolve_keys.labels("hit").inc(hits)
@@ -142,3 +169,12 @@ class MetricsMiddleware:
             method = scope["method"] if scope["method"] in _METHODS else "OTHER"
             self.metrics.requests.labels(method, route, str(status)).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)
+            self.metrics.observe_caller(_header(scope, b"user-agent"))
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """The first ``name`` header of ``scope``'s request (latin-1, as HTTP carries it), else ``""``."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""

@@ -6,6 +6,8 @@ import sqlalchemy.exc
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
+from ... import __version__
+from ...http import API_VERSION
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, StoreDep
 from ..errors import documented_errors, error_response
@@ -15,8 +17,9 @@ router = APIRouter(route_class=CheckedRoute, tags=["health"])
 
 @router.get("/healthz", summary="The process is up")
 async def healthz() -> dict[str, str]:
-    """Answered on the event loop itself (no worker thread): it measures whether the loop is responsive."""
-    return {"status": "ok"}
+    """Answered on the event loop itself (no worker thread): it measures whether the loop is responsive. Names the
+    wire's API version and the server's release."""
+    return {"status": "ok", "api_version": API_VERSION, "release": __version__}
 
 
 @router.get("/readyz", summary="The database answers", responses=documented_errors(503))
