@@ -102,7 +102,8 @@ def worker(
                      build_processes=settings.build_processes if build_processes is None else build_processes,
                      build_timeout=settings.build_timeout)
     w = Worker(client, tuner, signer, spool, worker_id=worker_id,
-               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout)
+               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout,
+               alive_file=settings.alive_file)
     try:
         w.run(stop)
     finally:

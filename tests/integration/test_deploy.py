@@ -107,3 +107,90 @@ def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(tmp_path)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     names = {n for e in exprs for n in re.findall(r"\bplancache_[a-z_]+\b", e)}
     assert len(dashboard["panels"]) >= 6 and names and names <= exported, sorted(names - exported)
+
+
+def _pods() -> list[tuple[str, dict]]:
+    """(name, pod spec) of every workload."""
+    out = []
+    for d in documents():
+        if d["kind"] in ("Deployment", "Job"):
+            out.append((d["metadata"]["name"], d["spec"]["template"]["spec"]))
+    return out
+
+
+def _quantity(text: str | int) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "m": 1e-3}
+    text = str(text)
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * factor
+    return float(text)
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard():
+    """Namespaces enforcing the restricted level admit the pods: non-root, RuntimeDefault seccomp, no privilege
+    escalation, every capability dropped."""
+    pods = _pods()
+    assert {name for name, _ in pods} >= {"plancache-server", "plancache-worker-h200"}
+    for name, pod in pods:
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0, name
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
+
+
+def test_the_worker_can_read_its_signing_key_and_says_when_it_is_alive():
+    """Before: the key was mounted 0400 for root with no fsGroup, so uid 10001 could not read it."""
+    for name, pod in _pods():
+        if not name.startswith("plancache-worker"):
+            continue
+        ctx = pod["securityContext"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        mode = volume["secret"]["defaultMode"]
+        assert ctx["fsGroup"] == ctx["runAsGroup"] and mode & 0o040 and not mode & 0o007, (name, oct(mode))
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        alive = env["PLANCACHE_ALIVE_FILE"]
+        assert alive in " ".join(container["livenessProbe"]["exec"]["command"])
+        assert alive in " ".join(container["startupProbe"]["exec"]["command"])
+        limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+        assert _quantity(limits["cpu"]) >= 4 and limits["cpu"] == requests["cpu"]  # builders: from the CPU limit
+
+
+def test_the_server_memory_limit_covers_the_documented_bound():
+    """docs/DEPLOYMENT.md "Request limits": R0 + MAX_INFLIGHT_BYTES + T x MAX_BLOB_BYTES (database blob store) + C x
+    80 KiB, with R0 90 MB, T 40 threads and C 1000 connections; before: 2Gi, under the 3.2 GiB the defaults reach."""
+    s = Settings()
+    bound = 90e6 + s.max_inflight_bytes + 40 * s.max_blob_bytes + 1000 * 80 * 1024
+    (server,) = [pod for name, pod in _pods() if name == "plancache-server"]
+    (container,) = server["containers"]
+    assert _quantity(container["resources"]["limits"]["memory"]) >= bound
+    assert "T × MAX_BLOB_BYTES" in (ROOT / "docs" / "DEPLOYMENT.md").read_text()
+
+
+def test_the_server_has_a_disruption_budget_and_network_policies_admit_only_its_port():
+    docs = documents()
+    (server,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "plancache-server"]
+    labels = server["spec"]["template"]["metadata"]["labels"]
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["minAvailable"] >= 1 and pdb["spec"]["minAvailable"] < server["spec"]["replicas"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    port = server["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert policies["plancache-server"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert [p["port"] for rule in policies["plancache-server"]["ingress"] for p in rule["ports"]] == [port]
+    assert policies["plancache-worker"]["policyTypes"] == ["Ingress"] and "ingress" not in policies["plancache-worker"]
+
+
+def test_the_example_admin_token_is_refused():
+    """Before: ``REPLACE-WITH-A-LONG-RANDOM-TOKEN`` passed the length check, so the manifest applied unedited
+    served a public admin token."""
+    from pydantic import ValidationError
+
+    from plancache.settings import ServerSettings
+
+    (secret,) = [d for d in documents() if d["kind"] == "Secret" and d["metadata"]["name"] == "plancache-server"]
+    with pytest.raises(ValidationError, match="placeholder of an example file"):
+        ServerSettings(admin_token=secret["stringData"]["admin-token"])
