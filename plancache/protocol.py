@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, TypeAdapter, field_validator, model_validator
 
 from .environment import ENV_ID_PATTERN, VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
+from .errors import Reason
 from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
@@ -371,6 +372,20 @@ class ExplainResponse(StrictModel):
 class SpecCreated(StrictModel):
     graph_key: GraphKey
     created: bool
+
+
+#: A :class:`~plancache.errors.Reason` value.
+REASON_PATTERN = "^(" + "|".join(reason.value for reason in Reason) + ")$"
+#: The most a report may say of one reason (a process's count since its last report).
+MAX_REPORTED_REJECTS = 1_000_000_000
+
+
+class RejectReport(StrictModel):
+    """``POST /v1/reports/rejects``: how many plans a client refused since its last report, by reason (the
+    :class:`~plancache.errors.Reason` members: a bounded set the server counts under)."""
+
+    rejects: dict[Annotated[str, StringConstraints(pattern=REASON_PATTERN)],
+                  Annotated[Int, Field(ge=1, le=MAX_REPORTED_REJECTS)]] = Field(min_length=1, max_length=len(Reason))
 
 
 class TuneRequest(StrictModel):

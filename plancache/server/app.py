@@ -18,6 +18,7 @@ from ..settings import ServerSettings
 from ..store import Store, open_store
 from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
+from .bounded import STORE_WAIT, Bounded
 from .docs import install_docs
 from .errors import install_error_handlers
 from .limits import UPLOAD_THREADS, ByteBudget, RateLimiter
@@ -124,6 +125,7 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.presigned_urls = TtlMemory(settings.presign_seconds / 2, max_items=PRESIGNED_URLS)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
+    app.state.readiness = Bounded(lambda: app.state.store.ping(), timeout=STORE_WAIT, name="readiness")
     # the autotune policy (plancache.server.autotune): a background thread when PLANCACHE_AUTOTUNE is on
     app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval,
                                     metrics.autotune_jobs.inc)

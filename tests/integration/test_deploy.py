@@ -37,9 +37,11 @@ def test_the_kubernetes_manifests_pass_the_kubernetes_schemas():
     assert len(unchecked) == 1 and "ScaledObject" in unchecked[0]  # KEDA's CRD: checked below
 
 
-def test_keda_scales_the_worker_deployment_on_the_queued_jobs_metric():
-    from plancache.server.metrics import _JobsCollector
-    from plancache.store.jobs import JOB_STATUSES
+def test_keda_scales_each_gpu_type_on_its_own_jobs_counted_once_over_replicas():
+    """The query takes ``max by`` every label of ``plancache_fleet_jobs`` (each replica reports the same figure),
+    matches each environment label of the type (or a target's open ``""``) and counts running jobs too; its two
+    replicas are evaluated in tests/integration/test_fleet_metrics.py."""
+    from plancache.server.metrics import ENV_LABELS, _StoreCollector
 
     docs = documents()
     (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
@@ -47,9 +49,14 @@ def test_keda_scales_the_worker_deployment_on_the_queued_jobs_metric():
                and d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"}
     assert scaled["spec"]["scaleTargetRef"]["name"] in workers
     (trigger,) = scaled["spec"]["triggers"]
-    metric = _JobsCollector(lambda: None)._family()
-    m = re.fullmatch(r"sum\((\w+)\{(\w+)=\"(\w+)\"\}\)", trigger["metadata"]["query"])
-    assert m and m.group(1) == metric.name and m.group(2) == "status" and m.group(3) in JOB_STATUSES
+    family = _StoreCollector._families()["fleet_jobs"]
+    query = " ".join(trigger["metadata"]["query"].split())
+    m = re.fullmatch(r"sum\(max by \(([\w, ]+)\) \((\w+)\{(.*)\}\)\)", query)
+    assert m and m.group(2) == family.name, query
+    assert [s.strip() for s in m.group(1).split(",")] == [*ENV_LABELS, "status"]
+    matchers = dict(re.findall(r'(\w+)=~"([^"]*)"', m.group(3)))
+    assert matchers.pop("status") == "queued|running"
+    assert set(matchers) == set(ENV_LABELS) and all(v.endswith("|") for v in matchers.values())
 
 
 def test_each_worker_takes_one_gpu_of_one_sku():
@@ -102,7 +109,10 @@ def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(tmp_path)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {family.name + suffix for family in Metrics(lambda: None).registry.collect()
                 for suffix in suffixes.get(family.type, ("",))}
-    exported.add("plancache_jobs")  # a gauge collected from the store, which is closed here
+    from plancache.server.metrics import _StoreCollector
+
+    exported |= {f.name for f in _StoreCollector._families().values()}  # collected from the store, closed here
+    exported.add("plancache_build_info")
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "plancache.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     names = {n for e in exprs for n in re.findall(r"\bplancache_[a-z_]+\b", e)}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sqlalchemy.exc
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from ... import __version__
 from ...http import API_VERSION
 from ..bodies import CheckedRoute
+from ..bounded import STORE_WAIT
 from ..deps import MetricsDep, StoreDep
 from ..errors import documented_errors, error_response
 
@@ -23,9 +24,13 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="The database answers", responses=documented_errors(503))
-def readyz(store: StoreDep) -> JSONResponse:
+def readyz(request: Request, _store: StoreDep) -> JSONResponse:
+    """The app's shared ping (``app.state.readiness``): a database that hangs costs each probe
+    :data:`~plancache.server.bounded.STORE_WAIT` seconds and the process one blocked thread."""
     try:
-        store.ping()
+        request.app.state.readiness.get()
+    except TimeoutError:
+        return error_response(503, "database_unavailable", f"the database does not answer within {STORE_WAIT:g} s")
     except sqlalchemy.exc.SQLAlchemyError as exc:
         return error_response(503, "database_unavailable", f"the database does not answer ({type(exc).__name__})")
     return JSONResponse({"status": "ready"})
