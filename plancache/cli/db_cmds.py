@@ -1,5 +1,5 @@
-"""``plancache db upgrade|migrate-blobs``: the database's schema and where its blob bytes live (the database, a
-folder, object storage). The blob store is ``PLANCACHE_BLOB_STORE``'s."""
+"""``plancache db upgrade|migrate-blobs|check``: the database's schema, where its blob bytes live (the database, a
+folder, object storage) and whether the two agree. The blob store is ``PLANCACHE_BLOB_STORE``'s."""
 
 from __future__ import annotations
 
@@ -55,6 +55,30 @@ def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them:
     if done.missing:
         typer.echo(f"warning: {done.missing} blobs of the catalog were not in {store.blob_store.url} (not moved)",
                    err=True)
+
+
+@db_app.command("check")
+@command
+def db_check(sizes_only: bool = typer.Option(False, "--sizes-only",
+                                             help="compare sizes only; do not read and hash every blob"),
+             database_url: str | None = database_url_option()) -> None:
+    """List records whose blob is missing from PLANCACHE_BLOB_STORE or whose bytes do not match, and blobs no record
+    names, one line each (after a restore: docs/DEPLOYMENT.md "Backups"). Changes nothing; exit 1 when any is found."""
+    from ..store.check import check
+
+    with open_database(database_url, check_blobs=False) as store:
+        try:
+            report = check(store, lambda problem: typer.echo(str(problem)), read_bytes=not sizes_only)
+        except OSError as exc:
+            raise Failure(f"{describe_os_error(exc)} (while checking)",
+                          f"check that {store.blob_store.url} can be read (for a bucket: the AWS_* variables, "
+                          "docs/DEPLOYMENT.md)", ExitCode.OS_ERROR) from None
+    counts = ", ".join(f"{n} {kind}" for kind, n in report.problems.items())
+    summary = f"checked {report.records} records, {report.blobs} blobs in {store.blob_store.url}: {counts}"
+    if not report.ok:
+        raise Failure(summary, "restore the bucket and the database from backups of the same point "
+                      "(docs/DEPLOYMENT.md \"Backups\"); `plans gc` deletes unnamed blobs", ExitCode.FAILED)
+    typer.echo(summary)
 
 
 def register(app: typer.Typer) -> None:
