@@ -1,4 +1,4 @@
-"""``plancache db upgrade|migrate-blobs|check``: the database's schema, where its blob bytes live (the database, a
+"""``plancache db upgrade|downgrade|migrate-blobs|check``: the database's schema, where its blob bytes live (the database, a
 folder, object storage) and whether the two agree. The blob store is ``PLANCACHE_BLOB_STORE``'s."""
 
 from __future__ import annotations
@@ -24,6 +24,27 @@ def db_upgrade(database_url: str | None = database_url_option()) -> None:
     with open_database(database_url, create=True) as store:
         where = store.db.url.render_as_string(hide_password=True)
         typer.echo(f"{where}: schema at revision {store.db.current_revision()} (head)")
+
+
+@db_app.command("downgrade")
+@command
+def db_downgrade(revision: str = typer.Argument(..., help="the schema revision to go back to, e.g. 0007 "
+                                                          "(docs/DEPLOYMENT.md \"Rolling back\")"),
+                 database_url: str | None = database_url_option()) -> None:
+    """Undo the schema migrations after REVISION (stop every server and worker of the newer release first). Needed
+    only to roll back over a contract migration: a release runs on a newer schema whose migrations since its own are
+    expand-only."""
+    from alembic.util import CommandError
+
+    with open_database(database_url, check_blobs=False) as store:
+        try:
+            store.db.downgrade(revision)
+        except CommandError as exc:
+            raise Failure(f"REVISION {revision}: {str(exc).splitlines()[0]}",
+                          "give a revision of this release's migrations below the database's (`plancache db upgrade` "
+                          "prints the current one)", ExitCode.USAGE) from None
+        where = store.db.url.render_as_string(hide_password=True)
+        typer.echo(f"{where}: schema at revision {store.db.current_revision()}")
 
 
 @db_app.command("migrate-blobs")
