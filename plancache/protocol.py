@@ -374,6 +374,43 @@ class SpecCreated(StrictModel):
     created: bool
 
 
+#: The longest a token may live from its creation: ten years, in seconds.
+MAX_TOKEN_LIFETIME_SECONDS = 10 * 365 * 86400
+#: A token's name: a host or team, 1-128 characters without surrounding spaces.
+TOKEN_NAME_MAX_LENGTH = 128
+
+
+class TokenInfo(StrictModel):
+    """What is told about an API token (never its secret): ``expires_at`` None never expires."""
+
+    id: Int
+    name: str
+    role: Role
+    created_at: datetime
+    revoked: bool
+    expires_at: datetime | None = None
+
+
+class TokenCreate(StrictModel):
+    """``POST /v1/admin/tokens``: a new token of ``role`` named ``name`` (unique among live tokens), valid for
+    ``expires_in_seconds`` (None: until revoked)."""
+
+    name: str = Field(min_length=1, max_length=TOKEN_NAME_MAX_LENGTH)
+    role: Role
+    expires_in_seconds: Int | None = Field(default=None, ge=1, le=MAX_TOKEN_LIFETIME_SECONDS)
+
+
+class TokenCreated(StrictModel):
+    """The new token: its secret, shown in this answer only, and what is told about it."""
+
+    token: str
+    info: TokenInfo
+
+
+class TokenList(StrictModel):
+    tokens: list[TokenInfo]
+
+
 #: A :class:`~plancache.errors.Reason` value.
 REASON_PATTERN = "^(" + "|".join(reason.value for reason in Reason) + ")$"
 #: The most a report may say of one reason (a process's count since its last report).

@@ -13,6 +13,7 @@ from datetime import datetime
 
 from sqlalchemy.engine import Engine
 
+from ..protocol import TokenInfo
 from ..settings import StoreSettings
 from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
@@ -21,7 +22,7 @@ from .explain import Explanations
 from .fleet import Fleet
 from .jobs import Jobs
 from .plans import Plans
-from .tokens import TokenInfo, Tokens
+from .tokens import Tokens
 
 __all__ = ["Store", "TokenInfo", "open_store"]
 

@@ -53,3 +53,20 @@ def test_bad_role_and_name_are_refused(store):
     for bad in ("", " padded ", "n" * 200):
         with pytest.raises(ValueError, match="name"):
             store.create_token(bad, "reader")
+
+
+def test_a_token_past_its_expiry_is_refused(store, clock):
+    """Before: tokens had no expiry."""
+    from datetime import timedelta
+
+    plaintext, info = store.create_token("ci-job", "reader", expires_in=timedelta(hours=1))
+    assert info.expires_at == clock.now + timedelta(hours=1)
+    assert store.authenticate(plaintext) == info
+    clock.advance(3599)
+    assert store.authenticate(plaintext) is not None
+    clock.advance(1)
+    assert store.authenticate(plaintext) is None
+    assert [t.expires_at for t in store.list_tokens()] == [info.expires_at]
+    for bad in (timedelta(0), timedelta(days=3651)):
+        with pytest.raises(errors.InvalidValue, match="expires"):
+            store.create_token("other", "reader", expires_in=bad)
