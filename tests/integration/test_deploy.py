@@ -77,28 +77,42 @@ def test_every_plancache_variable_in_the_recipes_is_a_setting():
 
 
 def test_the_slurm_script_parses_and_runs_the_worker_once(tmp_path):
+    """Before: the token went on sbatch's command line (visible to every user) and the spool was keyed by the job
+    id, so a requeued task never found what it had tuned."""
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
     text = SBATCH.read_text()
     assert "#SBATCH --gres=gpu:1" in text and "exec plancache worker --once --worker-id" in text
-    bin_dir = tmp_path / "bin"  # a plancache stand-in that records its arguments
+    assert "PLANCACHE_TOKEN=" not in text.split("#SBATCH")[0]  # the usage line puts no secret on a command line
+    bin_dir = tmp_path / "bin"  # a plancache stand-in that records its arguments and environment
     bin_dir.mkdir()
-    (bin_dir / "plancache").write_text("#!/usr/bin/env bash\necho \"$@\" > \"$ARGS_FILE\"\n")
+    (bin_dir / "plancache").write_text('#!/usr/bin/env bash\necho "$@" > "$ARGS_FILE"\n'
+                                       'echo "$PLANCACHE_TOKEN $PLANCACHE_CACHE_DIR" > "$ENV_FILE"\n')
     (bin_dir / "plancache").chmod(0o755)
+    token_file = tmp_path / ".config" / "plancache" / "worker.token"
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text("pct_secret\n")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "ARGS_FILE": str(tmp_path / "args"),
-           "PLANCACHE_SERVER_URL": "http://plancache:8787", "PLANCACHE_TOKEN": "pct_x", "SLURM_JOB_ID": "7",
-           "SLURM_ARRAY_TASK_ID": "2"}
-    assert subprocess.run(["bash", str(SBATCH)], env=env, timeout=30).returncode == 0
-    args = (tmp_path / "args").read_text().split()
-    assert args[:3] == ["worker", "--once", "--worker-id"] and args[3].startswith("slurm-7-2-")
+           "ENV_FILE": str(tmp_path / "env"), "PLANCACHE_SERVER_URL": "http://plancache:8787",
+           "SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "2"}
+    spools = []
+    for job_id in ("7", "9"):  # a requeued task, or task 2 of the next submission
+        assert subprocess.run(["bash", str(SBATCH)], env={**env, "SLURM_JOB_ID": job_id}, timeout=30).returncode == 0
+        args = (tmp_path / "args").read_text().split()
+        assert args[:3] == ["worker", "--once", "--worker-id"] and args[3].startswith("slurm-5-2-")
+        assert "pct_secret" not in " ".join(args)
+        token, spool = (tmp_path / "env").read_text().split()
+        assert token == "pct_secret"
+        spools.append(spool)
+    assert spools[0] == spools[1] and spools[0].endswith("task-2") and spools[0].startswith(str(tmp_path))
     from typer.testing import CliRunner
 
     from plancache.cli import make_app
 
     helped = CliRunner().invoke(make_app(), ["worker", "--help"])
     assert "--once" in helped.output and "--worker-id" in helped.output
-    missing = subprocess.run(["bash", str(SBATCH)], env={**env, "PLANCACHE_TOKEN": ""}, capture_output=True,
-                             text=True, timeout=30)
-    assert missing.returncode != 0 and "PLANCACHE_TOKEN" in missing.stderr
+    token_file.unlink()
+    missing = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 8 and "worker.token" in missing.stderr
 
 
 def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(tmp_path):

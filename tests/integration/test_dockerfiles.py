@@ -175,6 +175,9 @@ def test_compose_services_health_and_gpu():
     assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
     assert services["worker"]["environment"]["PLANCACHE_SIGNING_KEY"].startswith("/run/secrets/")
     assert set(services["worker"]["secrets"]) <= set(doc["secrets"])
+    assert "name" not in doc  # docker-compose 1.29 (Debian's) refuses a top-level name: .env's COMPOSE_PROJECT_NAME
+    # a worker without a token (or key, or GPU) exits 8 with one line; it must not restart for ever
+    assert re.fullmatch(r"on-failure:\d", services["worker"]["restart"])
 
 
 def test_compose_variables_are_documented():
