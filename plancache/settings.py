@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -116,7 +117,13 @@ class BlobLimitSettings(_Section):
     max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
 
 
-class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
+class LogSettings(_Section):
+    """How ``serve`` and ``worker`` log: plain lines, or one JSON object per line (:mod:`plancache.logs`)."""
+
+    log_format: Literal["text", "json"] = "text"
+
+
+class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings, LogSettings):
     """``plancache serve`` and :func:`plancache.server.create_app`."""
 
     open_reads: bool = False
@@ -184,7 +191,7 @@ class TrustSettings(_Section):
 # ------------------------------------------------------------------------------------------------ roles
 
 
-class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
+class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings, LogSettings):
     """``plancache worker`` and ``plancache tune``."""
 
     build_processes: int | None = Field(default=None, ge=0, le=256)  # None: gpu.candidates.default_processes()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from .. import logs
 from ..errors import GpuUnavailable
 from ..settings import WorkerSettings, env_name
 from .common import (
@@ -81,7 +82,7 @@ def worker(
     signer = load_signer(key_file)
     spool_root = spool_dir or settings.cache_dir / "worker-spool"
     spool_fix = f"give --spool-dir a folder you can write (default: {env_name('cache_dir')}/worker-spool)"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_format)
     if all_devices:
         options = ["--server", server, "--signing-key", str(key_file), "--poll-interval", repr(poll_interval),
                    "--shutdown-grace", repr(shutdown_grace), *(["--once"] if once else [])]
