@@ -87,9 +87,8 @@ def test_a_release_runs_on_a_newer_schema_whose_migrations_since_its_own_are_exp
                 open_store(db_url, create=create)
 
 
-def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
-    """Release N-1 is this code with the migrations up to 0007 only: after this release migrated to 0009 (expand
-    only), N-1 checks the schema and starts; a contract migration on top would stop it."""
+def older_release(tmp_path: Path) -> type[Database]:
+    """Release N-1: this code with the migrations up to 0007 only (its head)."""
     older_dir = tmp_path / "migrations-n-1"
     shutil.copytree(migrations_dir(), older_dir)
     for newer in (older_dir / "versions").glob("0009_*.py"):
@@ -101,9 +100,14 @@ def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
             cfg.set_main_option("script_location", str(older_dir))
             return cfg
 
+    return OlderRelease
+
+
+def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
+    """After this release migrated to 0009 (expand only), N-1 checks the schema and starts; it cannot undo 0009."""
     with open_store(db_url, create=True):
         pass
-    older = OlderRelease(db_url)
+    older = older_release(tmp_path)(db_url)
     try:
         assert older.head_revision() == "0007"
         older.require_schema()  # the rollback: N-1 starts on schema 0009
@@ -113,6 +117,33 @@ def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
             older.downgrade("0006")
     finally:
         older.close()
+
+
+def test_a_rolling_upgrade_and_its_rollback_with_two_releases_serving_one_database(db_url, tmp_path, make_spec):
+    """Release N-1 serves on 0007; release N migrates to 0009 and serves beside it; a spec registered through
+    either is read through the other; N is rolled back and N-1 goes on alone, no restore."""
+    from plancache.store import Store
+
+    older_db = older_release(tmp_path)
+    older_db(db_url).upgrade()  # N-1's schema: 0007
+    old_store = Store(db_url)
+    old_store.db.close()
+    old_store.db = older_db(db_url)
+    newer_store = open_store(db_url, create=True)  # N's migration job: 0009
+    assert newer_store.db.current_revision() == "0009"
+    old_store.db.require_schema()  # a N-1 replica restarted mid-rollout starts
+    headers: dict[str, str] = {}
+    with LiveServer(tmp_path / "old", store=old_store) as old, LiveServer(tmp_path / "new", store=newer_store) as new:
+        headers = {"Authorization": f"Bearer {old.admin_token}"}
+        for i, (srv, other) in enumerate(((old, new), (new, old))):
+            key, spec = make_spec(i)
+            assert httpx.post(f"{srv.url}/v1/specs", json=spec, headers=headers).status_code in (200, 201)
+            assert httpx.get(f"{other.url}/v1/specs/{key}", headers=headers).status_code == 200
+    newer_store.close()  # rolled back: N's pods are gone, the schema stays at 0009
+    with LiveServer(tmp_path / "old-again", store=old_store) as old:
+        key, _ = make_spec(1)
+        assert httpx.get(f"{old.url}/v1/specs/{key}", headers=headers).status_code == 200
+    old_store.close()
 
 
 def test_db_downgrade_and_upgrade_again_keep_the_data(db_url, make_spec, monkeypatch):

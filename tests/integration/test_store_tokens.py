@@ -70,3 +70,21 @@ def test_a_token_past_its_expiry_is_refused(store, clock):
     for bad in (timedelta(0), timedelta(days=3651)):
         with pytest.raises(errors.InvalidValue, match="expires"):
             store.create_token("other", "reader", expires_in=bad)
+
+
+def test_the_cli_creates_a_token_that_expires_and_lists_its_expiry(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from plancache.cli import make_app
+    from plancache.store import open_store
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    open_store(url, create=True).close()
+    monkeypatch.setenv("PLANCACHE_DATABASE_URL", url)
+    made = CliRunner().invoke(make_app(), ["token", "create", "--role", "reader", "--name", "ci", "--expires-in-days", "2"])
+    assert made.exit_code == 0, made.output
+    assert "valid until" in made.output
+    listed = CliRunner().invoke(make_app(), ["token", "list"])
+    assert listed.exit_code == 0 and "expires" in listed.output and "live" in listed.output
+    bad = CliRunner().invoke(make_app(), ["token", "create", "--role", "reader", "--name", "x", "--expires-in-days", "0"])
+    assert bad.exit_code == 2  # USAGE: out of range
