@@ -46,7 +46,8 @@ def uvicorn_log_config(log_format: LogFormat) -> dict[str, Any] | None:
 
 
 def configure(log_format: LogFormat, level: int = logging.INFO) -> None:
-    """The root logger's one handler on stderr, in ``log_format`` (a command's, not a library's, choice)."""
+    """A handler on stderr for the root logger, in ``log_format`` (a command's, not a library's, choice); nothing
+    when the root logger has handlers already (an embedding program's, a test runner's), as ``basicConfig``."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.basicConfig(level=level, handlers=[handler])

@@ -42,6 +42,7 @@ def test_the_worker_logs_json_when_asked(monkeypatch):
     monkeypatch.setenv("PLANCACHE_LOG_FORMAT", "json")
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    root.handlers.clear()  # a worker process starts with none (the test runner has its own)
     try:
         logs.configure(WorkerSettings().log_format)
         (handler,) = root.handlers
