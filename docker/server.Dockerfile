@@ -22,6 +22,7 @@ RUN pip install --no-cache-dir --no-deps -r /tmp/requirements.txt && rm /tmp/req
 WORKDIR /app
 COPY plancache ./plancache
 COPY migrations ./migrations
+COPY --chmod=0755 docker/plancache /usr/local/bin/plancache
 
 ENV PYTHONPATH=/app \
     HOME=/data \

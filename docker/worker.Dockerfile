@@ -43,6 +43,7 @@ RUN groupadd --system --gid 10001 plancache \
 
 WORKDIR /app
 COPY plancache ./plancache
+COPY --chmod=0755 docker/plancache /usr/local/bin/plancache
 
 # PLANCACHE_SERVER_URL, PLANCACHE_TOKEN (worker role) and PLANCACHE_SIGNING_KEY come from the
 # deployment (docker/compose.yaml); the spool of finished-but-not-uploaded results lives under

@@ -31,16 +31,17 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from . import __version__
 from ._httpx import httpx
 from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
 from .settings import ConnectionSettings
-from .validation import validation_message
+from .validation import from_answer, validation_message
 
 log = logging.getLogger("plancache.http")
 
@@ -50,6 +51,23 @@ M = TypeVar("M", bound=BaseModel)
 MAX_MESSAGE_CHARS = 500
 #: Refusals that say the server cannot help this client now (its token), not that one request was wrong.
 AUTH_STATUSES = frozenset({401, 403})
+
+
+#: The wire's revision within ``/v1`` (``MAJOR.MINOR``): a minor step only adds (a field in an answer, a route, an
+#: optional field in a request), so a caller of any earlier minor works against it unchanged; a major step is a
+#: new path prefix. Every answer names it in :data:`API_VERSION_HEADER`, and ``/healthz`` in its body.
+API_VERSION = "1.1"
+API_VERSION_HEADER = "X-Plancache-Api-Version"
+#: What calls a server: a client library, a worker, the command line. Each sends ``User-Agent:
+#: plancache-<agent>/<release>`` (:func:`user_agent`); the server counts calls per agent and release.
+Agent = Literal["client", "worker", "cli"]
+#: A ``User-Agent`` that :func:`user_agent` makes: group 1 the agent, group 2 the release (a PEP 440 version).
+USER_AGENT_PATTERN = r"^plancache-(client|worker|cli)/([0-9][0-9A-Za-z.+!-]{0,31})(?:[ ;(]|$)"
+
+
+def user_agent(agent: Agent) -> str:
+    """The ``User-Agent`` of ``agent`` at this release."""
+    return f"plancache-{agent}/{__version__}"
 
 
 def check_url(server_url: str) -> str:
@@ -102,8 +120,9 @@ def error_from_response(resp: httpx.Response) -> PlanCacheError:
 
 
 def json_as(model: type[M]) -> Callable[[httpx.Response], M]:
-    """A reader for :meth:`HttpClient.read`: the answer's JSON body as ``model``."""
-    return lambda resp: model.model_validate_json(resp.content)
+    """A reader for :meth:`HttpClient.read`: the answer's JSON body as ``model``, fields it does not declare ignored
+    (:func:`~plancache.validation.from_answer`)."""
+    return lambda resp: from_answer(model, resp.content)
 
 
 @dataclass(frozen=True)
@@ -267,15 +286,23 @@ def _first_problem(exc: ValueError) -> str:
 
 
 class HttpClient:
-    """One plancache server over HTTP: bearer ``token``, connect/read timeouts (default: the settings'
+    """A plancache server over HTTP: bearer ``token``, connect/read timeouts (default: the settings'
     ``PLANCACHE_CONNECT_TIMEOUT`` / ``PLANCACHE_READ_TIMEOUT``), the error mapping of the module docstring,
     and ``policies`` (outermost first) around every attempt. Set ``stop`` to make waiting policies give up.
-    Thread-safe."""
+    Every request names ``agent`` and this release in its ``User-Agent``. Thread-safe.
 
-    def __init__(self, server_url: str, token: str | None = None, *, policies: Sequence[Policy] = (),
+    ``server_url`` may name several servers, comma-separated (replicas, or sites holding the same plans): an
+    attempt goes to the one that last answered (the first at the start), and on ServerUnavailable there (unreachable,
+    429 or 5xx, a malformed answer) to the next in turn, within the call's deadline; any other answer is final. The
+    attempt fails only when every server failed, so a policy sees the fleet, not one server."""
+
+    def __init__(self, server_url: str, token: str | None = None, *, agent: Agent = "client",
+                 policies: Sequence[Policy] = (),
                  connect_timeout: float | None = None, read_timeout: float | None = None,
                  stop: threading.Event | None = None, transport: httpx.BaseTransport | None = None) -> None:
-        self.server_url = check_url(server_url)
+        #: Every server, in the order given; :attr:`server_url` is the first.
+        self.server_urls = tuple(check_url(url.strip()) for url in server_url.split(","))
+        self.server_url = self.server_urls[0]
         if connect_timeout is None or read_timeout is None:
             settings = ConnectionSettings()
             connect_timeout = settings.connect_timeout if connect_timeout is None else connect_timeout
@@ -285,10 +312,13 @@ class HttpClient:
         self.policies = tuple(policies)
         self.stop = stop or threading.Event()
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.server_url, headers=headers, transport=transport,
-                                  timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-                                  verify=tls_verification(self.server_url))
+        headers = {"User-Agent": user_agent(agent)}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._clients = [httpx.Client(base_url=url, headers=headers, transport=transport,
+                                      timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+                                      verify=tls_verification(url)) for url in self.server_urls]
+        self._preferred = 0  # the index of the server that answered last
 
     def request(self, method: str, path: str, *, body: Any = None, timeout: float | None = None, retry: bool = True,
                 trips_on_refusal: bool = True, max_bytes: int | None = None, deadline: float | None = None,
@@ -314,15 +344,14 @@ class HttpClient:
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
 
-        def exchange(cancel: threading.Event | None) -> httpx.Response:
+        def exchange(http: httpx.Client, call: Call, cancel: threading.Event | None) -> httpx.Response:
             for again in (False, True):
                 limits = self._timeouts(timeout, deadline)
                 use = ConnectionUse()
                 try:
-                    request = self._http.build_request(method, path, json=body, content=content, headers=headers,
-                                                       timeout=limits,
-                                                       extensions={"trace": use})
-                    resp = self._http.send(request, stream=True)
+                    request = http.build_request(method, path, json=body, content=content, headers=headers,
+                                                 timeout=limits, extensions={"trace": use})
+                    resp = http.send(request, stream=True)
                     break
                 except STALE_CONNECTION_ERRORS as exc:
                     if again or not use.reused:
@@ -332,7 +361,7 @@ class HttpClient:
                 except httpx.RequestError as exc:  # refused, timed out, other protocol errors
                     raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
                 except RuntimeError:
-                    if not self._http.is_closed:
+                    if not http.is_closed:
                         raise
                     raise ServerUnavailable(f"{call}: the client was closed during the call") from None
             try:
@@ -342,14 +371,32 @@ class HttpClient:
             finally:
                 resp.close()
 
-        def attempt() -> T:
-            resp = exchange(None) if deadline is None else self._by(deadline, call, exchange)
+        def attempt_on(index: int) -> T:
+            http = self._clients[index]
+            at = call if index == 0 else replace(call, url=self.server_urls[index] + path)
+            go = partial(exchange, http, at)
+            resp = go(None) if deadline is None else self._by(deadline, at, go)
             if resp.status_code >= 400:
                 raise error_from_response(resp)
             try:
                 return reader(resp)
             except ValueError as exc:  # invalid JSON, pydantic's ValidationError
-                raise ServerUnavailable(f"{call}: malformed answer: {_first_problem(exc)}") from None
+                raise ServerUnavailable(f"{at}: malformed answer: {_first_problem(exc)}") from None
+
+        def attempt() -> T:
+            first = self._preferred
+            for n in range(len(self._clients)):
+                index = (first + n) % len(self._clients)
+                try:
+                    result = attempt_on(index)
+                except ServerUnavailable as exc:
+                    if exc.skipped or n + 1 == len(self._clients):  # nothing sent (its deadline), or the last one
+                        raise
+                    log.info("%s; trying %s", exc.message, self.server_urls[(index + 1) % len(self._clients)])
+                    continue
+                self._preferred = index
+                return result
+            raise AssertionError("unreachable: the last server's failure is raised")
 
         run: Callable[[], T] = attempt
         for policy in reversed(self.policies):
@@ -421,7 +468,8 @@ class HttpClient:
         return result
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._clients:
+            http.close()
 
     def __enter__(self) -> HttpClient:
         return self

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, TypeAdapter, field_validator, model_validator
 
 from .environment import ENV_ID_PATTERN, VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
+from .errors import Reason
 from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
 
 Role = Literal["reader", "worker", "admin"]
@@ -371,6 +372,57 @@ class ExplainResponse(StrictModel):
 class SpecCreated(StrictModel):
     graph_key: GraphKey
     created: bool
+
+
+#: The longest a token may live from its creation: ten years, in seconds.
+MAX_TOKEN_LIFETIME_SECONDS = 10 * 365 * 86400
+#: A token's name: a host or team, 1-128 characters without surrounding spaces.
+TOKEN_NAME_MAX_LENGTH = 128
+
+
+class TokenInfo(StrictModel):
+    """What is told about an API token (never its secret): ``expires_at`` None never expires."""
+
+    id: Int
+    name: str
+    role: Role
+    created_at: datetime
+    revoked: bool
+    expires_at: datetime | None = None
+
+
+class TokenCreate(StrictModel):
+    """``POST /v1/admin/tokens``: a new token of ``role`` named ``name`` (unique among live tokens), valid for
+    ``expires_in_seconds`` (None: until revoked)."""
+
+    name: str = Field(min_length=1, max_length=TOKEN_NAME_MAX_LENGTH)
+    role: Role
+    expires_in_seconds: Int | None = Field(default=None, ge=1, le=MAX_TOKEN_LIFETIME_SECONDS)
+
+
+class TokenCreated(StrictModel):
+    """The new token: its secret, shown in this answer only, and what is told about it."""
+
+    token: str
+    info: TokenInfo
+
+
+class TokenList(StrictModel):
+    tokens: list[TokenInfo]
+
+
+#: A :class:`~plancache.errors.Reason` value.
+REASON_PATTERN = "^(" + "|".join(reason.value for reason in Reason) + ")$"
+#: The most a report may say of one reason (a process's count since its last report).
+MAX_REPORTED_REJECTS = 1_000_000_000
+
+
+class RejectReport(StrictModel):
+    """``POST /v1/reports/rejects``: how many plans a client refused since its last report, by reason (the
+    :class:`~plancache.errors.Reason` members: a bounded set the server counts under)."""
+
+    rejects: dict[Annotated[str, StringConstraints(pattern=REASON_PATTERN)],
+                  Annotated[Int, Field(ge=1, le=MAX_REPORTED_REJECTS)]] = Field(min_length=1, max_length=len(Reason))
 
 
 class TuneRequest(StrictModel):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,6 +78,9 @@ class StoreSettings(_Section):
 
 #: The shortest bootstrap admin token accepted: a guessable one would hand out the admin role.
 MIN_ADMIN_TOKEN_LENGTH = 16
+#: What the example files (deploy/, docker/env.example) put where a secret goes: a token containing it is one
+#: applied unedited, the same in every copy of the example, so it is refused like a short one.
+PLACEHOLDER = "REPLACE"
 
 
 class AdminTokenSettings(_Section):
@@ -89,6 +93,10 @@ class AdminTokenSettings(_Section):
     def _long_enough(cls, value: str | None) -> str | None:
         if value is not None and len(value) < MIN_ADMIN_TOKEN_LENGTH:
             raise ValueError(f"is {len(value)} characters; use at least {MIN_ADMIN_TOKEN_LENGTH}, e.g. "
+                             "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
+        if value is not None and PLACEHOLDER in value.upper():
+            raise ValueError(f"is the placeholder of an example file (it contains {PLACEHOLDER}): anyone who read "
+                             "the example would hold the admin role; set a random one, e.g. "
                              "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
         # the server compares it with what follows 'Bearer ' in a header, which is printable ASCII with no space at
         # either end: a token with a newline (a secret file's), a surrounding space or a non-ASCII character never matches
@@ -109,7 +117,13 @@ class BlobLimitSettings(_Section):
     max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
 
 
-class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
+class LogSettings(_Section):
+    """How ``serve`` and ``worker`` log: plain lines, or one JSON object per line (:mod:`plancache.logs`)."""
+
+    log_format: Literal["text", "json"] = "text"
+
+
+class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings, LogSettings):
     """``plancache serve`` and :func:`plancache.server.create_app`."""
 
     open_reads: bool = False
@@ -177,12 +191,14 @@ class TrustSettings(_Section):
 # ------------------------------------------------------------------------------------------------ roles
 
 
-class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings):
+class WorkerSettings(ConnectionSettings, CacheSettings, SigningSettings, LogSettings):
     """``plancache worker`` and ``plancache tune``."""
 
     build_processes: int | None = Field(default=None, ge=0, le=256)  # None: gpu.candidates.default_processes()
     build_timeout: float = Field(default=DEFAULT_BUILD_TIMEOUT, gt=0, le=86400)  # seconds per candidate build
     job_timeout: float = Field(default=DEFAULT_JOB_TIMEOUT, gt=0, le=7 * 86400)  # seconds of wall clock per job
+    # touched at every turn of the worker's loop and every lease heartbeat: a liveness probe checks its age
+    alive_file: Path | None = None
 
 
 class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimitSettings):

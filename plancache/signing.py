@@ -181,11 +181,15 @@ class Signer:
     @classmethod
     def from_file(cls, path: Path | str) -> Signer:
         """The key of a PEM file (``keygen`` writes it owner-only); one that others may read is used, with a
-        warning saying so. A file over :data:`MAX_KEY_FILE_BYTES` is an ``OSError`` (``EFBIG``), as an unreadable one."""
+        warning saying so. Readable by a group of this process only (a Kubernetes secret mounted with ``fsGroup`` and
+        mode 0440: owned by root) counts as owner-only. A file over :data:`MAX_KEY_FILE_BYTES` is an ``OSError``
+        (``EFBIG``), as an unreadable one."""
         path = Path(path)
         data = read_limited(path, MAX_KEY_FILE_BYTES)
-        mode = path.stat().st_mode
-        if mode & 0o077:
+        st = path.stat()
+        mode = st.st_mode
+        own_group = st.st_gid == os.getegid() or st.st_gid in os.getgroups()
+        if mode & (0o007 if own_group else 0o077):
             log.warning("signing key %s can be read by users other than its owner (mode %o): anyone who reads it "
                         "can sign plans your clients trust; make it owner-only (chmod 600)", path, mode & 0o777)
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -16,10 +16,21 @@ INT64_MAX = 2**63 - 1
 
 
 class StrictModel(BaseModel):
-    """The base of every model that reads input: a field it does not declare is an error."""
+    """The base of every model that reads input: a field it does not declare is an error (an answer from a server
+    is read with :func:`from_answer` instead, which ignores such fields)."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)  # a schema is built when first used: importing the
     # wire protocol costs a client process nothing for the models only the server and the worker use
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def from_answer(model: type[M], content: bytes | str) -> M:
+    """``model`` read from a server's JSON answer (or a record a client cache holds), ignoring fields this release
+    does not declare, at any depth: a server of a later minor API version (``plancache.http.API_VERSION``) may add
+    them. Requests stay strict: the server reads them with :class:`StrictModel`'s ``extra="forbid"``."""
+    return model.model_validate_json(content, extra="ignore")
 
 
 def refuse_bool(value: Any) -> Any:

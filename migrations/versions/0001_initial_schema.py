@@ -15,6 +15,8 @@ revision: str = '0001'
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+#: docs/DEPLOYMENT.md "Rolling back": the first schema: nothing runs before it.
+expand_only = False
 
 
 def upgrade() -> None:

@@ -15,6 +15,8 @@ revision: str = '0002'
 down_revision: str | None = '0001'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+#: docs/DEPLOYMENT.md "Rolling back": a column with a server default: code of 0001 inserts without it.
+expand_only = True
 
 
 def upgrade() -> None:

@@ -20,6 +20,8 @@ revision: str = '0004'
 down_revision: str | None = '0003'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+#: docs/DEPLOYMENT.md "Rolling back": contract: drops the columns code of 0003 writes (signature, signer_key_id).
+expand_only = False
 
 
 def upgrade() -> None:

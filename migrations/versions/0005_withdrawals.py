@@ -18,6 +18,8 @@ revision: str = '0005'
 down_revision: str | None = '0004'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+#: docs/DEPLOYMENT.md "Rolling back": a new table.
+expand_only = True
 
 
 def upgrade() -> None:

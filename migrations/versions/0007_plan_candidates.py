@@ -24,6 +24,8 @@ revision: str = '0007'
 down_revision: str | None = '0006'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+#: docs/DEPLOYMENT.md "Rolling back": contract: drops plans.candidates, which code of 0006 reads and writes.
+expand_only = False
 
 _plans = sa.table('plans', sa.column('id', sa.Integer()), sa.column('candidates', sa.JSON()))
 _table = sa.table('plan_candidates', sa.column('plan_id', sa.Integer()), sa.column('candidates', sa.JSON()),

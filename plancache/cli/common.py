@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ..environment import Environment
-    from ..http import HttpClient, Policy, Retry
+    from ..http import Agent, HttpClient, Policy, Retry
     from ..signing import Signer, TrustedKeys
     from ..spec import GraphSpec
     from ..store import Store
@@ -527,8 +527,9 @@ def load_trusted_keys(value: str | None, option: str = "--trusted-keys") -> Trus
 
 
 def http_client(server_url: str, token: str | None, *, connect_timeout: float, read_timeout: float,
-                policies: Sequence[Policy] = ()) -> HttpClient:
-    """An HTTP client of ``server_url``; a URL it refuses is a configuration failure naming ``--server``."""
+                policies: Sequence[Policy] = (), agent: Agent = "cli") -> HttpClient:
+    """An HTTP client of ``server_url`` calling as ``agent``; a URL it refuses is a configuration failure naming
+    ``--server``."""
     from ..http import HttpClient
 
     if token is not None and not (token.isascii() and token.isprintable()):
@@ -536,7 +537,7 @@ def http_client(server_url: str, token: str | None, *, connect_timeout: float, r
                       f"check --token / {env_name('token')} / {env_name('admin_token')} (copy it again from "
                       "`plancache token create`)", ExitCode.CONFIG)
     try:
-        return HttpClient(server_url, token, policies=policies, connect_timeout=connect_timeout,
+        return HttpClient(server_url, token, agent=agent, policies=policies, connect_timeout=connect_timeout,
                           read_timeout=read_timeout)
     except ValueError as exc:
         raise Failure(f"--server {server_url}: {exc}",
@@ -548,12 +549,13 @@ GIVE_ADMIN_TOKEN = (f"give --token or set {env_name('admin_token')} to an admin 
                     "token, or one from `plancache token create --role admin`)")
 
 
-def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSettings, *, retry: Retry) -> JobsApi:
-    """The job and admin calls to ``server_url``, with ``connection``'s connect timeout and ``retry``."""
+def open_jobs_api(server_url: str, token: str | None, connection: ConnectionSettings, *, retry: Retry,
+                  agent: Agent = "cli") -> JobsApi:
+    """The job and admin calls to ``server_url`` as ``agent``, with ``connection``'s connect timeout and ``retry``."""
     from ..worker.jobs_api import READ_TIMEOUT, JobsApi
 
     return JobsApi(http_client(server_url, token, connect_timeout=connection.connect_timeout,
-                               read_timeout=READ_TIMEOUT, policies=[retry]))
+                               read_timeout=READ_TIMEOUT, policies=[retry], agent=agent))
 
 
 def pick_token(token: str | None, *, admin: bool) -> str | None:

@@ -1,5 +1,5 @@
-"""``plancache db upgrade|migrate-blobs``: the database's schema and where its blob bytes live (the database, a
-folder, object storage). The blob store is ``PLANCACHE_BLOB_STORE``'s."""
+"""``plancache db upgrade|downgrade|migrate-blobs|check``: the database's schema, where its blob bytes live (the database, a
+folder, object storage) and whether the two agree. The blob store is ``PLANCACHE_BLOB_STORE``'s."""
 
 from __future__ import annotations
 
@@ -24,6 +24,27 @@ def db_upgrade(database_url: str | None = database_url_option()) -> None:
     with open_database(database_url, create=True) as store:
         where = store.db.url.render_as_string(hide_password=True)
         typer.echo(f"{where}: schema at revision {store.db.current_revision()} (head)")
+
+
+@db_app.command("downgrade")
+@command
+def db_downgrade(revision: str = typer.Argument(..., help="the schema revision to go back to, e.g. 0007 "
+                                                          "(docs/DEPLOYMENT.md \"Rolling back\")"),
+                 database_url: str | None = database_url_option()) -> None:
+    """Undo the schema migrations after REVISION (stop every server and worker of the newer release first). Needed
+    only to roll back over a contract migration: a release runs on a newer schema whose migrations since its own are
+    expand-only."""
+    from alembic.util import CommandError
+
+    with open_database(database_url, check_blobs=False) as store:
+        try:
+            store.db.downgrade(revision)
+        except CommandError as exc:
+            raise Failure(f"REVISION {revision}: {str(exc).splitlines()[0]}",
+                          "give a revision of this release's migrations below the database's (`plancache db upgrade` "
+                          "prints the current one)", ExitCode.USAGE) from None
+        where = store.db.url.render_as_string(hide_password=True)
+        typer.echo(f"{where}: schema at revision {store.db.current_revision()}")
 
 
 @db_app.command("migrate-blobs")
@@ -55,6 +76,30 @@ def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them:
     if done.missing:
         typer.echo(f"warning: {done.missing} blobs of the catalog were not in {store.blob_store.url} (not moved)",
                    err=True)
+
+
+@db_app.command("check")
+@command
+def db_check(sizes_only: bool = typer.Option(False, "--sizes-only",
+                                             help="compare sizes only; do not read and hash every blob"),
+             database_url: str | None = database_url_option()) -> None:
+    """List records whose blob is missing from PLANCACHE_BLOB_STORE or whose bytes do not match, and blobs no record
+    names, one line each (after a restore: docs/DEPLOYMENT.md "Backups"). Changes nothing; exit 1 when any is found."""
+    from ..store.check import check
+
+    with open_database(database_url, check_blobs=False) as store:
+        try:
+            report = check(store, lambda problem: typer.echo(str(problem)), read_bytes=not sizes_only)
+        except OSError as exc:
+            raise Failure(f"{describe_os_error(exc)} (while checking)",
+                          f"check that {store.blob_store.url} can be read (for a bucket: the AWS_* variables, "
+                          "docs/DEPLOYMENT.md)", ExitCode.OS_ERROR) from None
+    counts = ", ".join(f"{n} {kind}" for kind, n in report.problems.items())
+    summary = f"checked {report.records} records, {report.blobs} blobs in {store.blob_store.url}: {counts}"
+    if not report.ok:
+        raise Failure(summary, "restore the bucket and the database from backups of the same point "
+                      "(docs/DEPLOYMENT.md \"Backups\"); `plans gc` deletes unnamed blobs", ExitCode.FAILED)
+    typer.echo(summary)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from .. import logs
 from ..settings import ServerSettings
 from .common import ExitCode, Failure, command, database_url_option, open_database
 
@@ -83,7 +84,9 @@ def serve(
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
 
-            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)
+            log_config = logs.uvicorn_log_config(settings.log_format)
+            options = {} if log_config is None else {"log_config": log_config}
+            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port, **options), announce)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn has shut down cleanly, then re-raised it
                 server.run(sockets=[sock])
     finally:

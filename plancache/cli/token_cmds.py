@@ -22,12 +22,18 @@ class RoleChoice(enum.StrEnum):
 def token_create(
     role: RoleChoice = typer.Option(..., "--role", help="reader: resolve/fetch; worker: claim and publish; admin: everything"),
     name: str = typer.Option(..., "--name", help="a unique name for this token, e.g. the host or team using it"),
+    expires_in_days: float | None = typer.Option(None, "--expires-in-days", min=0.0001, max=3650,
+                                                 help="refused after this many days (default: valid until revoked)"),
     database_url: str | None = database_url_option(),
 ) -> None:
     """Create a token and print it (stdout, once: only its hash is stored)."""
+    from datetime import timedelta
+
+    expires_in = None if expires_in_days is None else timedelta(days=expires_in_days)
     with open_database(database_url) as store:
-        plaintext, info = store.create_token(name, role.value)
-    typer.echo(f"created {info.role} token {info.name!r} (id {info.id}); it is shown only now:", err=True)
+        plaintext, info = store.create_token(name, role.value, expires_in=expires_in)
+    until = "" if info.expires_at is None else f", valid until {info.expires_at:%Y-%m-%d %H:%M:%S} UTC"
+    typer.echo(f"created {info.role} token {info.name!r} (id {info.id}{until}); it is shown only now:", err=True)
     typer.echo(plaintext)
 
 
@@ -50,10 +56,16 @@ def token_list(database_url: str | None = database_url_option()) -> None:
     with open_database(database_url) as store:
         tokens = store.list_tokens()
     table = Table(title=f"{len(tokens)} tokens")
-    for col in ("id", "name", "role", "created", "status"):
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    for col in ("id", "name", "role", "created", "expires", "status"):
         table.add_column(col)
     for t in tokens:
-        table.add_row(str(t.id), t.name, t.role, t.created_at.strftime("%Y-%m-%d %H:%M:%S"), "revoked" if t.revoked else "live")
+        expired = t.expires_at is not None and t.expires_at <= now
+        table.add_row(str(t.id), t.name, t.role, t.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                      "never" if t.expires_at is None else t.expires_at.strftime("%Y-%m-%d %H:%M:%S"),
+                      "revoked" if t.revoked else "expired" if expired else "live")
     plain_console(width=200).print(table)
 
 

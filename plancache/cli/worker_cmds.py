@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from .. import logs
 from ..errors import GpuUnavailable
 from ..settings import WorkerSettings, env_name
 from .common import (
@@ -81,7 +82,7 @@ def worker(
     signer = load_signer(key_file)
     spool_root = spool_dir or settings.cache_dir / "worker-spool"
     spool_fix = f"give --spool-dir a folder you can write (default: {env_name('cache_dir')}/worker-spool)"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_format)
     if all_devices:
         options = ["--server", server, "--signing-key", str(key_file), "--poll-interval", repr(poll_interval),
                    "--shutdown-grace", repr(shutdown_grace), *(["--once"] if once else [])]
@@ -92,7 +93,8 @@ def worker(
 
     spool = Spool(writable_folder(spool_root, "the worker spool folder", spool_fix))
     # --once exits 7 (SERVER_UNAVAILABLE) when the server stays unreachable, instead of waiting for it forever
-    client = open_jobs_api(server, token, settings, retry=Retry(within=ONCE_RETRY_SECONDS) if once else Retry())
+    client = open_jobs_api(server, token, settings, retry=Retry(within=ONCE_RETRY_SECONDS) if once else Retry(),
+                           agent="worker")
     stop = threading.Event()
     stop_on_signals(stop)
     logging.getLogger("plancache.worker").info("tuning on CUDA device %d of those visible (CUDA_VISIBLE_DEVICES=%s)",
@@ -101,7 +103,8 @@ def worker(
                      build_processes=settings.build_processes if build_processes is None else build_processes,
                      build_timeout=settings.build_timeout)
     w = Worker(client, tuner, signer, spool, worker_id=worker_id,
-               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout)
+               poll_interval=poll_interval, once=once, shutdown_grace=shutdown_grace, job_timeout=settings.job_timeout,
+               alive_file=settings.alive_file)
     try:
         w.run(stop)
     finally:

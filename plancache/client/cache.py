@@ -70,7 +70,7 @@ from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
 from ..files import SAFE_OPEN_FLAGS, atomic_write, read_limited, unlock_and_close
 from ..protocol import GRAPH_KEY_PATTERN, MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, PlanRecord
-from ..validation import validation_message
+from ..validation import from_answer, validation_message
 
 log = logging.getLogger("plancache.client")
 
@@ -287,7 +287,7 @@ class DiskCache:
             log.warning("plan cache: cannot read the record of %s: %s", graph_key[:12], exc)
             return None
         try:
-            return PlanRecord.model_validate_json(text)
+            return from_answer(PlanRecord, text)
         except ValidationError as exc:
             raise VerificationError(Reason.MALFORMED, f"cached record {graph_key[:12]} does not parse: "
                                                       f"{validation_message(exc.errors(), 1)}") from None

@@ -1156,13 +1156,20 @@ class PlanCache:
                                dict(s.blob_sources), s.presigned_fallbacks)
 
     def close(self) -> None:
-        """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, and close the
-        connection to the server. In a forked child, nothing: they are the parent's."""
+        """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, report the
+        plans this cache refused to the server (one call within ``request_deadline``; a failure is logged at debug
+        level), and close the connection to the server. In a forked child, nothing: they are the parent's."""
         if self.forked:
             return
         self.context.revalidator.join(self.request_deadline)
         self.disk.close()
         if self._remote is not None:
+            rejects = self.stats().rejects
+            if rejects and not self._remote.is_off:
+                try:
+                    self._remote.report_rejects(rejects, deadline=time.monotonic() + self.request_deadline)
+                except PlanCacheError as exc:  # an older server without the route, or none at all: only a figure
+                    log.debug("plancache: rejects not reported: %s", exc.message)
             self._remote.close()
         if self.context.index is not None:
             self.context.index.close()

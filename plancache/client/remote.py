@@ -21,13 +21,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..environment import Environment
-from ..errors import ServerUnavailable
+from ..errors import Reason, ServerUnavailable
 from ..http import CircuitBreaker, HttpClient, json_as
-from ..protocol import ExplainRequest, ExplainResponse, MissReason, ResolveRequest, ResolveResponse, SpecCreated
+from ..protocol import (
+    MAX_REPORTED_REJECTS,
+    ExplainRequest,
+    ExplainResponse,
+    MissReason,
+    RejectReport,
+    ResolveRequest,
+    ResolveResponse,
+    SpecCreated,
+)
 from ..spec import GraphSpec
 
 if TYPE_CHECKING:
@@ -162,6 +172,17 @@ class Remote:
         created = self.http.read("POST", "/v1/specs", json_as(SpecCreated), body=spec.to_json(), trips_on_refusal=False,
                                  max_bytes=SPEC_ANSWER_LIMIT, deadline=deadline)
         return created.graph_key
+
+    def report_rejects(self, rejects: Mapping[str, int], *, deadline: float) -> None:
+        """``POST /v1/reports/rejects``: the plans this process refused, by reason, so that the server counts them
+        (``plancache_client_rejects_total``). Sent once, never retried; a refusal trips no breaker."""
+        known = {reason.value for reason in Reason}
+        counts = {r: min(n, MAX_REPORTED_REJECTS) for r, n in rejects.items() if n > 0 and r in known}
+        if not counts:
+            return
+        report = RejectReport.model_validate({"rejects": counts})
+        self.http.request("POST", "/v1/reports/rejects", body=report.model_dump(mode="json"), retry=False,
+                          trips_on_refusal=False, deadline=deadline, max_bytes=SPEC_ANSWER_LIMIT)
 
     def close(self) -> None:
         self.http.close()

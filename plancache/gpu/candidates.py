@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,9 +55,35 @@ class BuiltCandidate:
     error: str | None = None
 
 
+#: Where Linux mounts the process's cgroup (v2: ``cpu.max``; v1: ``cpu/cpu.cfs_quota_us`` and ``cpu.cfs_period_us``).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(root: Path | None = None) -> int | None:
+    """The CPUs the process's cgroup (under ``root``, default :data:`CGROUP_ROOT`) may use, rounded up (a
+    container's CPU limit: Kubernetes' ``resources.limits.cpu``); None without a limit or where none can be read."""
+    root = CGROUP_ROOT if root is None else root
+    try:
+        quota, _, period = (root / "cpu.max").read_text().partition(" ")  # v2: "800000 100000" or "max 100000"
+    except OSError:
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text()  # v1: -1 without a limit
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # "max"
+        return None
+    return max(1, -(-q // p)) if q > 0 and p > 0 else None
+
+
 def usable_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPU cores this process may run on: those its affinity allows, at most its cgroup's CPU limit
+    (:func:`cpu_quota`; a pod limited to 8 CPUs on a 128-core node builds with 8, not 128)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return cores if quota is None else min(cores, quota)
 
 
 def default_processes(cores: int | None = None) -> int:

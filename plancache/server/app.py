@@ -10,12 +10,15 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..http import API_VERSION, API_VERSION_HEADER
 from ..settings import ServerSettings
 from ..store import Store, open_store
 from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
+from .bounded import STORE_WAIT, Bounded
 from .docs import install_docs
 from .errors import install_error_handlers
 from .limits import UPLOAD_THREADS, ByteBudget, RateLimiter
@@ -61,6 +64,27 @@ def prepare_process() -> None:
         sys.setswitchinterval(SWITCH_INTERVAL)
 
 
+class ApiVersionMiddleware:
+    """Names :data:`~plancache.http.API_VERSION` in every HTTP answer's :data:`~plancache.http.API_VERSION_HEADER`."""
+
+    HEADER = (API_VERSION_HEADER.lower().encode("latin-1"), API_VERSION.encode("latin-1"))
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.HEADER]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
 def create_app(settings: ServerSettings | None = None, *, store: Store | None = None) -> FastAPI:
     """A new app. Its lifespan opens the store at ``settings.database_url`` (migrating it to head) and closes
     it at shutdown, unless ``store`` is given: then that store is used and left open for its owner."""
@@ -101,6 +125,7 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.presigned_urls = TtlMemory(settings.presign_seconds / 2, max_items=PRESIGNED_URLS)
     app.state.metrics = metrics = Metrics(lambda: app.state.store)
+    app.state.readiness = Bounded(lambda: app.state.store.ping(), timeout=STORE_WAIT, name="readiness")
     # the autotune policy (plancache.server.autotune): a background thread when PLANCACHE_AUTOTUNE is on
     app.state.autotuner = Autotuner(lambda: app.state.store, policy_from(settings), settings.autotune_interval,
                                     metrics.autotune_jobs.inc)
@@ -110,4 +135,5 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     install_docs(app)
     install_openapi_rules(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(ApiVersionMiddleware)  # outermost: every answer, errors of the metrics' middleware too
     return app

@@ -94,8 +94,19 @@ def _headers(exc: PlanCacheError) -> dict[str, str]:
     return {"Retry-After": "1"} if exc.http_status == 503 else {}
 
 
-async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
+#: Error codes of a request the blob store failed (counted in ``plancache_blob_store_errors_total{code}``).
+BLOB_STORE_CODES = frozenset({"blob_store_unavailable", "blob_store_mismatch", "insufficient_storage"})
+
+
+def _blob_store_failed(request: Request, code: str) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and code in BLOB_STORE_CODES:
+        metrics.blob_store_errors.labels(code).inc()
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PlanCacheError)
+    _blob_store_failed(request, exc.code)
     return error_response(exc.http_status, exc.code, exc.message, _headers(exc))
 
 
@@ -122,6 +133,7 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OSError)
     if request.method == "PUT" and exc.errno == errno.ENOENT:  # the file being written vanished under the writer
         log.error("blob store lost a file while %s %s was written: %s", request.method, request.url.path, exc)
+        _blob_store_failed(request, "blob_store_unavailable")
         return error_response(503, "blob_store_unavailable", "the blob's file was removed while it was written (a "
                               "`plans gc` whose grace is shorter than an upload?); nothing was stored, retry",
                               {"Retry-After": "1"})
@@ -130,9 +142,11 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     name = errno.errorcode.get(exc.errno, str(exc.errno))
     if request.method != "PUT":  # a read (the write routes are PUTs): the store is there, not readable now
         log.error("blob store cannot be read during %s %s: %s (%s)", request.method, request.url.path, name, exc)
+        _blob_store_failed(request, "blob_store_unavailable")
         return error_response(503, "blob_store_unavailable", f"the server's blob store cannot be read now ({name}: "
                               f"{exc.strerror}); retry later", {"Retry-After": "1"})
     log.error("blob store cannot take a write during %s %s: %s (%s)", request.method, request.url.path, name, exc)
+    _blob_store_failed(request, "insufficient_storage")
     return error_response(507, "insufficient_storage", f"the server's blob store cannot store this now ({name}: "
                           f"{exc.strerror}); nothing was stored, retry later")
 

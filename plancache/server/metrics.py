@@ -6,23 +6,45 @@
 - ``plancache_resolve_keys_total{result="hit"|"miss"}``
 - ``plancache_blob_bytes_served_total{route}`` (blob GETs and blobs inlined in resolve answers)
 - ``plancache_jobs{status}`` (read from the store at scrape time)
+- the fleet, per GPU environment (labels ``sm``, ``sm_count``, ``cudnn``, ``driver``, ``fe``; a job target's field
+  that matches any value is ``""``), read from the store (:meth:`plancache.store.fleet.Fleet.fleet_counts`):
+  ``plancache_fleet_jobs{…,status}`` (queued and running jobs by target), ``plancache_fleet_missed_keys{…}`` and
+  ``plancache_fleet_misses{…}`` (graph keys missed, misses recorded),
+  ``plancache_fleet_worker_last_claim_timestamp_seconds{…}`` (when a worker of the environment last claimed).
+  Every replica reports the same database-wide value: aggregate with ``max by (labels)``, never ``sum``, so the
+  figure is right whatever the number of replicas and survives any one of them (no leader to elect or lose).
+- ``plancache_store_up`` (1: the scrape's store reads answered within :data:`STORE_WAIT` seconds; 0: they did
+  not, and the store's families are left out of this scrape, which answers regardless)
+- ``plancache_blob_store_errors_total{code}`` (requests failed by the blob store: unavailable, mismatched)
+- ``plancache_client_rejects_total{reason}`` (plans clients refused, as they report them, by
+  :class:`~plancache.errors.Reason`)
+- ``plancache_build_info{release,api_version}`` (always 1)
 - ``plancache_tuning_seconds`` (autotuning time of each newly published plan)
 - ``plancache_autotune_jobs_total`` (jobs this process's autotune policy enqueued, :mod:`plancache.server.autotune`)
+- ``plancache_callers_total{agent,release}`` (requests by the ``User-Agent`` that plancache's clients, workers and
+  command line send, :func:`plancache.http.user_agent`; any other caller is ``agent="other"``; past
+  :data:`MAX_RELEASES` distinct releases a process has seen, a new one counts as ``release="other"``)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import sqlalchemy.exc
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from ..environment import VALIDITY_FIELDS
+from ..http import API_VERSION, USER_AGENT_PATTERN
+from .bounded import STORE_WAIT, Bounded
 
 log = logging.getLogger("plancache.server")
 
@@ -30,33 +52,80 @@ UNMATCHED_ROUTE = "<unmatched>"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _TUNING_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+#: Distinct releases ``plancache_callers_total`` names per process; a fleet runs a few at a time.
+MAX_RELEASES = 16
+OTHER = "other"
+_USER_AGENT = re.compile(USER_AGENT_PATTERN)
 
 
-class _JobsCollector(Collector):
-    """``plancache_jobs{status}`` from ``store.job_counts()``; nothing while the store is closed or unreachable."""
+#: Seconds the store's figures of a scrape are reused for (a scrape waits :data:`~.bounded.STORE_WAIT` for them).
+STORE_MAX_AGE = 5.0
+#: The labels of a GPU environment in the fleet's families, in :data:`~plancache.environment.VALIDITY_FIELDS` order.
+ENV_LABELS = tuple({"cudnn_version": "cudnn", "driver_version": "driver", "frontend_version": "fe"}.get(f, f)
+                   for f in VALIDITY_FIELDS)
+
+
+def _env_labels(validity: tuple[Any, ...]) -> list[str]:
+    return ["" if v is None else str(v) for v in validity]
+
+
+class _StoreCollector(Collector):
+    """The families read from the store (``plancache_jobs``, the fleet's, ``plancache_store_up``), at most
+    :data:`STORE_WAIT` seconds per scrape (:class:`~plancache.server.bounded.Bounded`); none while the store is
+    closed."""
 
     def __init__(self, store: Callable[[], Any]) -> None:
         self._store = store
+        self.read = Bounded(self._figures, timeout=STORE_WAIT, max_age=STORE_MAX_AGE, name="metrics")
 
-    def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily("plancache_jobs", "Tuning jobs by status", labels=["status"])
+    def _figures(self) -> tuple[dict[str, int], Any]:
+        store = self._store()
+        return store.job_counts(), store.fleet_counts()
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        env = list(ENV_LABELS)
+        return {
+            "jobs": GaugeMetricFamily("plancache_jobs", "Tuning jobs by status", labels=["status"]),
+            "fleet_jobs": GaugeMetricFamily("plancache_fleet_jobs", "Queued and running jobs by target environment "
+                                            "(the same on every replica: aggregate with max)", labels=[*env, "status"]),
+            "missed_keys": GaugeMetricFamily("plancache_fleet_missed_keys", "Graph keys missed by environment "
+                                             "(the same on every replica)", labels=env),
+            "misses": GaugeMetricFamily("plancache_fleet_misses", "Misses recorded by environment "
+                                        "(the same on every replica)", labels=env),
+            "workers": GaugeMetricFamily("plancache_fleet_worker_last_claim_timestamp_seconds",
+                                         "When a worker of the environment last claimed (the same on every replica)",
+                                         labels=env),
+        }
 
     def describe(self) -> Iterator[Metric]:
-        yield self._family()
+        yield from self._families().values()
+        yield GaugeMetricFamily("plancache_store_up", "")
 
     def collect(self) -> Iterator[Metric]:
-        store = self._store()
-        if store is None:
+        if self._store() is None:
             return
+        up = GaugeMetricFamily("plancache_store_up", "1: this scrape read the store within the bound, else 0")
         try:
-            counts = store.job_counts()
-        except sqlalchemy.exc.SQLAlchemyError as exc:
-            log.warning("metrics: cannot count jobs: %s", type(exc).__name__)
+            counts, fleet = self.read.get()
+        except (TimeoutError, sqlalchemy.exc.SQLAlchemyError) as exc:
+            log.warning("metrics: cannot read the store: %s", type(exc).__name__)
+            up.add_metric([], 0)
+            yield up
             return
-        family = self._family()
+        up.add_metric([], 1)
+        yield up
+        f = self._families()
         for status, n in counts.items():
-            family.add_metric([status], n)
-        yield family
+            f["jobs"].add_metric([status], n)
+        for (validity, status), n in fleet.jobs.items():
+            f["fleet_jobs"].add_metric([*_env_labels(validity), status], n)
+        for validity, (keys, events) in fleet.misses.items():
+            f["missed_keys"].add_metric(_env_labels(validity), keys)
+            f["misses"].add_metric(_env_labels(validity), events)
+        for validity, at in fleet.workers.items():
+            f["workers"].add_metric(_env_labels(validity), at.timestamp())
+        yield from f.values()
 
 
 class Metrics:
@@ -80,7 +149,31 @@ class Metrics:
                                         buckets=_TUNING_BUCKETS, registry=r)
         self.autotune_jobs = Counter("plancache_autotune_jobs", "Jobs the autotune policy of this process enqueued",
                                      registry=r)
-        r.register(_JobsCollector(store))
+        self.callers = Counter("plancache_callers", "HTTP requests by calling agent and its release",
+                               ["agent", "release"], registry=r)
+        self._releases: set[str] = set()
+        self.blob_store_errors = Counter("plancache_blob_store_errors", "Requests failed by the blob store, by error "
+                                         "code", ["code"], registry=r)
+        self.client_rejects = Counter("plancache_client_rejects", "Plans clients refused, as they report them, by "
+                                      "reason", ["reason"], registry=r)
+        Info("plancache_build", "The server's release and API version", registry=r).info(
+            {"release": __version__, "api_version": API_VERSION})
+        self.store_figures = _StoreCollector(store)
+        r.register(self.store_figures)
+
+    def observe_caller(self, user_agent: str) -> None:
+        """Counts one request of the caller that ``user_agent`` names (bounded labels, see the module docstring)."""
+        match = _USER_AGENT.match(user_agent)
+        if match is None:
+            self.callers.labels(OTHER, "").inc()
+            return
+        agent, release = match.groups()
+        if release not in self._releases:
+            if len(self._releases) >= MAX_RELEASES:
+                release = OTHER
+            else:
+                self._releases.add(release)
+        self.callers.labels(agent, release).inc()
 
     def observe_resolve(self, hits: int, misses: int, blob_bytes: int) -> None:
         self.resolve_keys.labels("hit").inc(hits)
@@ -142,3 +235,12 @@ class MetricsMiddleware:
             method = scope["method"] if scope["method"] in _METHODS else "OTHER"
             self.metrics.requests.labels(method, route, str(status)).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)
+            self.metrics.observe_caller(_header(scope, b"user-agent"))
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """The first ``name`` header of ``scope``'s request (latin-1, as HTTP carries it), else ``""``."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""

@@ -13,19 +13,21 @@ from datetime import datetime
 
 from sqlalchemy.engine import Engine
 
+from ..protocol import TokenInfo
 from ..settings import StoreSettings
 from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
 from .db import Database
 from .explain import Explanations
+from .fleet import Fleet
 from .jobs import Jobs
 from .plans import Plans
-from .tokens import TokenInfo, Tokens
+from .tokens import Tokens
 
 __all__ = ["Store", "TokenInfo", "open_store"]
 
 
-class Store(SpecsAndBlobs, Plans, Jobs, Tokens, Explanations):
+class Store(SpecsAndBlobs, Plans, Jobs, Tokens, Explanations, Fleet):
     """All store operations over one database. Thread-safe: each call runs in its own transaction.
 
     ``clock`` returns the current time (timezone-aware) for every timestamp and lease; tests inject one. Without it,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import sys
 import time
@@ -17,6 +18,9 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from ..errors import InvalidValue, SchemaNotReady, SchemaTooNew
 from ..validation import INT32_MAX, INT64_MAX
+from .models import schema_compatibility
+
+log = logging.getLogger("plancache.store")
 
 Clock = Callable[[], datetime]
 
@@ -220,21 +224,46 @@ class Database:
         return cfg
 
     def upgrade(self, revision: str = "head") -> None:
-        """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised)."""
+        """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised). A database a
+        newer plancache migrated is left as it is when its schema admits this plancache's code (:meth:`_refuse_unknown`)."""
         from alembic import command
         from alembic.runtime.migration import MigrationContext
 
         if self.is_sqlite:
             Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
         with self.migrating() as conn:
-            self._refuse_unknown(MigrationContext.configure(conn).get_current_revision())
+            if self._refuse_unknown(MigrationContext.configure(conn).get_current_revision(), conn):
+                return
             command.upgrade(self.alembic_config(conn), revision)
+            self._record_compatibility(conn)
 
     def downgrade(self, revision: str) -> None:
+        """Undo migrations down to ``revision`` in one transaction (:class:`SchemaTooNew` from a revision this
+        plancache does not have: only the release that made it can undo it)."""
         from alembic import command
+        from alembic.runtime.migration import MigrationContext
 
         with self.migrating() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+            if self._refuse_unknown(current, conn):
+                raise SchemaTooNew(f"database {self.url.render_as_string(hide_password=True)} is at schema revision "
+                                   f"{current}, which this plancache does not have: downgrade it with the release "
+                                   "that migrated it")
             command.downgrade(self.alembic_config(conn), revision)
+            self._record_compatibility(conn)
+
+    def _record_compatibility(self, conn: Connection) -> None:
+        """Write ``schema_compatibility``'s row for the revision ``conn``'s database is now at (when that schema has
+        the table): the oldest revision whose code runs on it (:func:`compatible_from`)."""
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
+        current = MigrationContext.configure(conn).get_current_revision()
+        if current is None or not sa.inspect(conn).has_table(schema_compatibility.name):
+            return
+        oldest = compatible_from(ScriptDirectory.from_config(self.alembic_config()), current)
+        conn.execute(sa.delete(schema_compatibility))
+        conn.execute(sa.insert(schema_compatibility).values(revision=current, compatible_from=oldest))
 
     @contextlib.contextmanager
     def migrating(self) -> Iterator[Connection]:
@@ -257,21 +286,35 @@ class Database:
                 if raw is not None:
                     raw.execute("PRAGMA foreign_keys = ON")
 
-    def _refuse_unknown(self, current: str | None) -> None:
-        """:class:`SchemaTooNew` when ``current`` is no revision of this plancache's migrations."""
+    def _refuse_unknown(self, current: str | None, conn: Connection) -> bool:
+        """False when ``current`` is a revision of this plancache's migrations (or none). True when it is not but
+        the database's ``schema_compatibility`` row for it names, as the oldest revision whose code runs on it, one
+        this plancache has: a newer release migrated it with expand-only migrations, and this one runs on it
+        (rolled back). Else :class:`SchemaTooNew`."""
         from alembic.script import ScriptDirectory
         from alembic.util import CommandError
 
         if current is None:
-            return
+            return False
         script = ScriptDirectory.from_config(self.alembic_config())
         try:
             script.get_revision(current)
+            return False
         except CommandError:
+            pass
+        oldest = None
+        if sa.inspect(conn).has_table(schema_compatibility.name):
+            oldest = conn.execute(sa.select(schema_compatibility.c.compatible_from)
+                                  .where(schema_compatibility.c.revision == current)).scalar()
+        known = oldest is not None and _has_revision(script, oldest)
+        if not known:
             raise SchemaTooNew(
                 f"database {self.url.render_as_string(hide_password=True)} is at schema revision {current}, which "
                 f"this plancache (schema {script.get_current_head()}) does not know: a newer plancache migrated it"
-            ) from None
+            )
+        log.warning("database schema revision %s is newer than this plancache's (%s); its migrations since %s "
+                    "are expand-only, so this release runs on it", current, script.get_current_head(), oldest)
+        return True
 
     def head_revision(self) -> str | None:
         from alembic.script import ScriptDirectory
@@ -285,12 +328,15 @@ class Database:
             return MigrationContext.configure(conn).get_current_revision()
 
     def require_schema(self) -> None:
-        """Raise :class:`SchemaNotReady` unless the database is migrated to this version's head."""
+        """Raise :class:`SchemaNotReady` unless the database is migrated to this version's head, or to a newer
+        schema whose migrations since a revision of this version are expand-only (:meth:`_refuse_unknown`)."""
         where = self.url.render_as_string(hide_password=True)
         if self.is_sqlite and not Path(self.url.database or "").exists():
             raise SchemaNotReady(f"no SQLite database at {self.url.database}; run `plancache db upgrade` first")
         current, head = self.current_revision(), self.head_revision()
-        self._refuse_unknown(current)
+        with self.read() as conn:
+            if self._refuse_unknown(current, conn):
+                return
         if current != head:
             raise SchemaNotReady(
                 f"database {where} is at schema revision {current or '(none)'}, this plancache needs {head}; "
@@ -304,6 +350,30 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+#: The attribute of a migration module that marks it additive (docs/DEPLOYMENT.md "Rolling back"): code of its down
+#: revision runs on its schema.
+EXPAND_ONLY = "expand_only"
+
+
+def compatible_from(script: Any, revision: str) -> str:
+    """The oldest revision whose code runs on schema ``revision`` of ``script`` (an Alembic ``ScriptDirectory``):
+    the down revision of the oldest migration in the run of :data:`EXPAND_ONLY` ones that ends at ``revision``."""
+    oldest, rev = revision, script.get_revision(revision)
+    while rev is not None and getattr(rev.module, EXPAND_ONLY, False) and isinstance(rev.down_revision, str):
+        oldest = rev.down_revision
+        rev = script.get_revision(oldest)
+    return oldest
+
+
+def _has_revision(script: Any, revision: str) -> bool:
+    from alembic.util import CommandError
+
+    try:
+        return script.get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def check_page(limit: int, offset: int = 0) -> None:

@@ -203,6 +203,7 @@ api_tokens = sa.Table(
     sa.Column("token_hash", sa.String(64), nullable=False, unique=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("revoked_at", UTCDateTime),
+    sa.Column("expires_at", UTCDateTime),  # null: never
     sa.CheckConstraint("role IN ('reader', 'worker', 'admin')", name="role"),
     sa.Index(
         "uq_api_tokens_active_name",
@@ -211,4 +212,13 @@ api_tokens = sa.Table(
         sqlite_where=sa.text("revoked_at IS NULL"),
         postgresql_where=sa.text("revoked_at IS NULL"),
     ),
+)
+
+# Which schema revisions' code may run on this database (store/db.py, docs/DEPLOYMENT.md "Rolling back"): one row,
+# written by each migration run, for the revision it migrated to.
+schema_compatibility = sa.Table(
+    "schema_compatibility",
+    metadata,
+    sa.Column("revision", sa.String(32), primary_key=True),
+    sa.Column("compatible_from", sa.String(32), nullable=False),
 )

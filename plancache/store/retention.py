@@ -126,7 +126,7 @@ def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[S
     with store.db.read() if dry_run else store.db.write() as conn:
         if not dry_run:
             lock_against_writers(conn, blobs)
-        named = _named(conn, list(candidates))
+        named = named_blobs(conn, list(candidates))
         orphans = [f for sha256, f in candidates.items() if sha256 not in named]
         if not dry_run:
             for f in temporaries + orphans:
@@ -148,7 +148,7 @@ def _leftover_objects(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[int,
         with store.db.read() if dry_run else store.db.write() as conn:
             if not dry_run:
                 lock_against_writers(conn, blobs)
-            named = _named(conn, [o.sha256 for o in page])
+            named = named_blobs(conn, [o.sha256 for o in page])
             orphans = [o for o in page if o.sha256 not in named]
             if not dry_run and orphans:
                 bucket.delete_many([o.sha256 for o in orphans])
@@ -156,7 +156,7 @@ def _leftover_objects(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[int,
     return count, size
 
 
-def _named(conn: Any, digests: list[str]) -> set[str]:
+def named_blobs(conn: Any, digests: list[str]) -> set[str]:
     """Those of ``digests`` that have a catalog row (looked up 500 at a time)."""
     named = set[str]()
     for start in range(0, len(digests), 500):

@@ -28,6 +28,7 @@ from ..protocol import (
     PlanUpload,
     TuneRequest,
 )
+from ..validation import from_answer
 
 #: Job calls carry plan uploads (up to the server's ``max_blob_bytes``): they wait longer for an answer
 #: than the client's resolve does.
@@ -44,7 +45,7 @@ class JobsApi:
     def open(cls, server_url: str, token: str | None, *, retry: Retry = Retry()) -> JobsApi:
         """On a new :class:`~plancache.http.HttpClient` with ``retry``, the settings' connect timeout and a
         :data:`READ_TIMEOUT` read timeout."""
-        return cls(HttpClient(server_url, token, policies=[retry], read_timeout=READ_TIMEOUT))
+        return cls(HttpClient(server_url, token, agent="worker", policies=[retry], read_timeout=READ_TIMEOUT))
 
     def close(self) -> None:
         self.http.close()
@@ -121,4 +122,4 @@ class JobsApi:
 
 
 def _claimed(resp: httpx.Response) -> ClaimResponse | None:
-    return None if resp.status_code == 204 else ClaimResponse.model_validate_json(resp.content)
+    return None if resp.status_code == 204 else from_answer(ClaimResponse, resp.content)

@@ -24,8 +24,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from types import FrameType
 
 from ..environment import Environment
@@ -112,9 +114,10 @@ class _Heartbeat(threading.Thread):
     :meth:`finishing` is called first, and a refusal from then on is that, not a lost lease.
     """
 
-    def __init__(self, client: JobsApi, job_id: int, lease: LeaseRequest, interval: float) -> None:
+    def __init__(self, client: JobsApi, job_id: int, lease: LeaseRequest, interval: float,
+                 alive: Callable[[], None] = lambda: None) -> None:
         super().__init__(daemon=True, name=f"heartbeat-job-{job_id}")
-        self.client, self.job_id, self.lease, self.interval = client, job_id, lease, interval
+        self.client, self.job_id, self.lease, self.interval, self.alive = client, job_id, lease, interval, alive
         self.lost = threading.Event()
         self._halt = threading.Event()
         self._finishing = threading.Event()
@@ -126,6 +129,7 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         delay = self.interval
         while not self._halt.wait(delay):
+            self.alive()
             try:
                 self.client.heartbeat(self.job_id, self.lease, timeout=self.interval / 2)
             except LEASE_GONE as exc:
@@ -177,11 +181,14 @@ class _Tuning:
 
 class Worker:
     """Tunes the jobs a plancache server hands out for this machine's GPU environment. ``job_timeout``: seconds
-    one job's tuning and verification may take (``PLANCACHE_JOB_TIMEOUT``)."""
+    one job's tuning and verification may take (``PLANCACHE_JOB_TIMEOUT``); ``alive_file``
+    (``PLANCACHE_ALIVE_FILE``): touched at every turn of the loop and every heartbeat of a held job, so that a
+    liveness probe can tell a stuck worker by its age."""
 
     def __init__(self, client: JobsApi, tuner: Tuner, signer: Signer, spool: Spool, *, worker_id: str,
                  poll_interval: float = 5.0, once: bool = False, shutdown_grace: float = 25.0,
-                 job_timeout: float = DEFAULT_JOB_TIMEOUT) -> None:
+                 job_timeout: float = DEFAULT_JOB_TIMEOUT, alive_file: Path | None = None) -> None:
+        self.alive_file = alive_file
         self.client = client
         self.tuner = tuner
         self.signer = signer
@@ -208,6 +215,7 @@ class Worker:
         following: _Held | None = None
         try:
             while not stop.is_set():
+                self.alive()
                 if not self.flush_spool():
                     if self.once and not stop.is_set():  # --once retries for a while only: it exits, saying why
                         raise ServerUnavailable(f"the server could not be reached; results wait in {self.spool.directory}")
@@ -241,6 +249,14 @@ class Worker:
         log.info("worker %s: stopped (%s)", self.worker_id, self.stats)
         return self.stats
 
+    def alive(self) -> None:
+        """Touch :attr:`alive_file` (a failure is logged: a probe then sees its age and restarts the worker)."""
+        if self.alive_file is not None:
+            try:
+                self.alive_file.touch()
+            except OSError as exc:
+                log.warning("worker %s: cannot touch the alive file %s: %s", self.worker_id, self.alive_file, exc)
+
     def _release(self, held: _Held) -> None:
         """Give back a claimed job whose attempt does not count: never started, or its tuning cut off at a stop."""
         held.beat.finishing()
@@ -260,7 +276,7 @@ class Worker:
         self.stats.claimed += 1
         log.info("job %d: claimed graph %s (attempt %d of %d, lease %.1fs)",
                  job.id, job.graph_key[:12], job.attempts, job.max_attempts, duration)
-        beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.1))
+        beat = _Heartbeat(self.client, job.id, lease, interval=max(duration / 3, 0.1), alive=self.alive)
         beat.start()
         try:
             return _Held(claim, lease, beat, self._check_job(claim))

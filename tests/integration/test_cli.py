@@ -305,6 +305,12 @@ def test_a_short_admin_token_is_refused_before_serving(tmp_path, sqlite_url):
     expected_failure(proc, ExitCode.CONFIG, "PLANCACHE_ADMIN_TOKEN", "is 1 characters; use at least 16")
 
 
+def test_the_example_files_placeholder_admin_token_is_refused_before_serving(tmp_path, sqlite_url):
+    proc = plancache("serve", "--port", str(free_port()), cwd=tmp_path,
+                     env={"PLANCACHE_DATABASE_URL": sqlite_url, "PLANCACHE_ADMIN_TOKEN": "REPLACE-WITH-A-LONG-RANDOM-TOKEN"})
+    expected_failure(proc, ExitCode.CONFIG, "PLANCACHE_ADMIN_TOKEN", "placeholder of an example file")
+
+
 def test_a_spec_file_that_is_not_there_is_an_os_error_with_a_hint(tmp_path):
     expected_failure(plancache("spec", "key", "missing.json", cwd=tmp_path), ExitCode.OS_ERROR, "missing.json",
                      "hint: check the path")

@@ -431,7 +431,7 @@ def test_a_cache_closed_during_a_load_falls_back_instead_of_raising(srv, tmp_pat
     seed(srv, CONV, signer)
     pc = client(srv, tmp_path, signer)
     assert pc._remote is not None
-    pc._remote.http._http.close()  # what close() does to a load already past the remote's checks
+    pc._remote.http.close()  # what close() does to a load already past the remote's checks
     assert pc.plan(CONV).source == "heuristic" and pc.stats().remote_errors == 1
     pc.close()
 

@@ -201,6 +201,9 @@ def test_a_signing_key_others_can_read_is_used_with_a_warning(tmp_path: Path, ca
     key, _, _ = keygen(tmp_path / "keys", "w")
     Signer.from_file(key)
     assert "can be read by users other than its owner" not in caplog.text  # keygen writes it owner-only
+    key.chmod(0o440)  # a Kubernetes secret with fsGroup (this process's group) and defaultMode 0440
+    Signer.from_file(key)
+    assert "can be read by users other than its owner" not in caplog.text
     key.chmod(0o644)
     signer = Signer.from_file(key)
     assert signer.key_id and "can be read by users other than its owner (mode 644)" in caplog.text

@@ -175,6 +175,9 @@ def test_compose_services_health_and_gpu():
     assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
     assert services["worker"]["environment"]["PLANCACHE_SIGNING_KEY"].startswith("/run/secrets/")
     assert set(services["worker"]["secrets"]) <= set(doc["secrets"])
+    assert "name" not in doc  # docker-compose 1.29 (Debian's) refuses a top-level name: .env's COMPOSE_PROJECT_NAME
+    # a worker without a token (or key, or GPU) exits 8 with one line; it must not restart for ever
+    assert re.fullmatch(r"on-failure:\d", services["worker"]["restart"])
 
 
 def test_compose_variables_are_documented():
@@ -197,3 +200,20 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path):
     result = subprocess.run([docker, "compose", "-f", str(DOCKER / "compose.yaml"), "config", "--quiet"],
                             capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_cli_is_on_the_image_s_path(dockerfile: Path, tmp_path: Path):
+    """``kubectl exec … -- plancache token create`` works: each image copies docker/plancache, executable, into a
+    folder on PATH, and that script runs the CLI the entrypoint runs."""
+    copies = [a.split() for w, a in _instructions(dockerfile) if w == "COPY" and "docker/plancache" in a.split()]
+    assert copies == [["--chmod=0755", "docker/plancache", "/usr/local/bin/plancache"]]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # the image's `python`
+    (bin_dir / "python").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    result = subprocess.run(["sh", str(DOCKER / "plancache"), "token", "create", "--help"], capture_output=True,
+                            text=True, timeout=60, cwd="/", env=env)
+    assert result.returncode == 0 and "--role" in result.stdout, result.stdout + result.stderr
+    assert os.access(DOCKER / "plancache", os.X_OK)

@@ -53,3 +53,38 @@ def test_bad_role_and_name_are_refused(store):
     for bad in ("", " padded ", "n" * 200):
         with pytest.raises(ValueError, match="name"):
             store.create_token(bad, "reader")
+
+
+def test_a_token_past_its_expiry_is_refused(store, clock):
+    """Before: tokens had no expiry."""
+    from datetime import timedelta
+
+    plaintext, info = store.create_token("ci-job", "reader", expires_in=timedelta(hours=1))
+    assert info.expires_at == clock.now + timedelta(hours=1)
+    assert store.authenticate(plaintext) == info
+    clock.advance(3599)
+    assert store.authenticate(plaintext) is not None
+    clock.advance(1)
+    assert store.authenticate(plaintext) is None
+    assert [t.expires_at for t in store.list_tokens()] == [info.expires_at]
+    for bad in (timedelta(0), timedelta(days=3651)):
+        with pytest.raises(errors.InvalidValue, match="expires"):
+            store.create_token("other", "reader", expires_in=bad)
+
+
+def test_the_cli_creates_a_token_that_expires_and_lists_its_expiry(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from plancache.cli import make_app
+    from plancache.store import open_store
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    open_store(url, create=True).close()
+    monkeypatch.setenv("PLANCACHE_DATABASE_URL", url)
+    made = CliRunner().invoke(make_app(), ["token", "create", "--role", "reader", "--name", "ci", "--expires-in-days", "2"])
+    assert made.exit_code == 0, made.output
+    assert "valid until" in made.output
+    listed = CliRunner().invoke(make_app(), ["token", "list"])
+    assert listed.exit_code == 0 and "expires" in listed.output and "live" in listed.output
+    bad = CliRunner().invoke(make_app(), ["token", "create", "--role", "reader", "--name", "x", "--expires-in-days", "0"])
+    assert bad.exit_code == 2  # USAGE: out of range

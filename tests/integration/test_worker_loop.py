@@ -536,3 +536,17 @@ def test_a_result_spooled_through_an_outage_past_the_last_lease_is_still_publish
     assert again.run(threading.Event()).succeeded == 1
     done = job(srv, j.id)
     assert done.status == "succeeded" and done.error is None and plan(srv, j.graph_key).worker_id == "w-a"
+
+
+def test_the_worker_touches_its_alive_file_each_turn_and_each_heartbeat(srv, tmp_path, keys):
+    """A liveness probe (deploy/kubernetes/30-worker-h200.yaml) reads the file's age."""
+    alive = tmp_path / "alive"
+    enqueue(srv, ["conv_bias_relu"])
+    tuner = FakeTuner(tune_seconds=LEASE * 1.5)  # heartbeats every LEASE / 3 while it tunes
+    worker = make_worker(srv, tmp_path, keys[0], tuner, once=True, alive_file=alive)
+    touched: list[float] = []
+    real_alive = worker.alive
+    worker.alive = lambda: (real_alive(), touched.append(alive.stat().st_mtime))  # type: ignore[method-assign]
+    stats = worker.run(threading.Event())
+    assert stats.succeeded == 1 and alive.exists()
+    assert len(touched) >= 4  # two turns of the loop and the heartbeats in between

@@ -224,7 +224,7 @@ def _import_time_closure(module: str) -> set[str]:
 
 #: The layers of docs/DESIGN.md, "Package map": a module may import from earlier layers and its own part only.
 LAYERS = (
-    ("plancache", "errors", "settings", "canonical", "files", "validation", "procpool", "_httpx", "digest"),
+    ("plancache", "errors", "settings", "canonical", "files", "validation", "procpool", "_httpx", "digest", "logs"),
     ("spec", "environment", "http"),
     ("protocol",),
     ("signing", "blobs"),

@@ -173,9 +173,9 @@ def test_the_client_checks_its_url_and_timeouts_and_reads_the_settings(monkeypat
         HttpClient(URL, read_timeout=0)
     monkeypatch.setenv("PLANCACHE_CONNECT_TIMEOUT", "0.7")
     monkeypatch.setenv("PLANCACHE_READ_TIMEOUT", "3")
-    timeout = HttpClient(URL + "/")._http.timeout
+    timeout = HttpClient(URL + "/")._clients[0].timeout
     assert (timeout.connect, timeout.read) == (0.7, 3.0)
-    assert HttpClient(URL, read_timeout=9)._http.timeout.read == 9.0
+    assert HttpClient(URL, read_timeout=9)._clients[0].timeout.read == 9.0
 
 
 def test_the_token_is_sent_as_a_bearer_header_and_a_malformed_answer_is_server_unavailable():
@@ -386,8 +386,45 @@ def test_plain_http_loads_no_ca_bundle_and_could_not_speak_tls_while_https_verif
     assert ctx.cert_store_stats()["x509_ca"] == 0  # trusts no certificate: fails closed
     client = HttpClient("https://plans.example", connect_timeout=1, read_timeout=1)
     try:
-        pool = client._http._transport._pool  # type: ignore[attr-defined]
+        pool = client._clients[0]._transport._pool  # type: ignore[attr-defined]
         assert pool._ssl_context.verify_mode == ssl.CERT_REQUIRED
         assert pool._ssl_context.cert_store_stats()["x509_ca"] > 0
     finally:
         client.close()
+
+
+def test_several_servers_are_tried_in_turn_and_the_one_that_answered_is_asked_first():
+    """Before: a client took one server URL; its outage sent every process to local builds."""
+    asked: list[str] = []
+    state = {"a": 503, "b": 200}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host.split(".")[0]
+        asked.append(host)
+        if state[host] == 0:
+            raise httpx.ConnectError("refused", request=request)
+        if state[host] != 200:
+            return httpx.Response(state[host], json={"error": {"code": "x", "message": "no"}})
+        return httpx.Response(200, json={"server": host})
+
+    with HttpClient("http://a.test, http://b.test/", transport=httpx.MockTransport(answer),
+                    policies=[CircuitBreaker(30)]) as http:
+        assert http.server_urls == ("http://a.test", "http://b.test") and http.server_url == "http://a.test"
+        assert http.request("GET", "/v1/x").json() == {"server": "b"} and asked == ["a", "b"]
+        asked.clear()
+        assert http.request("GET", "/v1/x").json() == {"server": "b"} and asked == ["b"]  # the one that answered
+        state.update(a=200, b=0)  # b refuses connections: back to a
+        asked.clear()
+        assert http.request("GET", "/v1/x").json() == {"server": "a"} and asked == ["b", "a"]
+        state.update(a=404)  # an answer other than 429/5xx is final: not asked elsewhere
+        asked.clear()
+        with pytest.raises(errors.RequestRefused):
+            http.request("GET", "/v1/x")
+        assert asked == ["a"]
+        state.update(a=500, b=429)  # every server failed: the attempt fails (and the breaker opens), naming the last
+        with pytest.raises(ServerUnavailable, match="b.test"):
+            http.request("GET", "/v1/x")
+        with pytest.raises(ServerUnavailable, match="not sent"):
+            http.request("GET", "/v1/x")
+    with pytest.raises(ValueError, match="must start with http"):
+        HttpClient("http://a.test,,http://b.test")

@@ -145,3 +145,24 @@ def test_the_docs_start_workers_with_options_the_worker_has():
                 used += re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)
     assert "--all-devices" in used
     assert set(used) <= options, sorted(set(used) - options)
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "800000 100000\n"}, 8),          # cgroup v2, limits.cpu: 8
+    ({"cpu.max": "250000 100000\n"}, 3),          # 2.5 CPUs: rounded up
+    ({"cpu.max": "max 100000\n"}, None),          # no limit
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),                                   # no cgroup file system
+])
+def test_builders_are_sized_for_the_container_s_cpu_limit_not_the_node_s_cores(tmp_path, monkeypatch, files, quota):
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+    from plancache.gpu import candidates
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert candidates.cpu_quota(tmp_path) == quota
+    monkeypatch.setattr(candidates, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(candidates.os, "sched_getaffinity", lambda _: set(range(128)), raising=False)
+    assert candidates.usable_cores() == (128 if quota is None else quota)
