@@ -193,7 +193,7 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     insecure_allow_http_presigned: bool = False
     # seconds: the whole server exchange of one plan()/prefetch()
     request_deadline: float = Field(default=5.0, gt=0, le=86400, allow_inf_nan=False)
-    resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (see README, Configuration)
+    resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (docs/CONFIGURATION.md)
     cache_max_bytes: int = Field(default=2 * 1024 * 1024 * 1024, ge=0)  # disk cache size cap, LRU eviction; 0: no cap
     # other environments' cache folders unused this long are dropped; 0: never
     cache_max_age_days: float = Field(default=30.0, ge=0, allow_inf_nan=False)

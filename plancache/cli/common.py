@@ -183,7 +183,7 @@ def bad_setting(exc: Any) -> Failure:
     value = "" if secret or "input" not in first else f"={first['input']!r}"
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return Failure(f"{variable}{value} is not valid: {first.get('msg', 'invalid value')}{more}",
-                   f"set {variable} to a valid value, or unset it (README, Configuration)", ExitCode.CONFIG)
+                   f"set {variable} to a valid value, or unset it (docs/CONFIGURATION.md)", ExitCode.CONFIG)
 
 
 def missing_module(exc: ImportError) -> Failure | None:
@@ -196,7 +196,7 @@ def missing_module(exc: ImportError) -> Failure | None:
             return Failure(f"this command needs the '{extra}' extra, which is not installed ({exc})",
                            f"pip install 'plancache[{extra}]'", ExitCode.MISSING_EXTRA)
     return Failure(f"a module plancache needs cannot be imported: {exc}",
-                   "reinstall plancache with the extras this command needs (README, Set up and run)",
+                   "reinstall plancache with the extras this command needs (README.md, Set up and run)",
                    ExitCode.MISSING_EXTRA)
 
 
@@ -212,7 +212,7 @@ def as_failure(exc: BaseException) -> Failure | None:
     if isinstance(exc, ValidationError) and exc.title in _settings_classes():
         return bad_setting(exc)
     if isinstance(exc, SettingsError):
-        return Failure(_one_line(exc), "fix or unset that PLANCACHE_* variable (README, Configuration)", ExitCode.CONFIG)
+        return Failure(_one_line(exc), "fix or unset that PLANCACHE_* variable (docs/CONFIGURATION.md)", ExitCode.CONFIG)
     if isinstance(exc, PlanCacheError):
         for cls, code, fix in _ERROR_CLASSES:
             if isinstance(exc, cls):

@@ -76,7 +76,7 @@ def serve(
             try:
                 app = create_app(settings, store=store)
             except ValueError as exc:  # a limit out of range: the message names its variable
-                raise Failure(str(exc), "fix or unset that variable (README, Configuration)", ExitCode.CONFIG) from None
+                raise Failure(str(exc), "fix or unset that variable (docs/CONFIGURATION.md)", ExitCode.CONFIG) from None
             where = store.db.url.render_as_string(hide_password=True)
             revision = store.db.current_revision()
 

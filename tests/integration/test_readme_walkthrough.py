@@ -1,4 +1,4 @@
-"""The README's HTTP walkthrough ("The HTTP service") runs as written, so the docs cannot drift.
+"""The README's HTTP walkthrough ("The service, end to end") runs as written, so the docs cannot drift.
 
 The shell block after the ``<!-- walkthrough`` marker is run verbatim with ``bash`` (``set -euo pipefail``) in a
 temporary folder that looks like a fresh checkout (``examples/`` and ``.venv`` linked in), on a free port
