@@ -21,6 +21,7 @@ from typing import Any
 
 from .client import hook
 from .client.core import PlanCache
+from .environment import require_fe_gpu
 
 log = logging.getLogger("plancache.client")
 
@@ -60,6 +61,7 @@ def install(cache: PlanCache | None = None, *, sdpa_provider: bool = True, warm:
     verified in the background now, so each graph is served with no further request when it is built. Returns the
     cache."""
     global _route, _overrides
+    require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
 
