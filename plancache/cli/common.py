@@ -344,7 +344,9 @@ SCHEMA_WAIT_SECONDS = 5.0
 def _open_when_migrated(url: str, create: bool, check_blobs: bool, settings: StoreSettings) -> Store:
     from ..store import open_store
 
-    deadline = time.monotonic() + (0.0 if create else SCHEMA_WAIT_SECONDS)
+    sqlite_file = _database_place(url)[1]
+    missing = sqlite_file is not None and not os.path.exists(sqlite_file)  # nothing to wait for: say so at once
+    deadline = time.monotonic() + (0.0 if create or missing else SCHEMA_WAIT_SECONDS)
     told = False
     while True:
         try:

@@ -33,8 +33,19 @@ def cli():
 
 
 def test_commands_need_an_upgraded_database(cli, tmp_path, monkeypatch):
-    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
+    """A SQLite file that is there but not migrated is waited for (a `plancache serve` starting now migrates it);
+    one that does not exist is said so at once, and not created."""
+    import sqlite3
+
     url = f"sqlite:///{tmp_path / 'x.db'}"
+    t0 = time.monotonic()
+    result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
+    assert "no SQLite database at" in result.stderr and "plancache db upgrade" in result.stderr
+    assert "waiting up to" not in result.stderr and time.monotonic() - t0 < 2 and not (tmp_path / "x.db").exists()
+    assert "Traceback" not in result.output
+
+    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
+    sqlite3.connect(tmp_path / "x.db").close()  # an empty file
     t0 = time.monotonic()
     result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
     assert "plancache db upgrade" in result.stderr and "Traceback" not in result.output
