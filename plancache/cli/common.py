@@ -45,6 +45,7 @@ from ..errors import (
     RequestRefused,
     SchemaNotReady,
     SchemaTooNew,
+    ServerSpeaksHttp,
     ServerUnavailable,
     SignatureError,
     Unauthorized,
@@ -91,7 +92,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
                      "spec, bundle, key or plan (verification), a tuning that found no working plan",
     ExitCode.USAGE: "a command-line argument or option is wrong (click's usage errors included)",
     ExitCode.CONFIG: "a `PLANCACHE_*` variable has a bad value (the message names the variable), or a setting the "
-                     "command needs (server URL, signing key) was given neither as an option nor as a variable",
+                     "command needs (server URL, signing key) was given neither as an option nor as a variable, or an "
+                     "`https://` server URL names a server that speaks plain HTTP (not retried)",
     ExitCode.MISSING_EXTRA: "an optional dependency group is not installed: `pip install 'plancache[server]'` "
                             "or `'plancache[gpu]'`",
     ExitCode.OS_ERROR: "a file, folder or network port cannot be used (missing, not writable, address in use)",
@@ -137,6 +139,7 @@ _ERROR_CLASSES: list[tuple[type[PlanCacheError], ExitCode, str | None]] = [
     (BlobStoreUnavailable, ExitCode.OS_ERROR,
      f"check that the bucket of {env_name('blob_store')} exists and is reachable with the AWS_* variables "
      "(docs/DEPLOYMENT.md, 'Blob store'), then try again"),
+    (ServerSpeaksHttp, ExitCode.CONFIG, f"give the server's http:// URL (--server / {env_name('server_url')})"),
     (ServerUnavailable, ExitCode.SERVER_UNAVAILABLE,
      (f"check that the server is running and reachable at that URL (--server / {env_name('server_url')}), "
       "then try again")),
