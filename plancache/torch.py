@@ -21,7 +21,6 @@ from typing import Any
 
 from .client import hook
 from .client.core import PlanCache
-from .environment import require_fe_gpu
 
 log = logging.getLogger("plancache.client")
 
@@ -61,6 +60,8 @@ def install(cache: PlanCache | None = None, *, sdpa_provider: bool = True, warm:
     verified in the background now, so each graph is served with no further request when it is built. Returns the
     cache."""
     global _route, _overrides
+    from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
+
     require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
