@@ -5,7 +5,9 @@ script may wait for it (or for ``/readyz``) before it uses the server or the dat
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,18 @@ import typer
 
 from ..settings import ServerSettings
 from .common import ExitCode, Failure, command, database_url_option, open_database
+
+
+class LogLevel(enum.StrEnum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
 
 #: uvicorn's default listen backlog.
 BACKLOG = 2048
@@ -58,6 +72,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8787, "--port", min=1, max=65535, help="TCP port"),
     database_url: str | None = database_url_option(),
+    log_level: LogLevel = typer.Option(LogLevel.info, "--log-level",
+                                       help="least severe log lines printed (uvicorn's and plancache's); 'warning' "
+                                            "leaves out the access log"),
 ) -> None:
     """Serve the plancache API (OpenAPI at /docs). Configuration: PLANCACHE_* environment variables."""
     settings = ServerSettings()
@@ -83,7 +100,9 @@ def serve(
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
 
-            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)
+            logging.getLogger("plancache").setLevel(log_level.value.upper().replace("TRACE", "DEBUG"))
+            config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level.value)
+            server = _announcing_server(config, announce)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn has shut down cleanly, then re-raised it
                 server.run(sockets=[sock])
     finally:
