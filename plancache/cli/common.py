@@ -310,7 +310,7 @@ def build_processes_option() -> Any:
 # ------------------------------------------------------------------------------------------------ the store
 
 
-def _database_place(url: str | None) -> tuple[str, str | None]:
+def database_place(url: str | None) -> tuple[str, str | None]:
     """How to name the database at ``url`` in a message, and its SQLite file (None for another database)."""
     if url is None:
         return "the database", None
@@ -328,7 +328,7 @@ def _database_place(url: str | None) -> tuple[str, str | None]:
 
 def database_failure(url: str | None, exc: BaseException) -> Failure:
     """The failure of a database error (SQLAlchemy's, with the driver's own words) on ``url``."""
-    where, path = _database_place(url)
+    where, path = database_place(url)
     detail = _one_line(getattr(exc, "orig", None) or exc)
     if path is not None:
         fix = (f"check that {path} is a SQLite file you can read and write, in a folder you can write, or point "
@@ -342,13 +342,21 @@ def database_failure(url: str | None, exc: BaseException) -> Failure:
 #: How long a command waits for a schema that is missing or behind (a ``plancache serve`` starting beside it
 #: migrates it) before it says to run ``plancache db upgrade``.
 SCHEMA_WAIT_SECONDS = 5.0
+#: How long a store command waits for a SQLite file that is not there to appear (a serve starting with it).
+SQLITE_FILE_WAIT_SECONDS = 1.0
 
 
 def _open_when_migrated(url: str, create: bool, check_blobs: bool, settings: StoreSettings) -> Store:
     from ..store import open_store
 
-    sqlite_file = _database_place(url)[1]
-    missing = sqlite_file is not None and not os.path.exists(sqlite_file)  # nothing to wait for: say so at once
+    sqlite_file = database_place(url)[1]
+    if not create and sqlite_file is not None and not os.path.exists(sqlite_file):
+        # a `plancache serve` started with this command creates the file first thing (serve_cmds.claim_sqlite_file);
+        # with no file after a moment, nothing is starting: say so now rather than wait for a schema
+        appears = time.monotonic() + SQLITE_FILE_WAIT_SECONDS
+        while not os.path.exists(sqlite_file) and time.monotonic() < appears:
+            time.sleep(0.05)
+    missing = sqlite_file is not None and not os.path.exists(sqlite_file)
     deadline = time.monotonic() + (0.0 if create or missing else SCHEMA_WAIT_SECONDS)
     told = False
     while True:
@@ -396,7 +404,7 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
                       f"set --database-url / {env_name('database_url')} to sqlite:///PATH or postgresql+psycopg://…",
                       ExitCode.CONFIG) from None
     except OSError as exc:  # the SQLite file's folder cannot be created
-        where, _ = _database_place(url)
+        where, _ = database_place(url)
         raise Failure(f"cannot create the folder of {where}: {describe_os_error(exc)}",
                       f"create that folder, or point --database-url / {env_name('database_url')} at a place you "
                       "can write", ExitCode.DATABASE) from None

@@ -8,14 +8,16 @@ import contextlib
 import enum
 import errno
 import logging
+import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from ..settings import ServerSettings
-from .common import ExitCode, Failure, command, database_url_option, open_database
+from .common import ExitCode, Failure, command, database_place, database_url_option, open_database
 
 
 class LogLevel(enum.StrEnum):
@@ -80,6 +82,30 @@ def serve(
     settings = ServerSettings()
     if database_url is not None:
         settings = settings.model_copy(update={"database_url": database_url})
+    created = claim_sqlite_file(settings.database_url)
+    try:
+        _serve(settings, host, port, log_level)
+    finally:
+        if created is not None and created.is_file() and created.stat().st_size == 0:
+            created.unlink()  # stopped before it migrated: leave no empty database behind
+
+
+def claim_sqlite_file(url: str) -> Path | None:
+    """Create a SQLite database file that is not there yet, empty, before anything slow, so that a store command
+    started with this serve (``plancache serve & plancache token create``) waits for the schema it applies instead
+    of saying there is no database. The file when created here."""
+    place = database_place(url)[1]
+    if place is None or os.path.exists(place):
+        return None
+    try:
+        with open(place, "xb"):
+            pass
+    except OSError:  # no such folder yet, or another process made it: open_database creates or reports
+        return None
+    return Path(place)
+
+
+def _serve(settings: ServerSettings, host: str, port: int, log_level: LogLevel) -> None:
     # the server extra (FastAPI, uvicorn, SQLAlchemy): without it, MISSING_EXTRA, before anything is touched
     import uvicorn  # noqa: F401
 

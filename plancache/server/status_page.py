@@ -95,6 +95,7 @@ def _bar(planned: int, missed: int) -> str:
 
 
 def _ago(now: datetime, then: datetime) -> str:
+    """``25 min ago``: how long before ``now`` ``then`` was, in its largest whole unit."""
     seconds = max(0, int((now - then).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:

@@ -41,7 +41,7 @@ def test_commands_need_an_upgraded_database(cli, tmp_path, monkeypatch):
     t0 = time.monotonic()
     result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
     assert "no SQLite database at" in result.stderr and "plancache db upgrade" in result.stderr
-    assert "waiting up to" not in result.stderr and time.monotonic() - t0 < 2 and not (tmp_path / "x.db").exists()
+    assert "waiting up to" not in result.stderr and time.monotonic() - t0 < 3 and not (tmp_path / "x.db").exists()
     assert "Traceback" not in result.output
 
     monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
@@ -231,3 +231,22 @@ def test_plans_list_shows_control_characters_escaped(cli, store, db_url, make_sp
     out = cli("plans", "list", "--database-url", db_url).stdout
     assert "\x1b" not in out and "\x07" not in out, repr(out)
     assert "GPU\\x1b]0;owned" in out
+
+
+def test_serve_creates_its_sqlite_file_first_and_leaves_none_when_it_stops_before_migrating(cli, tmp_path):
+    """`plancache serve` makes a missing SQLite file at once (so a command started beside it waits for its schema
+    rather than saying there is no database); on a taken port it stops before migrating and removes the empty file."""
+    import socket
+
+    from plancache.cli.serve_cmds import claim_sqlite_file
+
+    path = tmp_path / "fresh.db"
+    assert claim_sqlite_file(f"sqlite:///{path}") == path and path.stat().st_size == 0
+    assert claim_sqlite_file(f"sqlite:///{path}") is None  # there already: not this serve's
+    path.unlink()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        result = cli("serve", "--port", str(taken.getsockname()[1]), "--database-url", f"sqlite:///{path}",
+                     code=ExitCode.OS_ERROR)
+    assert "already in use" in result.stderr and not path.exists()
