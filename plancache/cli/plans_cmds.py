@@ -135,7 +135,6 @@ def plans_table(records: list[PlanRecord], total: int, offset: int = 0) -> str:
     return out.get()
 
 
-
 @plans_app.command("gc")
 @command
 def plans_gc(
