@@ -5,7 +5,7 @@
 #
 # cuDNN: the worker must run the cuDNN the plans are meant for. torch 2.11.0 pins cuDNN 9.19.0
 # (nvidia-cudnn-cu13==9.19.0.56) and the CUDA 13.0.2 libraries; cuDNN 9.19 with frontend 1.32.0 is
-# the combination the README's H200 figures were measured with. nvidia-cudnn-frontend loads the
+# the combination docs/BENCHMARKS.md's H200 figures were measured with. nvidia-cudnn-frontend loads the
 # cuDNN of that wheel before any system copy, so the base image is the CUDA 13.0.2 *base* flavour
 # (driver hooks and CUDA runtime only): a -cudnn- tag would add a second, different cuDNN
 # (13.0.x-cudnn images carry 9.13) and a gigabyte of libraries the wheels already bring.

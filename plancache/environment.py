@@ -135,6 +135,25 @@ def require_device(device: int) -> None:
         raise GpuUnavailable(f"CUDA device {device} does not exist ({count} visible{_visible_note()})")
 
 
+def require_fe_gpu(device: int | None = 0) -> None:
+    """What ``plancache.torch.install()`` needs, checked before it installs anything: torch and
+    nvidia-cudnn-frontend importable and, unless ``device`` is None, CUDA device ``device`` visible to torch.
+    :class:`GpuUnavailable` says which is missing and what to do."""
+    try:
+        import cudnn  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise GpuUnavailable(f"plancache.torch.install() needs torch and nvidia-cudnn-frontend ({exc}): "
+                             "pip install 'plancache[gpu]'") from None
+    if device is None:
+        return
+    try:
+        require_device(device)
+    except GpuUnavailable as exc:
+        raise GpuUnavailable(f"plancache.torch.install() serves cuDNN builds on a CUDA GPU, and {exc}: on a machine "
+                             "without one, leave install() out (FE then builds as it does without plancache)") from None
+
+
 def _visible_note() -> str:
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "" if value is None else f"; CUDA_VISIBLE_DEVICES={value!r}"

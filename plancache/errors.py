@@ -307,10 +307,21 @@ class ServerUnavailable(PlanCacheError):
     code = "server_unavailable"
     http_status = 503
 
+    #: whether sending the call again may help (a :class:`~plancache.http.Retry` sends it again only then)
+    retryable = True
+
     def __init__(self, message: str | None = None, *, skipped: bool = False, throttled: bool = False) -> None:
         super().__init__(message)
         self.skipped = skipped
         self.throttled = throttled
+
+
+class ServerSpeaksHttp(ServerUnavailable):
+    """An ``https://`` server URL whose server answered the TLS handshake in plain HTTP: use its ``http://`` URL,
+    or put TLS in front of it. Sending the call again cannot help."""
+
+    code = "server_speaks_http"
+    retryable = False
 
 
 class RequestRefused(PlanCacheError):

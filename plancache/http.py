@@ -39,7 +39,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import __version__
 from ._httpx import httpx
-from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerUnavailable
+from .errors import BY_CODE, PlanCacheError, RequestRefused, ServerSpeaksHttp, ServerUnavailable
 from .settings import ConnectionSettings
 from .validation import from_answer, validation_message
 
@@ -175,7 +175,7 @@ class Retry:
             try:
                 return attempt()
             except ServerUnavailable as exc:
-                if exc.skipped or not call.retry:
+                if exc.skipped or not exc.retryable or not call.retry:
                     raise
                 failure = exc
             wait = self.backoff.delay(tries)
@@ -243,6 +243,19 @@ class CircuitBreaker:
 #: Failures of a request on a connection before any answer came that mean the server had dropped the connection
 #: (reset, closed): on a connection kept alive from an earlier call, the request is sent again once, on a new one.
 STALE_CONNECTION_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def _plain_http_answer(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a TLS handshake answered with something that is not TLS (a plain-HTTP server's
+    ``HTTP/1.1 400``: OpenSSL's ``WRONG_VERSION_NUMBER``)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain httpx -> httpcore -> ssl
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError) and seen.reason == "WRONG_VERSION_NUMBER":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class ConnectionUse:
@@ -359,6 +372,10 @@ class HttpClient:
                     # a kept-alive connection the server had dropped: no answer came; once, on a new connection
                     log.debug("%s: %s on a reused connection; sending it again", call, type(exc).__name__)
                 except httpx.RequestError as exc:  # refused, timed out, other protocol errors
+                    if call.url.startswith("https://") and _plain_http_answer(exc):
+                        plain = "http://" + call.url.removeprefix("https://").split("/", 1)[0]
+                        raise ServerSpeaksHttp(f"{call}: the server speaks plain HTTP, not HTTPS (its answer to the "
+                                               f"TLS handshake was not TLS): use {plain}") from None
                     raise ServerUnavailable(f"{call}: {type(exc).__name__}: {exc}") from None
                 except RuntimeError:
                     if not http.is_closed:

@@ -30,7 +30,10 @@ A new setting goes into the section of the role that reads it (every class that 
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -59,10 +62,45 @@ def _default_cache_dir() -> Path:
     return Path(base) / "plancache"
 
 
+#: ``PLANCACHE_*`` names that are no setting but have a use: docker/compose.yaml's own variables. (The tests'
+#: ``PLANCACHE_TEST_*`` are left alone too.)
+OTHER_VARIABLES = frozenset({"PLANCACHE_PORT", "PLANCACHE_SIGNING_KEY_FILE", "PLANCACHE_WORKER_TOKEN"})
+
+log = logging.getLogger("plancache")
+_warned: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
+    """Each ``PLANCACHE_*`` variable of ``environ`` that names no setting, with the setting whose name is closest
+    (None when none is close): a mistyped name is otherwise ignored without a word."""
+    fields = [field.upper() for field in Settings.model_fields]
+    found: dict[str, str | None] = {}
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings reads names in any case
+        if not upper.startswith(ENV_PREFIX) or upper in OTHER_VARIABLES or upper.startswith(f"{ENV_PREFIX}TEST_"):
+            continue
+        field = upper.removeprefix(ENV_PREFIX)
+        if field not in fields:
+            found[name] = next((env_name(f) for f in difflib.get_close_matches(field, fields, n=1, cutoff=0.7)), None)
+    return found
+
+
+def warn_unknown_variables(environ: Mapping[str, str] = os.environ) -> None:
+    """Log a warning, once per process, for each variable :func:`unknown_variables` finds."""
+    for name, closest in unknown_variables(environ).items():
+        if name not in _warned:
+            _warned.add(name)
+            hint = f"did you mean {closest}?" if closest else "the settings are listed in docs/CONFIGURATION.md"
+            log.warning("warning: %s is not a plancache setting and is ignored: %s", name, hint)
+
+
 class _Section(BaseSettings):
     # each class's validator is built when it is first instantiated: a process builds those of its role only (a
     # client ClientSettings alone, not the 12 others: 3 ms of its start-up after ``import torch``)
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", defer_build=True)
+
+    def model_post_init(self, context: object, /) -> None:
+        warn_unknown_variables()  # every role reads its settings through a section: one place sees every process
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -209,7 +247,7 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     insecure_allow_http_presigned: bool = False
     # seconds: the whole server exchange of one plan()/prefetch()
     request_deadline: float = Field(default=5.0, gt=0, le=86400, allow_inf_nan=False)
-    resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (see README, Configuration)
+    resolve_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)  # the largest resolve answer read (docs/CONFIGURATION.md)
     cache_max_bytes: int = Field(default=2 * 1024 * 1024 * 1024, ge=0)  # disk cache size cap, LRU eviction; 0: no cap
     # other environments' cache folders unused this long are dropped; 0: never
     cache_max_age_days: float = Field(default=30.0, ge=0, allow_inf_nan=False)

@@ -33,6 +33,9 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     the plans of the graphs of a capture file (or of specs), and of their variants along shape axes, fetched and
     verified in the background now, so each graph is served with no further request when it is built. Returns the
     cache."""
+    from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
+
+    require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
 

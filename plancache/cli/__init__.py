@@ -31,6 +31,7 @@ import warnings
 import typer
 
 from .. import __version__
+from .help import use_plain_help
 
 #: Modules that define ``register(app)``, in the order ``plancache --help`` lists their commands.
 COMMAND_MODULES = [
@@ -71,6 +72,7 @@ def make_app() -> typer.Typer:
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(app)
+    use_plain_help(app)
     return app
 
 

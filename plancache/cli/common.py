@@ -45,6 +45,7 @@ from ..errors import (
     RequestRefused,
     SchemaNotReady,
     SchemaTooNew,
+    ServerSpeaksHttp,
     ServerUnavailable,
     SignatureError,
     Unauthorized,
@@ -91,7 +92,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
                      "spec, bundle, key or plan (verification), a tuning that found no working plan",
     ExitCode.USAGE: "a command-line argument or option is wrong (click's usage errors included)",
     ExitCode.CONFIG: "a `PLANCACHE_*` variable has a bad value (the message names the variable), or a setting the "
-                     "command needs (server URL, signing key) was given neither as an option nor as a variable",
+                     "command needs (server URL, signing key) was given neither as an option nor as a variable, or an "
+                     "`https://` server URL names a server that speaks plain HTTP (not retried)",
     ExitCode.MISSING_EXTRA: "an optional dependency group is not installed: `pip install 'plancache[server]'` "
                             "or `'plancache[gpu]'`",
     ExitCode.OS_ERROR: "a file, folder or network port cannot be used (missing, not writable, address in use)",
@@ -137,6 +139,7 @@ _ERROR_CLASSES: list[tuple[type[PlanCacheError], ExitCode, str | None]] = [
     (BlobStoreUnavailable, ExitCode.OS_ERROR,
      f"check that the bucket of {env_name('blob_store')} exists and is reachable with the AWS_* variables "
      "(docs/DEPLOYMENT.md, 'Blob store'), then try again"),
+    (ServerSpeaksHttp, ExitCode.CONFIG, f"give the server's http:// URL (--server / {env_name('server_url')})"),
     (ServerUnavailable, ExitCode.SERVER_UNAVAILABLE,
      (f"check that the server is running and reachable at that URL (--server / {env_name('server_url')}), "
       "then try again")),
@@ -183,7 +186,7 @@ def bad_setting(exc: Any) -> Failure:
     value = "" if secret or "input" not in first else f"={first['input']!r}"
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return Failure(f"{variable}{value} is not valid: {first.get('msg', 'invalid value')}{more}",
-                   f"set {variable} to a valid value, or unset it (README, Configuration)", ExitCode.CONFIG)
+                   f"set {variable} to a valid value, or unset it (docs/CONFIGURATION.md)", ExitCode.CONFIG)
 
 
 def missing_module(exc: ImportError) -> Failure | None:
@@ -196,7 +199,7 @@ def missing_module(exc: ImportError) -> Failure | None:
             return Failure(f"this command needs the '{extra}' extra, which is not installed ({exc})",
                            f"pip install 'plancache[{extra}]'", ExitCode.MISSING_EXTRA)
     return Failure(f"a module plancache needs cannot be imported: {exc}",
-                   "reinstall plancache with the extras this command needs (README, Set up and run)",
+                   "reinstall plancache with the extras this command needs (README.md, Set up and run)",
                    ExitCode.MISSING_EXTRA)
 
 
@@ -212,7 +215,7 @@ def as_failure(exc: BaseException) -> Failure | None:
     if isinstance(exc, ValidationError) and exc.title in _settings_classes():
         return bad_setting(exc)
     if isinstance(exc, SettingsError):
-        return Failure(_one_line(exc), "fix or unset that PLANCACHE_* variable (README, Configuration)", ExitCode.CONFIG)
+        return Failure(_one_line(exc), "fix or unset that PLANCACHE_* variable (docs/CONFIGURATION.md)", ExitCode.CONFIG)
     if isinstance(exc, PlanCacheError):
         for cls, code, fix in _ERROR_CLASSES:
             if isinstance(exc, cls):
@@ -307,7 +310,7 @@ def build_processes_option() -> Any:
 # ------------------------------------------------------------------------------------------------ the store
 
 
-def _database_place(url: str | None) -> tuple[str, str | None]:
+def database_place(url: str | None) -> tuple[str, str | None]:
     """How to name the database at ``url`` in a message, and its SQLite file (None for another database)."""
     if url is None:
         return "the database", None
@@ -325,7 +328,7 @@ def _database_place(url: str | None) -> tuple[str, str | None]:
 
 def database_failure(url: str | None, exc: BaseException) -> Failure:
     """The failure of a database error (SQLAlchemy's, with the driver's own words) on ``url``."""
-    where, path = _database_place(url)
+    where, path = database_place(url)
     detail = _one_line(getattr(exc, "orig", None) or exc)
     if path is not None:
         fix = (f"check that {path} is a SQLite file you can read and write, in a folder you can write, or point "
@@ -339,12 +342,22 @@ def database_failure(url: str | None, exc: BaseException) -> Failure:
 #: How long a command waits for a schema that is missing or behind (a ``plancache serve`` starting beside it
 #: migrates it) before it says to run ``plancache db upgrade``.
 SCHEMA_WAIT_SECONDS = 5.0
+#: How long a store command waits for a SQLite file that is not there to appear (a serve starting with it).
+SQLITE_FILE_WAIT_SECONDS = 1.0
 
 
 def _open_when_migrated(url: str, create: bool, check_blobs: bool, settings: StoreSettings) -> Store:
     from ..store import open_store
 
-    deadline = time.monotonic() + (0.0 if create else SCHEMA_WAIT_SECONDS)
+    sqlite_file = database_place(url)[1]
+    if not create and sqlite_file is not None and not os.path.exists(sqlite_file):
+        # a `plancache serve` started with this command creates the file first thing (serve_cmds.claim_sqlite_file);
+        # with no file after a moment, nothing is starting: say so now rather than wait for a schema
+        appears = time.monotonic() + SQLITE_FILE_WAIT_SECONDS
+        while not os.path.exists(sqlite_file) and time.monotonic() < appears:
+            time.sleep(0.05)
+    missing = sqlite_file is not None and not os.path.exists(sqlite_file)
+    deadline = time.monotonic() + (0.0 if create or missing else SCHEMA_WAIT_SECONDS)
     told = False
     while True:
         try:
@@ -391,7 +404,7 @@ def open_database(url: str | None = None, *, create: bool = False, check_blobs: 
                       f"set --database-url / {env_name('database_url')} to sqlite:///PATH or postgresql+psycopg://…",
                       ExitCode.CONFIG) from None
     except OSError as exc:  # the SQLite file's folder cannot be created
-        where, _ = _database_place(url)
+        where, _ = database_place(url)
         raise Failure(f"cannot create the folder of {where}: {describe_os_error(exc)}",
                       f"create that folder, or point --database-url / {env_name('database_url')} at a place you "
                       "can write", ExitCode.DATABASE) from None

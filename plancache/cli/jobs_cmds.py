@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import typer
 
 from .common import ExitCode, admin_token_option, command, open_admin_api, printable, quiet_retries, server_option
+
+if TYPE_CHECKING:
+    from ..protocol import Job
 
 jobs_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                        help="List the server's tuning jobs; cancel queued or running ones (admin).")
@@ -27,16 +31,24 @@ def jobs_list(
     server: str | None = server_option("plancache server URL"),
     token: str | None = admin_token_option(),
 ) -> None:
-    """Print the newest jobs: id, status, attempts, graph key, target and error."""
+    """Print the newest jobs under a header: id, status, attempts, source, graph key, target and error."""
     with quiet_retries(), open_admin_api(server, token, "jobs list") as api:
         jobs = api.jobs(status=status.value if status else None, limit=limit)
+    if not jobs:
+        typer.echo("no jobs", err=True)
+        return
+    typer.echo(jobs_table(jobs), nl=False)
+
+
+def jobs_table(jobs: list[Job]) -> str:
+    """`jobs list`'s lines: a header, then one line per job (its error's first line last, cut at 120 characters)."""
+    lines = [f"{'id':>8}  {'status':<9}  {'tries':<5}  {'source':<8}  {'graph key':<16}  target / error"]
     for job in jobs:
         target = ", ".join(f"{k}={v}" for k, v in job.target.model_dump(exclude_none=True).items()) or "any"
         error = f"  {printable(job.error.splitlines()[0][:120])}" if job.error else ""
-        typer.echo(f"{job.id:>8}  {job.status:<9}  {job.attempts}/{job.max_attempts}  {job.graph_key[:16]}  "
-                   f"[{target}]{error}")
-    if not jobs:
-        typer.echo("no jobs", err=True)
+        lines.append(f"{job.id:>8}  {job.status:<9}  {f'{job.attempts}/{job.max_attempts}':<5}  "
+                     f"{printable(job.source):<8}  {job.graph_key[:16]}  [{target}]{error}")
+    return "\n".join(lines) + "\n"
 
 
 @jobs_app.command("cancel")

@@ -92,31 +92,47 @@ def plans_list(
     as_json: bool = typer.Option(False, "--json", help="one JSON record per line instead of a table"),
     database_url: str | None = database_url_option(),
 ) -> None:
-    """List stored plan records, newest first."""
+    """List stored plan records, newest first: a table about 100 columns wide (`--json`: every field, the engine
+    and the worker included)."""
     with open_database(database_url) as store:
         if env_id is not None and len(env_id) < ENV_ID_LENGTH:
             env_id = resolve_env_id(store, env_id, "--env-id")
         records = store.list_plans(env_id=env_id, graph_key=graph_key, limit=limit, offset=offset)
+        total = len(records) if as_json else store.count_plans(env_id=env_id, graph_key=graph_key)
     if as_json:
         for r in records:
             typer.echo(r.model_dump_json())
         return
+    typer.echo(plans_table(records, total, offset), nl=False)
+
+
+#: The width `plans list` lays its table out for.
+TABLE_WIDTH = 100
+
+
+def plans_table(records: list[PlanRecord], total: int, offset: int = 0) -> str:
+    """The table `plans list` prints: a title saying how many of how many, then one row per record."""
     from rich.table import Table
 
-    table = Table(title=f"{len(records)} plans")
-    for col in ("graph key", "env id", "GPU", "cuDNN", "engine", "winner ms", "heuristic ms", "blob bytes", "signed",
-                "worker", "created"):
-        table.add_column(col, justify="right" if col in ("engine", "winner ms", "heuristic ms", "blob bytes") else "left")
+    shown = f"{len(records)} plans" if offset == 0 and len(records) == total else \
+        f"{len(records)} of {total} plans" + (f" from #{offset + 1}" if offset else "")
+    more = " (--limit / --offset for the others)" if len(records) < total else ""
+    table = Table(box=None, collapse_padding=True, pad_edge=False, header_style="bold")
+    for col in ("graph key", "env id", "GPU", "cuDNN", "tuned ms", "vs heur.", "KiB", "signer", "created"):
+        table.add_column(col, justify="right" if col in ("tuned ms", "vs heur.", "KiB") else "left",
+                         overflow="fold", max_width=22 if col == "GPU" else None)
     for r in records:
         env = r.environment
-        table.add_row(
-            r.graph_key[:16], r.env_id[:12], printable(f"{env.device_name or 'GPU'} sm_{env.sm}x{env.sm_count}"),
-            str(env.cudnn_version),
-            str(r.engine_id), f"{r.winner_median_ms:.4f}",
-            "-" if r.heuristic_median_ms is None else f"{r.heuristic_median_ms:.4f}", str(r.blob_size),
-            r.signer_key_id or "no", printable(r.worker_id), r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-        )
-    plain_console(width=250).print(table)
+        gain = "-" if not r.heuristic_median_ms or r.winner_median_ms <= 0 else \
+            f"{r.heuristic_median_ms / r.winner_median_ms:.2f}x"
+        table.add_row(r.graph_key[:16], r.env_id[:12], printable(f"{env.device_name or 'GPU'} sm_{env.sm}x{env.sm_count}"),
+                      str(env.cudnn_version), f"{r.winner_median_ms:.4f}", gain, f"{r.blob_size / 1024:.0f}",
+                      (r.signer_key_id or "unsigned")[:8], r.created_at.strftime("%m-%d %H:%M"))
+    console = plain_console(width=TABLE_WIDTH)
+    with console.capture() as out:
+        console.print(shown + more)
+        console.print(table)
+    return out.get()
 
 
 @plans_app.command("gc")

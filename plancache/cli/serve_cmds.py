@@ -5,16 +5,32 @@ script may wait for it (or for ``/readyz``) before it uses the server or the dat
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
+import logging
+import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from .. import logs
 from ..settings import ServerSettings
-from .common import ExitCode, Failure, command, database_url_option, open_database
+from .common import ExitCode, Failure, command, database_place, database_url_option, open_database
+
+
+class LogLevel(enum.StrEnum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
 
 #: uvicorn's default listen backlog.
 BACKLOG = 2048
@@ -59,11 +75,38 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8787, "--port", min=1, max=65535, help="TCP port"),
     database_url: str | None = database_url_option(),
+    log_level: LogLevel = typer.Option(LogLevel.info, "--log-level",
+                                       help="least severe log lines printed (uvicorn's and plancache's); 'warning' "
+                                            "leaves out the access log"),
 ) -> None:
     """Serve the plancache API (OpenAPI at /docs). Configuration: PLANCACHE_* environment variables."""
     settings = ServerSettings()
     if database_url is not None:
         settings = settings.model_copy(update={"database_url": database_url})
+    created = claim_sqlite_file(settings.database_url)
+    try:
+        _serve(settings, host, port, log_level)
+    finally:
+        if created is not None and created.is_file() and created.stat().st_size == 0:
+            created.unlink()  # stopped before it migrated: leave no empty database behind
+
+
+def claim_sqlite_file(url: str) -> Path | None:
+    """Create a SQLite database file that is not there yet, empty, before anything slow, so that a store command
+    started with this serve (``plancache serve & plancache token create``) waits for the schema it applies instead
+    of saying there is no database. The file when created here."""
+    place = database_place(url)[1]
+    if place is None or os.path.exists(place):
+        return None
+    try:
+        with open(place, "xb"):
+            pass
+    except OSError:  # no such folder yet, or another process made it: open_database creates or reports
+        return None
+    return Path(place)
+
+
+def _serve(settings: ServerSettings, host: str, port: int, log_level: LogLevel) -> None:
     # the server extra (FastAPI, uvicorn, SQLAlchemy): without it, MISSING_EXTRA, before anything is touched
     import uvicorn  # noqa: F401
 
@@ -77,16 +120,18 @@ def serve(
             try:
                 app = create_app(settings, store=store)
             except ValueError as exc:  # a limit out of range: the message names its variable
-                raise Failure(str(exc), "fix or unset that variable (README, Configuration)", ExitCode.CONFIG) from None
+                raise Failure(str(exc), "fix or unset that variable (docs/CONFIGURATION.md)", ExitCode.CONFIG) from None
             where = store.db.url.render_as_string(hide_password=True)
             revision = store.db.current_revision()
 
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
 
+            logging.getLogger("plancache").setLevel(log_level.value.upper().replace("TRACE", "DEBUG"))
             log_config = logs.uvicorn_log_config(settings.log_format)
             options = {} if log_config is None else {"log_config": log_config}
-            server = _announcing_server(uvicorn_config(app, settings, host=host, port=port, **options), announce)
+            config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level.value, **options)
+            server = _announcing_server(config, announce)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn has shut down cleanly, then re-raised it
                 server.run(sockets=[sock])
     finally:

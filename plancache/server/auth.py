@@ -73,8 +73,12 @@ def identify(request: Request, store: Any, admin_token: str | None) -> Principal
     """The principal of the request's bearer token, None without one; :class:`Unauthorized` if it is not valid.
     A stored token authenticated in the last ``token_cache_seconds`` is not looked up again."""
     token = _bearer_token(request)
-    if token is None:
-        return None
+    return None if token is None else identify_token(request, store, admin_token, token)
+
+
+def identify_token(request: Request, store: Any, admin_token: str | None, token: str) -> Principal:
+    """The principal of ``token`` (from a bearer header, or the status page's session cookie); :class:`Unauthorized`
+    if it is not valid."""
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
         return Principal(role="admin", name=BOOTSTRAP_ADMIN, identity=BOOTSTRAP_ADMIN)
     memory, key, principal = _remembered(request, token)

@@ -414,3 +414,14 @@ class Jobs:
             rows = conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all()
         counts: dict[str, int] = {status: n for status, n in rows}
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}
+
+    def worker_environments(self, limit: int = 100) -> tuple[datetime, list[tuple[Environment, datetime]]]:
+        """The database's clock now, and the environments workers claimed for (a job handed out or not), the most
+        recently claimed first, each with the time of its last claim (refreshed every ``CLAIMER_REFRESH``)."""
+        check_page(limit, 0)
+        q = sa.select(worker_environments).order_by(worker_environments.c.last_claim_at.desc(),
+                                                    worker_environments.c.env_id).limit(limit)
+        with self.db.read() as conn:
+            now = self.db.now(conn)
+            rows = conn.execute(q).mappings().all()
+        return now, [(Environment(**{f: r[f] for f in VALIDITY_FIELDS}), r["last_claim_at"]) for r in rows]

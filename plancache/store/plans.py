@@ -350,6 +350,16 @@ class Plans(Misses):
         with self.db.read() as conn:
             return list(conn.execute(q).scalars())
 
+    def count_plans(self, *, env_id: str | None = None, graph_key: str | None = None) -> int:
+        """How many records :meth:`list_plans` pages through with the same filters."""
+        q = sa.select(sa.func.count()).select_from(plans)
+        if env_id is not None:
+            q = q.where(plans.c.env_id == env_id)
+        if graph_key is not None:
+            q = q.where(plans.c.graph_key == graph_key)
+        with self.db.read() as conn:
+            return int(conn.execute(q).scalar_one())
+
     def list_plans(self, *, env_id: str | None = None, graph_key: str | None = None,
                    limit: int = 100, offset: int = 0) -> list[PlanRecord]:
         """Records, newest first."""

@@ -1,4 +1,4 @@
-"""``bench/startup_cpu.py`` runs as the README gives it (one run per case) and reports every phase in order."""
+"""``bench/startup_cpu.py`` runs as docs/BENCHMARKS.md gives it (one run per case) and reports every phase in order."""
 
 from __future__ import annotations
 

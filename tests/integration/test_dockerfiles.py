@@ -110,7 +110,7 @@ def test_worker_image_pins_the_measured_cudnn_and_frontend():
     assert frontend == "CUDNN_FRONTEND_VERSION=1.32.0"
     pins = _pins(DOCKER / "requirements-worker.txt")
     assert pins["torch"] == "2.11.0"
-    assert pins["nvidia-cudnn-cu13"].startswith("9.19.0."), "cuDNN 9.19 is what the README's figures were measured on"
+    assert pins["nvidia-cudnn-cu13"].startswith("9.19.0."), "cuDNN 9.19 is what docs/BENCHMARKS.md's figures were measured on"
     assert next(a for w, a in ins if w == "ENTRYPOINT") == '["python", "-m", "plancache", "worker"]'
 
 

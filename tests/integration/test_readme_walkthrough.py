@@ -1,4 +1,4 @@
-"""The README's HTTP walkthrough ("The HTTP service") runs as written, so the docs cannot drift.
+"""The README's HTTP walkthrough ("The service, end to end") runs as written, so the docs cannot drift.
 
 The shell block after the ``<!-- walkthrough`` marker is run verbatim with ``bash`` (``set -euo pipefail``) in a
 temporary folder that looks like a fresh checkout (``examples/`` and ``.venv`` linked in), on a free port
@@ -28,8 +28,8 @@ from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- walkthrough"
-GPU_LINE = "PLANCACHE_SIGNING_KEY=keys/fleet.key plancache worker --server $API --token $WORKER --once"
-STAND_IN = "python -m tests.worker_fakes --server $API --token $WORKER --worker-id gpu-1 --spool-dir worker-spool"
+GPU_LINE = "PLANCACHE_SIGNING_KEY=walkthrough/keys/fleet.key plancache worker --server $API --token $WORKER --once"
+STAND_IN = "python -m tests.worker_fakes --server $API --token $WORKER --worker-id gpu-1 --spool-dir walkthrough/spool"
 
 pytestmark = pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq") and shutil.which("bash")),
                                 reason="the walkthrough needs bash, curl and jq")
@@ -66,6 +66,7 @@ def test_block_is_found_and_has_the_gpu_line() -> None:
     block = walkthrough_block()
     assert block.count(GPU_LINE) == 1, "the walkthrough's GPU worker line changed: update GPU_LINE"
     assert block.count(STAND_IN) == 1, "the walkthrough's CPU stand-in line changed: update STAND_IN"
+    assert block.startswith("set -euo pipefail"), "the walkthrough stops at its first failing step"
     for step in ("plancache serve --port $PORT &", "trap ", "until curl -sf $API/readyz", "plancache token create",
                  "plancache keygen", "/v1/specs", "/v1/admin/tune", "/v1/plans/resolve", "/v1/blobs/",
                  "plancache bundle export", "plancache bundle import", "plancache plans gc"):
@@ -76,7 +77,7 @@ def run_block(tmp_path: Path, *, port: int | None = None, extra_env: dict[str, s
               timeout: float = 60) -> tuple[subprocess.Popen[str], str, str, int]:
     """The walkthrough block in a fresh-checkout-like folder; returns the process, its stdout and stderr, the port."""
     block = walkthrough_block()
-    script = ("set -euo pipefail\n" + block
+    script = (block
               + "\necho \"WALKTHROUGH_TOKENS=${#WORKER} ${#READER} ${#PLANCACHE_ADMIN_TOKEN}\""
               + "\necho \"WALKTHROUGH_SERVER_PID=$SERVER\"\n")
     (tmp_path / "walkthrough.sh").write_text(script)
@@ -121,9 +122,9 @@ def test_the_walkthrough_stops_at_once_when_the_port_is_taken(tmp_path: Path) ->
 
 def test_the_walkthrough_stops_at_once_when_the_server_exits(tmp_path: Path) -> None:
     start = time.monotonic()
-    proc, out, err, _ = run_block(tmp_path, extra_env={"PLANCACHE_DATABASE_URL": "nosuchdb://x"}, timeout=30)
+    proc, out, err, _ = run_block(tmp_path, extra_env={"PLANCACHE_BLOB_STORE": "nosuch://x"}, timeout=30)
     assert proc.returncode == 1 and "plancache serve exited: its error is above" in err, (out, err)
-    assert "PLANCACHE_DATABASE_URL" in err and time.monotonic() - start < 25, err
+    assert "PLANCACHE_BLOB_STORE" in err and time.monotonic() - start < 25, err
 
 
 def test_the_comments_show_the_real_graph_key() -> None:
@@ -133,7 +134,16 @@ def test_the_comments_show_the_real_graph_key() -> None:
     assert shown and set(shown) == {key[:8]}, f"the walkthrough's comments show {set(shown)}, the key is {key[:8]}"
 
 
-def test_readme_walkthrough_runs(tmp_path: Path) -> None:
+def test_readme_walkthrough_runs_and_runs_again_in_the_same_checkout(tmp_path: Path) -> None:
+    """The second run starts from a fresh state of its own: the tokens, keys and bundle of the first one do not
+    make it fail (under ``set -e`` it would stop at the first refused step)."""
+    check_run(tmp_path)
+    for name in ("walkthrough.sh", "examples", ".venv"):
+        (tmp_path / name).unlink()
+    check_run(tmp_path)
+
+
+def check_run(tmp_path: Path) -> None:
     start = time.monotonic()
     proc, out, err, port = run_block(tmp_path)
     report = f"rc={proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
@@ -168,21 +178,21 @@ def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     stats = json.loads(line('{"claimed":'))
     assert stats["claimed"] == 1 and stats["succeeded"] == 1 and stats["failed"] == 0, report
     # resolve returns the plan, blob included
-    resolved = json.loads((tmp_path / "resolved.json").read_text())
+    resolved = json.loads((tmp_path / "walkthrough" / "resolved.json").read_text())
     assert resolved["missing"] == [] and list(resolved["plans"]) == [graph_key], report
     record = resolved["plans"][graph_key]["record"]
     assert resolved["plans"][graph_key]["blob_b64"]
     summary = json.loads(line(f'{{"graph_key":"{graph_key}","engine_id"'))
     assert summary == {k: record[k] for k in ("graph_key", "engine_id", "blob_sha256", "blob_size")}, report
     # the blob: fetched with an ETag, then 304 for If-None-Match
-    blob = (tmp_path / "plan.bin").read_bytes()
+    blob = (tmp_path / "walkthrough" / "plan.bin").read_bytes()
     assert len(blob) == record["blob_size"] > 0
     assert hashlib.sha256(blob).hexdigest() == record["blob_sha256"]
-    assert re.search(r"(?im)^etag: \S+", (tmp_path / "blob.headers").read_text()), report
+    assert re.search(r"(?im)^etag: \S+", (tmp_path / "walkthrough" / "blob.headers").read_text()), report
     assert line("304") == "304", report
     # bundle export and import, gc
-    assert re.match(r"wrote h200\.bundle: 1 plans for .*, signed by key ", line("wrote ")), report
-    assert line("imported ").startswith("imported h200.bundle: 1 new plans, 0 already stored, for "), report
+    assert re.match(r"wrote walkthrough/h200\.bundle: 1 plans for .*, signed by key ", line("wrote ")), report
+    assert line("imported ").startswith("imported walkthrough/h200.bundle: 1 new plans, 0 already stored, for "), report
     assert "deleted 0 plan records" in lines and "deleted 0 unreferenced blobs (0 bytes)" in lines, report
     # the tokens the block captured are not empty
     lengths = [int(n) for n in re.search(r"WALKTHROUGH_TOKENS=(\d+) (\d+) (\d+)", out).groups()]
@@ -190,7 +200,8 @@ def test_readme_walkthrough_runs(tmp_path: Path) -> None:
     # everything the block wrote into the checkout is ignored by git (keys/fleet.key above all)
     written = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
                      if p.name not in {"walkthrough.sh", "examples", ".venv", "cache"})
-    assert "keys/" in written
+    assert written == ["walkthrough/"], written
+    assert (tmp_path / "walkthrough" / "keys" / "fleet.key").is_file()
     kept = [name for name in written
             if subprocess.run(["git", "check-ignore", "-q", "--no-index", name], cwd=ROOT).returncode != 0]
     assert not kept, f"the walkthrough leaves files git would commit: {kept} (add them to .gitignore)"

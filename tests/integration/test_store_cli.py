@@ -33,8 +33,19 @@ def cli():
 
 
 def test_commands_need_an_upgraded_database(cli, tmp_path, monkeypatch):
-    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
+    """A SQLite file that is there but not migrated is waited for (a `plancache serve` starting now migrates it);
+    one that does not exist is said so at once, and not created."""
+    import sqlite3
+
     url = f"sqlite:///{tmp_path / 'x.db'}"
+    t0 = time.monotonic()
+    result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
+    assert "no SQLite database at" in result.stderr and "plancache db upgrade" in result.stderr
+    assert "waiting up to" not in result.stderr and time.monotonic() - t0 < 3 and not (tmp_path / "x.db").exists()
+    assert "Traceback" not in result.output
+
+    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
+    sqlite3.connect(tmp_path / "x.db").close()  # an empty file
     t0 = time.monotonic()
     result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)
     assert "plancache db upgrade" in result.stderr and "Traceback" not in result.output
@@ -156,7 +167,7 @@ def test_plans_resign_refusals_and_unsigned_records(cli, store, db_url, make_spe
     assert signed.signer_key_id == key_id and signed.revision > unsigned.revision
     TrustedKeys.from_files([pub]).verify(signed)
     assert "1 were signed by it already" in cli(*args, "--signing-key", str(priv), "--trusted-keys", str(pub)).stdout
-    assert Signer.from_file(priv).key_id in cli("plans", "list", "--database-url", db_url).stdout
+    assert Signer.from_file(priv).key_id[:8] in cli("plans", "list", "--database-url", db_url).stdout
 
 
 def test_a_command_right_after_serve_waits_for_its_migrations(tmp_path):
@@ -201,12 +212,12 @@ def test_token_list_shows_names_verbatim(cli, db_url):
         assert name in listing
 
 
-def test_plans_list_shows_worker_ids_verbatim(cli, store, db_url, make_spec, make_plan, gpu_env):
-    """A worker id is any printable ASCII: `plans list` prints it as it is (one with a rich closing tag made the
-    listing fail with an internal error)."""
+def test_plans_list_shows_device_names_verbatim(cli, store, db_url, make_spec, make_plan, gpu_env):
+    """A device name is any text a worker sent: `plans list` prints it as it is (a worker id with a rich closing tag
+    made the listing fail with an internal error)."""
     key, spec = make_spec(0)
     store.put_spec(key, spec)
-    store.publish_plan(*make_plan(key, gpu_env, worker_id="gpu[/bold]7"))
+    store.publish_plan(*make_plan(key, gpu_env.model_copy(update={"device_name": "gpu[/bold]7"})))
     assert "gpu[/bold]7" in cli("plans", "list", "--database-url", db_url).stdout
 
 
@@ -220,3 +231,22 @@ def test_plans_list_shows_control_characters_escaped(cli, store, db_url, make_sp
     out = cli("plans", "list", "--database-url", db_url).stdout
     assert "\x1b" not in out and "\x07" not in out, repr(out)
     assert "GPU\\x1b]0;owned" in out
+
+
+def test_serve_creates_its_sqlite_file_first_and_leaves_none_when_it_stops_before_migrating(cli, tmp_path):
+    """`plancache serve` makes a missing SQLite file at once (so a command started beside it waits for its schema
+    rather than saying there is no database); on a taken port it stops before migrating and removes the empty file."""
+    import socket
+
+    from plancache.cli.serve_cmds import claim_sqlite_file
+
+    path = tmp_path / "fresh.db"
+    assert claim_sqlite_file(f"sqlite:///{path}") == path and path.stat().st_size == 0
+    assert claim_sqlite_file(f"sqlite:///{path}") is None  # there already: not this serve's
+    path.unlink()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        result = cli("serve", "--port", str(taken.getsockname()[1]), "--database-url", f"sqlite:///{path}",
+                     code=ExitCode.OS_ERROR)
+    assert "already in use" in result.stderr and not path.exists()

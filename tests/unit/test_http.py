@@ -428,3 +428,37 @@ def test_several_servers_are_tried_in_turn_and_the_one_that_answered_is_asked_fi
             http.request("GET", "/v1/x")
     with pytest.raises(ValueError, match="must start with http"):
         HttpClient("http://a.test,,http://b.test")
+
+
+def test_an_https_url_to_a_plain_http_server_fails_at_once_saying_so():
+    """A plain-HTTP server answers a TLS handshake with ``HTTP/1.1 400``: that was retried as an outage (7 attempts,
+    6 s, in the CLI). It is ServerSpeaksHttp, never sent again, naming the http:// URL to use."""
+    import http.server
+    import threading
+
+    from plancache.errors import ServerSpeaksHttp
+
+    connections = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            connections.append(1)
+            super().setup()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with HttpClient(f"https://127.0.0.1:{port}", policies=[Retry(FAST, within=10)]) as http:
+            start = time.monotonic()
+            with pytest.raises(ServerSpeaksHttp, match=rf"speaks plain HTTP, not HTTPS.*use http://127\.0\.0\.1:{port}"):
+                http.request("GET", "/healthz")
+            assert time.monotonic() - start < 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(connections) == 1
+    assert ServerSpeaksHttp.code not in BY_CODE  # a transport error: never a server's answer

@@ -139,7 +139,7 @@ def test_the_docs_start_workers_with_options_the_worker_has():
     assert {"--device", "--all-devices", "--spool-dir", "--worker-id"} <= options
     root = Path(__file__).resolve().parents[2]
     used = []
-    for path in (root / "README.md", root / "docs" / "DEPLOYMENT.md", root / "docs" / "CLI.md"):
+    for path in (root / "README.md", *sorted((root / "docs").glob("*.md"))):
         for line in path.read_text().splitlines():
             for command in re.findall(r"plancache worker([^#`|]*)", line):
                 used += re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)

@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "builder_keys.json"
 
 
-def _readme_spec() -> GraphSpec:
-    """The builder example of README's "Graph specs" section, run as written."""
-    section = (ROOT / "README.md").read_text().split("## Graph specs", 1)[1]
+def _docs_spec() -> GraphSpec:
+    """The builder example of docs/SPEC.md's "Writing a spec" section, run as written."""
+    section = (ROOT / "docs" / "SPEC.md").read_text().split("## Writing a spec", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code is not None
     scope: dict[str, object] = {}
-    exec(code.group(1), scope)  # noqa: S102 - the README's own example
+    exec(code.group(1), scope)  # noqa: S102 - the docs' own example
     spec = scope["spec"]
     assert isinstance(spec, GraphSpec)
     return spec
@@ -66,7 +66,7 @@ def builder_specs() -> Iterator[tuple[str, Callable[[], GraphSpec | dict[str, ob
         yield f"tests/conftest/make_spec({i})", lambda i=i: conftest_spec(i)
         yield f"bench/claim_throughput/_spec({i})", lambda i=i: claim_spec(i)
         yield f"bench/load_server/synthetic_spec({i})", lambda i=i: synthetic_spec(i)
-    yield "README/graph-specs", _readme_spec
+    yield "docs/SPEC/writing-a-spec", _docs_spec
     yield "tests/integration/test_gpu_core/huge_relu", _huge_relu
     yield "tests/unit/test_client_plan/bias_like", _bias_like
     if _has_torch():
