@@ -4,6 +4,7 @@
   until their handler returns, inlined resolve answers until they are sent. A request that does not fit waits
   up to ``Settings.inflight_wait_seconds``, then gets 503 ``server_busy`` with ``Retry-After``.
 - :class:`RateLimiter`: a token bucket per API token (``POST /v1/specs`` and recorded misses).
+- :class:`LogBudget`: the log lines a client's refused or failed requests may write (:mod:`plancache.server.errors`).
 
 Both live in one process (app.state); N server processes allow N times as much. docs/DEPLOYMENT.md
 ("Request limits") has the figures and the memory formula.
@@ -140,3 +141,25 @@ class RateLimiter:
         with self._lock:
             missing = n - self._level(key, time.monotonic())
         return max(1, math.ceil(missing / self.rate))
+
+
+class LogBudget:
+    """Log lines per client: ``burst`` at first, then ``per_minute``. :meth:`admit` says whether a line may be
+    written and how many of the client's lines were left out since its last one, so a client sending a
+    thousand bad requests writes a few lines, not a thousand."""
+
+    def __init__(self, per_minute: float, burst: int, max_keys: int = 10_000) -> None:
+        self._limiter = RateLimiter(per_minute, burst, max_keys)
+        self._left_out: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.max_keys = max_keys
+
+    def admit(self, client: str) -> int | None:
+        """None: leave this line out (counted); else how many of ``client``'s lines were left out before it."""
+        with self._lock:
+            if self._limiter.take(client):
+                return self._left_out.pop(client, 0)
+            if len(self._left_out) >= self.max_keys and client not in self._left_out:
+                self._left_out.clear()  # counts only: a flood of distinct clients cannot grow the table
+            self._left_out[client] = self._left_out.get(client, 0) + 1
+            return None
