@@ -13,12 +13,12 @@ Sections (one concern each):
 - :class:`BlobLimitSettings`: ``MAX_BLOB_BYTES``, the largest plan blob: the server takes none larger, the client
   reads none larger.
 - :class:`SigningSettings`: ``SIGNING_KEY`` (worker, ``tune``, ``bundle export``).
-- :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``).
+- :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``, the server's check of withdrawals).
 
 Roles (what one kind of process reads):
 
-- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + BlobLimit + the limits of the
-  HTTP service.
+- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + BlobLimit + Trust + the limits
+  of the HTTP service.
 - :class:`WorkerSettings` (``plancache worker``, ``tune``): Connection + Cache + Signing.
 - :class:`ClientSettings` (the client library, ``PlanCache``): Connection + Cache + Trust + BlobLimit + the client's
   own knobs.
@@ -109,7 +109,14 @@ class BlobLimitSettings(_Section):
     max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
 
 
-class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings):
+class TrustSettings(_Section):
+    """The public keys a plan, bundle or withdrawal must be signed by (client, ``bundle import``; the server stores
+    no withdrawal that none of them signed)."""
+
+    trusted_keys: str | None = None
+
+
+class ServerSettings(StoreSettings, AdminTokenSettings, TrustSettings, BlobLimitSettings):
     """``plancache serve`` and :func:`plancache.server.create_app`."""
 
     open_reads: bool = False
@@ -166,12 +173,6 @@ class SigningSettings(_Section):
     """The ed25519 private key that signs plans (worker, ``tune``) and bundles (``bundle export``)."""
 
     signing_key: Path | None = None
-
-
-class TrustSettings(_Section):
-    """The public keys a plan or bundle must be signed by (client, ``bundle import``)."""
-
-    trusted_keys: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ roles

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from .. import __version__
 from ..settings import ServerSettings
+from ..signing import TrustedKeys
 from ..store import Store, open_store
 from .autotune import Autotuner, policy_from
 from .bodies import install_openapi_rules
@@ -88,6 +89,8 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
                   docs_url=None, redoc_url=None)
     app.router.redirect_slashes = False  # a redirect would name the request's Host header: answer 404 instead
     app.state.settings = settings
+    # the keys a withdrawal must be signed by to be stored (routes.admin); a bad file stops the app here
+    app.state.trusted_keys = TrustedKeys.from_setting(settings.trusted_keys)
     app.state.store = None
     # per-process budgets (plancache.server.limits): bytes in flight, spec registrations and recorded misses per token
     app.state.inflight = ByteBudget(settings.max_inflight_bytes, settings.inflight_wait_seconds)

@@ -67,6 +67,7 @@ CLIENT_LOG_BURST = 20
 CLIENT_LOG_LINES_PER_MINUTE = 10
 
 _DOCUMENTED = {
+    400: "malformed, or signed by no key the server trusts (a withdrawal)",
     401: "missing, malformed, unknown or revoked token",
     403: "the token's role may not do this",
     404: "not found",

@@ -385,12 +385,14 @@ def test_a_claim_sent_again_with_its_lease_token_gets_the_same_job(api, make_spe
 
 def test_the_claim_names_the_revision_a_withdrawn_plans_successor_must_pass(api, spec0, gpu_env, make_plan, tmp_path):
     from plancache.protocol import Withdrawal
-    from plancache.signing import Signer, keygen
+    from plancache.signing import Signer, TrustedKeys, keygen
 
     key, spec = spec0
     r = upload(api.client, *make_plan(key, gpu_env), spec, headers=api.admin)
     record = r.json()
-    signer = Signer.from_file(keygen(tmp_path, "admin")[0])
+    private, public, _ = keygen(tmp_path, "admin")
+    signer = Signer.from_file(private)
+    api.app.state.trusted_keys = TrustedKeys.from_files([public])  # the server stores withdrawals its keys verify
     ahead = datetime.fromtimestamp(record["revision"] / 1000 + 3600)  # the admin's clock runs an hour ahead
     w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record["blob_sha256"],
                                           withdrawn_revision=record["revision"], reason="bad numerics"), now=ahead)
