@@ -7,11 +7,16 @@ A bundle is a single UTF-8 JSON document::
      "entries": [{"record": <PlanRecord>, "blob_b64": "<base64 plan blob>", "spec": <canonical GraphSpec>}, ...],
      "envelope": <DSSE envelope> | null}
 
-The envelope (:mod:`plancache.signing`) carries an in-toto statement (:func:`bundle_statement`) whose subjects
-are the entries' blobs, named by graph key, and whose predicate (:data:`~plancache.signing.BUNDLE_PREDICATE`)
-is the header and the sha256 of the canonical JSON (sorted keys, no whitespace) of ``entries`` as they appear
-in the file: it covers every record, blob and spec. Version 1 bundles (signed with the retired statement-v1
-signature) are refused with a message saying to export them again.
+The envelope (:mod:`plancache.signing`) carries an in-toto statement (:func:`bundle_statement`) whose one
+subject, :data:`ENTRIES_SUBJECT`, and predicate (:data:`~plancache.signing.BUNDLE_PREDICATE`: the header and that
+digest) name the sha256 of the canonical JSON (sorted keys, no whitespace) of ``entries`` as they appear in the
+file: it covers every record, blob and spec, and its size does not grow with the bundle's (an envelope's payload
+is at most :data:`~plancache.protocol.MAX_ENVELOPE_PAYLOAD` characters). A statement naming each entry's blob as a
+subject of its own (:func:`legacy_bundle_statement`, bundles of at most 72 plans) is accepted too. Version 1
+bundles (signed with the retired statement-v1 signature) are refused with a message saying to export them again.
+
+:func:`export_bundle` streams: it reads one plan from the store and writes its entry at a time, hashing as it
+goes, and writes the header and the envelope after the entries, so its memory does not grow with the bundle.
 
 Records carry no candidates tables (:class:`~plancache.protocol.CandidateTable` is stored apart on the server;
 an admin reads it there): a bundle holds what a client loads. Entries of bundles written when records held a
@@ -38,7 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,7 +65,7 @@ from .errors import (
     SignatureError,
     VerificationError,
 )
-from .files import atomic_write, read_limited
+from .files import atomic_write, fsync_dir, read_limited
 from .protocol import Envelope, PlanMeta, PlanRecord, b64decode, b64encode
 from .signing import BUNDLE_PREDICATE, Signer, TrustedKeys, statement
 from .spec import graph_key
@@ -113,12 +120,26 @@ class ImportReport:
     older: int = 0  # entries skipped: the store already holds a newer revision for their key and environment
 
 
-def bundle_statement(doc: dict[str, Any]) -> dict[str, Any]:
-    """The in-toto statement the envelope of bundle ``doc`` (the document as it appears in the file) signs."""
+#: The name of the one subject of a bundle's statement: the digest of its ``entries``.
+ENTRIES_SUBJECT = "plancache-bundle-entries"
+
+
+def _entries_sha256(entries: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(canonical_json(entries).encode()).hexdigest()
+
+
+def bundle_statement(header: dict[str, Any], entries_sha256: str) -> dict[str, Any]:
+    """The in-toto statement the envelope of a bundle signs: of its ``header`` and the sha256 of the canonical JSON
+    of its entries."""
+    return statement([(ENTRIES_SUBJECT, entries_sha256)], BUNDLE_PREDICATE,
+                     {"header": header, "entries_sha256": entries_sha256})
+
+
+def legacy_bundle_statement(doc: dict[str, Any]) -> dict[str, Any]:
+    """The statement of a bundle whose subjects are its entries' blobs (exported before :data:`ENTRIES_SUBJECT`)."""
     entries = doc["entries"]
-    digest = hashlib.sha256(canonical_json(entries).encode()).hexdigest()
     return statement(((e["record"]["graph_key"], e["record"]["blob_sha256"]) for e in entries), BUNDLE_PREDICATE,
-                     {"header": doc["header"], "entries_sha256": digest})
+                     {"header": doc["header"], "entries_sha256": _entries_sha256(entries)})
 
 
 def _entry_name(index: int, entry: BundleEntry) -> str:
@@ -128,27 +149,75 @@ def _entry_name(index: int, entry: BundleEntry) -> str:
 def build_bundle(environment: Environment, plans: Iterable[BundlePlan], signer: Signer | None = None,
                  *, now: datetime | None = None) -> dict[str, Any]:
     """The bundle document (a JSON-ready dict) for ``plans`` of ``environment``, signed when ``signer`` is given."""
-    entries = [
-        {"record": p.record.model_dump(mode="json"), "blob_b64": b64encode(p.blob), "spec": p.spec}
-        for p in sorted(plans, key=lambda p: p.record.graph_key)
-    ]
-    header = BundleHeader(
-        version=BUNDLE_VERSION, environment=environment, env_id=environment.env_id,
-        created_at=now or datetime.now(UTC), entries=len(entries),
-    )
-    doc: dict[str, Any] = {"format": BUNDLE_FORMAT, "header": header.model_dump(mode="json"), "entries": entries}
-    doc["envelope"] = signer.envelope(bundle_statement(doc)).model_dump() if signer else None
+    entries = [_entry(p) for p in sorted(plans, key=lambda p: p.record.graph_key)]
+    header = _header(environment, len(entries), now)
+    doc: dict[str, Any] = {"format": BUNDLE_FORMAT, "header": header, "entries": entries}
+    doc["envelope"] = signer.envelope(bundle_statement(header, _entries_sha256(entries))).model_dump() if signer else None
     return doc
+
+
+def _entry(plan: BundlePlan) -> dict[str, Any]:
+    return {"record": plan.record.model_dump(mode="json"), "blob_b64": b64encode(plan.blob), "spec": plan.spec}
+
+
+def _header(environment: Environment, entries: int, now: datetime | None) -> dict[str, Any]:
+    return BundleHeader(version=BUNDLE_VERSION, environment=environment, env_id=environment.env_id,
+                        created_at=now or datetime.now(UTC), entries=entries).model_dump(mode="json")
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _too_large(plans: int, size: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the bundle is over the limit of {MAX_BUNDLE_BYTES} bytes an import reads ({size} bytes "
+                           f"with {plans} plans): export fewer plans per file (--keys FILE)")
 
 
 def write_bundle(doc: dict[str, Any], path: Path | str) -> None:
     """Write ``doc`` to ``path`` with :func:`~plancache.files.atomic_write` (compact JSON, UTF-8); one over
     :data:`MAX_BUNDLE_BYTES`, which no import would read, is :class:`PayloadTooLarge` (nothing is written)."""
-    data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    data = _compact(doc)
     if len(data) > MAX_BUNDLE_BYTES:
-        raise PayloadTooLarge(f"a bundle of {len(doc['entries'])} plans would be {len(data)} bytes, over the limit of "
-                              f"{MAX_BUNDLE_BYTES} bytes an import reads: export fewer plans per file (--keys FILE)")
+        raise _too_large(len(doc["entries"]), len(data))
     atomic_write(path, data)
+
+
+def stream_bundle(environment: Environment, plans: Iterable[BundlePlan], path: Path | str, signer: Signer | None = None,
+                  *, now: datetime | None = None) -> int:
+    """Write the bundle of ``plans`` (in the order given) to ``path`` an entry at a time, as :func:`build_bundle`
+    and :func:`write_bundle` would write it whole, but holding one plan at a time; the header and the envelope
+    come after the entries. Atomic: a temporary file renamed into place. Over :data:`MAX_BUNDLE_BYTES`
+    :class:`PayloadTooLarge`, nothing written. Returns the number of plans."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            digest = hashlib.sha256(b"[")
+            size = fh.write(b'{"format":"' + BUNDLE_FORMAT.encode() + b'","entries":[\n')
+            count = 0
+            for plan in plans:
+                entry = _entry(plan)
+                digest.update((b"," if count else b"") + canonical_json(entry).encode())
+                size += fh.write((b",\n" if count else b"") + _compact(entry))
+                count += 1
+                if size > MAX_BUNDLE_BYTES:
+                    raise _too_large(count, size)
+            digest.update(b"]")
+            header = _header(environment, count, now)
+            envelope = signer.envelope(bundle_statement(header, digest.hexdigest())).model_dump() if signer else None
+            size += fh.write(b"\n]," + _compact({"header": header, "envelope": envelope})[1:])
+            if size > MAX_BUNDLE_BYTES:
+                raise _too_large(count, size)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return count
 
 
 def read_bundle(path: Path | str) -> tuple[dict[str, Any], BundleDocument]:
@@ -202,6 +271,15 @@ def _verify_entry(index: int, entry: BundleEntry, header: BundleHeader, trusted:
     return BundlePlan(entry.record, blob, entry.spec)
 
 
+def _signed_statement_matches(signed: dict[str, Any], raw: dict[str, Any]) -> bool:
+    """Whether ``signed`` is the statement of the bundle document ``raw`` (or its legacy statement)."""
+    subject = signed.get("subject")
+    if isinstance(subject, list) and len(subject) == 1 and isinstance(subject[0], dict) \
+            and subject[0].get("name") == ENTRIES_SUBJECT:
+        return signed == bundle_statement(raw["header"], _entries_sha256(raw["entries"]))
+    return signed == legacy_bundle_statement(raw)
+
+
 def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys | None) -> list[BundlePlan]:
     """Every check of the module docstring; the verified plans, or :class:`VerificationError` for the first failure.
 
@@ -213,7 +291,7 @@ def verify_bundle(raw: dict[str, Any], doc: BundleDocument, trusted: TrustedKeys
                                                f"environment ({header.environment.env_id})")
     if header.entries != len(doc.entries):
         raise VerificationError(Reason.MALFORMED, f"bundle header counts {header.entries} entries, it holds {len(doc.entries)}")
-    if trusted and trusted.open(doc.envelope, BUNDLE_PREDICATE, what="bundle") != bundle_statement(raw):
+    if trusted and not _signed_statement_matches(trusted.open(doc.envelope, BUNDLE_PREDICATE, what="bundle"), raw):
         raise SignatureError(Reason.BAD_SIGNATURE, "bundle: its header or entries do not match its signed statement")
     plans: list[BundlePlan] = []
     seen: dict[str, int] = {}
@@ -232,40 +310,45 @@ def load_bundle(path: Path | str, trusted_keys: TrustedKeys | None) -> list[Bund
     return verify_bundle(raw, doc, trusted_keys)
 
 
-def collect_plans(store: Store, environment: Environment, graph_keys: list[str] | None) -> list[BundlePlan]:
-    """The stored plans (record, blob, canonical spec) of ``graph_keys`` — or every stored plan, with ``None`` —
-    on ``environment``. A key without a plan there is :class:`NotFound`, listing every such key."""
+def bundle_keys(store: Store, environment: Environment, graph_keys: list[str] | None) -> list[str]:
+    """The graph keys to export, sorted: ``graph_keys``, or every key with a plan on ``environment`` with ``None``.
+    A key without a plan there is :class:`NotFound`, listing every such key; so is an environment without plans."""
+    # The keys in one query, then each record as it is written: paging the listing (newest first) by offset left
+    # out a plan replaced meanwhile (a re-tune, `plans resign`), which moved to the top of pages already read.
+    stored = store.plan_graph_keys(environment.env_id)
     if graph_keys is None:
-        # The keys in one query, then each record: paging the listing (newest first) by offset left out a plan
-        # replaced meanwhile (a re-tune, `plans resign`), which moved to the top of pages already read.
-        found_now = {k: store.get_plan(k, environment) for k in store.plan_graph_keys(environment.env_id)}
-        records: dict[str, PlanRecord] = {k: r for k, r in found_now.items() if r is not None}  # (None: withdrawn)
-        if not records:
+        if not stored:
             raise NotFound(f"no plans are stored for {environment.describe()} (env id {environment.env_id})")
-    else:
-        found = {k: store.get_plan(k, environment) for k in dict.fromkeys(graph_keys)}
-        missing = [k for k, r in found.items() if r is None]
-        if missing:
-            raise NotFound(f"{len(missing)} of {len(found)} graph keys have no plan on {environment.describe()}: "
-                           + ", ".join(missing[:10]) + (" …" if len(missing) > 10 else ""))
-        records = {k: r for k, r in found.items() if r is not None}
-    plans = []
-    for key, record in records.items():
+        return stored
+    have = set(stored)
+    asked = sorted(dict.fromkeys(graph_keys))
+    missing = [k for k in asked if k not in have]
+    if missing:
+        raise NotFound(f"{len(missing)} of {len(asked)} graph keys have no plan on {environment.describe()}: "
+                       + ", ".join(missing[:10]) + (" …" if len(missing) > 10 else ""))
+    return asked
+
+
+def iter_plans(store: Store, environment: Environment, keys: Iterable[str]) -> Iterator[BundlePlan]:
+    """The stored plan (record, blob, canonical spec) of each key on ``environment``, read one at a time; a key whose
+    plan was withdrawn meanwhile is left out."""
+    for key in keys:
+        record = store.get_plan(key, environment)
+        if record is None:
+            continue
         blob, spec = store.get_blob(record.blob_sha256), store.get_spec(key)
         if blob is None or spec is None:
             absent = "blob" if blob is None else "spec"
             raise IntegrityError(f"plan {key} on {environment.describe()}: its {absent} is not stored")
-        plans.append(BundlePlan(record, blob, spec))
-    return plans
+        yield BundlePlan(record, blob, spec)
 
 
 def export_bundle(store: Store, environment: Environment, graph_keys: list[str] | None, out: Path | str,
                   signer: Signer | None = None) -> int:
-    """Write the bundle of ``graph_keys`` (or every plan, with ``None``) on ``environment`` to ``out``;
-    the number of plans written."""
-    plans = collect_plans(store, environment, graph_keys)
-    write_bundle(build_bundle(environment, plans, signer), out)
-    return len(plans)
+    """Stream the bundle of ``graph_keys`` (or every plan, with ``None``) on ``environment`` to ``out``
+    (:func:`stream_bundle`); the number of plans written."""
+    return stream_bundle(environment, iter_plans(store, environment, bundle_keys(store, environment, graph_keys)),
+                         out, signer)
 
 
 def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | None,

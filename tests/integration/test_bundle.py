@@ -580,7 +580,7 @@ def test_export_refuses_a_bundle_no_import_would_read(tmp_path, store, make_spec
     out = tmp_path / "b.json"
     r = cli("bundle", "export", "--environment", gpu_env.model_dump_json(), "--all", "--out", str(out),
             "--database-url", url, "--unsigned")
-    expected_failure(r, ExitCode.FAILED, "a bundle of 2 plans would be", "over the limit of 1000 bytes an import reads",
+    expected_failure(r, ExitCode.FAILED, "the bundle is over the limit of 1000 bytes an import reads", "with 1 plans",
                      "--keys FILE")
     _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)
     with pytest.raises(PayloadTooLarge):
