@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,17 @@ def _announcing_server(config: Any, announce: Callable[[], None]) -> Any:
     return Server(config)
 
 
+def _report_blob_store(store: Any) -> None:
+    """Say on stderr what is wrong with the blob store, if anything (:func:`~plancache.store.blobs.probe_blob_store`):
+    after start-up, so that a server started while its bucket is unreachable serves what needs no blob meanwhile."""
+    from ..store.blobs import probe_blob_store
+
+    problem = probe_blob_store(store.db, store.blob_store)
+    if problem:
+        typer.echo(f"warning: {problem}; serving what needs no blob (records-only resolves, health, admin routes), "
+                   "blob reads answer 503 with Retry-After until it is fixed", err=True)
+
+
 @command
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
@@ -82,6 +94,7 @@ def serve(
 
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
+                threading.Thread(target=_report_blob_store, args=(store,), name="blob-store-probe", daemon=True).start()
 
             server = _announcing_server(uvicorn_config(app, settings, host=host, port=port), announce)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn has shut down cleanly, then re-raised it
