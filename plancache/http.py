@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import secrets
 import ssl
 import threading
 import time
@@ -252,6 +254,16 @@ def _response(resp: httpx.Response) -> httpx.Response:
 _WIRE_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 #: Sent with every request to a plancache server: the server never compresses, so a size cap counts what is sent.
 IDENTITY = {"Accept-Encoding": "identity"}
+#: The request header naming the client process a request comes from (:func:`process_id`, sent on every request of
+#: a :class:`Http` client): the server counts a key's misses per caller and process.
+PROCESS_HEADER = "X-Plancache-Process"
+_PROCESS_NONCE = secrets.token_hex(8)
+
+
+def process_id() -> str:
+    """This process's id in :data:`~plancache.protocol.PROCESS_HEADER`: random, with the pid (a forked child is
+    another process)."""
+    return f"{_PROCESS_NONCE}-{os.getpid()}"
 
 
 def refuse_encoded(resp: httpx.Response, what: object) -> None:
@@ -285,7 +297,7 @@ class HttpClient:
         self.policies = tuple(policies)
         self.stop = stop or threading.Event()
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {PROCESS_HEADER: process_id(), **({"Authorization": f"Bearer {token}"} if token else {})}
         self._http = httpx.Client(base_url=self.server_url, headers=headers, transport=transport,
                                   timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
                                   verify=tls_verification(self.server_url))
