@@ -49,6 +49,8 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 BLOB_ROUTE = "/v1/blobs/{sha256}"
 #: Resolve answers with blobs are streamed in chunks of about this size.
 CHUNK_BYTES = 1 << 20
+#: Blob bytes base64-encoded at a time in a resolve answer: whole 3-byte groups, about CHUNK_BYTES of text.
+_B64_PIECE = 3 * (CHUNK_BYTES // 4)
 #: Blob bytes one resolve answer inlines at most (the server holds them in memory while it answers).
 MAX_INLINE_BLOB_BYTES = 128 << 20
 
@@ -91,7 +93,9 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
         for version, _ in found.values():
             if wanted + version.blob_size <= MAX_INLINE_BLOB_BYTES:
                 wanted += version.blob_size
-        held = budget = request.app.state.inflight.take_up_to(wanted)  # released once the answer is sent
+        # the blobs' bytes and one piece of their base64 (resolve_json), released once the answer is sent
+        held = request.app.state.inflight.take_up_to(wanted + CHUNK_BYTES)
+        budget = held - CHUNK_BYTES
         for key, (version, _) in found.items():
             if version.blob_size <= budget:
                 inline.add(key)
@@ -183,20 +187,25 @@ def resolve_json(plans: Iterable[tuple[bytes, str, bytes | None]], missing: list
                  blob_url: Callable[[str], str] = _server_route) -> Iterator[bytes]:
     """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`, from each plan's
     :func:`answer_head`, blob sha256 and blob (or None). Blobs are base64-encoded as their chunk is made (base64
-    needs no JSON escaping), so a many-megabyte answer is never held whole; a plan without its blob gets
-    ``blob_url(sha256)``."""
+    needs no JSON escaping) a piece at a time, so the answer holds no copy of a blob beyond its bytes (which the
+    in-flight budget counts) and one piece; a plan without its blob gets ``blob_url(sha256)``."""
     buffer, size = [b'{"plans":{'], 0
     for i, (head, sha256, blob) in enumerate(plans):
         if blob is None:
-            tail = b'null,"blob_url":' + json.dumps(blob_url(sha256)).encode()
-        else:
-            tail = b'"' + base64.b64encode(blob) + b'","blob_url":null'
-        part = b"".join((b"," if i else b"", head, tail, b"}"))
-        buffer.append(part)
-        size += len(part)
-        if size >= CHUNK_BYTES:
-            yield b"".join(buffer)
-            buffer, size = [], 0
+            part = b"".join((b"," if i else b"", head, b'null,"blob_url":', json.dumps(blob_url(sha256)).encode(),
+                             b"}"))
+            buffer.append(part)
+            size += len(part)
+            if size >= CHUNK_BYTES:
+                yield b"".join(buffer)
+                buffer, size = [], 0
+            continue
+        buffer += [b"," if i else b"", head, b'"']
+        yield b"".join(buffer)
+        view = memoryview(blob)
+        for start in range(0, len(blob), _B64_PIECE):  # whole 3-byte groups: the pieces' base64 concatenates
+            yield base64.b64encode(view[start:start + _B64_PIECE])
+        buffer, size = [b'","blob_url":null}'], 0
     buffer.append(b'},"missing":' + json.dumps(missing).encode() + b"}")
     yield b"".join(buffer)
 
