@@ -134,7 +134,9 @@ class ServerSettings(StoreSettings, AdminTokenSettings, TrustSettings, BlobLimit
     # seconds to receive a body, plus its size / body_min_rate
     body_timeout: float = Field(default=15.0, gt=0, le=86400, allow_inf_nan=False)
     body_min_rate: int = 1024 * 1024  # bytes per second
-    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
+    # seconds an idle keep-alive connection stays open: above a worker's default poll interval (5 s), so its idle
+    # polls reuse their connection, and within header_timeout, which also ends an idle connection
+    keep_alive_timeout: int = 8
     # POST /v1/specs per non-admin token and process, after the burst
     spec_writes_per_minute: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     spec_write_burst: int = 300

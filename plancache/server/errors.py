@@ -55,8 +55,10 @@ _FRAMEWORK_ERRORS: dict[int, type[PlanCacheError]] = {
     e.http_status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, RequestTimeout,
                                LengthRequired, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServerBusy)}
 #: ``OSError`` numbers that mean the blob store cannot take a write now: full disk or quota, read-only or
-#: unwritable folder. An operator's fix; the request may succeed later.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+#: unwritable folder, a file where a shard folder goes (or a folder where a blob goes). An operator's fix; the
+#: request may succeed later.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                            errno.ENOTDIR, errno.EISDIR})
 #: The status counted for a request whose client went away before its body arrived (nginx's; nothing is sent).
 CLIENT_CLOSED_REQUEST = 499
 #: Longest error message answered (a message may quote what the request sent).
