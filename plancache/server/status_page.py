@@ -43,7 +43,7 @@ def gather(store: Any, autotune: AutotunePolicy | None = None) -> Status:
         by_env[m.env_id].append(m)
     for env_id, group in by_env.items():
         for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group],
-                                                 autotune=autotune).items():
+                                                 autotune=autotune, job_errors=False).items():  # a reader's page
             status.miss_reasons[env_id, key] = reason.message
             if reason.reason == "planned":  # its plan may be older than the newest PLANS_SHOWN read above
                 status.planned_misses.add((env_id, key))
@@ -143,7 +143,7 @@ def render(status: Status) -> str:
         *(f"<tr><td class='n'>{j.id}</td><td>{_key(j.graph_key)}</td><td>sm_{escape(str(j.target.sm))}</td>"
           f"<td>{escape(j.source)}</td><td class='{escape(j.status)}'>{escape(j.status)}</td>"
           f"<td class='n'>{j.attempts}/{j.max_attempts}</td>"
-          f"<td>{j.updated_at:%Y-%m-%d %H:%M}</td><td>{escape((j.error or '')[:200])}</td></tr>" for j in status.jobs),
+          f"<td>{j.updated_at:%Y-%m-%d %H:%M}</td><td>{_error_note(j)}</td></tr>" for j in status.jobs),
         "</table><h2>Tuned versus heuristic</h2>",
         "<p class='muted'>Per plan: the heuristic's first plan time over the tuned winner's (both measured by the "
         "worker that tuned it).</p>",
@@ -156,3 +156,8 @@ def render(status: Status) -> str:
         "</table></body></html>",
     ]
     return "".join(out)
+
+
+def _error_note(job: Any) -> str:
+    """Where a job's error is read: a worker's text (paths, host names) is for admins, the page is a reader's."""
+    return f"GET /v1/jobs/{job.id} (admin)" if job.error else ""

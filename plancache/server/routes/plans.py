@@ -150,15 +150,17 @@ def _releasing(chunks: Iterator[bytes], hold: Held) -> Iterator[bytes]:
 @router.post("/v1/plans/explain", response_model=ExplainResponse, summary="Why graph keys have no plan here",
              responses=documented_errors(401, 403, 413, 422, 503))
 def explain(req: ExplainRequest, request: Request, store: StoreDep, settings: SettingsDep,
-            _: Reader) -> ExplainResponse:
+            principal: Reader) -> ExplainResponse:
     """Per graph key, why it has no plan on the environment: never registered; registered, never queued; queued
     or running (the job); failed (the job's error); tuned only for other environments (the validity fields in
     which the nearest differs); or ``planned`` when it has one. Nothing is recorded. Clients ask it for the keys
-    a resolve missed; ``plancache explain`` asks it for a spec file or key."""
+    a resolve missed; ``plancache explain`` asks it for a spec file or key. A failed job's error (a worker's text,
+    with its paths) is quoted to an admin token only."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one explain; the limit is {settings.max_resolve_keys}")
     return ExplainResponse(reasons=store.explain_misses(req.environment, req.graph_keys,
-                                                        autotune=autotune_policy(request)))
+                                                        autotune=autotune_policy(request),
+                                                        job_errors=principal.may("admin")))
 
 
 def _server_route(sha256: str) -> str:
