@@ -137,7 +137,7 @@ def _has_escaped_nul(body: bytes | bytearray) -> bool:
 
 
 def _too_deep() -> json.JSONDecodeError:
-    return _refuse(f"the body nests arrays and objects more than {MAX_BODY_DEPTH} deep")
+    return _refuse(f"the body nests too deeply: arrays and objects more than {MAX_BODY_DEPTH} deep")
 
 
 def _check_depth(value: Any, limit: int = MAX_BODY_DEPTH) -> None:

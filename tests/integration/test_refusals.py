@@ -46,7 +46,7 @@ def test_deep_nesting_is_422_charged_and_logged_in_bounded_lines(file_store, mak
     lines = [r for r in caplog.records if r.name == "plancache.server"]
     assert all(r.exc_info is None for r in lines)
     assert 6 <= len(lines) <= CLIENT_LOG_BURST + 1
-    assert "token:" in lines[0].getMessage() and "nests arrays and objects" in lines[0].getMessage()
+    assert "token:" in lines[0].getMessage() and "nests too deeply" in lines[0].getMessage()
 
 
 def test_the_log_of_one_client_is_bounded_and_counts_what_it_left_out(file_store, caplog):
