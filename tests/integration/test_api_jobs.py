@@ -94,7 +94,9 @@ def test_misses_listing_and_enqueue_top_misses(api, make_spec, gpu_env):
         keys.append(key)
     env = gpu_env.model_dump()
     for n_asked in (4, 3, 2, 1):  # misses: keys[0] ×4, keys[1] ×3, keys[2] ×2, keys[3] (no spec) ×1
-        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": keys[:n_asked]}, headers=api.reader)
+        # each from another client process: one process's misses of a key count once
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": keys[:n_asked]},
+                            headers={**api.reader, "X-Plancache-Process": f"p{n_asked}"})
         assert r.status_code == 200
     misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
     assert [(m["graph_key"], m["count"]) for m in misses] == list(zip(keys, [4, 3, 2, 1]))
