@@ -52,7 +52,8 @@ def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them:
             raise Failure(f"{describe_os_error(exc)} (nothing was moved)",
                           f"check that {blob_store.url} is a folder or bucket you can write (for a bucket: the AWS_* "
                           "variables, docs/DEPLOYMENT.md)", ExitCode.OS_ERROR) from None
-        problem = probe_blob_store(store.db, blob_store)  # read one blob back from TARGET before saying to use it
+        # one blob copied read back from TARGET before saying to use it
+        problem = probe_blob_store(store.db, blob_store, done.last_copied) if done.last_copied else None
     if problem:
         raise Failure(f"moved {done.moved} blobs to {blob_store.url}, but {problem}",
                       f"keep PLANCACHE_BLOB_STORE={store.blob_store.url} until {blob_store.url} reads back, then run "

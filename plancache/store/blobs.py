@@ -233,12 +233,12 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
                                 "file:// or s3:// store holding them")
 
 
-def probe_blob_store(db: Database, blob_store: BlobStore) -> str | None:
-    """What is wrong with the blob store, None when nothing seen: whether it holds one blob a plan record
-    references (the right folder mounted, the right bucket) and can be reached. Never raises for the blob store:
-    a server starting during an outage reports it and serves what needs no blob."""
+def probe_blob_store(db: Database, blob_store: BlobStore, sha256: str | None = None) -> str | None:
+    """What is wrong with the blob store, None when nothing seen: whether it holds ``sha256``, by default one blob
+    a plan record references (the right folder mounted, the right bucket), and can be reached. Never raises for
+    the blob store: a server starting during an outage reports it and serves what needs no blob."""
     with db.read() as conn:
-        referenced = conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
+        referenced = sha256 or conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
         if referenced is None:
             return None
         try:
@@ -247,17 +247,19 @@ def probe_blob_store(db: Database, blob_store: BlobStore) -> str | None:
             return f"{blob_store.url} cannot be read now ({exc})"
     if not present:
         where = db.url.render_as_string(hide_password=True)
-        return (f"{blob_store.url} lacks blob {referenced}, which a plan record of {where} references: is it the "
-                "right folder (the volume mounted) or bucket?")
+        return (f"{blob_store.url} lacks blob {referenced}, which {where} holds: is it the right folder (the volume "
+                "mounted) or bucket?")
     return None
 
 
 class Migration(NamedTuple):
-    """What :func:`migrate_blobs` did: blobs copied, their bytes, and catalog rows whose bytes the source lacked."""
+    """What :func:`migrate_blobs` did: blobs copied, their bytes, catalog rows whose bytes the source lacked, and
+    the last blob copied (None: none was)."""
 
     moved: int
     size: int
     missing: int
+    last_copied: str | None = None
 
 
 def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: int = 100) -> Migration:
@@ -284,7 +286,7 @@ def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: 
                     copied = copied._replace(missing=copied.missing + 1)
                     continue
                 target.put(conn, sha256, data)
-                copied = copied._replace(moved=copied.moved + 1, size=copied.size + len(data))
+                copied = copied._replace(moved=copied.moved + 1, size=copied.size + len(data), last_copied=sha256)
             last = rows[-1]
         if isinstance(source, DatabaseBlobs):
             conn.execute(sa.update(blobs).where(_IN_ROW).values(data=b""))
