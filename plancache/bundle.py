@@ -136,7 +136,8 @@ def bundle_statement(header: dict[str, Any], entries_sha256: str) -> dict[str, A
 
 
 def legacy_bundle_statement(doc: dict[str, Any]) -> dict[str, Any]:
-    """The statement of a bundle whose subjects are its entries' blobs (exported before :data:`ENTRIES_SUBJECT`)."""
+    """The statement of a bundle whose subjects are its entries' blobs, one each (the first form of version 2, which
+    fits the envelope up to 72 plans), accepted as :func:`bundle_statement`."""
     entries = doc["entries"]
     return statement(((e["record"]["graph_key"], e["record"]["blob_sha256"]) for e in entries), BUNDLE_PREDICATE,
                      {"header": doc["header"], "entries_sha256": _entries_sha256(entries)})

@@ -95,8 +95,7 @@ RECORD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/com
 #: Admin tokens are not charged.
 CHARGED_ROUTES = {("POST", "/v1/specs"): "spec_writes"}
 #: Memory a blob upload into the database store takes per byte: the blob read whole, the driver's copy of the
-#: statement's parameter, and the chunks joined on the way (five concurrent 64 MiB uploads peaked at 883 MiB, 2.8
-#: bytes per byte, when they were counted once).
+#: statement's parameter, and the chunks joined on the way (measured: 2.8 bytes of memory per byte uploaded).
 DATABASE_UPLOAD_FACTOR = 3
 #: Memory a body takes while its request runs, per byte of body, as the in-flight budget counts it: parsed JSON
 #: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text.
