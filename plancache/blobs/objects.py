@@ -187,8 +187,8 @@ class ObjectStoreBlobs(BlobStore):
         """The blob objects (``ab/cd/<sha256>`` under the prefix) last modified before ``cutoff``, a page of the
         listing (:data:`LIST_BATCH` objects or fewer) at a time, so a bucket of any size is listed in bounded
         memory. Any other key under the prefix (another name, a blob's name in the wrong shard) is left out."""
-        pages = self._call(lambda: self._obs.list(self._store, chunk_size=LIST_BATCH))
-        while page := self._call(lambda: next(pages, None)):
+        pages = self._read(lambda: self._obs.list(self._reads, chunk_size=LIST_BATCH))  # bounded, behind the circuit
+        while page := self._read(lambda: next(pages, None)):
             old = [StoredObject(m[3], int(meta["size"])) for meta in page
                    if meta["last_modified"] < cutoff and (m := _BLOB_KEY.fullmatch(meta["path"]))]
             if old:

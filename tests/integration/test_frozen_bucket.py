@@ -127,3 +127,17 @@ def test_a_missing_blob_is_reported_not_refused(seeded, tmp_path):
     with open_store(url, blob_store=(tmp_path / "unmounted").as_uri()) as store:
         problem = probe_blob_store(store.db, store.blob_store)
     assert problem is not None and "the volume mounted" in problem
+
+
+def test_gc_fails_within_the_read_timeout_and_says_so(frozen_endpoint, seeded):
+    """``plans gc`` (``--dry-run`` too) lists the bucket for objects no record names: with the bucket frozen it
+    fails after the read timeout, not obstore's 30 s per try."""
+    from plancache.errors import BlobStoreUnavailable
+    from plancache.store.retention import gc
+
+    url, _, _ = seeded
+    with open_store(url, blob_store="s3://frozen/blobs") as store:
+        started = time.monotonic()
+        with pytest.raises(BlobStoreUnavailable):
+            gc(store, grace=timedelta(hours=24), dry_run=True)
+    assert time.monotonic() - started < 2 * READ_TIMEOUT + 1.5
