@@ -290,8 +290,9 @@ class BlobStoreMismatch(PlanCacheError):
     http_status = 503
 
 
-class BlobStoreUnavailable(PlanCacheError, OSError):
-    """The blob store could not be reached or refused the call (object storage unreachable, denied or failing)."""
+class BlobStoreUnavailable(RetryLater, OSError):
+    """The blob store could not be reached or refused the call (object storage unreachable, denied or failing);
+    ``retry_after``: when to ask again (the server's ``Retry-After``)."""
 
     code = "blob_store_unavailable"
     http_status = 503

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import secrets
 import ssl
 import threading
 import time
@@ -147,7 +149,10 @@ class Call:
     retry: bool  # Retry may send it again
     # a 401/403 or 429 answer trips a CircuitBreaker; else it concerns this call's route only (its permission, its budget)
     trips_on_refusal: bool
-    stop: threading.Event  # set: waiting policies give up (shutting down)
+    stop: threading.Event  # set: waiting policies give up (shutting down), and so does a wait for the answer
+    # False: a failure of this call does not trip a CircuitBreaker (a background check: what the process needs now
+    # must not be held back for a cool-down because of it); an open breaker still holds it back
+    trips: bool = True
 
     def __str__(self) -> str:
         return f"{self.method} {self.url}"
@@ -219,13 +224,13 @@ class CircuitBreaker:
         try:
             result = attempt()
         except ServerUnavailable as exc:
-            if exc.skipped:  # nothing was sent (e.g. its deadline had passed): says nothing about the server
+            if exc.skipped or not call.trips:  # nothing was sent (its deadline had passed), or a background call
                 raise
             if exc.throttled and not call.trips_on_refusal:  # over that route's budget (spec writes): not the server's state
                 raise
             raise self._trip(exc.message) from None
         except PlanCacheError as exc:
-            if call.trips_on_refusal and exc.http_status in AUTH_STATUSES:
+            if call.trips and call.trips_on_refusal and exc.http_status in AUTH_STATUSES:
                 raise self._trip(exc.message) from None
             raise
         with self._lock:
@@ -284,6 +289,18 @@ def _response(resp: httpx.Response) -> httpx.Response:
 _WIRE_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 #: Sent with every request to a plancache server: the server never compresses, so a size cap counts what is sent.
 IDENTITY = {"Accept-Encoding": "identity"}
+#: How often a wait for an answer looks at the client's ``stop``, in seconds.
+_STOP_POLL = 0.05
+#: The request header naming the client process a request comes from (:func:`process_id`, sent on every request of
+#: a :class:`Http` client): the server counts a key's misses per caller and process.
+PROCESS_HEADER = "X-Plancache-Process"
+_PROCESS_NONCE = secrets.token_hex(8)
+
+
+def process_id() -> str:
+    """This process's id in :data:`~plancache.protocol.PROCESS_HEADER`: random, with the pid (a forked child is
+    another process)."""
+    return f"{_PROCESS_NONCE}-{os.getpid()}"
 
 
 def refuse_encoded(resp: httpx.Response, what: object) -> None:
@@ -325,7 +342,7 @@ class HttpClient:
         self.policies = tuple(policies)
         self.stop = stop or threading.Event()
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        headers = {"User-Agent": user_agent(agent)}
+        headers = {"User-Agent": user_agent(agent), PROCESS_HEADER: process_id()}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._clients = [httpx.Client(base_url=url, headers=headers, transport=transport,
@@ -335,23 +352,25 @@ class HttpClient:
 
     def request(self, method: str, path: str, *, body: Any = None, timeout: float | None = None, retry: bool = True,
                 trips_on_refusal: bool = True, max_bytes: int | None = None, deadline: float | None = None,
-                content: bytes | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
+                content: bytes | None = None, headers: dict[str, str] | None = None,
+                trips: bool = True) -> httpx.Response:
         """The answer (status below 400) to ``method path`` with JSON ``body``, its body read whole; see :meth:`read`."""
         return self.read(method, path, _response, body=body, timeout=timeout, retry=retry,
                          trips_on_refusal=trips_on_refusal, max_bytes=max_bytes, deadline=deadline, content=content,
-                         headers=headers)
+                         headers=headers, trips=trips)
 
     def read(self, method: str, path: str, reader: Callable[[httpx.Response], T], *, body: Any = None,
              timeout: float | None = None, retry: bool = True, trips_on_refusal: bool = True,
              max_bytes: int | None = None, deadline: float | None = None, content: bytes | None = None,
-             headers: dict[str, str] | None = None) -> T:
+             headers: dict[str, str] | None = None, trips: bool = True) -> T:
         """``reader`` of the answer to ``method path`` with JSON ``body`` (or raw ``content``, as
         ``application/octet-stream``) and extra ``headers``, through the policies. ``timeout``
-        replaces the client's timeouts for this call; ``retry`` and ``trips_on_refusal`` are the :class:`Call`'s.
+        replaces the client's timeouts for this call; ``retry``, ``trips_on_refusal`` and ``trips`` are the
+        :class:`Call`'s.
         ``max_bytes``: the largest answer body read (more is ServerUnavailable); ``deadline``: the
         :func:`time.monotonic` instant by which each attempt's whole answer must have arrived (else
         ServerUnavailable, at that instant)."""
-        call = Call(method, self.server_url + path, retry, trips_on_refusal, self.stop)
+        call = Call(method, self.server_url + path, retry, trips_on_refusal, self.stop, trips)
         headers = dict(headers or {})
         headers.update(IDENTITY)
         if content is not None:
@@ -455,9 +474,9 @@ class HttpClient:
 
     @staticmethod
     def _by(deadline: float, call: Call, exchange: Callable[[threading.Event | None], httpx.Response]) -> httpx.Response:
-        """``exchange`` on a helper thread, waited for until ``deadline``: the caller is back in time whatever the
-        server does (connect, headers or a body dripped byte by byte). A late exchange is told to stop at its
-        next chunk; its timeouts are already no longer than the deadline."""
+        """``exchange`` on a helper thread, waited for until ``deadline`` or the client's ``stop``: the caller is back
+        in time whatever the server does (connect, headers or a body dripped byte by byte). A late exchange is told
+        to stop at its next chunk; its timeouts are already no longer than the deadline."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise ServerUnavailable(f"{call}: not sent, its deadline has passed", skipped=True)
@@ -476,9 +495,13 @@ class HttpClient:
             threading.Thread(target=run, name="plancache-http", daemon=True).start()
         except RuntimeError:  # the interpreter is exiting (no new threads): on this thread, its timeouts within the deadline
             run()
-        if not done.wait(left):
-            cancel.set()
-            raise ServerUnavailable(f"{call}: no whole answer by its deadline ({left:.2f} s after it was sent)")
+        while not done.wait(min(_STOP_POLL, max(deadline - time.monotonic(), 0))):
+            if call.stop.is_set():  # the client is closing: the answer is not waited for (nothing to say of the server)
+                cancel.set()
+                raise ServerUnavailable(f"{call}: abandoned, the client is closing", skipped=True)
+            if time.monotonic() >= deadline:
+                cancel.set()
+                raise ServerUnavailable(f"{call}: no whole answer by its deadline ({left:.2f} s after it was sent)")
         result = outcome[0]
         if isinstance(result, BaseException):
             raise result

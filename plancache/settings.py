@@ -13,12 +13,12 @@ Sections (one concern each):
 - :class:`BlobLimitSettings`: ``MAX_BLOB_BYTES``, the largest plan blob: the server takes none larger, the client
   reads none larger.
 - :class:`SigningSettings`: ``SIGNING_KEY`` (worker, ``tune``, ``bundle export``).
-- :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``).
+- :class:`TrustSettings`: ``TRUSTED_KEYS`` (client, ``bundle import``, the server's check of withdrawals).
 
 Roles (what one kind of process reads):
 
-- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + BlobLimit + the limits of the
-  HTTP service.
+- :class:`ServerSettings` (``plancache serve``, ``create_app``): Store + AdminToken + BlobLimit + Trust + the limits
+  of the HTTP service.
 - :class:`WorkerSettings` (``plancache worker``, ``tune``): Connection + Cache + Signing.
 - :class:`ClientSettings` (the client library, ``PlanCache``): Connection + Cache + Trust + BlobLimit + the client's
   own knobs.
@@ -155,13 +155,20 @@ class BlobLimitSettings(_Section):
     max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
 
 
+class TrustSettings(_Section):
+    """The public keys a plan, bundle or withdrawal must be signed by (client, ``bundle import``; the server stores
+    no withdrawal that none of them signed)."""
+
+    trusted_keys: str | None = None
+
+
 class LogSettings(_Section):
     """How ``serve`` and ``worker`` log: plain lines, or one JSON object per line (:mod:`plancache.logs`)."""
 
     log_format: Literal["text", "json"] = "text"
 
 
-class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings, LogSettings):
+class ServerSettings(StoreSettings, AdminTokenSettings, TrustSettings, BlobLimitSettings, LogSettings):
     """``plancache serve`` and :func:`plancache.server.create_app`."""
 
     open_reads: bool = False
@@ -179,7 +186,9 @@ class ServerSettings(StoreSettings, AdminTokenSettings, BlobLimitSettings, LogSe
     # seconds to receive a body, plus its size / body_min_rate
     body_timeout: float = Field(default=15.0, gt=0, le=86400, allow_inf_nan=False)
     body_min_rate: int = 1024 * 1024  # bytes per second
-    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
+    # seconds an idle keep-alive connection stays open: above a worker's default poll interval (5 s), so its idle
+    # polls reuse their connection, and within header_timeout, which also ends an idle connection
+    keep_alive_timeout: int = 8
     # POST /v1/specs per non-admin token and process, after the burst
     spec_writes_per_minute: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     spec_write_burst: int = 300
@@ -218,12 +227,6 @@ class SigningSettings(_Section):
     """The ed25519 private key that signs plans (worker, ``tune``) and bundles (``bundle export``)."""
 
     signing_key: Path | None = None
-
-
-class TrustSettings(_Section):
-    """The public keys a plan or bundle must be signed by (client, ``bundle import``)."""
-
-    trusted_keys: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ roles

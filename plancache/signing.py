@@ -120,6 +120,13 @@ def withdrawal_statement(w: Withdrawal, signed_at: datetime) -> dict[str, Any]:
                      {**withdrawal_predicate(w), "signed_at": _stamp(signed_at)})
 
 
+#: How far ahead of a clock a revision may be, in milliseconds (revisions are milliseconds since the epoch): a day,
+#: where clocks differ by seconds. Further ahead, a revision would hold off every later one of its key for as long (at
+#: the last revision there is: for good): a worker does not sign above a claim's ``min_revision`` that far ahead, and
+#: a client's cache folder ignores a stored revision that far ahead (a planted file).
+MAX_REVISION_LEAD_MS = 24 * 3600 * 1000
+
+
 class _Revisions:
     """This process's revision clock (see :func:`next_revision`)."""
 

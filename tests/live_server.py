@@ -55,7 +55,8 @@ class LiveServer:
                                  open_reads=open_reads, lease_seconds=lease_seconds, **settings)
         self.admin_token = admin_token
         self._owns_store = store is None
-        self.store = open_store(self.settings.database_url, create=True) if store is None else store
+        self.store = (open_store(self.settings.database_url, create=True, blob_store=self.settings.blob_store)
+                      if store is None else store)
         self.app = create_app(self.settings, store=self.store)
         self.delay = 0.0
         self.requests: Counter[str] = Counter()

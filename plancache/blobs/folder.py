@@ -54,7 +54,7 @@ class FolderBlobs(BlobStore):
     def size(self, sha256: str) -> int | None:
         try:
             st = os.lstat(self.path(sha256))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
@@ -62,7 +62,7 @@ class FolderBlobs(BlobStore):
         path = self.path(sha256)
         try:
             fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no such file, or a file where its shard folder goes
             return None
         except OSError as exc:
             if exc.errno != errno.ELOOP:
@@ -92,6 +92,9 @@ class FolderBlobs(BlobStore):
             return
         for folder in (self.root, path.parent.parent, path.parent):
             if not folder.is_dir():
+                if folder.exists() or folder.is_symlink():  # a file in the way: no blob of this shard can be written
+                    raise OSError(errno.ENOTDIR, f"{folder} is in the way of a blob shard folder (not a folder)",
+                                  str(folder))
                 folder.mkdir(parents=True, exist_ok=True)
                 fsync_dir(folder.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -9,7 +9,10 @@ for a plain-http endpoint (``GOOGLE_*`` and ``AZURE_*`` for the other two). obst
 from __future__ import annotations
 
 import errno
+import math
+import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from functools import partial
@@ -29,6 +32,15 @@ MAX_PRESIGN_EXPIRY = timedelta(days=7)
 #: A request failing on the network or with a 5xx is tried again with backoff, this often and this long at most
 #: (obstore's defaults, 10 times and 3 minutes, would hold a publish that long).
 RETRIES, RETRY_TIMEOUT = 3, timedelta(seconds=30)
+#: A read (a HEAD, a GET and its body) ends after this long, its connection after CONNECT_TIMEOUT, and is tried
+#: once more at most: a frozen endpoint holds a reader about twice this, not obstore's 30 s per try.
+READ_TIMEOUT, CONNECT_TIMEOUT = timedelta(seconds=10), timedelta(seconds=2)
+#: After a read failed on the network or with a 5xx, reads fail at once for this many seconds (the circuit is open)
+#: instead of each waiting out READ_TIMEOUT: what the server answers then is 503 with this as ``Retry-After``.
+CIRCUIT_SECONDS = 15
+#: obstore's client options that its environment variables (``AWS_ALLOW_HTTP``, ``GOOGLE_…``, ``AZURE_…``) set,
+#: which client options given in code replace: carried over to the reads' client.
+_CLIENT_ENV = ("ALLOW_HTTP", "ALLOW_INVALID_CERTIFICATES", "PROXY_URL", "PROXY_CA_CERTIFICATE", "PROXY_EXCLUDES")
 #: Objects per page of :meth:`ObjectStoreBlobs.objects_older_than` and per request of :meth:`ObjectStoreBlobs.delete_many`
 #: (S3 answers and deletes at most 1,000 at a time).
 LIST_BATCH = 500
@@ -43,6 +55,16 @@ class StoredObject(NamedTuple):
 
     sha256: str
     size: int
+
+
+def _seconds(delta: timedelta) -> str:
+    return f"{delta.total_seconds():g}s"
+
+
+def _client_env() -> dict[str, str]:
+    """The client options of :data:`_CLIENT_ENV` set in the environment, as obstore reads them there."""
+    return {key.lower(): value for prefix in ("AWS_", "GOOGLE_", "AZURE_") for key in _CLIENT_ENV
+            if (value := os.environ.get(prefix + key)) is not None}
 
 
 def _obstore() -> ModuleType:
@@ -70,8 +92,13 @@ class ObjectStoreBlobs(BlobStore):
         try:
             self._store: S3Store | GCSStore | AzureStore = obstore.store.from_url(
                 self.url, retry_config={"max_retries": RETRIES, "retry_timeout": RETRY_TIMEOUT})
+            self._reads: S3Store | GCSStore | AzureStore = obstore.store.from_url(
+                self.url, retry_config={"max_retries": 1, "retry_timeout": READ_TIMEOUT},
+                client_options={**_client_env(), "timeout": _seconds(READ_TIMEOUT),
+                                "connect_timeout": _seconds(CONNECT_TIMEOUT)})
         except obstore.exceptions.BaseError as exc:  # e.g. an Azure account not named in the environment
             raise ValueError(f"blob store {self.url}: {str(exc).splitlines()[0]}") from None
+        self._closed_at = 0.0  # monotonic time the circuit closes again; reads fail at once before it
 
     def _call(self, call: Callable[[], T]) -> T:
         """``call()``, obstore's errors other than not-found raised as :class:`BlobStoreUnavailable` (an OSError:
@@ -80,6 +107,22 @@ class ObjectStoreBlobs(BlobStore):
             return call()
         except self._obs.exceptions.BaseError as exc:
             raise BlobStoreUnavailable(f"blob store {self.url}: {str(exc).splitlines()[0]}") from exc
+
+    def _read(self, call: Callable[[], T]) -> T:
+        """:meth:`_call` for a read, behind the circuit: while it is open, :class:`BlobStoreUnavailable` at once; a
+        read that fails so opens it for :data:`CIRCUIT_SECONDS`, one that succeeds closes it."""
+        left = self._closed_at - time.monotonic()
+        if left > 0:
+            raise BlobStoreUnavailable(f"blob store {self.url}: a read failed less than {CIRCUIT_SECONDS} s ago; "
+                                       "not asked again before then", retry_after=math.ceil(left))
+        try:
+            result = self._call(call)
+        except BlobStoreUnavailable as exc:
+            self._closed_at = time.monotonic() + CIRCUIT_SECONDS
+            exc.retry_after = CIRCUIT_SECONDS
+            raise
+        self._closed_at = 0.0
+        return result
 
     def _write(self, call: Callable[[], T]) -> T:
         """:meth:`_call` for a write. A not-found there is raised as :class:`BlobStoreUnavailable` when the bucket
@@ -105,13 +148,13 @@ class ObjectStoreBlobs(BlobStore):
 
     def size(self, sha256: str) -> int | None:
         try:
-            return int(self._call(lambda: self._obs.head(self._store, shard(sha256)))["size"])
+            return int(self._read(lambda: self._obs.head(self._reads, shard(sha256)))["size"])
         except FileNotFoundError:  # obstore's not-found (also for a bucket that does not exist)
             return None
 
     def open(self, sha256: str) -> BlobStream | None:
         try:
-            result = self._call(lambda: self._obs.get(self._store, shard(sha256)))
+            result = self._read(lambda: self._obs.get(self._reads, shard(sha256)))
         except FileNotFoundError:
             return None
         return BlobStream(sha256, int(result.meta["size"]), self._pieces(result.stream(min_chunk_size=CHUNK_BYTES)),
@@ -119,7 +162,7 @@ class ObjectStoreBlobs(BlobStore):
 
     def _pieces(self, stream: Iterator[bytes]) -> Iterator[bytes]:
         while True:
-            piece = self._call(lambda: next(stream, b""))
+            piece = self._read(lambda: next(stream, b""))
             if not piece:
                 return
             yield piece
@@ -144,8 +187,8 @@ class ObjectStoreBlobs(BlobStore):
         """The blob objects (``ab/cd/<sha256>`` under the prefix) last modified before ``cutoff``, a page of the
         listing (:data:`LIST_BATCH` objects or fewer) at a time, so a bucket of any size is listed in bounded
         memory. Any other key under the prefix (another name, a blob's name in the wrong shard) is left out."""
-        pages = self._call(lambda: self._obs.list(self._store, chunk_size=LIST_BATCH))
-        while page := self._call(lambda: next(pages, None)):
+        pages = self._read(lambda: self._obs.list(self._reads, chunk_size=LIST_BATCH))  # bounded, behind the circuit
+        while page := self._read(lambda: next(pages, None)):
             old = [StoredObject(m[3], int(meta["size"])) for meta in page
                    if meta["last_modified"] < cutoff and (m := _BLOB_KEY.fullmatch(meta["path"]))]
             if old:

@@ -127,7 +127,7 @@ def bundle_import(
 ) -> None:
     """Verify every entry of a bundle, then store its specs and plans in the database, or its plans in a
     client cache folder (--cache-dir, no server or database needed). Nothing is stored if any entry fails."""
-    from ..bundle import import_bundle, read_bundle, verify_bundle
+    from ..bundle import import_bundle, read_verified
     from ..errors import PlanCacheError
 
     trusted = load_trusted_keys(trusted_keys or TrustSettings().trusted_keys)
@@ -140,20 +140,26 @@ def bundle_import(
         from ..client.cache import DiskCache
 
         try:
-            raw, doc = read_bundle(file)
-            plans = verify_bundle(raw, doc, trusted)
+            header, plans = read_verified(file, trusted)
         except (OSError, PlanCacheError) as exc:
             raise _refused(file, exc) from None
         writable_folder(cache_dir, "the plan cache folder", "give --cache-dir a folder you can write")
-        disk = DiskCache(cache_dir, doc.header.environment)
-        newer = [p for p in plans if p.record.revision >= disk.newest_revision(p.record.graph_key)]
-        if not all(disk.save(p.record, p.blob) for p in newer):
-            raise Failure(f"cannot write the plan cache at {disk.dir}", "give --cache-dir a folder you can write",
-                          ExitCode.OS_ERROR)
+        disk = DiskCache(cache_dir, header.environment)
+        seeded = older = 0
+        try:
+            for p in plans:  # verified whole above: each is stored as it is read again
+                if p.record.revision < disk.newest_revision(p.record.graph_key):
+                    older += 1
+                elif disk.save(p.record, p.blob):
+                    seeded += 1
+                else:
+                    raise Failure(f"cannot write the plan cache at {disk.dir}", "give --cache-dir a folder you can "
+                                  "write", ExitCode.OS_ERROR)
+        except (OSError, PlanCacheError) as exc:
+            raise _refused(file, exc) from None
         if not trusted:
             typer.echo(unchecked, err=True)
-        typer.echo(f"seeded {disk.dir}: {len(newer)} plans for {doc.header.environment.describe()}"
-                   + _older(len(plans) - len(newer)))
+        typer.echo(f"seeded {disk.dir}: {seeded} plans for {header.environment.describe()}" + _older(older))
         return
     with open_database(database_url) as store:
         try:

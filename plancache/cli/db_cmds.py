@@ -55,14 +55,16 @@ def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them:
     """Copy every blob from PLANCACHE_BLOB_STORE (where they are now) to TARGET (stop the servers first), each checked
     against its digest, in one transaction; then set PLANCACHE_BLOB_STORE to TARGET everywhere. Safe to run again.
     Copies left in a folder or bucket are not deleted."""
-    from ..store.blobs import migrate_blobs, open_blob_store
+    from ..store.blobs import migrate_blobs, open_blob_store, probe_blob_store
 
     hint = "give 'database', a folder as file:///absolute/path or a bucket as s3://bucket/prefix"
     try:
         blob_store = open_blob_store(target)
     except (ValueError, OSError) as exc:
         raise Failure(f"TARGET {target}: {exc}", hint, ExitCode.USAGE) from None
-    with open_database(database_url, check_blobs=False) as store:
+    # the blob store of the settings must be where the blobs are (open_database refuses it otherwise): from the
+    # database while they have left it, nothing would be copied, and the store pointed at TARGET would lack them all
+    with open_database(database_url) as store:
         try:
             done = migrate_blobs(store.db, store.blob_store, blob_store)
         except ValueError as exc:  # TARGET is where the blobs are
@@ -71,6 +73,12 @@ def db_migrate_blobs(target: str = typer.Argument(..., help="where to copy them:
             raise Failure(f"{describe_os_error(exc)} (nothing was moved)",
                           f"check that {blob_store.url} is a folder or bucket you can write (for a bucket: the AWS_* "
                           "variables, docs/DEPLOYMENT.md)", ExitCode.OS_ERROR) from None
+        # one blob copied read back from TARGET before saying to use it
+        problem = probe_blob_store(store.db, blob_store, done.last_copied) if done.last_copied else None
+    if problem:
+        raise Failure(f"moved {done.moved} blobs to {blob_store.url}, but {problem}",
+                      f"keep PLANCACHE_BLOB_STORE={store.blob_store.url} until {blob_store.url} reads back, then run "
+                      "this again", ExitCode.OS_ERROR)
     typer.echo(f"moved {done.moved} blobs ({done.size} bytes) from {store.blob_store.url} to {blob_store.url}; "
                f"set PLANCACHE_BLOB_STORE={blob_store.url}")
     if done.missing:

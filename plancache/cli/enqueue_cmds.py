@@ -1,11 +1,17 @@
 """``plancache enqueue``: register spec files or capture files on a server and queue tuning jobs for them (admin),
-optionally the variants of each graph along shape axes (``--vary``)."""
+optionally the variants of each graph along shape axes (``--vary``).
+
+Specs are registered and their keys queued as they come, :data:`~plancache.protocol.MAX_KEYS_PER_REQUEST` keys per
+tune request: the variants of ``--vary`` are built one at a time, so memory holds one request's keys whatever their
+number (the limits allow 100,000 graphs × 10,000 sizes), with a progress bar on stderr and a final count."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 
@@ -56,8 +62,10 @@ def enqueue(
         raise Failure(f"--priority {priority}: a priority is between -{PRIORITY_MAX} and {PRIORITY_MAX}",
                       "see `plancache enqueue --help`", ExitCode.USAGE)
     specs = [item for p in files for item in _load(p)]
+    stream: Iterator[tuple[str, GraphSpec, bool]] = iter(specs)
+    total = len(specs)
     if vary:
-        specs = _variants(specs, _parse_vary(vary))
+        stream, total = _variants(specs, _parse_vary(vary))
     try:
         target = TargetEnvironment(sm=sm, sm_count=sm_count, cudnn_version=cudnn_version, driver_version=driver_version,
                                    frontend_version=frontend_version)
@@ -66,24 +74,62 @@ def enqueue(
         field = "--" + str(first["loc"][0]).replace("_", "-") if first.get("loc") else "the target"
         raise Failure(f"{field}: {first['msg']}", "see `plancache enqueue --help`", ExitCode.USAGE) from None
     api = open_admin_api(server, token, "enqueue", server_use="to send the jobs to", within=wait)
+    pending: dict[Literal["admin", "capture"], dict[str, str]] = {"admin": {}, "capture": {}}  # key -> name shown
+    queued = 0
+
+    def send(source: Literal["admin", "capture"]) -> None:
+        nonlocal queued
+        keys = pending[source]
+        if keys:
+            jobs = api.enqueue(TuneRequest(graph_keys=list(keys), targets=[target], priority=priority, source=source))
+            queued += len(jobs)
+            if not vary:  # a line per job; variants get a count (there may be millions)
+                for job in jobs:
+                    typer.echo(f"job {job.id}  {job.status:<9} {job.graph_key[:12]}  {keys.get(job.graph_key, '')}")
+            keys.clear()
+
     try:
-        with quiet_retries(), api:
-            for name, spec, _ in specs:
+        with quiet_retries(), api, _Progress(total, bool(vary)) as advance:
+            for name, spec, captured in stream:
                 key = Remote(api.http).register_spec(spec)
                 if key != spec.graph_key:
                     raise Failure(f"{name}: the server computed graph key {key}, this client {spec.graph_key}",
                                   "use the same plancache version on both sides", ExitCode.FAILED)
-            jobs = []
-            for source in ("admin", "capture"):
-                keys = list(dict.fromkeys(s.graph_key for _, s, captured in specs if captured == (source == "capture")))
-                for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):  # a request takes this many keys at most
-                    jobs += api.enqueue(TuneRequest(graph_keys=keys[start:start + MAX_KEYS_PER_REQUEST],
-                                                    targets=[target], priority=priority, source=source))
+                source: Literal["admin", "capture"] = "capture" if captured else "admin"
+                pending[source].setdefault(key, name)
+                if len(pending[source]) >= MAX_KEYS_PER_REQUEST:  # a request takes this many keys at most
+                    send(source)
+                advance()
+            for source in pending:
+                send(source)
     except (Unauthorized, Forbidden) as exc:
         raise Failure(f"{exc.message} (enqueue needs an admin token)", GIVE_ADMIN_TOKEN, ExitCode.AUTH) from None
-    names = {s.graph_key: name for name, s, _ in specs}
-    for job in jobs:
-        typer.echo(f"job {job.id}  {job.status:<9} {job.graph_key[:12]}  {names.get(job.graph_key, '')}")
+    if vary:
+        typer.echo(f"queued {queued} jobs for {total} variants")
+
+
+class _Progress:
+    """A progress bar of registered specs on stderr (``--vary``), else nothing."""
+
+    def __init__(self, total: int, shown: bool) -> None:
+        self.total, self.shown = total, shown
+        self._bar: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.shown:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(TextColumn("registering variants"), BarColumn(), MofNCompleteColumn(),
+                             TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self._bar.__enter__()
+        task = self._bar.add_task("variants", total=self.total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
 
 
 def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
@@ -133,32 +179,49 @@ def _parse_vary(values: list[str]) -> dict[str, list[int]]:
     return axes
 
 
-def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int]]) -> list[tuple[str, GraphSpec, bool]]:
-    """Every graph that has each axis, at every combination of the sizes; the others are skipped (said on stderr)."""
+def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int]]
+              ) -> tuple[Iterator[tuple[str, GraphSpec, bool]], int]:
+    """Every graph that has each axis, at every combination of the sizes, built one at a time as they are read, and
+    how many; the others are skipped (said on stderr). Each graph is varied once first, so a graph vary cannot move
+    is refused before anything is sent."""
     from ..client.capture import axes_of, variants
-    from ..errors import SpecError
 
-    out, skipped = [], []
+    kept, skipped = [], []
     for name, spec, captured in specs:
         missing = [a for a in axes if a not in axes_of(spec)]
         if missing:
             skipped.append(f"skipped {name}: no axis {', '.join(missing)} (it has {', '.join(axes_of(spec)) or 'none'})")
             continue
-        try:
-            varied = variants(spec, axes)
-        except SpecError as exc:
-            raise Failure(f"{name}: {exc.message}", "vary moves plain attention graphs (docs/CLI.md, "
-                          "\"enqueue --vary\")", ExitCode.FAILED) from None
-        for chosen, variant in varied:
-            label = ",".join(f"{a}={n}" for a, n in chosen.items())
-            out.append((f"{name} [{label}]", variant, captured))
-    if not out:
+        with _vary_failure(name):
+            next(variants(spec, {a: sizes[:1] for a, sizes in axes.items()}))
+        kept.append((name, spec, captured))
+    if not kept:
         raise Failure(f"no graph has the axes {', '.join(axes)} to vary",
                       "vary moves SDPA forward and backward graphs along b, s_q, s_kv and s (docs/CLI.md)",
                       ExitCode.USAGE)
     for line in skipped:
         typer.echo(line, err=True)
-    return out
+
+    def stream() -> Iterator[tuple[str, GraphSpec, bool]]:
+        for name, spec, captured in kept:
+            with _vary_failure(name):
+                for chosen, variant in variants(spec, axes):
+                    label = ",".join(f"{a}={n}" for a, n in chosen.items())
+                    yield f"{name} [{label}]", variant, captured
+
+    return stream(), len(kept) * math.prod(len(sizes) for sizes in axes.values())
+
+
+@contextlib.contextmanager
+def _vary_failure(name: str) -> Iterator[None]:
+    """A :class:`~plancache.errors.SpecError` of varying graph ``name`` as the command's failure."""
+    from ..errors import SpecError
+
+    try:
+        yield
+    except SpecError as exc:
+        raise Failure(f"{name}: {exc.message}", "vary moves plain attention graphs (docs/CLI.md, "
+                      "\"enqueue --vary\")", ExitCode.FAILED) from None
 
 
 def register(app: typer.Typer) -> None:

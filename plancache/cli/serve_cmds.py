@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,17 @@ def _announcing_server(config: Any, announce: Callable[[], None]) -> Any:
     return Server(config)
 
 
+def _report_blob_store(store: Any) -> None:
+    """Say on stderr what is wrong with the blob store, if anything (:func:`~plancache.store.blobs.probe_blob_store`):
+    after start-up, so that a server started while its bucket is unreachable serves what needs no blob meanwhile."""
+    from ..store.blobs import probe_blob_store
+
+    problem = probe_blob_store(store.db, store.blob_store)
+    if problem:
+        typer.echo(f"warning: {problem}; serving what needs no blob (records-only resolves, health, admin routes), "
+                   "blob reads answer 503 with Retry-After until it is fixed", err=True)
+
+
 @command
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
@@ -126,6 +138,7 @@ def _serve(settings: ServerSettings, host: str, port: int, log_level: LogLevel) 
 
             def announce() -> None:
                 typer.echo(f"{where}: schema at revision {revision}; listening on {url}", err=True)
+                threading.Thread(target=_report_blob_store, args=(store,), name="blob-store-probe", daemon=True).start()
 
             logging.getLogger("plancache").setLevel(log_level.value.upper().replace("TRACE", "DEBUG"))
             log_config = logs.uvicorn_log_config(settings.log_format)

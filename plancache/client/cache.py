@@ -70,6 +70,7 @@ from ..environment import ENV_ID_PATTERN, Environment
 from ..errors import IntegrityError, Reason, VerificationError
 from ..files import SAFE_OPEN_FLAGS, atomic_write, read_limited, unlock_and_close
 from ..protocol import GRAPH_KEY_PATTERN, MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, PlanRecord
+from ..signing import MAX_REVISION_LEAD_MS
 from ..validation import from_answer, validation_message
 
 log = logging.getLogger("plancache.client")
@@ -163,9 +164,14 @@ class DiskCache:
 
     def _stored_revision(self, path: Path) -> int:
         try:
-            return int(read_limited(path, 64, planted=True))
+            revision = int(read_limited(path, 64, planted=True))
         except (OSError, ValueError):  # none yet, unreadable or damaged
             return 0
+        if revision > time.time_ns() // 1_000_000 + MAX_REVISION_LEAD_MS:
+            # no signer's clock is that far ahead: a planted value (2**63 - 1 refused the plan for good), ignored
+            log.warning("plan cache: ignored %s: revision %d is more than a day ahead of this clock", path, revision)
+            return 0
+        return revision
 
     def revision(self, graph_key: str) -> int:
         """The highest revision of a signed record accepted for ``graph_key`` on this environment, by this process

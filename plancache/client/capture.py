@@ -284,11 +284,12 @@ def vary(spec: GraphSpec, sizes: dict[str, int]) -> GraphSpec:
     return parse_spec(doc)
 
 
-def variants(spec: GraphSpec, axes: Mapping[str, Sequence[int]]) -> list[tuple[dict[str, int], GraphSpec]]:
-    """``spec`` (:func:`vary`) at every combination of the sizes of ``axes`` (axis -> sizes), each with its sizes;
-    :class:`SpecError` as :func:`vary`'s."""
-    combinations = (dict(zip(axes, sizes)) for sizes in itertools.product(*axes.values()))
-    return [(chosen, vary(spec, chosen)) for chosen in combinations]
+def variants(spec: GraphSpec, axes: Mapping[str, Sequence[int]]) -> Iterator[tuple[dict[str, int], GraphSpec]]:
+    """``spec`` (:func:`vary`) at every combination of the sizes of ``axes`` (axis -> sizes), each with its sizes,
+    one at a time (any number of them in bounded memory); :class:`SpecError` as :func:`vary`'s."""
+    for sizes in itertools.product(*axes.values()):
+        chosen = dict(zip(axes, sizes))
+        yield chosen, vary(spec, chosen)
 
 
 def _resize(tensor: dict[str, Any], sizes: dict[int, int]) -> None:

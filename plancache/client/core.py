@@ -414,6 +414,9 @@ MISS_MEMORY_KEYS = 10_000
 #: Times a process sends the spec of a key whose registration failed for now (429, 5xx, unreachable, past the
 #: deadline, 408) before it gives up: once per miss of the key, so at most once every :data:`MISS_RECHECK_SECONDS`.
 REGISTER_ATTEMPTS = 3
+#: Seconds :meth:`PlanCache.close` gives the revalidation under way to end (a server that answers does so in
+#: milliseconds), and then, its request abandoned, to write what it has.
+CLOSE_GRACE_SECONDS, CLOSE_WAIT_SECONDS = 1.0, 0.5
 
 
 class ServerStep(StoreStep):
@@ -1156,12 +1159,16 @@ class PlanCache:
                                dict(s.blob_sources), s.presigned_fallbacks)
 
     def close(self) -> None:
-        """Finish the revalidation under way (within ``request_deadline``) and the disk cache's writes, report the
-        plans this cache refused to the server (one call within ``request_deadline``; a failure is logged at debug
-        level), and close the connection to the server. In a forked child, nothing: they are the parent's."""
+        """Give the revalidation under way :data:`CLOSE_GRACE_SECONDS`, then abandon its request (the next process
+        asks again), finish the disk cache's writes, report the plans this cache refused to the server (one call
+        within ``request_deadline``; a failure is logged at debug level), and close the connection to the server. In
+        a forked child, nothing: they are the parent's."""
         if self.forked:
             return
-        self.context.revalidator.join(self.request_deadline)
+        self.context.revalidator.join(min(CLOSE_GRACE_SECONDS, self.request_deadline))
+        if self._remote is not None:
+            self._remote.http.stop.set()  # waits for answers and retries give up at once
+        self.context.revalidator.join(CLOSE_WAIT_SECONDS)
         self.disk.close()
         if self._remote is not None:
             rejects = self.stats().rejects

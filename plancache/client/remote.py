@@ -96,9 +96,10 @@ class Remote:
         return min(self.resolve_max_bytes, ANSWER_ALLOWANCE + n_keys * per_key)
 
     def resolve(self, environment: Environment, graph_keys: list[str], *, include_blobs: bool = True,
-                deadline: float | None = None) -> ResolveResponse:
+                deadline: float | None = None, background: bool = False) -> ResolveResponse:
         """``POST /v1/plans/resolve``: the records (and blobs) of ``graph_keys`` for ``environment``.
-        One round trip for up to ``max_keys_per_request`` keys. The server records the missing keys as misses."""
+        One round trip for up to ``max_keys_per_request`` keys. The server records the missing keys as misses.
+        ``background``: a failure does not trip the circuit breaker (:class:`~plancache.http.Call`'s ``trips``)."""
         keys = list(dict.fromkeys(graph_keys))
         plans: dict[str, Any] = {}
         missing: list[str] = []
@@ -106,14 +107,14 @@ class Remote:
             part_keys = keys[start:start + self.max_keys_per_request]
             req = ResolveRequest(environment=environment, graph_keys=part_keys, include_blobs=include_blobs)
             part = self.http.read("POST", "/v1/plans/resolve", json_as(ResolveResponse),
-                                  body=req.model_dump(mode="json"), deadline=deadline,
+                                  body=req.model_dump(mode="json"), deadline=deadline, trips=not background,
                                   max_bytes=self.resolve_limit(len(part_keys), include_blobs))
             plans.update(part.plans)
             missing.extend(part.missing)
         return ResolveResponse(plans=plans, missing=missing)
 
     def explain(self, environment: Environment, graph_keys: list[str], *,
-                deadline: float | None = None) -> dict[str, MissReason]:
+                deadline: float | None = None, background: bool = False) -> dict[str, MissReason]:
         """``POST /v1/plans/explain``: why each of ``graph_keys`` has no plan for ``environment`` (a server without
         the route answers 404: the caller goes without). A refusal (401/403, or 429: over the route's budget) does not
         trip a circuit breaker."""
@@ -123,12 +124,13 @@ class Remote:
             req = ExplainRequest(environment=environment, graph_keys=keys[start:start + self.max_keys_per_request])
             part = self.http.read("POST", "/v1/plans/explain", json_as(ExplainResponse),
                                   body=req.model_dump(mode="json"), deadline=deadline, trips_on_refusal=False,
+                                  trips=not background,
                                   max_bytes=ANSWER_ALLOWANCE + len(req.graph_keys) * EXPLAIN_ALLOWANCE)
             reasons.update(part.reasons)
         return reasons
 
     def fetch_blob(self, sha256: str, *, size: int | None = None, deadline: float | None = None,
-                   url: str | None = None) -> bytes:
+                   url: str | None = None, background: bool = False) -> bytes:
         """The blob's bytes (unverified), read up to ``size`` bytes (the record's ``blob_size``; at most
         ``max_blob_bytes``): a longer answer is cut off and fails with ServerUnavailable. From ``url`` when given:
         a path is on this server (sent with the token), an absolute http(s) URL (a presigned one) is GET with no
@@ -136,7 +138,8 @@ class Remote:
         unsent, while :attr:`refuses_http_presigned`); else ``GET /v1/blobs/{sha256}``."""
         limit = self.max_blob_bytes if size is None else min(size, self.max_blob_bytes)
         if url is None or url.startswith("/"):
-            return self.http.read("GET", url or f"/v1/blobs/{sha256}", _blob_bytes, max_bytes=limit, deadline=deadline)
+            return self.http.read("GET", url or f"/v1/blobs/{sha256}", _blob_bytes, max_bytes=limit, deadline=deadline,
+                                  trips=not background)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ServerUnavailable(f"blob {sha256}: the server named {url[:100]!r}, not a path or an http(s) URL")

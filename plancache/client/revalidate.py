@@ -131,7 +131,7 @@ class Revalidator:
         assert c.remote is not None
         deadline = time.monotonic() + c.request_deadline
         try:
-            answer = c.remote.resolve(c.environment, keys, include_blobs=False, deadline=deadline)
+            answer = c.remote.resolve(c.environment, keys, include_blobs=False, deadline=deadline, background=True)
         except PlanCacheError as exc:
             log.info("plancache: could not revalidate %d plans from the disk cache: %s", len(keys), exc.message)
             for _ in keys:
@@ -140,7 +140,7 @@ class Revalidator:
         reasons: dict[str, MissReason] = {}
         if answer.missing:
             try:
-                reasons = c.remote.explain(c.environment, answer.missing, deadline=deadline)
+                reasons = c.remote.explain(c.environment, answer.missing, deadline=deadline, background=True)
             except PlanCacheError as exc:
                 log.info("plancache: the server did not say why it no longer has %d plans: %s", len(answer.missing),
                          exc.message)
@@ -173,7 +173,7 @@ class Revalidator:
         assert c.remote is not None
         try:
             c.verify(record, None, key, signed=True)  # no download for a record that cannot be admitted
-            blob = c.remote.fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline)
+            blob = c.remote.fetch_blob(record.blob_sha256, size=record.blob_size, deadline=deadline, background=True)
             c.verify(record, blob, key, signed=True)
         except VerificationError as exc:
             log.warning("plancache: refused the server's newer plan %s (%s): %s", key[:12], exc.reason, exc.message)

@@ -24,7 +24,10 @@ Strict JSON refuses what Python's ``json`` accepts but the store cannot keep or 
 cannot round-trip: ``NaN``/``Infinity`` and overflowing floats, integers of more than
 :data:`MAX_INT_CHARS` characters (no field takes more than a 64-bit integer; refused before Python converts
 it, so a 4,000-digit number costs nothing), NUL characters in strings (PostgreSQL text cannot hold them),
-bytes that are not UTF-8 and nesting too deep to parse; a NUL in the query string is refused too. Each is a 422.
+bytes that are not UTF-8 and arrays or objects nested more than :data:`MAX_BODY_DEPTH` deep (checked by a loop,
+not a recursion: every later walk of the value stays far from Python's recursion limit); a NUL in the query string
+is refused too. Each is a 422. A route with a per-token budget (:data:`CHARGED_ROUTES`) takes from it before the
+body is read, so a body refused costs its caller as much as one taken.
 """
 
 from __future__ import annotations
@@ -50,12 +53,21 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.routing import Match, compile_path
 from starlette.types import Receive, Scope, Send
 
-from ..errors import InvalidValue, MethodNotAllowed, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from ..errors import (
+    InvalidValue,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RequestTimeout,
+    TooManyRequests,
+    UnsupportedMediaType,
+)
 from ..protocol import MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES, Role
+from ..store.blobs import DatabaseBlobs
 from ..validation import INT64_MAX
 from .auth import authorize_off_loop
 from .deps import get_store
 from .errors import documented_errors
+from .limits import rate_key
 
 _ESCAPED_NUL = b"\\u0000"
 # A \u0000 escape preceded by an even number of backslashes (an odd number escapes the backslash itself).
@@ -63,17 +75,28 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 #: Longest JSON integer accepted, in characters: -9223372036854775808 (int64's minimum) has 20.
 MAX_INT_CHARS = 20
+#: Deepest nesting of arrays and objects a body may have: a spec's deepest value (:data:`plancache.spec.MAX_DEPTH`
+#: levels of typed forms, each an object and an array) inside a tune request's list of specs is under 24.
+MAX_BODY_DEPTH = 32
 #: A body of at most this many bytes is parsed and validated on the event loop, in less time than handing it to a
 #: worker thread takes under load (a resolve of 49 keys, 4.5 KB: 0.1 ms; the worst 8 KiB, numbers: 1 ms).
 INLINE_PARSE_BYTES = 8 * 1024
 #: Routes whose body is a blob's raw bytes, streamed by the handler (:meth:`CheckedRequest.chunks`), up to
-#: ``Settings.max_blob_bytes``. The in-flight budget counts such a body at its declared length: a folder or a bucket
-#: holds a chunk or a part of it at a time, the database store the whole blob once (the declared length bounds both).
+#: ``Settings.max_blob_bytes``. The in-flight budget counts such a body at its declared length, times
+#: :data:`DATABASE_UPLOAD_FACTOR` when the blobs are rows of the database: a folder or a bucket holds a chunk or a
+#: part of it at a time, the database store the whole blob and the driver's copy of it for the statement.
 RAW_UPLOAD_ROUTES = frozenset({("PUT", "/v1/blobs/{sha256}")})
 #: Routes whose body is a plan record, its tuning run's candidates table (up to ``MAX_CANDIDATES_BYTES``) and maybe
 #: its spec: read up to ``Settings.max_json_bytes`` plus the bounds of the record and the table, so a table
 #: :meth:`~plancache.protocol.CandidateTable.best_of` filled still fits beside a spec. The blob is not in it.
 RECORD_ROUTES = frozenset({("PUT", "/v1/plans"), ("POST", "/v1/jobs/{job_id}/complete")})
+#: Routes → the per-token budget (an ``app.state`` :class:`~plancache.server.limits.RateLimiter`) a call takes one
+#: from, after its token is checked and before its body is read: a body refused (422) costs as much as one taken.
+#: Admin tokens are not charged.
+CHARGED_ROUTES = {("POST", "/v1/specs"): "spec_writes"}
+#: Memory a blob upload into the database store takes per byte: the blob read whole, the driver's copy of the
+#: statement's parameter, and the chunks joined on the way (measured: 2.8 bytes of memory per byte uploaded).
+DATABASE_UPLOAD_FACTOR = 3
 #: Memory a body takes while its request runs, per byte of body, as the in-flight budget counts it: parsed JSON
 #: of small objects takes up to 25 times its text (measured: 1 MiB of ``{}`` → 25 MiB of dicts), plus the text.
 JSON_MEMORY_FACTOR = 26
@@ -112,19 +135,40 @@ def _has_escaped_nul(body: bytes | bytearray) -> bool:
     return any(body.find(_ESCAPED_NUL, i, i + step + len(_ESCAPED_NUL)) != -1 for i in range(0, len(body), step))
 
 
+def _too_deep() -> json.JSONDecodeError:
+    return _refuse(f"the body nests too deeply: arrays and objects more than {MAX_BODY_DEPTH} deep")
+
+
+def _check_depth(value: Any, limit: int = MAX_BODY_DEPTH) -> None:
+    """Refuse (``json.JSONDecodeError``) a value nesting lists and dicts more than ``limit`` deep, by a loop over
+    an explicit stack: no recursion, whatever the depth."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth >= limit:
+            raise _too_deep()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
 def strict_json_loads(body: bytes | bytearray) -> Any:
-    """``json.loads`` refusing non-finite numbers, huge integers and NUL characters (``json.JSONDecodeError``).
+    """``json.loads`` refusing non-finite numbers, huge integers, NUL characters and nesting deeper than
+    :data:`MAX_BODY_DEPTH` (``json.JSONDecodeError``).
 
     Each number and object is a Python call (the hooks): a thread parsing a big body of them lets others run."""
     if _has_escaped_nul(body) and _NUL_ESCAPE.search(body):
         raise _refuse("strings may not contain NUL characters (\\u0000)")
     try:
-        return json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant,
-                          object_hook=_yield_point)
+        value = json.loads(body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant,
+                           object_hook=_yield_point)
     except UnicodeDecodeError:
         raise _refuse("the body is not UTF-8 text") from None
     except RecursionError:
-        raise _refuse("the body nests too deeply") from None
+        raise _too_deep() from None
+    _check_depth(value)
+    return value
 
 
 def _json_invalid(exc: json.JSONDecodeError) -> RequestValidationError:
@@ -308,6 +352,18 @@ async def run_parser(app: Any, fn: Callable[..., Any], *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args, limiter=_parse_limiter(app))
 
 
+def _charge(request: Request, principal: Any, budget: str) -> None:
+    """Take one from the caller's ``budget`` (:data:`CHARGED_ROUTES`); 429 with ``Retry-After`` when it is spent."""
+    if principal.may("admin"):
+        return
+    limiter = getattr(request.app.state, budget)
+    key = rate_key(principal)
+    if not limiter.take(key):
+        seconds = limiter.retry_after(key)
+        raise TooManyRequests(f"token {principal.name!r} sent too many requests to {request.url.path}; retry in "
+                              f"{seconds} s", retry_after=seconds)
+
+
 def _required_role(dependant: Dependant) -> tuple[Role, bool] | None:
     """``(role, open_reads_apply)`` of the route's :func:`~plancache.server.auth.require` dependency, if any."""
     for dep in dependant.dependencies:
@@ -358,6 +414,8 @@ class CheckedRoute(APIRoute):
         role = _required_role(self.dependant)
         raw = any((method, self.path_format) in RAW_UPLOAD_ROUTES for method in self.methods or ())
         record = any((method, self.path_format) in RECORD_ROUTES for method in self.methods or ())
+        charged = next((CHARGED_ROUTES[(m, self.path_format)] for m in self.methods or ()
+                        if (m, self.path_format) in CHARGED_ROUTES), None)
 
         async def checked(request: Request) -> Response:
             if b"%00" in request.scope.get("query_string", b""):
@@ -369,7 +427,9 @@ class CheckedRoute(APIRoute):
             req.started = time.monotonic()
             if raw:
                 req.body_limit = settings.max_blob_bytes
-                req.limit_reason = "PLANCACHE_MAX_BLOB_BYTES"  # counted at its length (memory_factor 1)
+                req.limit_reason = "PLANCACHE_MAX_BLOB_BYTES"
+                if isinstance((await get_store(req)).blob_store, DatabaseBlobs):
+                    req.memory_factor = DATABASE_UPLOAD_FACTOR
             elif record:
                 req.body_limit = record_body_limit(settings)
                 req.limit_reason = (f"PLANCACHE_MAX_JSON_BYTES plus {MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES} for the "
@@ -385,7 +445,9 @@ class CheckedRoute(APIRoute):
                     return await handler(req)
                 if role is not None:
                     store = await get_store(req)
-                    await authorize_off_loop(req, store, settings, role[0], open_reads_apply=role[1])
+                    principal = await authorize_off_loop(req, store, settings, role[0], open_reads_apply=role[1])
+                    if charged is not None:
+                        _charge(req, principal, charged)
                 body = await req.body()
                 content_type = req.headers.get("content-type")
                 if body and not _is_json(content_type):

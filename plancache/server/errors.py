@@ -7,6 +7,10 @@ database is a retryable 503; a blob store that cannot take a write (full disk or
 :data:`STORAGE_ERRNOS`) is 507 ``insufficient_storage``, logged in one line (the write is atomic and inside the
 record's transaction: nothing half-written stays); anything else is a bug, logged with its traceback and answered
 500 ``internal_error`` with ``Connection: close``.
+
+A refused request (422) is logged in one line, never with a traceback. Those lines and the tracebacks of 500s are
+bounded per client (its token, else its address: :data:`CLIENT_LOG_BURST`, then :data:`CLIENT_LOG_LINES_PER_MINUTE`);
+the lines left out are counted in the client's next line.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from ..errors import (
 )
 from ..protocol import ErrorResponse
 from ..validation import validation_message
+from .auth import PRINCIPAL_SCOPE_KEY
+from .limits import LogBudget, rate_key
 
 log = logging.getLogger("plancache.server")
 
@@ -49,14 +55,21 @@ _FRAMEWORK_ERRORS: dict[int, type[PlanCacheError]] = {
     e.http_status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, RequestTimeout,
                                LengthRequired, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServerBusy)}
 #: ``OSError`` numbers that mean the blob store cannot take a write now: full disk or quota, read-only or
-#: unwritable folder. An operator's fix; the request may succeed later.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+#: unwritable folder, a file where a shard folder goes (or a folder where a blob goes). An operator's fix; the
+#: request may succeed later.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                            errno.ENOTDIR, errno.EISDIR})
 #: The status counted for a request whose client went away before its body arrived (nginx's; nothing is sent).
 CLIENT_CLOSED_REQUEST = 499
 #: Longest error message answered (a message may quote what the request sent).
 MAX_MESSAGE_CHARS = 2000
 
+#: Log lines a client's refused requests and server errors may write: this many at once, then per minute.
+CLIENT_LOG_BURST = 20
+CLIENT_LOG_LINES_PER_MINUTE = 10
+
 _DOCUMENTED = {
+    400: "malformed, or signed by no key the server trusts (a withdrawal)",
     401: "missing, malformed, unknown or revoked token",
     403: "the token's role may not do this",
     404: "not found",
@@ -104,15 +117,44 @@ def _blob_store_failed(request: Request, code: str) -> None:
         metrics.blob_store_errors.labels(code).inc()
 
 
+def _client(request: Request) -> str:
+    """Whose log budget a request's lines take from: its token's (as the rate limits key it), else its address."""
+    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)
+    if principal is not None:
+        return rate_key(principal)
+    return f"address:{request.client.host if request.client else 'unknown'}"
+
+
+def _log_admitted(request: Request) -> str | None:
+    """None when the client's log budget is spent (the line is counted, not written); else a suffix naming the
+    client and the lines of it left out before."""
+    budget: LogBudget | None = getattr(request.app.state, "client_logs", None)
+    client = _client(request)
+    left_out = budget.admit(client) if budget is not None else 0
+    if left_out is None:
+        return None
+    return f" [{client}" + (f"; {left_out} earlier line(s) of it left out]" if left_out else "]")
+
+
+def _log_refusal(request: Request, status: int, message: str) -> None:
+    suffix = _log_admitted(request)
+    if suffix is not None:
+        log.info("refused %s %s: %d %s%s", request.method, request.url.path, status, message[:300], suffix)
+
+
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PlanCacheError)
     _blob_store_failed(request, exc.code)
+    if exc.http_status == 422:
+        _log_refusal(request, 422, exc.message)
     return error_response(exc.http_status, exc.code, exc.message, _headers(exc))
 
 
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_response(422, "validation_error", validation_message(exc.errors()) or "invalid request")
+    message = validation_message(exc.errors()) or "invalid request"
+    _log_refusal(request, 422, message)
+    return error_response(422, "validation_error", message)
 
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -159,13 +201,16 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    suffix = _log_admitted(request)
+    if suffix is not None:
+        log.error("unhandled error in %s %s%s", request.method, request.url.path, suffix, exc_info=exc)
     # uvicorn drops the connection after this answer (the error propagates to it): say so, or a keep-alive
     # client would send its next request there
     return error_response(500, "internal_error", "internal server error (logged)", {"Connection": "close"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.state.client_logs = LogBudget(CLIENT_LOG_LINES_PER_MINUTE, CLIENT_LOG_BURST)
     app.add_exception_handler(PlanCacheError, _domain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

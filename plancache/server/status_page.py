@@ -58,7 +58,7 @@ def gather(store: Any, autotune: AutotunePolicy | None = None) -> Status:
         by_env[m.env_id].append(m)
     for env_id, group in by_env.items():
         for key, reason in store.explain_misses(group[0].environment, [m.graph_key for m in group],
-                                                 autotune=autotune).items():
+                                                 autotune=autotune, job_errors=False).items():  # a reader's page
             status.miss_reasons[env_id, key] = reason.message
             if reason.reason == "planned":  # its plan may be older than the newest PLANS_SHOWN read above
                 status.planned_misses.add((env_id, key))
@@ -192,7 +192,7 @@ def _jobs(status: Status, stranded: set[int]) -> list[str]:
         out.append(f"<tr{row}><td class='n'>{j.id}</td><td>{_key(j.graph_key)}</td>"
                    f"<td>{escape(_target(j))}{flag}</td><td>{escape(j.source)}</td>"
                    f"<td class='{escape(j.status)}'>{escape(j.status)}</td><td class='n'>{j.attempts}/{j.max_attempts}</td>"
-                   f"<td class='t'>{j.updated_at:%Y-%m-%d %H:%M}</td><td>{escape((j.error or '')[:300])}</td></tr>")
+                   f"<td class='t'>{j.updated_at:%Y-%m-%d %H:%M}</td><td>{_error_note(j)}</td></tr>")
     out.append("</table>")
     return out
 
@@ -265,3 +265,8 @@ def render_login(problem: str | None = None, *, note: str | None = None) -> str:
         "<form method='post' action='/ui/login'><input type='password' name='token' autocomplete='off' "
         "aria-label='reader token' placeholder='pct_…' required> <button>Sign in</button></form>",
     ])
+
+
+def _error_note(job: Any) -> str:
+    """Where a job's error is read: a worker's text (paths, host names) is for admins, the page is a reader's."""
+    return f"GET /v1/jobs/{job.id} (admin)" if job.error else ""

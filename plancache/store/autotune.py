@@ -8,7 +8,12 @@ with or without a job records it, :func:`.jobs.record_claimer`):
 - the candidates are keys missed at least ``min_misses`` times there whose spec is stored, that have no plan there,
   no queued or running job whose target matches the environment (wildcards included) and no job ever for exactly
   that environment (a failed one is left to an admin: explain says why it failed);
-- the most-missed candidates, up to the budget, are enqueued for exactly that environment with source ``auto``.
+- the most-missed candidates, up to the budget, are enqueued for exactly that environment with source ``auto`` and
+  priority :data:`AUTO_PRIORITY`, below every admin or campaign job (priority 0 unless set), so those are claimed
+  first.
+
+A key's miss count is of distinct callers and processes, and one caller's share of the keys it alone raises is
+bounded by the server (:class:`plancache.server.limits.MissCallers`), so no one token takes the budget.
 
 The step is one write transaction, serialized across replicas (Postgres: a transaction-scoped advisory lock;
 SQLite: ``BEGIN IMMEDIATE``), so two replicas running it at once neither enqueue a key twice (the unique index of
@@ -25,7 +30,7 @@ import sqlalchemy as sa
 
 from .. import errors
 from ..environment import VALIDITY_FIELDS
-from ..protocol import Job, TargetEnvironment
+from ..protocol import PRIORITY_MAX, Job, TargetEnvironment
 from .jobs import insert_job, target_key
 from .models import ACTIVE_JOB_STATUSES, jobs, misses, plans, specs, worker_environments
 
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 
 #: Postgres advisory lock key of the autotune step ("auto" in ASCII); the migration lock's differs.
 _PG_AUTOTUNE_LOCK = 0x6175746F
+#: The priority of automatic jobs: the lowest there is, so every admin or campaign job is claimed before them.
+AUTO_PRIORITY = -PRIORITY_MAX
 #: The period of the per-environment job budget.
 BUDGET_PERIOD = timedelta(hours=1)
 
@@ -101,8 +108,8 @@ def run_autotune(store: Store, policy: AutotunePolicy) -> list[Job]:
                 .limit(left)
             ).scalars().all()
             for key in keys:
-                job, new = insert_job(conn, key, target, now=now, priority=0, max_attempts=store.job_max_attempts,
-                                      source="auto")
+                job, new = insert_job(conn, key, target, now=now, priority=AUTO_PRIORITY,
+                                      max_attempts=store.job_max_attempts, source="auto")
                 if job is not None and new:
                     created.append(job)
     return created

@@ -216,15 +216,14 @@ def open_blob_store(url: str) -> BlobStore:
 
 
 def check_blob_store(db: Database, blob_store: BlobStore) -> None:
-    """Refuse a blob store that is not where the database's blobs are. One catalog row tells which kind
-    (:func:`migrate_blobs` moves them all in one transaction), one referenced blob that it is the right folder."""
+    """Refuse a blob store of the wrong kind: one catalog row tells whether the database's blobs are in it
+    (:func:`migrate_blobs` moves them all in one transaction). Only the database is read, so a command that needs
+    no blob works while a bucket is unreachable; :func:`probe_blob_store` asks the blob store itself."""
     with db.read() as conn:
         # whether any row holds bytes (a migration into the database leaves empty the rows whose bytes the source
         # lacked: the first row alone could be one of those); None when there are no rows at all
         any_bytes, any_row = conn.execute(sa.select(sa.exists().where(_IN_ROW), sa.exists().select_from(blobs))).one()
-        in_rows = bool(any_bytes) if any_row else None
-        referenced = conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
-        present = referenced is None or blob_store.has(conn, referenced)
+    in_rows = bool(any_bytes) if any_row else None
     where = db.url.render_as_string(hide_password=True)
     if in_rows is not None and bool(in_rows) != isinstance(blob_store, DatabaseBlobs):
         if in_rows:
@@ -232,17 +231,35 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
                                     f"with `plancache db migrate-blobs {blob_store.url}` first")
         raise BlobStoreMismatch(f"the blobs of {where} are not in the database: set PLANCACHE_BLOB_STORE to the "
                                 "file:// or s3:// store holding them")
+
+
+def probe_blob_store(db: Database, blob_store: BlobStore, sha256: str | None = None) -> str | None:
+    """What is wrong with the blob store, None when nothing seen: whether it holds ``sha256``, by default one blob
+    a plan record references (the right folder mounted, the right bucket), and can be reached. Never raises for
+    the blob store: a server starting during an outage reports it and serves what needs no blob."""
+    with db.read() as conn:
+        referenced = sha256 or conn.execute(sa.select(plans.c.blob_sha256).limit(1)).scalar()
+        if referenced is None:
+            return None
+        try:
+            present = blob_store.has(conn, referenced)
+        except OSError as exc:
+            return f"{blob_store.url} cannot be read now ({exc})"
     if not present:
-        raise BlobStoreMismatch(f"{blob_store.url} lacks blob {referenced}, which a plan record of {where} "
-                                "references: is it the right folder (the volume mounted) or bucket?")
+        where = db.url.render_as_string(hide_password=True)
+        return (f"{blob_store.url} lacks blob {referenced}, which {where} holds: is it the right folder (the volume "
+                "mounted) or bucket?")
+    return None
 
 
 class Migration(NamedTuple):
-    """What :func:`migrate_blobs` did: blobs copied, their bytes, and catalog rows whose bytes the source lacked."""
+    """What :func:`migrate_blobs` did: blobs copied, their bytes, catalog rows whose bytes the source lacked, and
+    the last blob copied (None: none was)."""
 
     moved: int
     size: int
     missing: int
+    last_copied: str | None = None
 
 
 def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: int = 100) -> Migration:
@@ -269,7 +286,7 @@ def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: 
                     copied = copied._replace(missing=copied.missing + 1)
                     continue
                 target.put(conn, sha256, data)
-                copied = copied._replace(moved=copied.moved + 1, size=copied.size + len(data))
+                copied = copied._replace(moved=copied.moved + 1, size=copied.size + len(data), last_copied=sha256)
             last = rows[-1]
         if isinstance(source, DatabaseBlobs):
             conn.execute(sa.update(blobs).where(_IN_ROW).values(data=b""))

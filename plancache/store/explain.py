@@ -24,12 +24,13 @@ ERROR_CHARS = 300
 class Explanations:
     db: Database
 
-    def explain_misses(self, env: Environment, graph_keys: list[str], *,
-                       autotune: AutotunePolicy | None = None) -> dict[str, MissReason]:
+    def explain_misses(self, env: Environment, graph_keys: list[str], *, autotune: AutotunePolicy | None = None,
+                       job_errors: bool = True) -> dict[str, MissReason]:
         """A :class:`~plancache.protocol.MissReason` for each distinct key: six queries whatever the count.
         ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it). A
         queued job on an environment no worker claimed for within the policy's worker window (default when off)
-        says so: nothing will run it."""
+        says so: nothing will run it. ``job_errors``: quote a failed job's error (a worker's text: paths, host
+        names), for an admin; else say where an admin reads it."""
         keys = list(dict.fromkeys(graph_keys))
         if not keys:
             return {}
@@ -57,7 +58,7 @@ class Explanations:
         unserved = "" if served else _unserved(window, served_at)
         queueing = {k: _not_queued(env, counts.get(k, 0), autotune, unserved) for k in keys}
         return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k],
-                           unserved) for k in keys}
+                           unserved, job_errors) for k in keys}
 
 
 def _unserved(window: timedelta, last_claim: datetime | None) -> str:
@@ -84,7 +85,7 @@ def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, 
 
 
 def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, env: Environment,
-            withdrawal: WithdrawalRecord | None, not_queued: str, unserved: str) -> MissReason:
+            withdrawal: WithdrawalRecord | None, not_queued: str, unserved: str, job_errors: bool = True) -> MissReason:
     """``unserved``: empty, or why no worker will run a queued job for ``env``."""
     here = env.describe()
     nearest = min(elsewhere, key=len) if elsewhere else None
@@ -105,7 +106,8 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
         idle = f", but {unserved}" if job.status == "queued" and unserved else ""
         return MissReason(reason=job.status, message=f"{verb} (job {job.id}) for {here}{idle}", job_id=job.id)
     if job is not None and job.status == "failed":
-        error = (job.error or "no error recorded")[:ERROR_CHARS]
+        error = ((job.error or "no error recorded")[:ERROR_CHARS] if job_errors
+                 else f"an admin reads its error (GET /v1/jobs/{job.id}, plancache explain with an admin token)")
         return MissReason(reason="failed", job_id=job.id,
                           message=f"tuning failed (job {job.id}, {job.attempts} of {job.max_attempts} attempts): {error}")
     if nearest is not None:

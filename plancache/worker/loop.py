@@ -58,7 +58,7 @@ from ..protocol import (
     PlanMeta,
 )
 from ..settings import DEFAULT_JOB_TIMEOUT
-from ..signing import Signer
+from ..signing import MAX_REVISION_LEAD_MS, Signer
 from ..spec import GraphSpec, parse_spec
 from .jobs_api import JobsApi
 from .spool import Spool, SpoolEntry
@@ -73,11 +73,6 @@ PERMANENT_ERRORS: tuple[type[PlanCacheError], ...] = (InsufficientGpuMemory, Spe
 #: finished or released; claimed with a token this worker no longer uses).
 LEASE_GONE: tuple[type[PlanCacheError], ...] = (LeaseLost, NotLeaseHolder, Conflict, NotFound)
 MAX_ERROR_CHARS = 8000
-#: How far ahead of this worker's clock a claim's ``min_revision`` (a withdrawal's) may be, in milliseconds (revisions
-#: are milliseconds since the epoch): a day, where clocks differ by seconds. A plan signed further ahead would be kept
-#: by clients over every later plan of its key for as long (at the last revision there is: for good), so such a job
-#: fails for good, saying so, before it is tuned.
-MAX_REVISION_LEAD_MS = 24 * 3600 * 1000
 #: How long a worker waits for a tuning it gave up on (past the job's time limit, or its lease lost) to stop, so that
 #: two tunings do not time candidates on the GPU at once, before it goes on regardless (a build in flight ends first).
 CANCEL_WAIT_SECONDS = 30.0
@@ -457,7 +452,9 @@ class Worker:
 
 
 def _check_revision_lead(min_revision: int) -> None:
-    """:class:`InvalidValue` when ``min_revision`` is more than :data:`MAX_REVISION_LEAD_MS` ahead of this clock."""
+    """:class:`InvalidValue` when ``min_revision`` is more than :data:`~plancache.signing.MAX_REVISION_LEAD_MS` ahead
+    of this clock: a plan signed further ahead would be kept by clients over every later plan of its key for as long,
+    so such a job fails for good, saying so, before it is tuned."""
     lead = min_revision - time.time_ns() // 1_000_000
     if lead > MAX_REVISION_LEAD_MS:
         raise InvalidValue(f"the claim asks for a plan above revision {min_revision}, {lead / 3_600_000:.0f} h ahead of "

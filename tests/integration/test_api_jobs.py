@@ -94,7 +94,9 @@ def test_misses_listing_and_enqueue_top_misses(api, make_spec, gpu_env):
         keys.append(key)
     env = gpu_env.model_dump()
     for n_asked in (4, 3, 2, 1):  # misses: keys[0] ×4, keys[1] ×3, keys[2] ×2, keys[3] (no spec) ×1
-        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": keys[:n_asked]}, headers=api.reader)
+        # each from another client process: one process's misses of a key count once
+        r = api.client.post("/v1/plans/resolve", json={"environment": env, "graph_keys": keys[:n_asked]},
+                            headers={**api.reader, "X-Plancache-Process": f"p{n_asked}"})
         assert r.status_code == 200
     misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
     assert [(m["graph_key"], m["count"]) for m in misses] == list(zip(keys, [4, 3, 2, 1]))
@@ -385,12 +387,14 @@ def test_a_claim_sent_again_with_its_lease_token_gets_the_same_job(api, make_spe
 
 def test_the_claim_names_the_revision_a_withdrawn_plans_successor_must_pass(api, spec0, gpu_env, make_plan, tmp_path):
     from plancache.protocol import Withdrawal
-    from plancache.signing import Signer, keygen
+    from plancache.signing import Signer, TrustedKeys, keygen
 
     key, spec = spec0
     r = upload(api.client, *make_plan(key, gpu_env), spec, headers=api.admin)
     record = r.json()
-    signer = Signer.from_file(keygen(tmp_path, "admin")[0])
+    private, public, _ = keygen(tmp_path, "admin")
+    signer = Signer.from_file(private)
+    api.app.state.trusted_keys = TrustedKeys.from_files([public])  # the server stores withdrawals its keys verify
     ahead = datetime.fromtimestamp(record["revision"] / 1000 + 3600)  # the admin's clock runs an hour ahead
     w = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record["blob_sha256"],
                                           withdrawn_revision=record["revision"], reason="bad numerics"), now=ahead)

@@ -130,9 +130,10 @@ def test_policy_bounds_are_checked():
             AutotunePolicy(**bad)
 
 
-def resolve(api, env, keys):  # noqa: F811
+def resolve(api, env, keys, process: str = "p"):  # noqa: F811
+    """A resolve by the reader from client ``process`` (a miss counts once per caller and process)."""
     body = {"environment": env.model_dump(mode="json"), "graph_keys": keys}
-    r = api.client.post("/v1/plans/resolve", json=body, headers=api.reader)
+    r = api.client.post("/v1/plans/resolve", json=body, headers={**api.reader, "X-Plancache-Process": process})
     assert r.status_code == 200, r.text
 
 
@@ -142,8 +143,8 @@ def test_the_background_policy_enqueues_soon_after_the_nth_miss(store, make_spec
         r = a.client.post("/v1/jobs/claim", json={"environment": gpu_env.model_dump(mode="json"), "worker_id": "w1"},
                           headers=a.worker)
         assert r.status_code == 204
-        for _ in range(3):
-            resolve(a, gpu_env, [key])
+        for n in range(3):
+            resolve(a, gpu_env, [key], process=f"p{n}")
         nth_miss = time.monotonic()
         while not store.list_jobs() and time.monotonic() - nth_miss < 10:
             time.sleep(0.05)

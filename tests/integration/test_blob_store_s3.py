@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from plancache.blobs import ObjectStoreBlobs, open_blobs
+from plancache.blobs.objects import CIRCUIT_SECONDS
 from plancache.errors import BlobStoreUnavailable
 from plancache.store.retention import gc
 
@@ -87,7 +88,7 @@ def test_an_unreachable_object_store_is_a_503_to_retry(tmp_path: Path, monkeypat
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens there
         store.content = open_blobs(s3_blob_url)  # the server's client now points at the dead endpoint
         r = httpx.get(f"{srv.url}/v1/blobs/{meta.blob_sha256}", headers=admin, timeout=30)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.status_code == 503 and r.headers["retry-after"] == str(CIRCUIT_SECONDS), r.text
         assert r.json()["error"]["code"] == "blob_store_unavailable"
         key2, spec2 = make_spec(1)
         meta2, _ = make_plan(key2, gpu_env, blob=SMALL)

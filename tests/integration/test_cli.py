@@ -201,7 +201,8 @@ def test_settings_are_grouped_by_role_and_keep_every_variable():
     assert set(Settings.model_fields) == set().union(*(r.model_fields for r in roles))
     assert "signing_key" in WorkerSettings.model_fields and "signing_key" not in ClientSettings.model_fields
     assert "open_reads" in ServerSettings.model_fields and "server_url" not in ServerSettings.model_fields
-    assert "trusted_keys" not in ServerSettings.model_fields and "database_url" not in WorkerSettings.model_fields
+    assert "trusted_keys" in ServerSettings.model_fields  # a withdrawal is stored only when they verify it
+    assert "database_url" not in WorkerSettings.model_fields
     assert set(StoreSettings.model_fields) <= set(ServerSettings.model_fields)
 
 

@@ -78,6 +78,7 @@ def test_revalidation_adds_no_request_to_start_up(srv, tmp_path, signer, wire): 
         t0 = time.perf_counter()
         assert past.plan(CONV).source == "disk"
         assert time.perf_counter() - t0 < 0.5  # the load did not wait for the server
+        past.context.revalidator.join(5)  # (a close gives a revalidation under way a second)
     assert wire.paths == {"/v1/plans/resolve": 1} and past.stats().revalidations == {"current": 1}
     assert time.time() - checked_file(tmp_path).stat().st_mtime < 60  # confirmed
     srv.delay = 0.0
@@ -217,3 +218,28 @@ def test_a_blob_admitted_before_a_withdrawal_is_not_loaded_after_it(srv, tmp_pat
         # refused held, then on disk and from the server: all three are the older revision
         assert hook.stats().rejects == {"revision": 3} and SDPA.graph_key not in hook.context.verified
         assert len(hook._backend.deserialized) == 1
+
+
+def test_a_stalled_revalidation_neither_holds_the_exit_nor_opens_the_breaker(srv, tmp_path, signer):  # noqa: F811
+    """With the server stalled, a warm process's close waited the whole request deadline for its background
+    revalidation (5 s), and the timed-out revalidation opened the circuit breaker for 30 s, so the process's next
+    miss did not ask the server (main 4d1a308). The close gives it a second, then abandons it (the next process
+    asks again); a background request that fails does not open the breaker."""
+    seed(srv, CONV, signer)
+    seed(srv, SDPA, signer)
+    warm_up(srv, tmp_path, signer)
+    age(tmp_path, 61)
+    srv.delay = 3.0
+    with client(srv, tmp_path, signer, settings=every(60)) as stalled:
+        assert stalled.plan(CONV).source == "disk"
+        time.sleep(0.2)  # the revalidation's request is out
+        started = time.monotonic()
+    closed = time.monotonic() - started
+    print(f"close with the server stalled: {closed:.2f} s")
+    assert closed < 2.0
+    with client(srv, tmp_path, signer, settings=Settings(revalidate_seconds=60, request_deadline=1.0)) as pc:
+        assert pc.plan(CONV).source == "disk"
+        pc.context.revalidator.join(5)  # the revalidation timed out after its 1 s deadline
+        assert pc.stats().revalidations == {"failed": 1}
+        srv.delay = 0.0
+        assert pc.plan(SDPA).source == "server"  # the breaker stayed closed

@@ -192,3 +192,25 @@ def test_a_graph_tuned_here_whose_plan_was_deleted_is_not_promised_to_autotune(s
     assert run_autotune(store, policy) == []
     assert reason.reason == "not_queued" and reason.job_id == job.id
     assert "no longer stored" in reason.message and "autotune does not queue" in reason.message
+
+
+def test_a_failed_jobs_error_is_quoted_to_admins_only(file_store, make_spec, gpu_env):
+    """A worker's job error (its paths, host names) reached every reader through explain and /ui (main 4d1a308); a
+    reader is told the job failed and where an admin reads why."""
+    key, spec = make_spec(0)
+    file_store.put_spec(key, spec)
+    job, _ = file_store.enqueue(key, TargetEnvironment.exactly(gpu_env), max_attempts=1)
+    claim = file_store.claim(gpu_env, "w1", lease_seconds=60)
+    assert claim is not None and claim.job.id == job.id
+    secret = "cannot open /home/tuner/.secret-cache/libcudnn_engines.so on gpu-node-17"
+    file_store.fail(job.id, "w1", claim.lease_token, secret, retryable=False)
+    file_store.record_misses(gpu_env, [key])
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [key]}
+    with open_api(file_store) as a:
+        as_reader = a.client.post("/v1/plans/explain", json=body, headers=a.reader).json()["reasons"][key]
+        as_admin = a.client.post("/v1/plans/explain", json=body, headers=a.admin).json()["reasons"][key]
+        page = a.client.get("/ui", headers=a.reader).text
+    assert as_reader["reason"] == "failed" and secret not in as_reader["message"]
+    assert f"GET /v1/jobs/{job.id}" in as_reader["message"]
+    assert secret in as_admin["message"]
+    assert "secret-cache" not in page and f"GET /v1/jobs/{job.id} (admin)" in page

@@ -233,3 +233,17 @@ def test_the_client_resends_once_what_a_kept_alive_connection_lost() -> None:
         assert server.requests == 3
     finally:
         server.close()
+
+
+def test_an_idle_worker_poll_finds_its_connection_open() -> None:
+    """The server closed an idle connection after 5 s, a worker's poll interval: about half of idle polls opened a
+    new connection (main 4d1a308). The keep-alive timeout is above the default poll interval, and within the
+    header timeout, which also ends an idle connection."""
+    import inspect
+
+    from plancache.settings import ServerSettings
+    from plancache.worker.loop import Worker
+
+    settings = ServerSettings()
+    poll_interval = inspect.signature(Worker.__init__).parameters["poll_interval"].default
+    assert poll_interval + 1 < settings.keep_alive_timeout <= settings.header_timeout

@@ -136,3 +136,21 @@ def test_a_blob_file_removed_while_it_is_written_is_503_retry(file_store: Any, m
     assert "removed while it was written" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
     assert _files(file_store.blob_store.root) == []
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
+
+
+def test_a_blob_shard_that_cannot_be_a_folder_is_507(file_store: Any, make_spec: Any,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A file where a blob's shard folder goes (``ab/``): main 4d1a308 answered 500 ``internal_error`` with a
+    traceback (ENOTDIR, EEXIST); it is 507 naming the path, one log line, and the blob reads as missing."""
+    import hashlib
+
+    blob = b"plan bytes" * 1000
+    digest = hashlib.sha256(blob).hexdigest()
+    root: Path = file_store.blob_store.root
+    (root / digest[:2]).write_bytes(b"in the way")
+    with open_api(file_store) as api, caplog.at_level(logging.INFO):
+        r = put_blob(api.client, blob, api.admin, check=False)
+        assert r.status_code == 507, r.text
+        assert r.json()["error"]["code"] == "insufficient_storage" and "in the way" in r.json()["error"]["message"]
+        assert api.client.get(f"/v1/blobs/{digest}", headers=api.admin).status_code == 404
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"

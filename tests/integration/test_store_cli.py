@@ -82,7 +82,8 @@ def test_plans_list(cli, store, db_url, make_spec, make_plan, gpu_env):
     assert cli("plans", "list", "--json", "--graph-key", "0" * 64, "--database-url", db_url).stdout == ""
 
 
-def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path):
+def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, make_spec, make_plan, gpu_env, tmp_path,
+                                                            monkeypatch):
     import sqlalchemy as sa
 
     from plancache.errors import BlobStoreMismatch
@@ -102,9 +103,13 @@ def test_migrate_blobs_to_a_folder_keeps_records_resolving(cli, store, db_url, m
         found, missing = stored_plans(moved, gpu_env, list(expected))
         assert {k: blob for k, (_, blob) in found.items()} == expected and missing == []
         assert moved.get_blob(orphan) == b"stored, not referenced yet"
-    assert "moved 0 blobs" in cli("db", "migrate-blobs", folder, "--database-url", db_url).stdout  # idempotent
-
-    assert "already" in cli("db", "migrate-blobs", "database", "--database-url", db_url, code=2).stderr
+    # again with the setting left at the database, which no longer holds them: refused, not "moved 0 blobs; set
+    # PLANCACHE_BLOB_STORE=…" (following that lost every blob when TARGET was not where they went)
+    again = cli("db", "migrate-blobs", (tmp_path / "elsewhere").as_uri(), "--database-url", db_url, code=6).stderr
+    assert "not in the database: set PLANCACHE_BLOB_STORE" in again
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", folder)
+    assert "moved 4 blobs" in cli("db", "migrate-blobs", (tmp_path / "copy").as_uri(), "--database-url", db_url).stdout
+    assert "already" in cli("db", "migrate-blobs", folder, "--database-url", db_url, code=2).stderr
     assert "s3://bucket/prefix" in cli("db", "migrate-blobs", "ftp://x", "--database-url", db_url, code=2).stderr
 
 
@@ -130,6 +135,8 @@ def test_migrate_blobs_to_and_from_s3(cli, store, db_url, make_spec, make_plan, 
     assert "moved 3 blobs" in cli("db", "migrate-blobs", "database", "--database-url", db_url).stdout
     resolves("database")
 
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", "database")
+    assert "moved 3 blobs" in cli("db", "migrate-blobs", s3_blob_url, "--database-url", db_url).stdout
     monkeypatch.setenv("PLANCACHE_BLOB_STORE", s3_blob_url)
     damaged = open_blobs(s3_blob_url)
     digest = hashlib.sha256(expected[next(iter(expected))]).hexdigest()

@@ -191,7 +191,7 @@ def test_warm_vary_fetches_the_variants_the_program_will_build(srv, tmp_path, si
 
 def test_variants_are_every_combination_of_the_sizes():
     base = spec_of(attention(256))
-    varied = variants(base, {"s": [128, 512], "b": [1, 3]})
+    varied = list(variants(base, {"s": [128, 512], "b": [1, 3]}))
     assert [sizes for sizes, _ in varied] == [{"s": s, "b": b} for s in (128, 512) for b in (1, 3)]
     keys = [v.graph_key for _, v in varied]
     assert keys == [vary(base, {"s": s, "b": b}).graph_key for s in (128, 512) for b in (1, 3)]

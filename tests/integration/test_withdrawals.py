@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from plancache import errors
 from plancache.cli import make_app
 from plancache.protocol import Withdrawal
-from plancache.signing import Signer, keygen
+from plancache.signing import Signer, TrustedKeys, keygen
 from tests.factories import make_meta, new_signer, stored_plans, trusted
 from tests.server_util import api  # noqa: F401
 
@@ -95,6 +95,7 @@ def test_a_withdrawal_must_name_the_stored_plan_and_be_newer(store, planned, gpu
 def test_the_admin_route(api, planned, gpu_env, signer):  # noqa: F811
     key, record = planned
     body = withdrawal_of(record, signer).model_dump(mode="json")
+    api.app.state.trusted_keys = trusted(signer)  # PLANCACHE_TRUSTED_KEYS naming the signer's public key
     assert api.client.post("/v1/admin/withdrawals", json=body, headers=api.worker).status_code == 403
     r = api.client.post("/v1/admin/withdrawals", json=body, headers=api.admin)
     assert r.status_code == 201, r.text
@@ -111,7 +112,9 @@ def test_the_admin_route(api, planned, gpu_env, signer):  # noqa: F811
     r = api.client.post("/v1/admin/withdrawals", json=unsigned, headers=api.admin)
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
     assert "envelope" in r.json()["error"]["message"]
-    stale = {**body, "withdrawn_revision": body["withdrawn_revision"] - 1}
+    stale = signer.sign_withdrawal(Withdrawal(graph_key=key, environment=gpu_env, blob_sha256=record.blob_sha256,
+                                              withdrawn_revision=record.revision - 1, reason="older")
+                                   ).model_dump(mode="json")
     r = api.client.post("/v1/admin/withdrawals", json=stale, headers=api.admin)
     assert r.status_code == 409 and r.json()["error"]["code"] == "stale_revision"
 
@@ -153,3 +156,23 @@ def test_a_bundle_made_before_the_withdrawal_does_not_bring_the_plan_back(store,
     report = import_bundle(store, out, trusted(signer))
     assert (report.imported, report.older) == (0, 1)
     assert store.get_plan(key, gpu_env) is None and store.explain_misses(gpu_env, [key])[key].reason == "withdrawn"
+
+
+def test_the_admin_route_stores_only_withdrawals_its_trusted_keys_verify(api, planned, gpu_env, signer,  # noqa: F811
+                                                                         tmp_path):
+    """Issue 37, finding 6: on main 4d1a308 a withdrawal signed by any key was stored (201) and cold hosts lost the
+    plan although no client accepts the withdrawal; it is 400, and the plan is still served."""
+    key, record = planned
+    forged = withdrawal_of(record, new_signer()).model_dump(mode="json")
+    r = api.client.post("/v1/admin/withdrawals", json=forged, headers=api.admin)
+    assert r.status_code == 400 and "PLANCACHE_TRUSTED_KEYS" in r.json()["error"]["message"]  # the server has none
+    _, public, _ = keygen(tmp_path / "keys", "admin")
+    api.app.state.trusted_keys = TrustedKeys.from_setting(str(public))  # as PLANCACHE_TRUSTED_KEYS makes them
+    r = api.client.post("/v1/admin/withdrawals", json=forged, headers=api.admin)
+    assert r.status_code == 400 and "unknown_signer" in r.json()["error"]["message"], r.text
+    api.app.state.trusted_keys = trusted(signer)
+    lying = {**withdrawal_of(record, signer).model_dump(mode="json"), "reason": "not the reason signed"}
+    r = api.client.post("/v1/admin/withdrawals", json=lying, headers=api.admin)
+    assert r.status_code == 400 and "bad_signature" in r.json()["error"]["message"], r.text
+    assert api.store.get_plan(key, gpu_env) is not None
+    assert api.store.get_withdrawals(gpu_env, [key]) == {}

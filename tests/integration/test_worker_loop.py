@@ -61,8 +61,8 @@ def keys(tmp_path: Path) -> tuple[Path, TrustedKeys]:
 
 
 @pytest.fixture
-def srv(tmp_path: Path):
-    with LiveServer(tmp_path, lease_seconds=LEASE) as server:
+def srv(tmp_path: Path, keys: tuple[Path, TrustedKeys]):
+    with LiveServer(tmp_path, lease_seconds=LEASE, trusted_keys=str(tmp_path / "keys")) as server:
         yield server
 
 

@@ -580,3 +580,19 @@ def test_a_write_asked_for_after_close_is_made_by_its_caller_and_starts_no_write
     cache.accept_revision(KEY, 2)  # before: a new writer thread (another cache's may run: this suite's other tests)
     assert cache._writer is None
     assert DiskCache(tmp_path, H200).revision(KEY) == 2
+
+
+def test_a_planted_revision_far_ahead_is_ignored_and_replaced(tmp_path):
+    """2**63 - 1 written into a key's ``.revision`` in a shared cache folder made the host refuse every plan of that key
+    for good (main 4d1a308); a stored revision more than a day ahead of this clock is ignored, and the next one
+    accepted replaces it. An hour ahead (a signer's clock running fast) is kept."""
+    path = tmp_path / H200.env_id / f"{KEY}.revision"
+    DiskCache(tmp_path, H200).accept_revision(KEY, 5, background=False)
+    path.write_text(str(2**63 - 1))
+    cache = DiskCache(tmp_path, H200)
+    assert cache.revision(KEY) == 0
+    cache.accept_revision(KEY, 7, background=False)
+    assert path.read_text() == "7"
+    ahead = time.time_ns() // 1_000_000 + 3600 * 1000
+    path.write_text(str(ahead))
+    assert DiskCache(tmp_path, H200).revision(KEY) == ahead

@@ -15,7 +15,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from plancache import signing
-from plancache.bundle import BundlePlan, build_bundle
+from plancache.bundle import ENTRIES_SUBJECT, BundlePlan, build_bundle
 from plancache.errors import SignatureError
 from plancache.protocol import DsseSignature, Envelope
 from plancache.signing import BUNDLE_PREDICATE, PAYLOAD_TYPE, next_revision, statement
@@ -128,14 +128,15 @@ def test_records_signed_with_the_earlier_subject_name_still_verify(signer):
         trusted(signer).verify(meta.model_copy(update={"envelope": signer.envelope(wrong)}))
 
 
-def test_a_signed_bundle_is_a_standard_dsse_envelope_naming_every_blob(signer):
+def test_a_signed_bundle_is_a_standard_dsse_envelope_naming_its_entries_digest(signer):
     plans = [BundlePlan(make_record(SPEC.graph_key, H200, BLOB, signer), BLOB, SPEC.to_json())]
     doc = json.loads(json.dumps(build_bundle(H200, plans, signer)))
     signed = dsse_verify(doc["envelope"], signer.private_key.public_key())
     assert signed["predicateType"] == BUNDLE_PREDICATE
-    assert signed["subject"] == [{"name": SPEC.graph_key, "digest": {"sha256": hashlib.sha256(BLOB).hexdigest()}}]
     entries = json.dumps(doc["entries"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    assert signed["predicate"] == {"header": doc["header"], "entries_sha256": hashlib.sha256(entries).hexdigest()}
+    digest = hashlib.sha256(entries).hexdigest()
+    assert signed["subject"] == [{"name": ENTRIES_SUBJECT, "digest": {"sha256": digest}}]
+    assert signed["predicate"] == {"header": doc["header"], "entries_sha256": digest}
 
 
 def test_a_tampered_payload_is_refused(signer):

@@ -492,7 +492,8 @@ def test_a_claim_whose_min_revision_is_far_ahead_fails_the_job_for_good_before_t
     later plan of its key for as long (for good, at INT64_MAX - 1); before, a worker signed it, or at INT64_MAX its
     InvalidValue ended the worker's loop after the tuning. Now the job fails for good, untuned, saying why, and the
     worker goes on; a lead of an hour (clock skew) is signed above as before."""
-    from plancache.worker.loop import MAX_REVISION_LEAD_MS, _check_revision_lead
+    from plancache.signing import MAX_REVISION_LEAD_MS
+    from plancache.worker.loop import _check_revision_lead
 
     now_ms = time.time_ns() // 1_000_000
     min_revision = INT64_MAX if ahead == "the last revision there is" else now_ms + 2 * 24 * 3600 * 1000

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
 from ...environment import ENV_ID_PATTERN
-from ...errors import NotFound, PayloadTooLarge, SpecError
+from ...errors import BadRequest, NotFound, PayloadTooLarge, SignatureError, SpecError
 from ...protocol import (
     CancelRequest,
     EnqueueMissesRequest,
@@ -96,15 +96,27 @@ def list_misses(store: StoreDep, _: Admin,
 @router.post("/v1/admin/withdrawals", response_model=WithdrawalRecord, status_code=201,
              summary="Withdraw a plan: resolve stops serving it, clients that learn of it drop their copies",
              responses={200: {"model": WithdrawalRecord, "description": "this withdrawal was stored already"},
-                        **documented_errors(401, 403, 404, 409, 422, 503)})
-def withdraw(withdrawal: SignedWithdrawal, store: StoreDep, response: Response, _: Admin) -> WithdrawalRecord:
+                        **documented_errors(400, 401, 403, 404, 409, 422, 503)})
+def withdraw(withdrawal: SignedWithdrawal, store: StoreDep, request: Request, response: Response,
+             _: Admin) -> WithdrawalRecord:
     """A withdrawal signed like a plan record (``plancache plans withdraw`` makes one; the server stores the envelope,
     clients verify it) naming the stored plan's revision and blob: the plan's record is deleted, so resolve no
     longer serves it, explain answers ``withdrawn`` with the signed withdrawal, and a client that verifies it against
     its trusted keys drops its disk copy and refuses that plan from then on. 404: no plan is stored for the key and
     environment; 409 ``stale_revision``: the stored plan is another revision (replaced meanwhile), or the
     withdrawal's revision is not above the stored plan's (or withdrawal's). Only a plan of a higher revision than the
-    withdrawal's is accepted for the key and environment afterwards."""
+    withdrawal's is accepted for the key and environment afterwards. 400 ``bad_request``: the withdrawal does not
+    verify against the server's ``PLANCACHE_TRUSTED_KEYS`` (or the server has none), so no client would act on it
+    while the plan would be gone for cold hosts."""
+    trusted = request.app.state.trusted_keys
+    if not len(trusted):
+        raise BadRequest("this server has no PLANCACHE_TRUSTED_KEYS to verify a withdrawal with: set it to the public "
+                         "keys the clients trust (those of `plancache plans withdraw --signing-key`)")
+    try:
+        trusted.verify_withdrawal(withdrawal, what=f"withdrawal of plan {withdrawal.graph_key[:12]}")
+    except SignatureError as exc:
+        raise BadRequest(f"{exc.message} ({exc.reason.value}): no client would act on it; sign it with a key in the "
+                         "server's PLANCACHE_TRUSTED_KEYS") from None
     before = store.get_withdrawals(withdrawal.environment, [withdrawal.graph_key]).get(withdrawal.graph_key)
     record = store.withdraw_plan(withdrawal)
     if before is not None and before.revision == record.revision:

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ...blobs import BlobStream, ObjectStoreBlobs
 from ...environment import Environment
 from ...errors import Forbidden, IntegrityError, NotFound, PayloadTooLarge
+from ...http import PROCESS_HEADER
 from ...protocol import (
     SHA256_PATTERN,
     ExplainRequest,
@@ -35,7 +36,7 @@ from ..autotune import autotune_policy
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
-from ..limits import Held, rate_key
+from ..limits import Held, miss_caller, rate_key
 from ..memo import BlobMemory, RecordMemo, TtlMemory
 from ..metrics import Metrics
 from ..uploads import accept_upload, publish_job_plan
@@ -48,6 +49,8 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 BLOB_ROUTE = "/v1/blobs/{sha256}"
 #: Resolve answers with blobs are streamed in chunks of about this size.
 CHUNK_BYTES = 1 << 20
+#: Blob bytes base64-encoded at a time in a resolve answer: whole 3-byte groups, about CHUNK_BYTES of text.
+_B64_PIECE = 3 * (CHUNK_BYTES // 4)
 #: Blob bytes one resolve answer inlines at most (the server holds them in memory while it answers).
 MAX_INLINE_BLOB_BYTES = 128 << 20
 
@@ -59,21 +62,27 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
             request: Request) -> Response:
     """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
     and recorded as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``;
-    past it they are still listed, not counted). Each plan whose blob is not inline has ``blob_url``: a presigned
-    GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid ``PLANCACHE_PRESIGN_SECONDS`` when made, and
-    handed out again while more than half of that is left) when the blobs are in one, else this server's
-    ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where the server serves them itself
-    (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of blob bytes per answer and
-    what the server's in-flight budget has room for; a plan past that has ``blob_b64`` null."""
+    past it they are still listed, not counted). A miss counts once per caller (token or anonymous address) and
+    client process (header ``X-Plancache-Process``) in a week, and a caller raises keys it counted already within
+    a share of the autotune budget (docs/DEPLOYMENT.md, "Autotune"). Each plan whose blob is not inline has
+    ``blob_url``: a presigned GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid
+    ``PLANCACHE_PRESIGN_SECONDS`` when made, and handed out again while more than half of that is left) when the
+    blobs are in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64
+    where the server serves them itself (never when it presigns: the bytes then bypass it), in key order up to
+    128 MiB of blob bytes per answer and what the server's in-flight budget has room for; a plan past that has
+    ``blob_b64`` null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     keys = list(dict.fromkeys(req.graph_keys))
     found = _answer_heads(store, request.app.state.record_memo, req.environment, keys)
     missing = [key for key in keys if key not in found]
     if missing:
-        counted = request.app.state.miss_writes.take(rate_key(principal), len(missing), partial=True)
+        caller = miss_caller(principal, request.client.host if request.client else None)
+        process = request.headers.get(PROCESS_HEADER, "")[:64]
+        fresh = request.app.state.miss_callers.counted(caller, process, req.environment.env_id, missing)
+        counted = request.app.state.miss_writes.take(rate_key(principal), len(fresh), partial=True) if fresh else 0
         if counted:
-            store.record_misses(req.environment, missing[:counted])
+            store.record_misses(req.environment, fresh[:counted])
         metrics.misses_not_counted.inc(len(missing) - counted)
     held = 0
     presign = _presigner(store, settings, request.app.state.presigned_urls)
@@ -84,7 +93,9 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
         for version, _ in found.values():
             if wanted + version.blob_size <= MAX_INLINE_BLOB_BYTES:
                 wanted += version.blob_size
-        held = budget = request.app.state.inflight.take_up_to(wanted)  # released once the answer is sent
+        # the blobs' bytes and one piece of their base64 (resolve_json), released once the answer is sent
+        held = request.app.state.inflight.take_up_to(wanted + CHUNK_BYTES)
+        budget = held - CHUNK_BYTES
         for key, (version, _) in found.items():
             if version.blob_size <= budget:
                 inline.add(key)
@@ -139,15 +150,17 @@ def _releasing(chunks: Iterator[bytes], hold: Held) -> Iterator[bytes]:
 @router.post("/v1/plans/explain", response_model=ExplainResponse, summary="Why graph keys have no plan here",
              responses=documented_errors(401, 403, 413, 422, 503))
 def explain(req: ExplainRequest, request: Request, store: StoreDep, settings: SettingsDep,
-            _: Reader) -> ExplainResponse:
+            principal: Reader) -> ExplainResponse:
     """Per graph key, why it has no plan on the environment: never registered; registered, never queued; queued
     or running (the job); failed (the job's error); tuned only for other environments (the validity fields in
     which the nearest differs); or ``planned`` when it has one. Nothing is recorded. Clients ask it for the keys
-    a resolve missed; ``plancache explain`` asks it for a spec file or key."""
+    a resolve missed; ``plancache explain`` asks it for a spec file or key. A failed job's error (a worker's text,
+    with its paths) is quoted to an admin token only."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one explain; the limit is {settings.max_resolve_keys}")
     return ExplainResponse(reasons=store.explain_misses(req.environment, req.graph_keys,
-                                                        autotune=autotune_policy(request)))
+                                                        autotune=autotune_policy(request),
+                                                        job_errors=principal.may("admin")))
 
 
 def _server_route(sha256: str) -> str:
@@ -176,20 +189,25 @@ def resolve_json(plans: Iterable[tuple[bytes, str, bytes | None]], missing: list
                  blob_url: Callable[[str], str] = _server_route) -> Iterator[bytes]:
     """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`, from each plan's
     :func:`answer_head`, blob sha256 and blob (or None). Blobs are base64-encoded as their chunk is made (base64
-    needs no JSON escaping), so a many-megabyte answer is never held whole; a plan without its blob gets
-    ``blob_url(sha256)``."""
+    needs no JSON escaping) a piece at a time, so the answer holds no copy of a blob beyond its bytes (which the
+    in-flight budget counts) and one piece; a plan without its blob gets ``blob_url(sha256)``."""
     buffer, size = [b'{"plans":{'], 0
     for i, (head, sha256, blob) in enumerate(plans):
         if blob is None:
-            tail = b'null,"blob_url":' + json.dumps(blob_url(sha256)).encode()
-        else:
-            tail = b'"' + base64.b64encode(blob) + b'","blob_url":null'
-        part = b"".join((b"," if i else b"", head, tail, b"}"))
-        buffer.append(part)
-        size += len(part)
-        if size >= CHUNK_BYTES:
-            yield b"".join(buffer)
-            buffer, size = [], 0
+            part = b"".join((b"," if i else b"", head, b'null,"blob_url":', json.dumps(blob_url(sha256)).encode(),
+                             b"}"))
+            buffer.append(part)
+            size += len(part)
+            if size >= CHUNK_BYTES:
+                yield b"".join(buffer)
+                buffer, size = [], 0
+            continue
+        buffer += [b"," if i else b"", head, b'"']
+        yield b"".join(buffer)
+        view = memoryview(blob)
+        for start in range(0, len(blob), _B64_PIECE):  # whole 3-byte groups: the pieces' base64 concatenates
+            yield base64.b64encode(view[start:start + _B64_PIECE])
+        buffer, size = [b'","blob_url":null}'], 0
     buffer.append(b'},"missing":' + json.dumps(missing).encode() + b"}")
     yield b"".join(buffer)
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Request, Response
+from fastapi import APIRouter, Body, Path, Response
 
-from ...errors import NotFound, TooManyRequests
+from ...errors import NotFound
 from ...protocol import GRAPH_KEY_PATTERN, SpecCreated
 from ...spec import parse_spec
 from ..auth import Reader, TokenReader
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
 from ..errors import documented_errors
-from ..limits import rate_key
 
 router = APIRouter(route_class=CheckedRoute, tags=["specs"])
 
@@ -24,15 +23,10 @@ GraphKeyPath = Annotated[str, Path(pattern=GRAPH_KEY_PATTERN, description="64 lo
              responses={200: {"model": SpecCreated, "description": "already registered"},
                         **documented_errors(401, 403, 409, 413, 422, 429, 503)})
 def create_spec(spec: Annotated[dict[str, Any], Body(description="a GraphSpec document (docs/SPEC.md)")], store: StoreDep,
-                response: Response, principal: TokenReader, request: Request) -> SpecCreated:
-    """Each non-admin token may register ``PLANCACHE_SPEC_WRITE_BURST`` specs at once and
-    ``PLANCACHE_SPEC_WRITES_PER_MINUTE`` after that (per server process); past it, 429 with ``Retry-After``."""
-    if not principal.may("admin"):
-        limiter = request.app.state.spec_writes
-        if not limiter.take(rate_key(principal)):
-            seconds = limiter.retry_after(rate_key(principal))
-            raise TooManyRequests(f"token {principal.name!r} registered too many specs; retry in {seconds} s",
-                                  retry_after=seconds)
+                response: Response, _: TokenReader) -> SpecCreated:
+    """Each non-admin token may send ``PLANCACHE_SPEC_WRITE_BURST`` specs at once and
+    ``PLANCACHE_SPEC_WRITES_PER_MINUTE`` after that (per server process), valid or not: the budget is taken before
+    the body is read; past it, 429 with ``Retry-After``."""
     parsed = parse_spec(spec)  # once: the store checks the key against the same document
     key = parsed.graph_key
     created = store.put_spec(key, parsed)
