@@ -35,3 +35,16 @@ def same_env(table: sa.Table, env: Environment) -> list[Any]:
     """WHERE clauses for an exact match on the validity fields (env_id is their digest, indexed)."""
     check_validity(env.validity())
     return [table.c.env_id == env.env_id, *(table.c[f] == getattr(env, f) for f in VALIDITY_FIELDS)]
+
+
+def keyed_env(table: sa.Table, env: Environment) -> list[Any]:
+    """:func:`same_env` for a lookup by graph keys (``graph_key IN …``): ``env_id`` is compared as an expression that
+    no index serves, so the only indexes a planner can take are those led by ``graph_key``, and a lookup reads the
+    rows of its keys, never every row of the environment (which stale statistics may show as few)."""
+    check_validity(env.validity())
+    return [unindexed(table.c.env_id) == env.env_id, *(table.c[f] == getattr(env, f) for f in VALIDITY_FIELDS)]
+
+
+def unindexed(column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+    """A text column as an expression of the same value that no index serves (``column || ''``)."""
+    return column.concat(sa.literal_column("''"))

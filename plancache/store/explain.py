@@ -12,7 +12,7 @@ from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import MissReason, TargetEnvironment, Withdrawal, WithdrawalRecord
 from .autotune import AutotunePolicy
 from .db import Database
-from .environments import same_env
+from .environments import keyed_env, unindexed
 from .jobs import row_to_job
 from .models import jobs, misses, plans, specs, withdrawals, worker_environments
 from .plans import row_to_withdrawal
@@ -36,7 +36,8 @@ class Explanations:
         validity = env.validity()
         with self.db.read() as conn:
             counts: dict[str, int] = {key: count for key, count in conn.execute(sa.select(
-                misses.c.graph_key, misses.c.count).where(misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id))}
+                misses.c.graph_key, misses.c.count).where(misses.c.graph_key.in_(keys),
+                                                          unindexed(misses.c.env_id) == env.env_id))}
             served_at = conn.execute(sa.select(worker_environments.c.last_claim_at).where(
                 worker_environments.c.env_id == env.env_id)).scalar()
             window = (autotune or AutotunePolicy()).worker_window
@@ -53,7 +54,7 @@ class Explanations:
                 m = row._mapping
                 elsewhere.setdefault(m["graph_key"], []).append([f for f in VALIDITY_FIELDS if m[f] != validity[f]])
             withdrawn = {row.graph_key: row_to_withdrawal(row) for row in conn.execute(
-                sa.select(withdrawals).where(withdrawals.c.graph_key.in_(keys), *same_env(withdrawals, env)))}
+                sa.select(withdrawals).where(withdrawals.c.graph_key.in_(keys), *keyed_env(withdrawals, env)))}
         unserved = "" if served else _unserved(window, served_at)
         queueing = {k: _not_queued(env, counts.get(k, 0), autotune, unserved) for k in keys}
         return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k],

@@ -17,8 +17,10 @@ Lease times are the database's: every operation reads the time once, on its own 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import itertools
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -34,12 +36,14 @@ from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import LEASE_TOKEN_BYTES, Job, JobSource, JobStatus, TargetEnvironment
 from ..validation import INT64_MAX
 from .content import spec_exists
-from .db import Database, check_int, check_page, upsert_insert
+from .db import Database, check_int, check_page, indexed_alias, upsert_insert
 from .environments import check_validity
 from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, jobs, worker_environments
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
+#: 'running' as a literal of the statement, not a parameter: only then may a planner use the index of running jobs.
+_RUNNING: sa.ColumnElement[str] = sa.literal_column("'running'")
 #: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
 CLAIMER_REFRESH = timedelta(seconds=10)
 #: Longest ``holder`` (the claiming API token's identity) the store keeps.
@@ -68,6 +72,18 @@ def hash_lease_token(token: str) -> str:
 def target_key(target: TargetEnvironment) -> str:
     """The de-duplication key of a target: its canonical JSON, wildcards (null) included."""
     return canonical_json(target.model_dump())
+
+
+@functools.lru_cache(maxsize=1024)
+def _target_keys(validity: tuple[Any, ...]) -> tuple[str, ...]:
+    fields = dict(zip(VALIDITY_FIELDS, validity, strict=True))
+    return tuple(sorted(target_key(TargetEnvironment(**{f: fields[f] for f in chosen}))
+                        for n in range(len(VALIDITY_FIELDS) + 1) for chosen in itertools.combinations(VALIDITY_FIELDS, n)))
+
+
+def env_target_keys(env: Environment) -> tuple[str, ...]:
+    """The target keys of every target that matches ``env``: each validity field its value or any (32 keys)."""
+    return _target_keys(tuple(getattr(env, f) for f in VALIDITY_FIELDS))
 
 
 def row_to_job(row: Row[Any]) -> Job:
@@ -154,26 +170,34 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
 
 def _claim_statements() -> tuple[Any, Any]:
     """The two statements of a claim, built once (bound parameters: now, expires, stale, worker, token_hash,
-    holder, env_<field>)."""
-    cand = jobs.alias("candidate")
+    holder, targets: :func:`env_target_keys`)."""
+    cand = indexed_alias(jobs, "candidate", "ix_jobs_running")
+    seek = indexed_alias(jobs, "candidate", "ix_jobs_active_target")
     now = sa.bindparam("now", type_=UTCDateTime)
     # A lease granted or extended more than a lease length in the future was granted by a clock that has since been
     # stepped back (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the
     # step. (Its last write's time, not its end: a lease granted when leases were longer is not stale.)
     stale = sa.bindparam("stale", type_=UTCDateTime)
-    expired = sa.and_(cand.c.status == "running", sa.or_(cand.c.lease_expires_at < now, cand.c.updated_at > stale))
-    exhausted = sa.select(cand.c.id).where(expired, cand.c.attempts >= cand.c.max_attempts).with_for_update(skip_locked=True)
+
+    def expired(c: Any) -> Any:
+        return sa.and_(c.c.status == _RUNNING, sa.or_(c.c.lease_expires_at < now, c.c.updated_at > stale))
+
+    exhausted = (sa.select(cand.c.id).where(expired(cand), cand.c.attempts >= cand.c.max_attempts)
+                 .with_for_update(skip_locked=True))
     fail_exhausted = (
         sa.update(jobs).where(jobs.c.id.in_(exhausted))
         .values(status="failed", lease_expires_at=None, updated_at=now, finished_at=now,
                 error=sa.literal(LEASE_EXPIRED_ERROR) + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
     )
-    env_match = [sa.or_(cand.c[f].is_(None), cand.c[f] == sa.bindparam(f"env_{f}", type_=cand.c[f].type))
-                 for f in VALIDITY_FIELDS]
+    # The environment's jobs are the active ones of the target keys it matches (env_target_keys), read through their
+    # index (its literal status term is the partial index's; SQLite is told to), so the cost is that of this
+    # environment's queue, whatever other environments queued or how many jobs ended.
     best = (
-        sa.select(cand.c.id)
-        .where(*env_match, sa.or_(cand.c.status == "queued", sa.and_(expired, cand.c.attempts < cand.c.max_attempts)))
-        .order_by(cand.c.priority.desc(), cand.c.id.asc())
+        sa.select(seek.c.id)
+        .where(seek.c.target_key.in_(sa.bindparam("targets", expanding=True)),
+               sa.text("candidate.status IN ('queued', 'running')"),
+               sa.or_(seek.c.status == "queued", sa.and_(expired(seek), seek.c.attempts < seek.c.max_attempts)))
+        .order_by(seek.c.priority.desc(), seek.c.id.asc())
         .limit(1)
         .with_for_update(skip_locked=True)
         .scalar_subquery()
@@ -302,7 +326,7 @@ class Jobs:
         token_hash = hash_lease_token(token)
         with self.db.write() as conn:
             if lease_token is not None:
-                again = conn.execute(sa.select(jobs).where(jobs.c.status == "running",
+                again = conn.execute(sa.select(jobs).where(jobs.c.status == _RUNNING,
                                                            jobs.c.lease_token_hash == token_hash)).first()
                 if again is not None:
                     if again.lease_holder != holder or again.lease_owner != worker_id:
@@ -310,8 +334,7 @@ class Jobs:
                     return Claim(row_to_job(again), token)
             now = self.db.now(conn)
             params = {"now": now, "expires": now + duration, "stale": now + duration, "worker": worker_id,
-                      "token_hash": token_hash, "holder": holder,
-                      **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
+                      "token_hash": token_hash, "holder": holder, "targets": list(env_target_keys(env))}
             conn.execute(_FAIL_EXHAUSTED, params)
             row = conn.execute(_CLAIM, params).first()
             record_claimer(conn, env, now)

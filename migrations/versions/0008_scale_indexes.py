@@ -1,0 +1,49 @@
+"""Indexes whose cost does not grow with the plans and jobs a store keeps.
+
+The one-column indexes on the plans' validity fields go (``env_id`` is their digest): a planner without table
+statistics chose them over the ``(graph_key, env_id)`` index that resolve needs, and read every plan of the SM.
+A claim seeks the active jobs of the target keys its environment matches (``ix_jobs_active_target``) and the running
+jobs (``ix_jobs_running``, in place of ``ix_jobs_claim_order``, which led planners to every queue); the newest
+plans and the most missed graphs are read in index order (``ix_plans_created_at``, ``ix_misses_count``).
+
+Revision ID: 0008
+Revises: 0007
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0008'
+down_revision: str | None = '0007'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+_VALIDITY = ('sm', 'sm_count', 'cudnn_version', 'driver_version', 'frontend_version')
+_ACTIVE = sa.text("status IN ('queued', 'running')")
+_RUNNING = sa.text("status = 'running'")
+
+
+def upgrade() -> None:
+    for field in _VALIDITY:
+        op.drop_index(f'ix_plans_{field}', table_name='plans')
+    op.create_index('ix_plans_created_at', 'plans', ['created_at', 'id'], unique=False)
+    op.drop_index('ix_jobs_claim_order', table_name='jobs')
+    op.create_index('ix_jobs_active_target', 'jobs', ['target_key', 'status'], unique=False,
+                    sqlite_where=_ACTIVE, postgresql_where=_ACTIVE)
+    op.create_index('ix_jobs_running', 'jobs', ['lease_token_hash'], unique=False,
+                    sqlite_where=_RUNNING, postgresql_where=_RUNNING)
+    op.create_index('ix_misses_count', 'misses', ['count', 'last_seen'], unique=False)
+
+
+def downgrade() -> None:
+    op.drop_index('ix_misses_count', table_name='misses')
+    op.drop_index('ix_jobs_running', table_name='jobs')
+    op.drop_index('ix_jobs_active_target', table_name='jobs')
+    op.create_index('ix_jobs_claim_order', 'jobs', ['status', 'priority', 'id'], unique=False)
+    op.drop_index('ix_plans_created_at', table_name='plans')
+    for field in _VALIDITY:
+        op.create_index(f'ix_plans_{field}', 'plans', [field], unique=False)

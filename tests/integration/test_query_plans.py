@@ -1,0 +1,94 @@
+"""The plans the databases choose for the hot statements: each through the index meant for it, with table statistics
+fresh (ANALYZE after a fill) or stale (as the migration left them, on an empty store), so that their cost stays flat
+in the plans and jobs a store keeps. ``bench/db_scale.py`` measures that cost at 100,000 plans; this guards the choice
+on a small store, fast."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from bench.db_scale import ENVS, fill, key
+from plancache.server.status_page import gather
+from plancache.store import Store
+from plancache.store.db import analyze
+
+
+@contextmanager
+def statements(store: Store) -> Iterator[list[tuple[str, Any]]]:
+    """The statements (SQL, parameters) run against the store while the block runs."""
+    seen: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        seen.append((statement, parameters))
+
+    sa.event.listen(store.engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", note)
+
+
+def plans_of(store: Store, call: Callable[[], Any], table: str) -> list[str]:
+    """The query plan of each statement ``call`` runs that reads ``table``."""
+    with statements(store) as seen:
+        call()
+    pg = store.engine.dialect.name == "postgresql"
+    out = []
+    with store.engine.connect() as conn:
+        if pg:
+            conn.exec_driver_sql("SET enable_seqscan = off")  # a small table: only a scan with no index left is one
+        for sql, params in seen:
+            if re.search(rf"\b(FROM|UPDATE) {table}\b", sql) and not sql.lstrip().upper().startswith("INSERT"):
+                rows = conn.exec_driver_sql(("EXPLAIN " if pg else "EXPLAIN QUERY PLAN ") + sql, params).all()
+                out.append("\n".join(str(r[-1]) for r in rows))
+    assert out, f"no statement read {table}"
+    return out
+
+
+@pytest.fixture(params=["stale", "analyzed"])
+def seeded(request: pytest.FixtureRequest, store: Store) -> Store:
+    """2,000 plans over 4 environments; 3,000 jobs of the others (queued and finished); 200 queued for ENVS[0]."""
+    fill(store, 2000, 3000)
+    if request.param == "analyzed":
+        with store.db.write() as conn:
+            analyze(conn)
+    return store
+
+
+def _scans(plan: str, table: str) -> bool:
+    """Whether ``plan`` reads ``table`` (or its alias) whole rather than seeking an index, or reading one in order (the
+    running jobs' index is read whole: a claim fails the expired leases among them)."""
+    return bool(re.search(rf"Seq Scan on {table}\b|^SCAN {table}\b(?! USING INDEX (ix_jobs_running|ix_plans_created_at"
+                          rf"|ix_misses_count))", plan, re.M))
+
+
+def test_resolve_seeks_the_keys_in_the_graph_key_index(seeded: Store) -> None:
+    keys = [key(i) for i in range(49)]
+    for plan in plans_of(seeded, lambda: (seeded.plan_versions(ENVS[0], keys), seeded.plan_records(ENVS[0], keys)),
+                         "plans"):
+        assert not _scans(plan, "plans"), plan
+        assert re.search(r"(uq_plans_graph_key_env_id|sqlite_autoindex_plans_1|ix_plans_graph_key)\b", plan), plan
+
+
+def test_a_claim_seeks_its_environments_active_jobs(seeded: Store, request: pytest.FixtureRequest) -> None:
+    if "stale-postgres" in request.node.name:
+        pytest.skip("Postgres chooses the claim's index from statistics (kept by ANALYZE after migrations, and by "
+                    "autovacuum): stale ones may read every environment's active jobs through uq_jobs_active_target")
+    plans = plans_of(seeded, lambda: seeded.claim(ENVS[0], "w", lease_seconds=60), "jobs")
+    claim = [p for p in plans if "ix_jobs_active_target" in p]
+    assert claim, plans
+    assert all(not _scans(p, "candidate") and not _scans(p, "jobs") for p in plans), plans
+    assert any("ix_jobs_running" in p for p in plans), plans  # the expired leases' step
+
+
+def test_the_status_page_reads_the_newest_plans_and_top_misses_in_index_order(seeded: Store) -> None:
+    seeded.record_misses(ENVS[0], [key(10_000 + i) for i in range(50)])
+    for table, index in (("plans", "ix_plans_created_at"), ("misses", "ix_misses_count")):
+        plan = plans_of(seeded, lambda: gather(seeded), table)[0]
+        assert index in plan and not _scans(plan, table) and "TEMP B-TREE FOR ORDER BY" not in plan, plan
