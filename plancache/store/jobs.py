@@ -38,7 +38,7 @@ from ..validation import INT64_MAX
 from .content import spec_exists
 from .db import Database, check_int, check_page, indexed_alias, upsert_insert
 from .environments import check_validity
-from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, jobs, worker_environments
+from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
 _ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
@@ -151,6 +151,15 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
     return row
 
 
+def tally_finished(conn: Connection, deltas: dict[str, int]) -> None:
+    """Add ``deltas`` (by final status) to the tallies of ended jobs, in the caller's transaction, which ends or deletes
+    those jobs. In status order, so that transactions that change both never wait for each other in a cycle."""
+    for status in sorted(deltas):
+        if deltas[status]:
+            conn.execute(sa.update(job_tallies).where(job_tallies.c.status == status)
+                         .values(count=job_tallies.c.count + deltas[status]))
+
+
 def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
                       graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> Row[Any]:
     """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time); the job's
@@ -165,6 +174,7 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
         sa.update(jobs).where(jobs.c.id == job_id)
         .values(status="succeeded", lease_expires_at=None, error=None, updated_at=now, finished_at=now)
     )
+    tally_finished(conn, {"succeeded": 1, "failed": -1 if row.status == "failed" else 0})
     return row
 
 
@@ -172,7 +182,7 @@ def _claim_statements() -> tuple[Any, Any]:
     """The two statements of a claim, built once (bound parameters: now, expires, stale, worker, token_hash,
     holder, targets: :func:`env_target_keys`)."""
     cand = indexed_alias(jobs, "candidate", "ix_jobs_running")
-    seek = indexed_alias(jobs, "candidate", "ix_jobs_active_target")
+    seek = indexed_alias(jobs, "candidate", "uq_jobs_active_target")
     now = sa.bindparam("now", type_=UTCDateTime)
     # A lease granted or extended more than a lease length in the future was granted by a clock that has since been
     # stepped back (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the
@@ -215,6 +225,8 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
+_ACTIVE = indexed_alias(jobs, "active", "uq_jobs_active_target")
+_COUNT_ACTIVE = sa.select(_ACTIVE.c.status, sa.func.count()).where(_ACTIVE_PREDICATE).group_by(_ACTIVE.c.status)
 
 
 def _insert_active(conn: Connection) -> Any:
@@ -335,7 +347,7 @@ class Jobs:
             now = self.db.now(conn)
             params = {"now": now, "expires": now + duration, "stale": now + duration, "worker": worker_id,
                       "token_hash": token_hash, "holder": holder, "targets": list(env_target_keys(env))}
-            conn.execute(_FAIL_EXHAUSTED, params)
+            tally_finished(conn, {"failed": conn.execute(_FAIL_EXHAUSTED, params).rowcount})
             row = conn.execute(_CLAIM, params).first()
             record_claimer(conn, env, now)
         return None if row is None else Claim(row_to_job(row), token)
@@ -380,6 +392,7 @@ class Jobs:
                         finished_at=now)
                 .returning(*jobs.c)
             ).one()
+            tally_finished(conn, {"failed": 1})
         return row_to_job(row)
 
     def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
@@ -400,6 +413,7 @@ class Jobs:
                         lease_expires_at=None, finished_at=None if requeue else now, **lease)
                 .returning(*jobs.c)
             ).one()
+            tally_finished(conn, {"failed": 0 if requeue else 1})
         return row_to_job(row)
 
     def completed_with(self, job_id: int, worker_id: str, lease_token: str, holder: str | None = None) -> bool:
@@ -432,8 +446,9 @@ class Jobs:
             return [row_to_job(r) for r in conn.execute(q)]
 
     def job_counts(self) -> dict[str, int]:
-        """Number of jobs in each status (every status present, zeros included)."""
+        """Number of jobs in each status (every status present, zeros included): the active ones counted in their
+        index (as many as are queued or running), the ended ones from their tallies."""
         with self.db.read() as conn:
-            rows = conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all()
-        counts: dict[str, int] = {status: n for status, n in rows}
+            counts: dict[str, int] = dict(conn.execute(_COUNT_ACTIVE).all())
+            counts.update(conn.execute(sa.select(job_tallies.c.status, job_tallies.c.count)).all())
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}

@@ -23,6 +23,7 @@ metadata = sa.MetaData(
 )
 
 ACTIVE_JOB_STATUSES = ("queued", "running")
+FINISHED_JOB_STATUSES = ("failed", "succeeded")
 JOB_SOURCES: tuple[str, ...] = get_args(JobSource)
 
 
@@ -106,21 +107,29 @@ jobs = sa.Table(
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
     sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
     sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
-    # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches, and the
-    # running jobs (whose leases may have expired). No index starts with ``status``: a planner without statistics
-    # took one for the claim's and read every environment's queue.
-    sa.Index("ix_jobs_active_target", "target_key", "status", sqlite_where=sa.text("status IN ('queued', 'running')"),
-             postgresql_where=sa.text("status IN ('queued', 'running')")),
+    # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches (the active
+    # jobs' unique index, led by the target key), and the running jobs (whose leases may have expired). No other index
+    # of active jobs, and none led by ``status``: a planner without statistics took one for the claim's lookup and
+    # read every environment's queue.
     sa.Index("ix_jobs_running", "lease_token_hash", sqlite_where=sa.text("status = 'running'"),
              postgresql_where=sa.text("status = 'running'")),
     sa.Index(
         "uq_jobs_active_target",
-        "graph_key",
         "target_key",
+        "graph_key",
         unique=True,
         sqlite_where=sa.text("status IN ('queued', 'running')"),
         postgresql_where=sa.text("status IN ('queued', 'running')"),
     ),
+)
+
+# How many jobs ended in each final status (FINISHED_JOB_STATUSES, one row each), kept by every transaction that ends
+# or deletes jobs (store/jobs.py, tally_finished): /ui and /metrics read them instead of counting history.
+job_tallies = sa.Table(
+    "job_tallies",
+    metadata,
+    sa.Column("status", sa.String(16), primary_key=True),
+    sa.Column("count", sa.BigInteger, nullable=False),
 )
 
 plans = sa.Table(
