@@ -12,6 +12,7 @@ autovacuum off), unless ``--analyze``. Per size, medians of ``--runs``:
 - ``resolve_ms`` / ``resolve_cpu_ms``: the server's records-only resolve of 49 stored keys (``_answer_heads`` of
   ``POST /v1/plans/resolve``) with an empty record memo, so the records are read: wall time and this process's CPU;
 - ``versions_ms``: its first query alone (a warm memo's whole database cost);
+- ``explain_ms``: explain of those 49 keys (each with a plan here, and finished jobs elsewhere);
 - ``claim_ms``: one claim handing out a job of the claiming environment (median of ``--claims``), ``poll_ms``: a
   claim for an environment with nothing queued;
 - ``ui_ms``: what ``/ui`` reads (``status_page.gather``), ``metrics_ms``: what ``/metrics`` reads (``job_counts``).
@@ -153,6 +154,7 @@ def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[s
         out: dict[str, Any] = {"plans": plans, "jobs": jobs, "fill_s": round(filled, 1)}
         out["resolve_ms"], out["resolve_cpu_ms"] = median_ms(resolve, args.runs)
         out["versions_ms"], _ = median_ms(lambda: store.plan_versions(ENVS[0], keys), args.runs)
+        out["explain_ms"], _ = median_ms(lambda: store.explain_misses(ENVS[0], keys), args.runs)
         out["claim_ms"], _ = median_ms(claim, min(args.claims, OWN_JOBS))
         out["poll_ms"], _ = median_ms(poll, args.runs)
         out["ui_ms"], _ = median_ms(lambda: gather(store), max(3, args.runs // 10))

@@ -84,7 +84,7 @@ jobs = sa.Table(
     "jobs",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
+    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False),
     *_env_columns(VALIDITY_FIELDS, nullable=True),
     # Canonical JSON of the target (NULLs included): the de-duplication key, since NULL never equals NULL.
     sa.Column("target_key", sa.String(256), nullable=False),
@@ -107,6 +107,7 @@ jobs = sa.Table(
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
     sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
     sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
+    sa.Index("ix_jobs_graph_key_target_key", "graph_key", "target_key"),  # explain: a key's jobs for an environment
     # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches (the active
     # jobs' unique index, led by the target key), and the running jobs (whose leases may have expired). No other index
     # of active jobs, and none led by ``status``: a planner without statistics took one for the claim's lookup and
@@ -157,7 +158,7 @@ plans = sa.Table(
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     # No index on a validity field (env_id is their digest): a planner without statistics took one for resolve's
-    # lookup by graph keys and read every plan of the SM (store/environments.py, keyed_env).
+    # lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
     sa.UniqueConstraint("graph_key", "env_id"),
     sa.Index("ix_plans_created_at", "created_at", "id"),  # the newest records first (/ui, plans list)
 )

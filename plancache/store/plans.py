@@ -8,18 +8,17 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Row
 
 from .. import errors
-from ..environment import VALIDITY_FIELDS, Environment
+from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
-from .environments import check_validity, env_columns, env_from_row, keyed_env, same_env, unindexed
+from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
 from .jobs import complete_held_job
 from .misses import Misses
 from .models import plan_candidates, plans, withdrawals
@@ -58,27 +57,14 @@ class PlanVersion(NamedTuple):
 _WRITTEN = sa.type_coerce(plans.c.created_at, sa.String).label("written")
 
 
-def _by_keys(columns: list[Any], postgres: bool) -> sa.Select[Any]:
-    """``columns`` of the plans of some graph keys (``keys``, a list) on one environment's validity fields (each its
-    own parameter), through the ``(graph_key, env_id)`` index whatever the planner's statistics say: on SQLite no
-    other index can serve the WHERE (:func:`~.environments.keyed_env`); on Postgres, which would scan the table for a
-    long list of keys that stale statistics make look unselective, each key is a lookup of its own (one row of a
-    unique index: a seek at any size of table)."""
-    env = [plans.c[f] == sa.bindparam(f) for f in VALIDITY_FIELDS]
-    if not postgres:
-        return sa.select(*columns).where(plans.c.graph_key.in_(sa.bindparam("keys", expanding=True)),
-                                         unindexed(plans.c.env_id) == sa.bindparam("env_id"), *env)
-    keys = sa.func.unnest(sa.bindparam("keys", type_=postgresql.ARRAY(sa.String))).table_valued("key").render_derived("keys")
-    one = (sa.select(*columns).where(plans.c.graph_key == keys.c.key, plans.c.env_id == sa.bindparam("env_id"), *env)
-           .limit(1).lateral("found"))
-    return sa.select(one).select_from(keys.join(one, sa.true()))
-
-
-#: The versions of the plans of some graph keys (see :func:`_by_keys`), by dialect: built once, so a resolve compiles
-#: nothing and converts no value but its parameters.
-_VERSIONS = {postgres: _by_keys([plans.c.graph_key, plans.c.env_id, plans.c.id, plans.c.revision, plans.c.blob_sha256,
-                                 plans.c.blob_size, _WRITTEN], postgres) for postgres in (False, True)}
-_RECORDS = {postgres: _by_keys([*plans.c, _WRITTEN], postgres) for postgres in (False, True)}
+#: The versions and records of the plans, and the withdrawals, of some graph keys on one environment
+#: (:func:`~.environments.by_keys`), by dialect: built once, so a resolve compiles nothing and converts no value but its
+#: parameters.
+_VERSIONS = {postgres: by_keys(plans, [plans.c.graph_key, plans.c.env_id, plans.c.id, plans.c.revision,
+                                       plans.c.blob_sha256, plans.c.blob_size, _WRITTEN], postgres)
+             for postgres in (False, True)}
+_RECORDS = {postgres: by_keys(plans, [*plans.c, _WRITTEN], postgres) for postgres in (False, True)}
+WITHDRAWALS_OF_KEYS = {postgres: by_keys(withdrawals, list(withdrawals.c), postgres) for postgres in (False, True)}
 
 
 def row_to_record(row: Row[Any]) -> PlanRecord:
@@ -309,9 +295,9 @@ class Plans(Misses):
         """The withdrawals stored for ``graph_keys`` on exactly this environment's validity fields, by graph key."""
         if not graph_keys:
             return {}
-        q = sa.select(withdrawals).where(withdrawals.c.graph_key.in_(set(graph_keys)), *keyed_env(withdrawals, env))
         with self.db.read() as conn:
-            return {row.graph_key: row_to_withdrawal(row) for row in conn.execute(q)}
+            rows = conn.execute(WITHDRAWALS_OF_KEYS[conn.dialect.name == "postgresql"], key_params(set(graph_keys), env))
+            return {row.graph_key: row_to_withdrawal(row) for row in rows}
 
     def get_plan(self, graph_key: str, env: Environment) -> PlanRecord | None:
         """The record for ``graph_key`` on exactly this environment's validity fields."""
@@ -341,8 +327,7 @@ class Plans(Misses):
         if not graph_keys:
             return {}
         with self.db.read() as conn:
-            rows = conn.execute(_VERSIONS[conn.dialect.name == "postgresql"],
-                                {"keys": list(graph_keys), "env_id": env.env_id, **env.validity()})
+            rows = conn.execute(_VERSIONS[conn.dialect.name == "postgresql"], key_params(graph_keys, env))
             return {row[0]: PlanVersion(*row) for row in rows}
 
     def plan_records(self, env: Environment, graph_keys: Collection[str]) -> dict[str, tuple[PlanVersion, PlanRecord]]:
@@ -350,10 +335,8 @@ class Plans(Misses):
         versions, by graph key. Nothing is recorded."""
         if not graph_keys:
             return {}
-        check_validity(env.validity())
         with self.db.read() as conn:
-            rows = conn.execute(_RECORDS[conn.dialect.name == "postgresql"],
-                                {"keys": list(graph_keys), "env_id": env.env_id, **env.validity()}).all()
+            rows = conn.execute(_RECORDS[conn.dialect.name == "postgresql"], key_params(graph_keys, env)).all()
         return {row.graph_key: (PlanVersion(row.graph_key, row.env_id, row.id, row.revision, row.blob_sha256,
                                             row.blob_size, row.written), row_to_record(row)) for row in rows}
 
