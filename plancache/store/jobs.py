@@ -225,8 +225,12 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
-_ACTIVE = indexed_alias(jobs, "active", "uq_jobs_active_target")
-_COUNT_ACTIVE = sa.select(_ACTIVE.c.status, sa.func.count()).where(_ACTIVE_PREDICATE).group_by(_ACTIVE.c.status)
+#: How many jobs are active, and how many of them running: each a count of its partial index, read whole (no row).
+_COUNT_ACTIVE = sa.select(
+    sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
+    .where(_ACTIVE_PREDICATE).scalar_subquery(),
+    sa.select(sa.func.count()).select_from(running := indexed_alias(jobs, "running", "ix_jobs_running"))
+    .where(running.c.status == _RUNNING).scalar_subquery())
 
 
 def _insert_active(conn: Connection) -> Any:
@@ -449,6 +453,7 @@ class Jobs:
         """Number of jobs in each status (every status present, zeros included): the active ones counted in their
         index (as many as are queued or running), the ended ones from their tallies."""
         with self.db.read() as conn:
-            counts: dict[str, int] = dict(conn.execute(_COUNT_ACTIVE).all())
+            active, running = conn.execute(_COUNT_ACTIVE).one()
+            counts: dict[str, int] = {"queued": active - running, "running": running}
             counts.update(conn.execute(sa.select(job_tallies.c.status, job_tallies.c.count)).all())
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}
