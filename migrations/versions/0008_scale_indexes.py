@@ -4,8 +4,8 @@ The one-column indexes on the plans' validity fields go (``env_id`` is their dig
 statistics chose them over the ``(graph_key, env_id)`` index that resolve needs, and read every plan of the SM.
 A claim seeks the active jobs of the target keys its environment matches (``uq_jobs_active_target``, led by the
 target key) and the running jobs (``ix_jobs_running``, in place of ``ix_jobs_claim_order``, which led planners to
-every queue). Explain reads a key's jobs for the targets an environment matches (``ix_jobs_graph_key_target_key``,
-in place of ``ix_jobs_graph_key``). The newest plans and the most missed graphs are read in index order (``ix_plans_created_at``,
+every queue). Explain reads the newest job of a key for the targets an environment matches
+(``ix_jobs_graph_key_target_key_id``, in place of ``ix_jobs_graph_key``). The newest plans and the most missed graphs are read in index order (``ix_plans_created_at``,
 ``ix_misses_count``). How many jobs ended in each final status is kept in ``job_tallies``, counted here once.
 
 Revision ID: 0008
@@ -39,7 +39,7 @@ def upgrade() -> None:
     op.create_index('uq_jobs_active_target', 'jobs', ['target_key', 'graph_key'], unique=True,
                     sqlite_where=_ACTIVE, postgresql_where=_ACTIVE)
     op.drop_index('ix_jobs_graph_key', table_name='jobs')
-    op.create_index('ix_jobs_graph_key_target_key', 'jobs', ['graph_key', 'target_key'], unique=False)
+    op.create_index('ix_jobs_graph_key_target_key_id', 'jobs', ['graph_key', 'target_key', 'id'], unique=False)
     op.create_index('ix_jobs_running', 'jobs', ['lease_token_hash'], unique=False,
                     sqlite_where=_RUNNING, postgresql_where=_RUNNING)
     op.create_index('ix_misses_count', 'misses', ['count', 'last_seen'], unique=False)
@@ -55,7 +55,7 @@ def downgrade() -> None:
     op.drop_table('job_tallies')
     op.drop_index('ix_misses_count', table_name='misses')
     op.drop_index('ix_jobs_running', table_name='jobs')
-    op.drop_index('ix_jobs_graph_key_target_key', table_name='jobs')
+    op.drop_index('ix_jobs_graph_key_target_key_id', table_name='jobs')
     op.create_index('ix_jobs_graph_key', 'jobs', ['graph_key'], unique=False)
     op.drop_index('uq_jobs_active_target', table_name='jobs')
     op.create_index('uq_jobs_active_target', 'jobs', ['graph_key', 'target_key'], unique=True,

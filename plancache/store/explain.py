@@ -22,13 +22,19 @@ ERROR_CHARS = 300
 #: The miss counts of some graph keys on one environment, and the validity fields of every plan of some graph keys, by
 #: dialect (:func:`~.environments.by_keys`).
 _MISSES = {postgres: by_keys(misses, [misses.c.graph_key, misses.c.count], postgres) for postgres in (False, True)}
-#: The jobs of some graph keys whose target is one of ``targets`` (those an environment matches), in no order: a
-#: database asked for them newest first could walk every job in id order.
-_JOBS = {postgres: by_keys(jobs, list(jobs.c), postgres, on_env=False,
-                           where=(jobs.c.target_key.in_(sa.bindparam("targets", expanding=True)),))
-         for postgres in (False, True)}
 _ELSEWHERE = {postgres: by_keys(plans, [plans.c.graph_key, *(plans.c[f] for f in VALIDITY_FIELDS)], postgres,
                                 on_env=False) for postgres in (False, True)}
+
+
+def _newest_jobs(postgres: bool) -> sa.Select[Any]:
+    """The id of the newest job of each of some graph keys whose target is one of ``targets`` (those an environment
+    matches), read from the index of (graph_key, target_key, id) (:func:`~.environments.by_keys`)."""
+    q = by_keys(jobs, [sa.func.max(jobs.c.id)], postgres, on_env=False,
+                where=(jobs.c.target_key.in_(sa.bindparam("targets", expanding=True)),))
+    return q if postgres else q.group_by(jobs.c.graph_key)
+
+
+_NEWEST_JOBS = {postgres: _newest_jobs(postgres) for postgres in (False, True)}
 
 
 class Explanations:
@@ -36,7 +42,7 @@ class Explanations:
 
     def explain_misses(self, env: Environment, graph_keys: list[str], *,
                        autotune: AutotunePolicy | None = None) -> dict[str, MissReason]:
-        """A :class:`~plancache.protocol.MissReason` for each distinct key: six queries whatever the count.
+        """A :class:`~plancache.protocol.MissReason` for each distinct key: seven queries whatever the count.
         ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it). A
         queued job on an environment no worker claimed for within the policy's worker window (default when off)
         says so: nothing will run it."""
@@ -52,11 +58,9 @@ class Explanations:
             window = (autotune or AutotunePolicy()).worker_window
             served = served_at is not None and served_at >= self.db.now(conn) - window
             registered = set(conn.execute(sa.select(specs.c.graph_key).where(specs.c.graph_key.in_(keys))).scalars())
-            latest: dict[str, Any] = {}
-            targets = {"targets": list(env_target_keys(env))}
-            for row in sorted(conn.execute(_JOBS[postgres], {**key_params(keys), **targets}), key=lambda r: r.id):
-                latest[row.graph_key] = row
-            newest = {key: row_to_job(row) for key, row in latest.items()}
+            ids = [i for i in conn.execute(_NEWEST_JOBS[postgres], {**key_params(keys), "targets": list(
+                env_target_keys(env))}).scalars() if i is not None]
+            newest = {row.graph_key: row_to_job(row) for row in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids)))}
             elsewhere: dict[str, list[list[str]]] = {}
             for row in conn.execute(_ELSEWHERE[postgres], key_params(keys)):
                 m = row._mapping

@@ -41,7 +41,7 @@ from .environments import check_validity
 from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
-_ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
+_ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial indexes' WHERE
 #: 'running' as a literal of the statement, not a parameter: only then may a planner use the index of running jobs.
 _RUNNING: sa.ColumnElement[str] = sa.literal_column("'running'")
 #: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
@@ -205,7 +205,7 @@ def _claim_statements() -> tuple[Any, Any]:
     best = (
         sa.select(seek.c.id)
         .where(seek.c.target_key.in_(sa.bindparam("targets", expanding=True)),
-               sa.text("candidate.status IN ('queued', 'running')"),
+               _ACTIVE_PREDICATE,
                sa.or_(seek.c.status == "queued", sa.and_(expired(seek), seek.c.attempts < seek.c.max_attempts)))
         .order_by(seek.c.priority.desc(), seek.c.id.asc())
         .limit(1)
@@ -225,7 +225,7 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
-#: How many jobs are active, and how many of them running: each a count of its partial index, read whole (no row).
+#: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.
 _COUNT_ACTIVE = sa.select(
     sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
     .where(_ACTIVE_PREDICATE).scalar_subquery(),

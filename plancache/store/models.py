@@ -107,7 +107,8 @@ jobs = sa.Table(
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
     sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
     sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
-    sa.Index("ix_jobs_graph_key_target_key", "graph_key", "target_key"),  # explain: a key's jobs for an environment
+    # explain: the newest job of a key for an environment
+    sa.Index("ix_jobs_graph_key_target_key_id", "graph_key", "target_key", "id"),
     # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches (the active
     # jobs' unique index, led by the target key), and the running jobs (whose leases may have expired). No other index
     # of active jobs, and none led by ``status``: a planner without statistics took one for the claim's lookup and

@@ -78,10 +78,10 @@ def test_resolve_seeks_the_keys_in_the_graph_key_index(seeded: Store) -> None:
 
 def test_explain_reads_the_rows_of_its_keys(seeded: Store) -> None:
     keys = [key(i) for i in range(49)]
-    for table, index in (("jobs", "ix_jobs_graph_key_target_key"), ("plans", "graph_key"), ("misses", "graph_key"),
+    for table, index in (("jobs", "ix_jobs_graph_key_target_key_id"), ("plans", "graph_key"), ("misses", "graph_key"),
                          ("withdrawals", "graph_key")):
-        for plan in plans_of(seeded, lambda: seeded.explain_misses(ENVS[0], keys), table):
-            assert index in plan and not _scans(plan, table), plan
+        plans = plans_of(seeded, lambda: seeded.explain_misses(ENVS[0], keys), table)
+        assert any(index in plan for plan in plans) and not any(_scans(plan, table) for plan in plans), plans
 
 
 def test_a_claim_seeks_its_environments_active_jobs(seeded: Store) -> None:
