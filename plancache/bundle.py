@@ -305,4 +305,6 @@ def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | No
         store.publish_plan(meta, plan.blob, replace=plan.record.graph_key in replaced)
         if progress:
             progress(done, len(plans))
+    if plans:
+        store.analyze()  # a bulk change
     return ImportReport(environment, len(plans) - unchanged, unchanged, bool(trusted_keys), older)

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from ..settings import StoreSettings
 from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
-from .db import Database
+from .db import Database, analyze
 from .explain import Explanations
 from .jobs import Jobs
 from .plans import Plans
@@ -51,6 +51,11 @@ class Store(SpecsAndBlobs, Plans, Jobs, Tokens, Explanations):
     def upgrade(self) -> None:
         """Apply the Alembic migrations up to head."""
         self.db.upgrade()
+
+    def analyze(self) -> None:
+        """Refresh the planner's table statistics (after a bulk change: :func:`~.db.analyze`)."""
+        with self.db.write() as conn:
+            analyze(conn)
 
     def ping(self) -> None:
         """Raise if the database is unreachable (for ``/readyz``)."""

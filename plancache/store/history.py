@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .db import analyze
 from .jobs import tally_finished
 from .models import FINISHED_JOB_STATUSES, jobs, misses, plans, withdrawals
 
@@ -62,8 +61,7 @@ def prune_history(store: Store, *, jobs_older_than: timedelta | None = None,
         counts["withdrawals"] = _prune(store, withdrawals, [withdrawals.c.id], dry_run,
                                        withdrawals.c.created_at < now - withdrawals_older_than)
     if not dry_run and any(counts.values()):
-        with store.db.write() as conn:
-            analyze(conn)
+        store.analyze()
     return PruneReport(dry_run, jobs_deleted=counts.get("jobs", 0), misses_deleted=counts.get("misses", 0),
                        withdrawals_deleted=counts.get("withdrawals", 0))
 

@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from ..blobs import ObjectStoreBlobs
 from ..blobs.folder import StoredFile
 from .blobs import ContentBlobs, FileBlobs
-from .db import analyze, lock_against_writers
+from .db import lock_against_writers
 from .models import blobs, plans
 
 if TYPE_CHECKING:
@@ -106,8 +106,7 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
     else:
         n, size = _delete_blobs(store, cutoff)
     if not dry_run and (by_env or n):
-        with store.db.write() as conn:
-            analyze(conn)  # a bulk change
+        store.analyze()  # a bulk change
     temporaries, orphans = _leftover_files(store, cutoff, dry_run=dry_run)
     orphan_objects, object_bytes = _leftover_objects(store, cutoff, dry_run=dry_run)
     return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,

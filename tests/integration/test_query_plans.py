@@ -104,3 +104,12 @@ def test_job_counts_count_only_active_jobs_in_their_index(seeded: Store) -> None
     """Ended jobs are counted from their tallies (tests/integration/test_history.py), not read."""
     (plan,) = plans_of(seeded, seeded.job_counts, "jobs")
     assert "uq_jobs_active_target" in plan and "Seq Scan" not in plan, plan
+
+
+def test_migrating_leaves_table_statistics(store: Store) -> None:
+    """``upgrade`` runs ANALYZE: the planner knows the tables from the start (the statements above need it not)."""
+    with store.engine.connect() as conn:
+        if store.engine.dialect.name == "postgresql":  # -1: never analyzed
+            assert conn.exec_driver_sql("SELECT reltuples FROM pg_class WHERE relname = 'jobs'").scalar() >= 0
+        else:
+            assert conn.exec_driver_sql("SELECT count(*) FROM sqlite_master WHERE name = 'sqlite_stat1'").scalar() == 1
