@@ -4,9 +4,9 @@
                              [--runs 50] [--claims 200] [--analyze] [--json OUT]
 
 Each size is ``PLANS:JOBS``: a fresh database (migrated by this checkout's ``open_store``) is filled in a few
-``INSERT … SELECT`` statements with PLANS plan records over 4 environments and JOBS jobs for the other environments
-(up to 20,000 queued, the rest finished, as a fleet's history leaves them), then 200 jobs queued for the
-environment that claims. Table statistics are as the migration left them (no ``ANALYZE`` after the fill, as with
+``INSERT … SELECT`` statements with PLANS plan records over 4 environments and JOBS jobs: up to 20,000 queued for the
+other environments, the rest finished on every environment (as a fleet's history leaves them); then 200 jobs queued
+for the environment that claims. Table statistics are as the migration left them (no ``ANALYZE`` after the fill, as with
 autovacuum off), unless ``--analyze``. Per size, medians of ``--runs``:
 
 - ``resolve_ms`` / ``resolve_cpu_ms``: the server's records-only resolve of 49 stored keys (``_answer_heads`` of
@@ -73,7 +73,7 @@ def key(i: int) -> str:
 
 
 def fill(store: Store, plans: int, jobs: int) -> None:
-    """PLANS records over :data:`ENVS`, JOBS jobs of the other environments (queued then finished), and
+    """PLANS records over :data:`ENVS`, JOBS jobs (queued for the other environments, then finished on each), and
     :data:`OWN_JOBS` queued for ``ENVS[0]``."""
     per_env = plans // len(ENVS)
     queued = min(jobs, QUEUED_ELSEWHERE)

@@ -5,8 +5,9 @@ statistics chose them over the ``(graph_key, env_id)`` index that resolve needs,
 A claim seeks the active jobs of the target keys its environment matches (``uq_jobs_active_target``, led by the
 target key) and the running jobs (``ix_jobs_running``, in place of ``ix_jobs_claim_order``, which led planners to
 every queue). Explain reads the newest job of a key for the targets an environment matches
-(``ix_jobs_graph_key_target_key_id``, in place of ``ix_jobs_graph_key``). The newest plans and the most missed graphs are read in index order (``ix_plans_created_at``,
-``ix_misses_count``). How many jobs ended in each final status is kept in ``job_tallies``, counted here once.
+(``ix_jobs_graph_key_target_key_id``, in place of ``ix_jobs_graph_key``). The newest plans and the most missed
+graphs are read in index order (``ix_plans_created_at``, ``ix_misses_count``). How many jobs ended in each final
+status is kept in ``job_tallies``, counted here once.
 
 Revision ID: 0008
 Revises: 0007
