@@ -163,7 +163,7 @@ def tally_finished(conn: Connection, deltas: dict[str, int]) -> None:
 def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
                       graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> Row[Any]:
     """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time); the job's
-    row as it was before."""
+    row as it was before, for :func:`tally_completion`."""
     row = held_job(conn, job_id, worker_id, lease_token, holder, completing=True)
     if row.graph_key != graph_key:
         raise errors.Conflict(f"job {job_id} is for graph key {row.graph_key}, not {graph_key}")
@@ -174,8 +174,13 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
         sa.update(jobs).where(jobs.c.id == job_id)
         .values(status="succeeded", lease_expires_at=None, error=None, updated_at=now, finished_at=now)
     )
-    tally_finished(conn, {"succeeded": 1, "failed": -1 if row.status == "failed" else 0})
     return row
+
+
+def tally_completion(conn: Connection, row: Row[Any]) -> None:
+    """Count the completion of the job ``row`` (as :func:`complete_held_job` returned it) in the tallies: last in its
+    transaction, since on Postgres every other transaction that ends a job waits for the tally's row until the commit."""
+    tally_finished(conn, {"succeeded": 1, "failed": -1 if row.status == "failed" else 0})
 
 
 def _claim_statements() -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ from .blobs import BlobStore, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
 from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
-from .jobs import complete_held_job
+from .jobs import complete_held_job, tally_completion
 from .misses import Misses
 from .models import plan_candidates, plans, withdrawals
 
@@ -223,6 +223,8 @@ class Plans(Misses):
                     conn.execute(sa.insert(plan_candidates).values(plan_id=row.id, **_candidate_values(candidates)))
             if blob is not None:  # the database's bytes, in their row
                 self.blob_store.put(conn, meta.blob_sha256, blob)
+            if job is not None:
+                tally_completion(conn, job)
         return row_to_record(row)
 
     def _check_spec(self, graph_key: str) -> None:
