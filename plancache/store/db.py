@@ -16,6 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.selectable import Alias
+from sqlalchemy.sql.visitors import InternalTraversal
 
 from ..errors import InvalidValue, SchemaNotReady, SchemaTooNew
 from ..validation import INT32_MAX, INT64_MAX
@@ -161,8 +162,8 @@ SQLITE_ANALYSIS_LIMIT = 1000
 
 def analyze(conn: Connection) -> None:
     """Refresh the planner's statistics of every table, in the caller's transaction: after migrations and bulk
-    changes. (The statements that must not depend on them name their index on SQLite; on Postgres no index that
-    could mislead them exists, and autovacuum, which may be off, keeps statistics in between.)"""
+    changes. The statements whose cost must stay flat in a store's size do not depend on them (:func:`indexed_alias`,
+    :func:`~.environments.by_keys`); the others do, and Postgres' autovacuum, which may be off, keeps them between."""
     if conn.dialect.name == "sqlite":
         conn.exec_driver_sql(f"PRAGMA analysis_limit = {SQLITE_ANALYSIS_LIMIT}")
     conn.exec_driver_sql("ANALYZE")
@@ -174,6 +175,8 @@ class IndexedAlias(Alias):
 
     inherit_cache = True
     index: str
+    # the index is part of a statement's cache key: two statements that differ only there compile apart
+    _traverse_internals = [*Alias._traverse_internals, ("index", InternalTraversal.dp_string)]
 
 
 def indexed_alias(table: sa.Table, name: str, index: str) -> IndexedAlias:

@@ -50,7 +50,7 @@ def by_keys(table: sa.Table, columns: list[Any], postgres: bool, *, on_env: bool
     those led by ``graph_key``: a planner that takes an index on ``env_id`` (whose rows stale statistics may show as
     few) reads every row of the environment. On Postgres, which scans a table for a long list of keys that stale
     statistics make look unselective, each key is a lookup of its own, in a subquery the planner cannot merge into a
-    join (its LIMIT 1, on ``(graph_key, env_id)``, which is unique in these tables; or OFFSET 0)."""
+    join: its LIMIT 1 on one environment, where ``graph_key`` and ``env_id`` are unique in these tables, or OFFSET 0."""
     env = [*where, *(table.c[f] == sa.bindparam(f) for f in VALIDITY_FIELDS if on_env)]
     if not postgres:
         if on_env:

@@ -28,7 +28,7 @@ _ELSEWHERE = {postgres: by_keys(plans, [plans.c.graph_key, *(plans.c[f] for f in
 
 def _newest_jobs(postgres: bool) -> sa.Select[Any]:
     """The id of the newest job of each of some graph keys whose target is one of ``targets`` (those an environment
-    matches), read from the index of (graph_key, target_key, id) (:func:`~.environments.by_keys`)."""
+    matches), read from the index of graph_key, target_key and id: :func:`~.environments.by_keys`."""
     q = by_keys(jobs, [sa.func.max(jobs.c.id)], postgres, on_env=False,
                 where=(jobs.c.target_key.in_(sa.bindparam("targets", expanding=True)),))
     return q if postgres else q.group_by(jobs.c.graph_key)

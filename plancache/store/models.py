@@ -111,8 +111,8 @@ jobs = sa.Table(
     sa.Index("ix_jobs_graph_key_target_key_id", "graph_key", "target_key", "id"),
     # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches (the active
     # jobs' unique index, led by the target key), and the running jobs (whose leases may have expired). No other index
-    # of active jobs, and none led by ``status``: a planner without statistics took one for the claim's lookup and
-    # read every environment's queue.
+    # of active jobs, and none led by ``status``: a planner without statistics would take one for the claim's lookup
+    # and read every environment's queue.
     sa.Index("ix_jobs_running", "lease_token_hash", sqlite_where=sa.text("status = 'running'"),
              postgresql_where=sa.text("status = 'running'")),
     sa.Index(
@@ -158,8 +158,8 @@ plans = sa.Table(
     sa.Column("numerics_check", sa.String(32), nullable=False, server_default="reference"),
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
-    # No index on a validity field (env_id is their digest): a planner without statistics took one for resolve's
-    # lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
+    # No index on a validity field (env_id is their digest): a planner without statistics would take one for
+    # resolve's lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
     sa.UniqueConstraint("graph_key", "env_id"),
     sa.Index("ix_plans_created_at", "created_at", "id"),  # the newest records first (/ui, plans list)
 )
