@@ -113,3 +113,14 @@ def test_migrating_leaves_table_statistics(store: Store) -> None:
             assert conn.exec_driver_sql("SELECT reltuples FROM pg_class WHERE relname = 'jobs'").scalar() >= 0
         else:
             assert conn.exec_driver_sql("SELECT count(*) FROM sqlite_master WHERE name = 'sqlite_stat1'").scalar() == 1
+
+
+def test_statements_differing_only_in_the_named_index_compile_apart() -> None:
+    from sqlalchemy.dialects import sqlite
+
+    from plancache.store.db import indexed_alias
+    from plancache.store.models import jobs
+
+    first, second = (sa.select(indexed_alias(jobs, "j", index).c.id) for index in ("ix_one", "ix_two"))
+    assert first._generate_cache_key() != second._generate_cache_key()
+    assert "INDEXED BY ix_two" in str(second.compile(dialect=sqlite.dialect()))
