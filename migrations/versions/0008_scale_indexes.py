@@ -4,7 +4,7 @@ The one-column indexes on the plans' validity fields go (``env_id`` is their dig
 statistics chose them over the ``(graph_key, env_id)`` index that resolve needs, and read every plan of the SM.
 A claim seeks the active jobs of the target keys its environment matches (``uq_jobs_active_target``, led by the
 target key) and the running jobs (``ix_jobs_running``, in place of ``ix_jobs_claim_order``, which led planners to
-every queue). Explain reads the newest job of a key for the targets an environment matches
+every queue; ``ix_jobs_finished`` lists the ended jobs of a status). Explain reads the newest job of a key for the targets an environment matches
 (``ix_jobs_graph_key_target_key_id``, in place of ``ix_jobs_graph_key``). The newest plans and the most missed
 graphs are read in index order (``ix_plans_created_at``, ``ix_misses_count``). How many jobs ended in each final
 status is kept in ``job_tallies``, counted here once.
@@ -29,6 +29,7 @@ _VALIDITY = ('sm', 'sm_count', 'cudnn_version', 'driver_version', 'frontend_vers
 _ACTIVE = sa.text("status IN ('queued', 'running')")
 _RUNNING = sa.text("status = 'running'")
 _FINISHED = ('failed', 'succeeded')
+_FINISHED_WHERE = sa.text("status IN ('failed', 'succeeded')")
 
 
 def upgrade() -> None:
@@ -43,6 +44,8 @@ def upgrade() -> None:
     op.create_index('ix_jobs_graph_key_target_key_id', 'jobs', ['graph_key', 'target_key', 'id'], unique=False)
     op.create_index('ix_jobs_running', 'jobs', ['lease_token_hash'], unique=False,
                     sqlite_where=_RUNNING, postgresql_where=_RUNNING)
+    op.create_index('ix_jobs_finished', 'jobs', ['status', 'id'], unique=False, sqlite_where=_FINISHED_WHERE,
+                    postgresql_where=_FINISHED_WHERE)
     op.create_index('ix_misses_count', 'misses', ['count', 'last_seen'], unique=False)
     tallies = op.create_table('job_tallies', sa.Column('status', sa.String(length=16), nullable=False),
                               sa.Column('count', sa.BigInteger(), nullable=False),
@@ -55,6 +58,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table('job_tallies')
     op.drop_index('ix_misses_count', table_name='misses')
+    op.drop_index('ix_jobs_finished', table_name='jobs')
     op.drop_index('ix_jobs_running', table_name='jobs')
     op.drop_index('ix_jobs_graph_key_target_key_id', table_name='jobs')
     op.create_index('ix_jobs_graph_key', 'jobs', ['graph_key'], unique=False)

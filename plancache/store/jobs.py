@@ -230,6 +230,10 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
+#: Per status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement.
+_STATUS_INDEX = {"queued": ("uq_jobs_active_target", _ACTIVE_PREDICATE),
+                 "running": ("ix_jobs_running", sa.text("status = 'running'")),
+                 **{s: ("ix_jobs_finished", sa.text("status IN ('failed', 'succeeded')")) for s in ("failed", "succeeded")}}
 #: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.
 _COUNT_ACTIVE = sa.select(
     sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
@@ -446,11 +450,17 @@ class Jobs:
         check_page(limit, offset)
         if status is not None and status not in JOB_STATUSES:
             raise errors.InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
-        q = sa.select(jobs).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
-        if status is not None:
-            q = q.where(jobs.c.status == status)
+        table: Any = jobs
+        where: list[Any]
         if graph_key is not None:
-            q = q.where(jobs.c.graph_key == graph_key)
+            where = [jobs.c.graph_key == graph_key, *([] if status is None else [jobs.c.status == status])]
+        elif status is not None:  # through the partial index of its status, not every job newest first
+            index, predicate = _STATUS_INDEX[status]
+            table = indexed_alias(jobs, "listed", index)
+            where = [predicate, table.c.status == status]
+        else:
+            where = []
+        q = sa.select(table).where(*where).order_by(table.c.id.desc()).limit(limit).offset(offset)
         with self.db.read() as conn:
             return [row_to_job(r) for r in conn.execute(q)]
 

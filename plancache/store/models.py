@@ -115,6 +115,9 @@ jobs = sa.Table(
     # and read every environment's queue.
     sa.Index("ix_jobs_running", "lease_token_hash", sqlite_where=sa.text("status = 'running'"),
              postgresql_where=sa.text("status = 'running'")),
+    # The ended jobs of a status, newest first (GET /v1/jobs?status=): an index that no claim can use.
+    sa.Index("ix_jobs_finished", "status", "id", sqlite_where=sa.text("status IN ('failed', 'succeeded')"),
+             postgresql_where=sa.text("status IN ('failed', 'succeeded')")),
     sa.Index(
         "uq_jobs_active_target",
         "target_key",

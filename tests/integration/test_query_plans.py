@@ -124,3 +124,14 @@ def test_statements_differing_only_in_the_named_index_compile_apart() -> None:
     first, second = (sa.select(indexed_alias(jobs, "j", index).c.id) for index in ("ix_one", "ix_two"))
     assert first._generate_cache_key() != second._generate_cache_key()
     assert "INDEXED BY ix_two" in str(second.compile(dialect=sqlite.dialect()))
+
+
+@pytest.mark.parametrize("status", ["queued", "running", "failed", "succeeded"])
+def test_jobs_of_a_status_are_read_through_its_index(seeded: Store, status: str) -> None:
+    seeded.claim(ENVS[0], "w", lease_seconds=60)
+    (plan,) = plans_of(seeded, lambda: seeded.list_jobs(status=status, limit=10), "jobs")  # type: ignore[arg-type]
+    index = {"queued": "uq_jobs_active_target", "running": "ix_jobs_running"}.get(status, "ix_jobs_finished")
+    if seeded.engine.dialect.name == "postgresql":  # free to walk ids newest first where the status is common
+        assert "Seq Scan" not in plan, plan
+    else:
+        assert index in plan, plan
