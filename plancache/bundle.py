@@ -386,6 +386,8 @@ def import_bundle(store: Store, path: Path | str, trusted_keys: TrustedKeys | No
         done += 1
         if progress:
             progress(done, total)
+    if total:
+        store.analyze()  # a bulk change
     return ImportReport(environment, total - unchanged, unchanged, bool(trusted_keys), older)
 
 

@@ -4,7 +4,7 @@ run on it (``schema_compatibility``), so that a release rolled back over additiv
 Expand only: both are additions that code of 0007 ignores.
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0009'
-down_revision: str | None = '0007'
+down_revision: str | None = '0008'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 #: docs/DEPLOYMENT.md "Rolling back": a nullable column and a new table.

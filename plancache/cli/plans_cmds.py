@@ -145,15 +145,30 @@ def plans_gc(
         None, "--keep-environment",
         help="an environment still in use: its env id (or the first 8+ characters `plans list` prints), or its "
              "environment JSON / file; repeat it. When given, plan records of every other environment are deleted"),
+    jobs_days: float | None = typer.Option(
+        None, "--jobs-days", min=0.001, help="delete the jobs that finished more than this many days ago (except "
+                                             "those that tuned a stored plan); default: keep them"),
+    misses_days: float | None = typer.Option(
+        None, "--misses-days", min=0.001, help="delete the misses last seen more than this many days ago; default: "
+                                               "keep them"),
+    withdrawals_days: float | None = typer.Option(
+        None, "--withdrawals-days", min=0.001,
+        help="delete the withdrawals made more than this many days ago: clients still holding such a plan are no "
+             "longer told, and an older revision may be published again; default: keep them"),
     dry_run: bool = typer.Option(False, "--dry-run", help="report what would be deleted, delete nothing"),
     database_url: str | None = database_url_option(),
 ) -> None:
-    """Delete plan records of environments no longer in use, then blobs no record references."""
+    """Delete plan records of environments no longer in use, then blobs no record references; with --jobs-days,
+    --misses-days or --withdrawals-days, also that history."""
     from datetime import timedelta
     from urllib.parse import urlsplit
 
     from ..blobs.objects import OBJECT_STORE_SCHEMES
+    from ..store.history import prune_history
     from ..store.retention import gc
+
+    def days(n: float | None) -> timedelta | None:
+        return None if n is None else timedelta(days=n)
 
     with open_database(database_url) as store:
         in_bucket = urlsplit(store.blob_store.url).scheme in OBJECT_STORE_SCHEMES
@@ -164,7 +179,14 @@ def plans_gc(
             report = gc(store, grace=timedelta(hours=grace_hours), keep_env_ids=keep, dry_run=dry_run)
         except ValueError as exc:
             raise Failure(str(exc), "check the ids with `plancache plans list`", ExitCode.FAILED) from None
+        history = prune_history(store, jobs_older_than=days(jobs_days), misses_older_than=days(misses_days),
+                                withdrawals_older_than=days(withdrawals_days), dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
+    for what, n, given in (("finished jobs", history.jobs_deleted, jobs_days),
+                           ("misses", history.misses_deleted, misses_days),
+                           ("withdrawals", history.withdrawals_deleted, withdrawals_days)):
+        if given is not None:
+            typer.echo(f"{verb} {n} {what} older than {given:g} days")
     typer.echo(f"{verb} {report.records_deleted} plan records")
     for env_id, n in sorted(report.records_by_env.items()):
         typer.echo(f"  environment {env_id}: {n}")

@@ -17,7 +17,7 @@ from ..protocol import TokenInfo
 from ..settings import StoreSettings
 from .blobs import check_blob_store, open_blob_store
 from .content import SpecsAndBlobs
-from .db import Database
+from .db import Database, analyze
 from .explain import Explanations
 from .fleet import Fleet
 from .jobs import Jobs
@@ -53,6 +53,11 @@ class Store(SpecsAndBlobs, Plans, Jobs, Tokens, Explanations, Fleet):
     def upgrade(self) -> None:
         """Apply the Alembic migrations up to head."""
         self.db.upgrade()
+
+    def analyze(self) -> None:
+        """Refresh the planner's table statistics (after a bulk change: :func:`~.db.analyze`)."""
+        with self.db.write() as conn:
+            analyze(conn)
 
     def ping(self) -> None:
         """Raise if the database is unreachable (for ``/readyz``)."""

@@ -15,6 +15,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.selectable import Alias
+from sqlalchemy.sql.visitors import InternalTraversal
 
 from ..errors import InvalidValue, SchemaNotReady, SchemaTooNew
 from ..validation import INT32_MAX, INT64_MAX
@@ -156,6 +159,42 @@ def _check_foreign_keys(conn: Connection) -> None:
             f"(the first: {table} row {rowid}, in {parent})"))
 
 
+#: SQLite's ANALYZE samples about this many rows of each index (``PRAGMA analysis_limit``): statistics of a large
+#: store in milliseconds instead of a read of every index.
+SQLITE_ANALYSIS_LIMIT = 1000
+
+
+def analyze(conn: Connection) -> None:
+    """Refresh the planner's statistics of every table, in the caller's transaction: after migrations and bulk
+    changes. The statements whose cost must stay flat in a store's size do not depend on them (:func:`indexed_alias`,
+    :func:`~.environments.by_keys`); the others do, and Postgres' autovacuum, which may be off, keeps them between."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql(f"PRAGMA analysis_limit = {SQLITE_ANALYSIS_LIMIT}")
+    conn.exec_driver_sql("ANALYZE")
+
+
+class IndexedAlias(Alias):
+    """An alias of a table that SQLite reads through one index (``INDEXED BY``), whatever its statistics say; other
+    dialects render a plain alias. Made by :func:`indexed_alias`."""
+
+    inherit_cache = True
+    index: str
+    # the index is part of a statement's cache key: two statements that differ only there compile apart
+    _traverse_internals = [*Alias._traverse_internals, ("index", InternalTraversal.dp_string)]
+
+
+def indexed_alias(table: sa.Table, name: str, index: str) -> IndexedAlias:
+    alias = IndexedAlias._construct(table, name=name)
+    alias.index = index
+    return alias
+
+
+@compiles(IndexedAlias, "sqlite")
+def _indexed_by(element: IndexedAlias, compiler: Any, **kw: Any) -> str:
+    text: str = compiler.visit_alias(element, **kw)
+    return f"{text} INDEXED BY {element.index}" if kw.get("asfrom") else text
+
+
 def upsert_insert(conn: Connection, table: sa.Table) -> Any:
     """The dialect's INSERT with ``on_conflict_do_nothing`` / ``on_conflict_do_update`` (SQLite or Postgres)."""
     return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
@@ -224,8 +263,9 @@ class Database:
         return cfg
 
     def upgrade(self, revision: str = "head") -> None:
-        """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised). A database a
-        newer plancache migrated is left as it is when its schema admits this plancache's code (:meth:`_refuse_unknown`)."""
+        """Apply migrations up to ``revision`` in one transaction (concurrent callers are serialised), then refresh
+        the table statistics (:func:`analyze`). A database a newer plancache migrated is left as it is when its schema
+        admits this plancache's code (:meth:`_refuse_unknown`)."""
         from alembic import command
         from alembic.runtime.migration import MigrationContext
 
@@ -236,6 +276,7 @@ class Database:
                 return
             command.upgrade(self.alembic_config(conn), revision)
             self._record_compatibility(conn)
+            analyze(conn)
 
     def downgrade(self, revision: str) -> None:
         """Undo migrations down to ``revision`` in one transaction (:class:`SchemaTooNew` from a revision this

@@ -12,13 +12,29 @@ from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import MissReason, TargetEnvironment, Withdrawal, WithdrawalRecord
 from .autotune import AutotunePolicy
 from .db import Database
-from .environments import same_env
-from .jobs import row_to_job
-from .models import jobs, misses, plans, specs, withdrawals, worker_environments
-from .plans import row_to_withdrawal
+from .environments import by_keys, key_params
+from .jobs import env_target_keys, row_to_job
+from .models import jobs, misses, plans, specs, worker_environments
+from .plans import WITHDRAWALS_OF_KEYS, row_to_withdrawal
 
 #: Job errors are quoted in a reason up to this many characters.
 ERROR_CHARS = 300
+#: The miss counts of some graph keys on one environment, and the validity fields of every plan of some graph keys, by
+#: dialect (:func:`~.environments.by_keys`).
+_MISSES = {postgres: by_keys(misses, [misses.c.graph_key, misses.c.count], postgres) for postgres in (False, True)}
+_ELSEWHERE = {postgres: by_keys(plans, [plans.c.graph_key, *(plans.c[f] for f in VALIDITY_FIELDS)], postgres,
+                                on_env=False) for postgres in (False, True)}
+
+
+def _newest_jobs(postgres: bool) -> sa.Select[Any]:
+    """The id of the newest job of each of some graph keys whose target is one of ``targets`` (those an environment
+    matches), read from the index of graph_key, target_key and id: :func:`~.environments.by_keys`."""
+    q = by_keys(jobs, [sa.func.max(jobs.c.id)], postgres, on_env=False,
+                where=(jobs.c.target_key.in_(sa.bindparam("targets", expanding=True)),))
+    return q if postgres else q.group_by(jobs.c.graph_key)
+
+
+_NEWEST_JOBS = {postgres: _newest_jobs(postgres) for postgres in (False, True)}
 
 
 class Explanations:
@@ -26,7 +42,7 @@ class Explanations:
 
     def explain_misses(self, env: Environment, graph_keys: list[str], *, autotune: AutotunePolicy | None = None,
                        job_errors: bool = True) -> dict[str, MissReason]:
-        """A :class:`~plancache.protocol.MissReason` for each distinct key: six queries whatever the count.
+        """A :class:`~plancache.protocol.MissReason` for each distinct key: seven queries whatever the count.
         ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it). A
         queued job on an environment no worker claimed for within the policy's worker window (default when off)
         says so: nothing will run it. ``job_errors``: quote a failed job's error (a worker's text: paths, host
@@ -36,25 +52,22 @@ class Explanations:
             return {}
         validity = env.validity()
         with self.db.read() as conn:
-            counts: dict[str, int] = {key: count for key, count in conn.execute(sa.select(
-                misses.c.graph_key, misses.c.count).where(misses.c.graph_key.in_(keys), misses.c.env_id == env.env_id))}
+            postgres = conn.dialect.name == "postgresql"
+            counts: dict[str, int] = dict(conn.execute(_MISSES[postgres], key_params(keys, env)).all())
             served_at = conn.execute(sa.select(worker_environments.c.last_claim_at).where(
                 worker_environments.c.env_id == env.env_id)).scalar()
             window = (autotune or AutotunePolicy()).worker_window
             served = served_at is not None and served_at >= self.db.now(conn) - window
             registered = set(conn.execute(sa.select(specs.c.graph_key).where(specs.c.graph_key.in_(keys))).scalars())
-            newest: dict[str, Any] = {}
-            for row in conn.execute(sa.select(jobs).where(jobs.c.graph_key.in_(keys)).order_by(jobs.c.id.desc())):
-                job = row_to_job(row)
-                if job.graph_key not in newest and job.target.matches(env):
-                    newest[job.graph_key] = job
+            ids = [i for i in conn.execute(_NEWEST_JOBS[postgres], {**key_params(keys), "targets": list(
+                env_target_keys(env))}).scalars() if i is not None]
+            newest = {row.graph_key: row_to_job(row) for row in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids)))}
             elsewhere: dict[str, list[list[str]]] = {}
-            columns = [plans.c.graph_key, *(plans.c[f] for f in VALIDITY_FIELDS)]
-            for row in conn.execute(sa.select(*columns).where(plans.c.graph_key.in_(keys))):
+            for row in conn.execute(_ELSEWHERE[postgres], key_params(keys)):
                 m = row._mapping
                 elsewhere.setdefault(m["graph_key"], []).append([f for f in VALIDITY_FIELDS if m[f] != validity[f]])
             withdrawn = {row.graph_key: row_to_withdrawal(row) for row in conn.execute(
-                sa.select(withdrawals).where(withdrawals.c.graph_key.in_(keys), *same_env(withdrawals, env)))}
+                WITHDRAWALS_OF_KEYS[postgres], key_params(keys, env))}
         unserved = "" if served else _unserved(window, served_at)
         queueing = {k: _not_queued(env, counts.get(k, 0), autotune, unserved) for k in keys}
         return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k],

@@ -17,8 +17,10 @@ Lease times are the database's: every operation reads the time once, on its own 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import itertools
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -34,12 +36,14 @@ from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import LEASE_TOKEN_BYTES, Job, JobSource, JobStatus, TargetEnvironment
 from ..validation import INT64_MAX
 from .content import spec_exists
-from .db import Database, check_int, check_page, upsert_insert
+from .db import Database, check_int, check_page, indexed_alias, upsert_insert
 from .environments import check_validity
-from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, jobs, worker_environments
+from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
 JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
-_ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial index's WHERE
+_ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial indexes' WHERE
+#: 'running' as a literal of the statement, not a parameter: only then may a planner use the index of running jobs.
+_RUNNING: sa.ColumnElement[str] = sa.literal_column("'running'")
 #: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
 CLAIMER_REFRESH = timedelta(seconds=10)
 #: Longest ``holder`` (the claiming API token's identity) the store keeps.
@@ -68,6 +72,18 @@ def hash_lease_token(token: str) -> str:
 def target_key(target: TargetEnvironment) -> str:
     """The de-duplication key of a target: its canonical JSON, wildcards (null) included."""
     return canonical_json(target.model_dump())
+
+
+@functools.lru_cache(maxsize=1024)
+def _target_keys(validity: tuple[Any, ...]) -> tuple[str, ...]:
+    fields = dict(zip(VALIDITY_FIELDS, validity, strict=True))
+    return tuple(sorted(target_key(TargetEnvironment(**{f: fields[f] for f in chosen}))
+                        for n in range(len(VALIDITY_FIELDS) + 1) for chosen in itertools.combinations(VALIDITY_FIELDS, n)))
+
+
+def env_target_keys(env: Environment) -> tuple[str, ...]:
+    """The target keys of every target that matches ``env``: each validity field its value or any (32 keys)."""
+    return _target_keys(tuple(getattr(env, f) for f in VALIDITY_FIELDS))
 
 
 def row_to_job(row: Row[Any]) -> Job:
@@ -135,10 +151,19 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
     return row
 
 
+def tally_finished(conn: Connection, deltas: dict[str, int]) -> None:
+    """Add ``deltas`` (by final status) to the tallies of ended jobs, in the caller's transaction, which ends or deletes
+    those jobs. In status order, so that transactions that change both never wait for each other in a cycle."""
+    for status in sorted(deltas):
+        if deltas[status]:
+            conn.execute(sa.update(job_tallies).where(job_tallies.c.status == status)
+                         .values(count=job_tallies.c.count + deltas[status]))
+
+
 def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: str | None,
                       graph_key: str, env: Environment, now: datetime, *, holder: str | None = None) -> Row[Any]:
     """Mark a held job succeeded, inside the caller's (plan-publishing) transaction (``now``: its time); the job's
-    row as it was before."""
+    row as it was before, for :func:`tally_completion`."""
     row = held_job(conn, job_id, worker_id, lease_token, holder, completing=True)
     if row.graph_key != graph_key:
         raise errors.Conflict(f"job {job_id} is for graph key {row.graph_key}, not {graph_key}")
@@ -152,28 +177,42 @@ def complete_held_job(conn: Connection, job_id: int, worker_id: str | None, leas
     return row
 
 
+def tally_completion(conn: Connection, row: Row[Any]) -> None:
+    """Count the completion of the job ``row`` (as :func:`complete_held_job` returned it) in the tallies: last in its
+    transaction, since on Postgres every other transaction that ends a job waits for the tally's row until the commit."""
+    tally_finished(conn, {"succeeded": 1, "failed": -1 if row.status == "failed" else 0})
+
+
 def _claim_statements() -> tuple[Any, Any]:
     """The two statements of a claim, built once (bound parameters: now, expires, stale, worker, token_hash,
-    holder, env_<field>)."""
-    cand = jobs.alias("candidate")
+    holder, targets: :func:`env_target_keys`)."""
+    cand = indexed_alias(jobs, "candidate", "ix_jobs_running")
+    seek = indexed_alias(jobs, "candidate", "uq_jobs_active_target")
     now = sa.bindparam("now", type_=UTCDateTime)
     # A lease granted or extended more than a lease length in the future was granted by a clock that has since been
     # stepped back (SQLite's is the server host's): it counts as expired, or a dead worker's job would wait out the
     # step. (Its last write's time, not its end: a lease granted when leases were longer is not stale.)
     stale = sa.bindparam("stale", type_=UTCDateTime)
-    expired = sa.and_(cand.c.status == "running", sa.or_(cand.c.lease_expires_at < now, cand.c.updated_at > stale))
-    exhausted = sa.select(cand.c.id).where(expired, cand.c.attempts >= cand.c.max_attempts).with_for_update(skip_locked=True)
+
+    def expired(c: Any) -> Any:
+        return sa.and_(c.c.status == _RUNNING, sa.or_(c.c.lease_expires_at < now, c.c.updated_at > stale))
+
+    exhausted = (sa.select(cand.c.id).where(expired(cand), cand.c.attempts >= cand.c.max_attempts)
+                 .with_for_update(skip_locked=True))
     fail_exhausted = (
         sa.update(jobs).where(jobs.c.id.in_(exhausted))
         .values(status="failed", lease_expires_at=None, updated_at=now, finished_at=now,
                 error=sa.literal(LEASE_EXPIRED_ERROR) + sa.cast(jobs.c.attempts, sa.String) + sa.literal(" attempts"))
     )
-    env_match = [sa.or_(cand.c[f].is_(None), cand.c[f] == sa.bindparam(f"env_{f}", type_=cand.c[f].type))
-                 for f in VALIDITY_FIELDS]
+    # The environment's jobs are the active ones of the target keys it matches (env_target_keys), read through their
+    # index (its literal status term is the partial index's; SQLite is told to), so the cost is that of this
+    # environment's queue, whatever other environments queued or how many jobs ended.
     best = (
-        sa.select(cand.c.id)
-        .where(*env_match, sa.or_(cand.c.status == "queued", sa.and_(expired, cand.c.attempts < cand.c.max_attempts)))
-        .order_by(cand.c.priority.desc(), cand.c.id.asc())
+        sa.select(seek.c.id)
+        .where(seek.c.target_key.in_(sa.bindparam("targets", expanding=True)),
+               _ACTIVE_PREDICATE,
+               sa.or_(seek.c.status == "queued", sa.and_(expired(seek), seek.c.attempts < seek.c.max_attempts)))
+        .order_by(seek.c.priority.desc(), seek.c.id.asc())
         .limit(1)
         .with_for_update(skip_locked=True)
         .scalar_subquery()
@@ -191,6 +230,16 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
+#: Per status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement.
+_STATUS_INDEX = {"queued": ("uq_jobs_active_target", _ACTIVE_PREDICATE),
+                 "running": ("ix_jobs_running", sa.text("status = 'running'")),
+                 **{s: ("ix_jobs_finished", sa.text("status IN ('failed', 'succeeded')")) for s in ("failed", "succeeded")}}
+#: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.
+_COUNT_ACTIVE = sa.select(
+    sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
+    .where(_ACTIVE_PREDICATE).scalar_subquery(),
+    sa.select(sa.func.count()).select_from(running := indexed_alias(jobs, "running", "ix_jobs_running"))
+    .where(running.c.status == _RUNNING).scalar_subquery())
 
 
 def _insert_active(conn: Connection) -> Any:
@@ -302,7 +351,7 @@ class Jobs:
         token_hash = hash_lease_token(token)
         with self.db.write() as conn:
             if lease_token is not None:
-                again = conn.execute(sa.select(jobs).where(jobs.c.status == "running",
+                again = conn.execute(sa.select(jobs).where(jobs.c.status == _RUNNING,
                                                            jobs.c.lease_token_hash == token_hash)).first()
                 if again is not None:
                     if again.lease_holder != holder or again.lease_owner != worker_id:
@@ -310,9 +359,8 @@ class Jobs:
                     return Claim(row_to_job(again), token)
             now = self.db.now(conn)
             params = {"now": now, "expires": now + duration, "stale": now + duration, "worker": worker_id,
-                      "token_hash": token_hash, "holder": holder,
-                      **{f"env_{f}": getattr(env, f) for f in VALIDITY_FIELDS}}
-            conn.execute(_FAIL_EXHAUSTED, params)
+                      "token_hash": token_hash, "holder": holder, "targets": list(env_target_keys(env))}
+            tally_finished(conn, {"failed": conn.execute(_FAIL_EXHAUSTED, params).rowcount})
             row = conn.execute(_CLAIM, params).first()
             record_claimer(conn, env, now)
         return None if row is None else Claim(row_to_job(row), token)
@@ -357,6 +405,7 @@ class Jobs:
                         finished_at=now)
                 .returning(*jobs.c)
             ).one()
+            tally_finished(conn, {"failed": 1})
         return row_to_job(row)
 
     def fail(self, job_id: int, worker_id: str, lease_token: str, error: str, *, retryable: bool = True,
@@ -377,6 +426,7 @@ class Jobs:
                         lease_expires_at=None, finished_at=None if requeue else now, **lease)
                 .returning(*jobs.c)
             ).one()
+            tally_finished(conn, {"failed": 0 if requeue else 1})
         return row_to_job(row)
 
     def completed_with(self, job_id: int, worker_id: str, lease_token: str, holder: str | None = None) -> bool:
@@ -400,19 +450,27 @@ class Jobs:
         check_page(limit, offset)
         if status is not None and status not in JOB_STATUSES:
             raise errors.InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
-        q = sa.select(jobs).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
-        if status is not None:
-            q = q.where(jobs.c.status == status)
+        table: Any = jobs
+        where: list[Any]
         if graph_key is not None:
-            q = q.where(jobs.c.graph_key == graph_key)
+            where = [jobs.c.graph_key == graph_key, *([] if status is None else [jobs.c.status == status])]
+        elif status is not None:  # through the partial index of its status, not every job newest first
+            index, predicate = _STATUS_INDEX[status]
+            table = indexed_alias(jobs, "listed", index)
+            where = [predicate, table.c.status == status]
+        else:
+            where = []
+        q = sa.select(table).where(*where).order_by(table.c.id.desc()).limit(limit).offset(offset)
         with self.db.read() as conn:
             return [row_to_job(r) for r in conn.execute(q)]
 
     def job_counts(self) -> dict[str, int]:
-        """Number of jobs in each status (every status present, zeros included)."""
+        """Number of jobs in each status (every status present, zeros included): the active ones counted in their
+        index (as many as are queued or running), the ended ones from their tallies."""
         with self.db.read() as conn:
-            rows = conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all()
-        counts: dict[str, int] = {status: n for status, n in rows}
+            active, running = conn.execute(_COUNT_ACTIVE).one()
+            counts: dict[str, int] = {"queued": active - running, "running": running}
+            counts.update(conn.execute(sa.select(job_tallies.c.status, job_tallies.c.count)).all())
         return {s: int(counts.get(s, 0)) for s in JOB_STATUSES}
 
     def worker_environments(self, limit: int = 100) -> tuple[datetime, list[tuple[Environment, datetime]]]:

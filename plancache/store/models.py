@@ -23,6 +23,7 @@ metadata = sa.MetaData(
 )
 
 ACTIVE_JOB_STATUSES = ("queued", "running")
+FINISHED_JOB_STATUSES = ("failed", "succeeded")
 JOB_SOURCES: tuple[str, ...] = get_args(JobSource)
 
 
@@ -46,7 +47,7 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def _env_columns(names: tuple[str, ...], *, nullable: bool = False, index: bool = False) -> list[sa.Column[Any]]:
+def _env_columns(names: tuple[str, ...], *, nullable: bool = False) -> list[sa.Column[Any]]:
     """Columns of these :class:`Environment` fields, typed from the model: an integer as INTEGER (each one's bounds
     fit 32 bits), a string as VARCHAR of its ``max_length``. A job's target stores NULL for "any"."""
     columns = []
@@ -57,7 +58,7 @@ def _env_columns(names: tuple[str, ...], *, nullable: bool = False, index: bool 
         else:
             (length,) = (n for m in field.metadata if (n := getattr(m, "max_length", None)))
             column_type = sa.String(length)
-        columns.append(sa.Column(name, column_type, nullable=nullable, index=index))
+        columns.append(sa.Column(name, column_type, nullable=nullable))
     return columns
 
 
@@ -83,7 +84,7 @@ jobs = sa.Table(
     "jobs",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
+    sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False),
     *_env_columns(VALIDITY_FIELDS, nullable=True),
     # Canonical JSON of the target (NULLs included): the de-duplication key, since NULL never equals NULL.
     sa.Column("target_key", sa.String(256), nullable=False),
@@ -105,16 +106,35 @@ jobs = sa.Table(
     sa.CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
     sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
-    sa.Index("ix_jobs_claim_order", "status", "priority", "id"),
     sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
+    # explain: the newest job of a key for an environment
+    sa.Index("ix_jobs_graph_key_target_key_id", "graph_key", "target_key", "id"),
+    # A claim's two lookups (store/jobs.py): the active jobs of the 32 target keys an environment matches (the active
+    # jobs' unique index, led by the target key), and the running jobs (whose leases may have expired). No other index
+    # of active jobs, and none led by ``status``: a planner without statistics would take one for the claim's lookup
+    # and read every environment's queue.
+    sa.Index("ix_jobs_running", "lease_token_hash", sqlite_where=sa.text("status = 'running'"),
+             postgresql_where=sa.text("status = 'running'")),
+    # The ended jobs of a status, newest first (GET /v1/jobs?status=): an index that no claim can use.
+    sa.Index("ix_jobs_finished", "status", "id", sqlite_where=sa.text("status IN ('failed', 'succeeded')"),
+             postgresql_where=sa.text("status IN ('failed', 'succeeded')")),
     sa.Index(
         "uq_jobs_active_target",
-        "graph_key",
         "target_key",
+        "graph_key",
         unique=True,
         sqlite_where=sa.text("status IN ('queued', 'running')"),
         postgresql_where=sa.text("status IN ('queued', 'running')"),
     ),
+)
+
+# How many jobs ended in each final status (FINISHED_JOB_STATUSES, one row each), kept by every transaction that ends
+# or deletes jobs (store/jobs.py, tally_finished): /ui and /metrics read them instead of counting history.
+job_tallies = sa.Table(
+    "job_tallies",
+    metadata,
+    sa.Column("status", sa.String(16), primary_key=True),
+    sa.Column("count", sa.BigInteger, nullable=False),
 )
 
 plans = sa.Table(
@@ -123,7 +143,7 @@ plans = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
     sa.Column("env_id", sa.String(32), nullable=False, index=True),
-    *_env_columns(VALIDITY_FIELDS, index=True),
+    *_env_columns(VALIDITY_FIELDS),
     *_env_columns(INFO_FIELDS),
     sa.Column("blob_sha256", sa.String(64), sa.ForeignKey("blobs.sha256"), nullable=False, index=True),
     sa.Column("blob_size", sa.BigInteger, nullable=False),
@@ -141,7 +161,10 @@ plans = sa.Table(
     sa.Column("numerics_check", sa.String(32), nullable=False, server_default="reference"),
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
+    # No index on a validity field (env_id is their digest): a planner without statistics would take one for
+    # resolve's lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
     sa.UniqueConstraint("graph_key", "env_id"),
+    sa.Index("ix_plans_created_at", "created_at", "id"),  # the newest records first (/ui, plans list)
 )
 
 # The candidates table of the tuning run of a plan record (protocol.CandidateTable, bounded), apart from the record:
@@ -182,6 +205,7 @@ misses = sa.Table(
     sa.Column("first_seen", UTCDateTime, nullable=False),
     sa.Column("last_seen", UTCDateTime, nullable=False),
     sa.Index("ix_misses_env_count", "env_id", "count"),
+    sa.Index("ix_misses_count", "count", "last_seen"),  # the most missed first (/ui, GET /v1/misses)
 )
 
 # The environments workers claim for: one row per environment, the time of its last claim (a job handed out or

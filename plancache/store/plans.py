@@ -11,15 +11,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from .. import errors
-from ..environment import VALIDITY_FIELDS, Environment
+from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import BlobStore, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
-from .environments import check_validity, env_columns, env_from_row, same_env
-from .jobs import complete_held_job
+from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
+from .jobs import complete_held_job, tally_completion
 from .misses import Misses
 from .models import plan_candidates, plans, withdrawals
 
@@ -55,12 +55,16 @@ class PlanVersion(NamedTuple):
 
 #: ``created_at`` as the database gives it (a version compares it, nothing converts it).
 _WRITTEN = sa.type_coerce(plans.c.created_at, sa.String).label("written")
-#: The versions of the plans of some graph keys (``keys``, expanding) on one environment's validity fields (each
-#: its own parameter): built once, so a resolve compiles nothing and converts no value but its parameters.
-_VERSIONS = sa.select(plans.c.graph_key, plans.c.env_id, plans.c.id, plans.c.revision, plans.c.blob_sha256,
-                      plans.c.blob_size, _WRITTEN).where(
-    plans.c.graph_key.in_(sa.bindparam("keys", expanding=True)), plans.c.env_id == sa.bindparam("env_id"),
-    *(plans.c[f] == sa.bindparam(f) for f in VALIDITY_FIELDS))
+
+
+#: The versions and records of the plans, and the withdrawals, of some graph keys on one environment
+#: (:func:`~.environments.by_keys`), by dialect: built once, so a resolve compiles nothing and converts no value but its
+#: parameters.
+_VERSIONS = {postgres: by_keys(plans, [plans.c.graph_key, plans.c.env_id, plans.c.id, plans.c.revision,
+                                       plans.c.blob_sha256, plans.c.blob_size, _WRITTEN], postgres)
+             for postgres in (False, True)}
+_RECORDS = {postgres: by_keys(plans, [*plans.c, _WRITTEN], postgres) for postgres in (False, True)}
+WITHDRAWALS_OF_KEYS = {postgres: by_keys(withdrawals, list(withdrawals.c), postgres) for postgres in (False, True)}
 
 
 def row_to_record(row: Row[Any]) -> PlanRecord:
@@ -219,6 +223,8 @@ class Plans(Misses):
                     conn.execute(sa.insert(plan_candidates).values(plan_id=row.id, **_candidate_values(candidates)))
             if blob is not None:  # the database's bytes, in their row
                 self.blob_store.put(conn, meta.blob_sha256, blob)
+            if job is not None:
+                tally_completion(conn, job)
         return row_to_record(row)
 
     def _check_spec(self, graph_key: str) -> None:
@@ -291,9 +297,9 @@ class Plans(Misses):
         """The withdrawals stored for ``graph_keys`` on exactly this environment's validity fields, by graph key."""
         if not graph_keys:
             return {}
-        q = sa.select(withdrawals).where(withdrawals.c.graph_key.in_(set(graph_keys)), *same_env(withdrawals, env))
         with self.db.read() as conn:
-            return {row.graph_key: row_to_withdrawal(row) for row in conn.execute(q)}
+            rows = conn.execute(WITHDRAWALS_OF_KEYS[conn.dialect.name == "postgresql"], key_params(set(graph_keys), env))
+            return {row.graph_key: row_to_withdrawal(row) for row in rows}
 
     def get_plan(self, graph_key: str, env: Environment) -> PlanRecord | None:
         """The record for ``graph_key`` on exactly this environment's validity fields."""
@@ -323,7 +329,7 @@ class Plans(Misses):
         if not graph_keys:
             return {}
         with self.db.read() as conn:
-            rows = conn.execute(_VERSIONS, {"keys": list(graph_keys), "env_id": env.env_id, **env.validity()})
+            rows = conn.execute(_VERSIONS[conn.dialect.name == "postgresql"], key_params(graph_keys, env))
             return {row[0]: PlanVersion(*row) for row in rows}
 
     def plan_records(self, env: Environment, graph_keys: Collection[str]) -> dict[str, tuple[PlanVersion, PlanRecord]]:
@@ -331,9 +337,8 @@ class Plans(Misses):
         versions, by graph key. Nothing is recorded."""
         if not graph_keys:
             return {}
-        q = sa.select(plans, _WRITTEN).where(plans.c.graph_key.in_(list(graph_keys)), *same_env(plans, env))
         with self.db.read() as conn:
-            rows = conn.execute(q).all()
+            rows = conn.execute(_RECORDS[conn.dialect.name == "postgresql"], key_params(graph_keys, env)).all()
         return {row.graph_key: (PlanVersion(row.graph_key, row.env_id, row.id, row.revision, row.blob_sha256,
                                             row.blob_size, row.written), row_to_record(row)) for row in rows}
 

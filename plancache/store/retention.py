@@ -105,6 +105,8 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
             ).one()
     else:
         n, size = _delete_blobs(store, cutoff)
+    if not dry_run and (by_env or n):
+        store.analyze()  # a bulk change
     temporaries, orphans = _leftover_files(store, cutoff, dry_run=dry_run)
     orphan_objects, object_bytes = _leftover_objects(store, cutoff, dry_run=dry_run)
     return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,

@@ -63,7 +63,7 @@ def test_migrating_records_the_oldest_revision_whose_code_runs_on_the_schema(db_
     with open_store(db_url, create=True) as store, store.db.read() as conn:
         rows = conn.execute(sa.select(schema_compatibility)).all()
         head = store.db.head_revision()
-    assert [tuple(r) for r in rows] == [(head, "0007")]  # 0009 only adds; 0007 dropped a column code of 0006 used
+    assert [tuple(r) for r in rows] == [(head, "0008")]  # 0009 only adds; 0008 adds a tally code of 0007 skips
 
 
 def test_a_release_runs_on_a_newer_schema_whose_migrations_since_its_own_are_expand_only(db_url, tmp_path):
@@ -88,7 +88,7 @@ def test_a_release_runs_on_a_newer_schema_whose_migrations_since_its_own_are_exp
 
 
 def older_release(tmp_path: Path) -> type[Database]:
-    """Release N-1: this code with the migrations up to 0007 only (its head)."""
+    """Release N-1: this code with the migrations up to 0008 only (its head)."""
     older_dir = tmp_path / "migrations-n-1"
     shutil.copytree(migrations_dir(), older_dir)
     for newer in (older_dir / "versions").glob("0009_*.py"):
@@ -109,7 +109,7 @@ def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
         pass
     older = older_release(tmp_path)(db_url)
     try:
-        assert older.head_revision() == "0007"
+        assert older.head_revision() == "0008"
         older.require_schema()  # the rollback: N-1 starts on schema 0009
         older.upgrade()  # and its `serve` (which migrates first) leaves the schema as it is
         assert older.current_revision() == "0009"
@@ -120,12 +120,12 @@ def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
 
 
 def test_a_rolling_upgrade_and_its_rollback_with_two_releases_serving_one_database(db_url, tmp_path, make_spec):
-    """Release N-1 serves on 0007; release N migrates to 0009 and serves beside it; a spec registered through
+    """Release N-1 serves on 0008; release N migrates to 0009 and serves beside it; a spec registered through
     either is read through the other; N is rolled back and N-1 goes on alone, no restore."""
     from plancache.store import Store
 
     older_db = older_release(tmp_path)
-    older_db(db_url).upgrade()  # N-1's schema: 0007
+    older_db(db_url).upgrade()  # N-1's schema: 0008
     old_store = Store(db_url)
     old_store.db.close()
     old_store.db = older_db(db_url)
@@ -151,9 +151,9 @@ def test_db_downgrade_and_upgrade_again_keep_the_data(db_url, make_spec, monkeyp
         key, spec = make_spec(0)
         store.put_spec(key, spec)
     monkeypatch.setenv("PLANCACHE_DATABASE_URL", db_url)
-    down = CliRunner().invoke(make_app(), ["db", "downgrade", "0007"])
+    down = CliRunner().invoke(make_app(), ["db", "downgrade", "0008"])
     assert down.exit_code == 0, down.output
-    assert "schema at revision 0007" in down.output
+    assert "schema at revision 0008" in down.output
     engine = sa.create_engine(db_url)
     try:
         assert "expires_at" not in {c["name"] for c in sa.inspect(engine).get_columns("api_tokens")}
