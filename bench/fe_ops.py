@@ -138,8 +138,8 @@ def main() -> None:
 
     import tempfile
 
-    from plancache.protocol import PlanMeta
     from plancache.signing import Signer, keygen
+    from tests.gpu_util import tune_misses
     from tests.live_server import LiveServer
 
     results: dict[str, Any] = {}
@@ -154,21 +154,9 @@ def main() -> None:
             captured = {"PLANCACHE_CAPTURE": str(root / "capture.json")}
             results["capture"] = _run("--child", "capture", *common, "--cache", str(root / "c1"), settings=captured)
             t0 = time.perf_counter()
-            tuned = 0
-            for miss in srv.store.list_misses(limit=500):
-                doc = srv.store.get_spec(miss.graph_key)
-                if doc is None:
-                    continue
-                (root / "spec.json").write_text(json.dumps(doc))
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-                proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(root / "spec.json"),
-                                       str(root)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-                if proc.returncode != 0:
-                    print(f"tuning {miss.graph_key[:12]} failed: {proc.stderr.strip().splitlines()[-1:]}")
-                    continue
-                meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
-                srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
-                tuned += 1
+            tuned, failed = tune_misses(srv, root, signer)
+            for key, why in failed.items():
+                print(f"tuning {key[:12]} failed: {why}")
             results["tuning"] = {"graphs": tuned, "seconds": time.perf_counter() - t0}
             results["served"] = _run("--child", "served", *common, "--cache", str(root / "c2"), "--mode", "strict")
             before = srv.requests["/v1/plans/resolve"]

@@ -1,10 +1,19 @@
-"""Skip helpers for tests that need a CUDA GPU with cuDNN and nvidia-cudnn-frontend."""
+"""Skip helpers for tests that need a CUDA GPU with cuDNN and nvidia-cudnn-frontend, and the tuning of a live
+server's misses that GPU tests and benchmarks share."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def gpu_skip_reason() -> str | None:
@@ -44,3 +53,29 @@ def loaded_engine_id(graph: object) -> int | None:
         except Exception:  # noqa: BLE001 - this FE or this plan does not answer that question
             continue
     return None
+
+
+def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]:
+    """Autotune every miss a live server recorded from its spec alone, one process each (a crash stays there:
+    ``tests.fe_ops_gpu_child --tune``), and publish each winner signed by ``signer``: how many were tuned, and why
+    each other one was not (by graph key)."""
+    from plancache.protocol import PlanMeta
+
+    root = Path(root)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    tuned, failed = 0, {}
+    for miss in srv.store.list_misses(limit=500):
+        doc = srv.store.get_spec(miss.graph_key)
+        if doc is None:
+            failed[miss.graph_key] = "the miss was recorded without its spec"
+            continue
+        (root / "spec.json").write_text(json.dumps(doc))
+        proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(root / "spec.json"),
+                               str(root)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        if proc.returncode != 0:
+            failed[miss.graph_key] = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:600]
+            continue
+        meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
+        srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
+        tuned += 1
+    return tuned, failed

@@ -164,18 +164,18 @@ def stats() -> dict[str, float]:
 # ------------------------------------------------------------------ the kernels
 
 
+def _refusal(route: _Route | None, query: Any, dropout_p: float, other: str | None) -> str | None:
+    """The :data:`ATEN_REASONS` key of a call the route leaves to torch before looking it up (``other``: a reason
+    of one direction only), or None."""
+    if route is None or query.device != route.device:
+        return "device"
+    return "dropout" if dropout_p else other
+
+
 def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumexp: bool, dropout_p: float = 0.0,
              is_causal: bool = False, return_debug_mask: bool = False, *, scale: float | None = None) -> Any:
     route = _route
-    reason = None
-    if route is None:
-        reason = "device"
-    elif dropout_p:
-        reason = "dropout"
-    elif return_debug_mask:
-        reason = "debug_mask"
-    elif query.device != route.device:
-        reason = "device"
+    reason = _refusal(route, query, dropout_p, "debug_mask" if return_debug_mask else None)
     if reason is None:
         assert route is not None
         bias = None if attn_bias is None else _bias(attn_bias, query)
@@ -219,15 +219,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
     import torch
 
     route = _route
-    reason = None
-    if route is None:
-        reason = "device"
-    elif dropout_p:
-        reason = "dropout"
-    elif cum_seq_q is not None:
-        reason = "nested"
-    elif query.device != route.device:
-        reason = "device"
+    reason = _refusal(route, query, dropout_p, "nested" if cum_seq_q is not None else None)
     if reason is None:
         assert route is not None
         if grad_out.stride() != out.stride():  # cuDNN reads dO in O's layout

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_util import requires_gpu
+from tests.gpu_util import requires_gpu, tune_misses
 from tests.live_server import LiveServer
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -63,7 +63,6 @@ def check(run: dict, what: str, *, strict: bool) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from plancache.protocol import PlanMeta
     from plancache.signing import Signer, keygen
 
     root = tmp_path_factory.mktemp("sdpa_route")
@@ -72,20 +71,7 @@ def fleet(tmp_path_factory):
     with LiveServer(root / "server") as srv:
         normal = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                        "--cache", str(root / "c0"), "--mode", "normal")
-        tuned, failed = 0, {}
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        for miss in srv.store.list_misses(limit=500):
-            doc = srv.store.get_spec(miss.graph_key)
-            assert doc is not None, f"the miss {miss.graph_key[:12]} was recorded without its spec"
-            (root / "spec.json").write_text(json.dumps(doc))
-            proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(root / "spec.json"),
-                                   str(root)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-            if proc.returncode != 0:
-                failed[miss.graph_key] = proc.stderr.strip().splitlines()[-1:]
-                continue
-            meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
-            srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
-            tuned += 1
+        tuned, failed = tune_misses(srv, root, signer)
         yield srv, root, normal, tuned, failed
 
 
