@@ -229,27 +229,12 @@ def deserialize_plan(spec: GraphSpec, blob: bytes, handle: Any, *, engine_id: in
     own tensors; otherwise an empty graph holds it. With ``device_property``
     (``cudnn.create_device_properties``) a load into an empty graph skips the device warm-up."""
     spec = canonical(spec)
-    if graph is not None and device_property is not None and getattr(graph, "_is_validated", False) \
-            and getattr(graph, "_lowered_graph", True) is None:
-        _load_into(graph, blob, handle, device_property)
+    if graph is not None:
         g = graph
     else:
-        g = graph if graph is not None else (
-            cudnn.pygraph(device_property=device_property) if device_property is not None else cudnn.pygraph())
-        g.deserialize(handle, bytes(blob))
+        g = cudnn.pygraph(device_property=device_property) if device_property is not None else cudnn.pygraph()
+    g.deserialize(handle, bytes(blob))
     return BuiltPlan(spec, g, int(g.get_workspace_size()), engine_id, dict(knobs or {}), plan_name)
-
-
-def _load_into(graph: Any, blob: bytes, handle: Any, device_property: Any) -> None:
-    """Load ``blob`` for the caller's validated, unlowered ``graph`` without what ``graph.deserialize`` adds: the
-    plan is deserialized into an empty graph made from device properties (no lowering of the caller's IR, no
-    warm-up execution), and the caller's graph takes its lowered graph. Its uids are the blob's (canonical), so
-    its own ``execute`` binds the same slots."""
-    holder = cudnn.pygraph(device_property=device_property)
-    holder.deserialize(handle, bytes(blob))
-    graph._lowered_graph = holder._lowered_graph
-    graph._is_built = True
-    graph._sorted_uids = None
 
 
 def check_memory(spec: GraphSpec, *, device: int = 0) -> int:
