@@ -3,6 +3,8 @@
     python bench/index_storm.py [--blobs] [--s3 | --static http.server|asyncio] [--rates 32,128,512]
                                 [--api-rates 32,128,512] [--duration 5] [--plans N] [--shard-plans 64] [--set]
                                 [--out FILE]
+    python bench/index_storm.py --generator wrk [--static nginx|asyncio|http.server] [--connections 1,2,4,8]
+                                [--server-core 0 --generator-core 1] [--blobs] [--duration 5] [--out FILE]
 
 The 49-graph workload (``bench/workload.py``, 64 KiB blobs) is stored and signed as in ``bench/storm.py`` (SQLite),
 and published as a static index into a folder (or, with ``--s3``, a bucket of moto's S3 server), with ``--plans`` more
@@ -20,6 +22,12 @@ it), blobs inline with ``--blobs``. The API server runs during the index storms 
 reported (goal 0), and the static server's and the load generator's per start-up. Per rate: p50/p99/max from the
 scheduled arrival to the last byte, failures; then the highest rate with p99 <= 1 s and no failure for each path, and
 their ratio.
+
+With ``--generator wrk`` (``apt-get install wrk nginx-light``) both paths are driven by ``wrk`` instead
+(``bench/wrk_storm.py``: C, closed loop, each start-up's GETs in order on a connection of its own), at each of
+``--connections`` concurrent start-ups, the folder served by nginx (one worker) or ``--static``; each step reports
+start-ups/s, p50/p99 per start-up, the CPU per start-up of wrk and the server, the API server's CPU seconds during the
+index steps, and each core's idle, software-interrupt and busy shares (which of them saturates).
 """
 
 from __future__ import annotations
