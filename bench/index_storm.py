@@ -239,12 +239,12 @@ def wrk_storms(args: argparse.Namespace, env: dict[str, str], folder: Path, meta
         wrk_storm.run(base, index_lua, 2, 1, args.generator_core)  # warm-up
         rows = []
         for c in steps_of:
-            a0, s0 = wrk_storm.cpus(api_pid), wrk_storm.cpus(static_pid)
+            a0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid)
             row = wrk_storm.run(base, index_lua, c, args.duration, args.generator_core)
             n = max(1, row["start_ups"])
-            row["api_server_cpu_s"] = round(wrk_storm.cpus(api_pid) - a0, 3)
-            row["static_server_cpu_s_per_start_up"] = round((wrk_storm.cpus(static_pid) - s0) / n, 6)
-            row["static_server_core_busy"] = round((wrk_storm.cpus(static_pid) - s0) / args.duration, 2)
+            row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - a0, 3)
+            row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / n, 6)
+            row["static_server_core_busy"] = round((cpu_seconds(static_pid) - s0) / args.duration, 2)
             row["load_after"] = [round(x, 2) for x in os.getloadavg()]
             rows.append(row)
             print("index", row, flush=True)
@@ -252,12 +252,12 @@ def wrk_storms(args: argparse.Namespace, env: dict[str, str], folder: Path, meta
         wrk_storm.run(api, api_lua, 2, 1, args.generator_core)  # warm-up
         rows = []
         for c in steps_of:
-            a0, s0 = wrk_storm.cpus(api_pid), wrk_storm.cpus(static_pid)
+            a0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid)
             row = wrk_storm.run(api, api_lua, c, args.duration, args.generator_core)
             n = max(1, row["start_ups"])
-            row["api_server_cpu_s_per_start_up"] = round((wrk_storm.cpus(api_pid) - a0) / n, 6)
-            row["api_server_core_busy"] = round((wrk_storm.cpus(api_pid) - a0) / args.duration, 2)
-            row["static_server_cpu_s"] = round(wrk_storm.cpus(static_pid) - s0, 3)
+            row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - a0) / n, 6)
+            row["api_server_core_busy"] = round((cpu_seconds(api_pid) - a0) / args.duration, 2)
+            row["static_server_cpu_s"] = round(cpu_seconds(static_pid) - s0, 3)
             row["load_after"] = [round(x, 2) for x in os.getloadavg()]
             rows.append(row)
             print("api", row, flush=True)

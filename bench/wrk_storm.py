@@ -100,12 +100,6 @@ def script(steps: list[tuple[str, int, int]], method: str = "GET", body: str | N
     return LUA % (lua_steps, lua_string(method), lua_string(body) if body is not None else "nil", lua_headers)
 
 
-def cpus(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its threads so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cores() -> dict[str, list[int]]:
     """Per-core jiffies from ``/proc/stat``: ``cpuN -> [user, nice, system, idle, iowait, irq, softirq, ...]``."""
     return {line.split()[0]: [int(x) for x in line.split()[1:]] for line in Path("/proc/stat").read_text().splitlines()
