@@ -3,6 +3,8 @@
     python bench/index_storm.py [--blobs] [--s3 | --static http.server|asyncio] [--rates 32,128,512]
                                 [--api-rates 32,128,512] [--duration 5] [--plans N] [--shard-plans 64] [--set]
                                 [--out FILE]
+    python bench/index_storm.py --generator wrk [--static nginx|asyncio|http.server] [--connections 1,2,4,8]
+                                [--server-core 0 --generator-core 1] [--blobs] [--duration 5] [--out FILE]
 
 The 49-graph workload (``bench/workload.py``, 64 KiB blobs) is stored and signed as in ``bench/storm.py`` (SQLite),
 and published as a static index into a folder (or, with ``--s3``, a bucket of moto's S3 server), with ``--plans`` more
@@ -20,6 +22,12 @@ it), blobs inline with ``--blobs``. The API server runs during the index storms 
 reported (goal 0), and the static server's and the load generator's per start-up. Per rate: p50/p99/max from the
 scheduled arrival to the last byte, failures; then the highest rate with p99 <= 1 s and no failure for each path, and
 their ratio.
+
+With ``--generator wrk`` (``apt-get install wrk nginx-light``) both paths are driven by ``wrk`` instead
+(``bench/wrk_storm.py``: C, closed loop, each start-up's GETs in order on a connection of its own), at each of
+``--connections`` concurrent start-ups, the folder served by nginx (one worker) or ``--static``; each step reports
+start-ups/s, p50/p99 per start-up, the CPU per start-up of wrk and the server, the API server's CPU seconds during the
+index steps, and each core's idle, software-interrupt and busy shares (which of them saturates).
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.load_server import ENV, HOST, database, server  # noqa: E402
+from bench import wrk_storm  # noqa: E402
+from bench.load_server import ENV, HOST, database, free_port, server  # noqa: E402
 from bench.report import percentile  # noqa: E402
 from bench.storm import (  # noqa: E402
     DEADLINE_S,
@@ -200,12 +209,74 @@ def sustained(rows: list[dict[str, Any]]) -> float | None:
     return max((r["rate"] for r in rows if r["p99_s"] <= P99_GOAL_S and not r["fallbacks"]), default=None)
 
 
+def pin(pid: int, core: str) -> None:
+    """Every thread of ``pid`` on the cores ``core`` (none when empty)."""
+    if core:
+        subprocess.run(["taskset", "-a", "-p", "-c", core, str(pid)], check=True, stdout=subprocess.DEVNULL)
+
+
+def wrk_storms(args: argparse.Namespace, env: dict[str, str], folder: Path, meta: list[tuple[str, int]],
+               blobs: list[tuple[str, int]], keys: list[str], token: str) -> dict[str, Any]:
+    """Index and API storms from ``wrk`` (:mod:`bench.wrk_storm`) at each of ``--connections``: the index's GETs from
+    nginx (or ``--static``), the API's records-only (or inline, with ``--blobs``) resolve from one ``plancache serve``;
+    each server idle while the other path runs (its CPU seconds then reported); their CPU seconds per start-up."""
+    steps = [(path, size, 0) for path, size in [*meta, *blobs]]
+    index_lua = wrk_storm.script(steps)
+    body = json.dumps({"environment": ENV.model_dump(), "graph_keys": keys, "include_blobs": args.blobs})
+    api_lua = wrk_storm.script([("/v1/plans/resolve", -1, 0 if args.blobs else len(keys))], "POST", body,
+                               {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    steps_of = [int(c) for c in args.connections.split(",")]
+    out: dict[str, Any] = {"generator": "wrk (closed loop, one start-up per connection at a time)",
+                           "server_cores": args.server_core or "any", "generator_cores": args.generator_core or "any",
+                           "static_server": "nginx (1 worker)" if args.static == "nginx" else args.static}
+    with server(["-m", "plancache", "serve"], env, "/readyz") as api, \
+            (wrk_storm.nginx(folder, free_port()) if args.static == "nginx"
+             else static_server(folder, args.static)) as static:
+        api_pid = server_pid(api)
+        pin(api_pid, args.server_core)
+        base, static_pid = static
+        pin(static_pid, args.server_core)
+        wrk_storm.run(base, index_lua, 2, 1, args.generator_core)  # warm-up
+        rows = []
+        for c in steps_of:
+            a0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid)
+            row = wrk_storm.run(base, index_lua, c, args.duration, args.generator_core)
+            n = max(1, row["start_ups"])
+            row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - a0, 3)
+            row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / n, 6)
+            row["static_server_core_busy"] = round((cpu_seconds(static_pid) - s0) / args.duration, 2)
+            row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+            rows.append(row)
+            print("index", row, flush=True)
+        out["index"] = rows
+        wrk_storm.run(api, api_lua, 2, 1, args.generator_core)  # warm-up
+        rows = []
+        for c in steps_of:
+            a0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid)
+            row = wrk_storm.run(api, api_lua, c, args.duration, args.generator_core)
+            n = max(1, row["start_ups"])
+            row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - a0) / n, 6)
+            row["api_server_core_busy"] = round((cpu_seconds(api_pid) - a0) / args.duration, 2)
+            row["static_server_cpu_s"] = round(cpu_seconds(static_pid) - s0, 3)
+            row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+            rows.append(row)
+            print("api", row, flush=True)
+        out["api"] = rows
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blobs", action="store_true", help="start-ups fetch the 49 blobs too (API: inline)")
     parser.add_argument("--s3", action="store_true", help="the index in a bucket of moto's S3 server, not a folder")
-    parser.add_argument("--static", choices=("http.server", "asyncio"), default="http.server",
-                        help="the static file server of the folder (bench/static_server.py)")
+    parser.add_argument("--static", choices=("http.server", "asyncio", "nginx"), default="http.server",
+                        help="the static file server of the folder (bench/static_server.py, or Debian's nginx)")
+    parser.add_argument("--generator", choices=("asyncio", "wrk"), default="asyncio",
+                        help="asyncio: open loop at --rates (Python); wrk: closed loop at --connections "
+                             "(bench/wrk_storm.py)")
+    parser.add_argument("--connections", default="1,2,4,8,16,32,64", help="wrk: concurrent start-ups per step")
+    parser.add_argument("--server-core", default="", help="wrk: pin the servers to these cores (taskset -c)")
+    parser.add_argument("--generator-core", default="", help="wrk: pin wrk to these cores")
     parser.add_argument("--rates", default="32,128,512")
     parser.add_argument("--api-rates", default="32,128,512")
     parser.add_argument("--duration", type=float, default=5.0)
@@ -214,6 +285,8 @@ def main() -> None:
     parser.add_argument("--set", action="store_true", help="publish the workload as a named set; start-ups read it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.generator == "wrk" and args.s3 or args.static == "nginx" and args.generator != "wrk":
+        parser.error("--generator wrk serves the index from a folder (no --s3); --static nginx needs --generator wrk")
     load = os.getloadavg()
     with database(None) as (_, url), tempfile.TemporaryDirectory() as tmp, \
             (moto_bucket() if args.s3 else contextlib.nullcontext(("", {}))) as (bucket_url, aws):
@@ -242,35 +315,38 @@ def main() -> None:
                                   "shards_read": len(meta) - 1, "index_bytes_read": sum(n for _, n in meta),
                                   "gets_per_start_up": len(meta) + len(blobs), "duration_s": args.duration,
                                   "load_before": [round(x, 2) for x in load]}
-        with server(["-m", "plancache", "serve"], env, "/readyz") as api, \
-                (contextlib.nullcontext((aws["AWS_ENDPOINT_URL"], None)) if args.s3 else static_server(folder, args.static)) \
-                as (static, static_pid):
-            api_pid = server_pid(api)
-            host, port = HOST, int(static.rsplit(":", 1)[1])
-            asyncio.run(index_storm(host, port, meta, blobs, 4, 1))  # warm-up
-            rows = []
-            for rate in map(float, args.rates.split(",")):
-                cpu0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid) if static_pid else 0.0
-                g0 = time.process_time()
-                row = asyncio.run(index_storm(host, port, meta, blobs, rate, args.duration))
-                row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - cpu0, 3)
-                row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
-                if static_pid:
-                    row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / row["start_ups"], 5)
-                rows.append(row)
-                print("index", row, flush=True)
-            result["index"] = rows
-            run = {"inline": args.blobs, "fetch": args.blobs}
-            asyncio.run(api_storm([api], token, keys, 2, 1, **run))  # warm-up
-            rows = []
-            for rate in map(float, args.api_rates.split(",")):
-                cpu0, g0 = cpu_seconds(api_pid), time.process_time()
-                row = asyncio.run(api_storm([api], token, keys, rate, args.duration, **run))
-                row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - cpu0) / row["start_ups"], 5)
-                row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
-                rows.append(row)
-                print("api", row, flush=True)
-            result["api"] = rows
+        if args.generator == "wrk":
+            result.update(wrk_storms(args, env, folder, meta, blobs, keys, token))
+        else:
+            with server(["-m", "plancache", "serve"], env, "/readyz") as api, \
+                    (contextlib.nullcontext((aws["AWS_ENDPOINT_URL"], None)) if args.s3 else static_server(folder, args.static)) \
+                    as (static, static_pid):
+                api_pid = server_pid(api)
+                host, port = HOST, int(static.rsplit(":", 1)[1])
+                asyncio.run(index_storm(host, port, meta, blobs, 4, 1))  # warm-up
+                rows = []
+                for rate in map(float, args.rates.split(",")):
+                    cpu0, s0 = cpu_seconds(api_pid), cpu_seconds(static_pid) if static_pid else 0.0
+                    g0 = time.process_time()
+                    row = asyncio.run(index_storm(host, port, meta, blobs, rate, args.duration))
+                    row["api_server_cpu_s"] = round(cpu_seconds(api_pid) - cpu0, 3)
+                    row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
+                    if static_pid:
+                        row["static_server_cpu_s_per_start_up"] = round((cpu_seconds(static_pid) - s0) / row["start_ups"], 5)
+                    rows.append(row)
+                    print("index", row, flush=True)
+                result["index"] = rows
+                run = {"inline": args.blobs, "fetch": args.blobs}
+                asyncio.run(api_storm([api], token, keys, 2, 1, **run))  # warm-up
+                rows = []
+                for rate in map(float, args.api_rates.split(",")):
+                    cpu0, g0 = cpu_seconds(api_pid), time.process_time()
+                    row = asyncio.run(api_storm([api], token, keys, rate, args.duration, **run))
+                    row["api_server_cpu_s_per_start_up"] = round((cpu_seconds(api_pid) - cpu0) / row["start_ups"], 5)
+                    row["generator_cpu_s_per_start_up"] = round((time.process_time() - g0) / row["start_ups"], 5)
+                    rows.append(row)
+                    print("api", row, flush=True)
+                result["api"] = rows
     result["index_sustained_per_s"], result["api_sustained_per_s"] = sustained(result["index"]), sustained(result["api"])
     if result["index_sustained_per_s"] and result["api_sustained_per_s"]:
         result["ratio"] = round(result["index_sustained_per_s"] / result["api_sustained_per_s"], 1)
@@ -278,7 +354,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k not in ("index", "api")}))
     if args.out:
         merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-        where = "s3" if args.s3 else args.static
+        where = ("s3" if args.s3 else args.static) + ("+wrk" if args.generator == "wrk" else "")
+        where += "+pinned" if args.generator == "wrk" and (args.server_core or args.generator_core) else ""
         shards = "set" if args.set else "prefix"
         merged[f"{where}/{'blobs' if args.blobs else 'records'}/{len(keys) + args.plans}-plans/{shards}"] = result
         args.out.write_text(json.dumps(merged, indent=2) + "\n")
