@@ -149,10 +149,10 @@ def _callers_rows(env_id: str, who: MissCaller, keys: list[str], now: datetime) 
     mc, caller = miss_callers.c, who.caller_hash
     recent = mc.counted_at >= now - SHARE_PERIOD
     share_used = (sa.select(sa.func.count()).select_from(miss_callers)
-                  .where(mc.caller == caller, mc.shared.is_(True), recent).scalar_subquery())
+                  .where(mc.caller == caller, mc.shared == sa.true(), recent).scalar_subquery())
     return (sa.select(mc.graph_key,
                       sa.func.max(sa.case((mc.process == who.process_hash, 1), else_=0)).label("this_process"),
-                      sa.func.max(sa.case((sa.and_(mc.shared.is_(True), recent), 1), else_=0)).label("shared_now"),
+                      sa.func.max(sa.case((sa.and_(mc.shared == sa.true(), recent), 1), else_=0)).label("shared_now"),
                       share_used.label("share_used"))
             .where(mc.env_id == env_id, mc.caller == caller, mc.graph_key.in_(keys),
                    mc.counted_at >= now - DISTINCT_MISS_PERIOD)
