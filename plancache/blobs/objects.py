@@ -183,6 +183,12 @@ class ObjectStoreBlobs(BlobStore):
         for start in range(0, len(digests), LIST_BATCH):
             self._call(partial(self._obs.delete, self._store, [shard(d) for d in digests[start:start + LIST_BATCH]]))
 
+    def check_listable(self) -> None:
+        """Raise :class:`BlobStoreUnavailable` unless the first key under the prefix can be listed now: one read,
+        behind the circuit and its timeout, so a frozen endpoint holds the caller about twice :data:`READ_TIMEOUT`."""
+        pages = self._read(lambda: self._obs.list(self._reads, chunk_size=1))
+        self._read(lambda: next(pages, None))
+
     def objects_older_than(self, cutoff: datetime) -> Iterator[list[StoredObject]]:
         """The blob objects (``ab/cd/<sha256>`` under the prefix) last modified before ``cutoff``, a page of the
         listing (:data:`LIST_BATCH` objects or fewer) at a time, so a bucket of any size is listed in bounded

@@ -159,7 +159,8 @@ def plans_gc(
     database_url: str | None = database_url_option(),
 ) -> None:
     """Delete plan records of environments no longer in use, then blobs no record references; with --jobs-days,
-    --misses-days or --withdrawals-days, also that history."""
+    --misses-days or --withdrawals-days, also that history. With the bucket unreachable, the blob sweep is
+    skipped (exit 5 after the rest; --dry-run says what it could not count and exits 0)."""
     from datetime import timedelta
     from urllib.parse import urlsplit
 
@@ -196,6 +197,15 @@ def plans_gc(
     elif report.temporaries_deleted or report.orphans_deleted:
         typer.echo(f"{verb} {report.temporaries_deleted} temporary files of crashed writers and "
                    f"{report.orphans_deleted} blob files no catalog row names ({report.leftover_bytes_freed} bytes)")
+    if report.bucket_unavailable is None:
+        return
+    if dry_run:
+        typer.echo(f"not counted: objects no catalog row names, as the bucket cannot be listed now "
+                   f"({report.bucket_unavailable})")
+        return
+    raise Failure(f"blob sweep skipped, as the bucket cannot be listed now ({report.bucket_unavailable}): unreferenced "
+                  "blobs and objects no catalog row names stay", "run `plancache plans gc` again once the bucket is "
+                  "reachable", ExitCode.OS_ERROR)
 
 
 def _all_records(store: Store, env_id: str | None) -> list[PlanRecord]:

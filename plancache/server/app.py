@@ -22,7 +22,7 @@ from .bodies import install_openapi_rules
 from .bounded import STORE_WAIT, Bounded
 from .docs import install_docs
 from .errors import install_error_handlers
-from .limits import UPLOAD_THREADS, ByteBudget, MissCallers, RateLimiter
+from .limits import UPLOAD_THREADS, ByteBudget, RateLimiter
 from .memo import PRESIGNED_URLS, BlobMemory, RecordMemo, TtlMemory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
@@ -120,8 +120,6 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.inflight = ByteBudget(settings.max_inflight_bytes, settings.inflight_wait_seconds)
     app.state.spec_writes = RateLimiter(settings.spec_writes_per_minute, settings.spec_write_burst)
     app.state.miss_writes = RateLimiter(settings.misses_per_minute, settings.miss_burst)
-    # which misses count: once per caller and process; half the autotune budget a caller's share (limits.MissCallers)
-    app.state.miss_callers = MissCallers(max(1, settings.autotune_jobs_per_hour // 2))
     app.state.upload_threads = anyio.CapacityLimiter(UPLOAD_THREADS)  # blob uploads' threads, apart from the rest
     # per-process memories of the hot read path (plancache.server.memo): blob bytes, resolve answers' records,
     # authenticated tokens, presigned URLs (each handed out while more than half of its validity is left)

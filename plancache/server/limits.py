@@ -4,7 +4,6 @@
   until their handler returns, inlined resolve answers until they are sent. A request that does not fit waits
   up to ``Settings.inflight_wait_seconds``, then gets 503 ``server_busy`` with ``Retry-After``.
 - :class:`RateLimiter`: a token bucket per API token (``POST /v1/specs`` and recorded misses).
-- :class:`MissCallers`: which misses raise a key's count, and a token's share of the automatic tuning they lead to.
 - :class:`LogBudget`: the log lines a client's refused or failed requests may write (:mod:`plancache.server.errors`).
 
 Both live in one process (app.state); N server processes allow N times as much. docs/DEPLOYMENT.md
@@ -14,14 +13,12 @@ Both live in one process (app.state); N server processes allow N times as much. 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import threading
 import time
 from typing import Any
 
 from ..errors import ServerBusy
-from .memo import TtlMemory
 
 #: How long a client told to come back (Retry-After) waits when the server is busy, in seconds.
 BUSY_RETRY_AFTER = 1
@@ -168,55 +165,12 @@ class LogBudget:
             return None
 
 
-#: A caller's misses of one key on one environment raise its count once per this many seconds (per server process,
-#: while it remembers them: :class:`MissCallers`' ``max_items``).
-DISTINCT_MISS_SECONDS = 7 * 86_400
-#: The period of a caller's share of keys raised past their first count (the autotune budget's period).
-SHARE_SECONDS = 3600
-
-
 def miss_caller(principal: Any, address: str | None) -> str:
     """Whose share a miss takes: its token (``identity``), else the anonymous caller's address."""
     return getattr(principal, "identity", None) or f"address:{address or 'unknown'}"
 
 
-class MissCallers:
-    """Which misses count, so that the count of a key on an environment is of distinct callers and no caller can
-    make the autotune policy tune what it alone asks for:
-
-    - a caller (a token, or an anonymous address) and the process it names count a key
-      once per :data:`DISTINCT_MISS_SECONDS` (:data:`~plancache.http.PROCESS_HEADER`);
-    - a caller's first count of a key is free; raising a key it counted already (from another process) takes one
-      of its ``share`` keys an hour (:data:`SHARE_SECONDS`; a key once taken is free for the rest of the hour), past
-      which such misses are not counted. So a key one caller alone misses stays at 1 however many processes it
-      names, unless the caller spends its share on it. With ``share`` half the autotune budget, one token's processes bring at
-      most half of an hour's automatic jobs.
-
-    Per server process, in memory; N replicas allow N times as much."""
-
-    def __init__(self, share: int, max_items: int = 200_000) -> None:
-        self._seen: TtlMemory[bool] = TtlMemory(DISTINCT_MISS_SECONDS, max_items)  # (caller, process, env, key)
-        self._first: TtlMemory[bool] = TtlMemory(DISTINCT_MISS_SECONDS, max_items)  # (caller, env, key)
-        self._shared: TtlMemory[bool] = TtlMemory(SHARE_SECONDS, max_items)  # (caller, env, key) taken from the share
-        self._share = RateLimiter(share * 60 * 60 / SHARE_SECONDS, share)
-
-    @staticmethod
-    def _key(*parts: str) -> str:
-        return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
-
-    def counted(self, caller: str, process: str, env_id: str, keys: list[str]) -> list[str]:
-        """The keys of ``keys`` whose miss by ``caller`` from ``process`` on ``env_id`` counts now."""
-        out = []
-        for key in keys:
-            seen = self._key(caller, process, env_id, key)
-            if self._seen.get(seen) is not None:
-                continue
-            first = self._key(caller, env_id, key)
-            if self._first.get(first) is not None and self._shared.get(first) is None:
-                if not self._share.take(caller):
-                    continue
-                self._shared.put(first, True)
-            self._first.put(first, True)
-            self._seen.put(seen, True)
-            out.append(key)
-        return out
+def miss_share(autotune_jobs_per_hour: int) -> int:
+    """A caller's share of keys it raises past their first count, per hour (:mod:`plancache.store.misses`): half
+    the autotune budget, so one token's processes bring at most half of an hour's automatic jobs."""
+    return max(1, autotune_jobs_per_hour // 2)

@@ -13,7 +13,8 @@ with or without a job records it, :func:`.jobs.record_claimer`):
   first.
 
 A key's miss count is of distinct callers and processes, and one caller's share of the keys it alone raises is
-bounded by the server (:class:`plancache.server.limits.MissCallers`), so no one token takes the budget.
+bounded (:mod:`.misses`), so no one token takes the budget. Each step also deletes up to :data:`EXPIRE_BATCH` rows
+of who counted a miss that count no more, so that table holds about a week of counted misses.
 
 The step is one write transaction, serialized across replicas (Postgres: a transaction-scoped advisory lock;
 SQLite: ``BEGIN IMMEDIATE``), so two replicas running it at once neither enqueue a key twice (the unique index of
@@ -32,6 +33,7 @@ from .. import errors
 from ..environment import VALIDITY_FIELDS
 from ..protocol import PRIORITY_MAX, Job, TargetEnvironment
 from .jobs import insert_job, target_key
+from .misses import expire_miss_callers
 from .models import ACTIVE_JOB_STATUSES, jobs, misses, plans, specs, worker_environments
 
 if TYPE_CHECKING:
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 _PG_AUTOTUNE_LOCK = 0x6175746F
 #: The priority of automatic jobs: the lowest there is, so every admin or campaign job is claimed before them.
 AUTO_PRIORITY = -PRIORITY_MAX
+#: Expired rows of who counted a miss deleted per step.
+EXPIRE_BATCH = 5000
 #: The period of the per-environment job budget.
 BUDGET_PERIOD = timedelta(hours=1)
 
@@ -79,6 +83,7 @@ def run_autotune(store: Store, policy: AutotunePolicy) -> list[Job]:
         if not store.db.is_sqlite:
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_AUTOTUNE_LOCK})
         now = store.db.now(conn)
+        expire_miss_callers(conn, now, EXPIRE_BATCH)
         served = conn.execute(
             sa.select(worker_environments).where(worker_environments.c.last_claim_at >= now - policy.worker_window)
             .order_by(worker_environments.c.env_id)

@@ -3,7 +3,9 @@
 Each kind is kept for good unless its bound is given. A finished job that a plan record names (the job that tuned it)
 is kept as long as the record. Deleting a withdrawal forgets it: explain no longer hands it to clients that still hold
 the withdrawn plan, and a plan of a revision at or below the withdrawn one may be published again. Deleted jobs leave
-the tallies of ended jobs (``job_counts``), and table statistics are refreshed after a deletion.
+the tallies of ended jobs (``job_counts``), and table statistics are refreshed after a deletion. Who counted a
+miss (``miss_callers``) is deleted once it counts no more (:data:`.misses.DISTINCT_MISS_PERIOD`), or with the misses
+when their bound is shorter.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .jobs import tally_finished
-from .models import FINISHED_JOB_STATUSES, jobs, misses, plans, withdrawals
+from .misses import DISTINCT_MISS_PERIOD
+from .models import FINISHED_JOB_STATUSES, jobs, miss_callers, misses, plans, withdrawals
 
 if TYPE_CHECKING:
     from . import Store
@@ -57,6 +60,11 @@ def prune_history(store: Store, *, jobs_older_than: timedelta | None = None,
     if misses_older_than is not None:
         counts["misses"] = _prune(store, misses, [misses.c.graph_key, misses.c.env_id], dry_run,
                                   misses.c.last_seen < now - misses_older_than)
+    if not dry_run:
+        callers_age = min(misses_older_than or DISTINCT_MISS_PERIOD, DISTINCT_MISS_PERIOD)
+        mc = miss_callers.c
+        counts["miss_callers"] = _prune(store, miss_callers, [mc.env_id, mc.caller, mc.graph_key, mc.process], False,
+                                        mc.counted_at < now - callers_age)
     if withdrawals_older_than is not None:
         counts["withdrawals"] = _prune(store, withdrawals, [withdrawals.c.id], dry_run,
                                        withdrawals.c.created_at < now - withdrawals_older_than)

@@ -208,6 +208,22 @@ misses = sa.Table(
     sa.Index("ix_misses_count", "count", "last_seen"),  # the most missed first (/ui, GET /v1/misses)
 )
 
+# Who counted a miss: one row per caller (a token, or an anonymous address), client process and key on an
+# environment whose miss raised the key's count (store/misses.py), both hashed; ``shared`` when it took one of the
+# caller's hourly share of keys. Rows a week old count no more and are deleted (autotune step, ``plans gc``).
+miss_callers = sa.Table(
+    "miss_callers",
+    metadata,
+    sa.Column("env_id", sa.String(32), primary_key=True),
+    sa.Column("caller", sa.String(32), primary_key=True),
+    sa.Column("graph_key", sa.String(64), primary_key=True),
+    sa.Column("process", sa.String(32), primary_key=True),
+    sa.Column("counted_at", UTCDateTime, nullable=False),
+    sa.Column("shared", sa.Boolean, nullable=False),
+    sa.Index("ix_miss_callers_share", "caller", "shared", "counted_at"),  # a caller's share used this hour
+    sa.Index("ix_miss_callers_counted_at", "counted_at"),  # retention
+)
+
 # The environments workers claim for: one row per environment, the time of its last claim (a job handed out or
 # not). The autotune policy enqueues only for environments claimed within its window (store/autotune.py).
 worker_environments = sa.Table(

@@ -9,6 +9,9 @@
    writers, and blob files or objects that no catalog row names (those under the lock of step 2, in a transaction
    of their own; a bucket is listed and swept a page of objects at a time).
 
+With a bucket that cannot be listed now (down, frozen), step 1 still runs; steps 2 and 3 are skipped (a dry run
+still counts step 2 from the catalog) and the report says why: a blob's row and its bytes go together or not at all.
+
 A blob still referenced is never deleted, and a publish running at the same time neither fails nor
 loses its blob. The DELETE re-checks that no record points at a blob, and the foreign key from
 ``plans.blob_sha256`` to ``blobs`` makes the database refuse to delete a blob a record points at. On
@@ -31,6 +34,7 @@ import sqlalchemy as sa
 
 from ..blobs import ObjectStoreBlobs
 from ..blobs.folder import StoredFile
+from ..errors import BlobStoreUnavailable
 from .blobs import ContentBlobs, FileBlobs
 from .db import lock_against_writers
 from .models import blobs, plans
@@ -54,6 +58,8 @@ class GcReport:
     temporaries_deleted: int = 0  # a file blob store's files of crashed writers
     orphans_deleted: int = 0  # a folder's blob files or a bucket's objects that no catalog row names
     leftover_bytes_freed: int = 0  # by those two
+    #: Why the bucket's steps were skipped (it could not be listed), or None when they ran.
+    bucket_unavailable: str | None = None
 
 
 def _check_keep(store: Store, keep_env_ids: set[str]) -> None:
@@ -96,6 +102,15 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
                 for env_id in conn.execute(sa.delete(plans).where(doomed_records).returning(plans.c.env_id)).scalars():
                     by_env[env_id] = by_env.get(env_id, 0) + 1
     cutoff = store.db.now() - grace
+    bucket = _bucket(store)
+    unavailable = None
+    if bucket is not None:
+        try:
+            bucket.check_listable()
+        except BlobStoreUnavailable as exc:
+            unavailable = str(exc)
+    n = size = 0
+    orphan_objects = object_bytes = 0
     if dry_run:
         surviving = None if doomed_records is None else sa.not_(doomed_records)
         with store.db.read() as conn:
@@ -103,16 +118,31 @@ def gc(store: Store, *, grace: timedelta, keep_env_ids: set[str] | None = None, 
                 sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(blobs.c.size), 0))
                 .where(*_unreferenced(cutoff, surviving))
             ).one()
-    else:
-        n, size = _delete_blobs(store, cutoff)
+    elif unavailable is None:
+        try:
+            n, size = _delete_blobs(store, cutoff)
+        except BlobStoreUnavailable as exc:  # the bucket went down meanwhile: that batch was rolled back
+            unavailable = str(exc)
     if not dry_run and (by_env or n):
         store.analyze()  # a bulk change
     temporaries, orphans = _leftover_files(store, cutoff, dry_run=dry_run)
-    orphan_objects, object_bytes = _leftover_objects(store, cutoff, dry_run=dry_run)
+    if bucket is not None and unavailable is None:
+        try:
+            orphan_objects, object_bytes = _leftover_objects(store, bucket, cutoff, dry_run=dry_run)
+        except BlobStoreUnavailable as exc:  # the pages swept before it stay swept
+            unavailable = str(exc)
     return GcReport(dry_run=dry_run, records_deleted=sum(by_env.values()), records_by_env=by_env,
                     blobs_deleted=int(n), blob_bytes_freed=int(size), temporaries_deleted=len(temporaries),
                     orphans_deleted=len(orphans) + orphan_objects,
-                    leftover_bytes_freed=sum(f.size for f in temporaries + orphans) + object_bytes)
+                    leftover_bytes_freed=sum(f.size for f in temporaries + orphans) + object_bytes,
+                    bucket_unavailable=unavailable)
+
+
+def _bucket(store: Store) -> ObjectStoreBlobs | None:
+    """The object store holding ``store``'s blob bytes, if they are in one."""
+    if isinstance(store.blob_store, ContentBlobs) and isinstance(store.blob_store.content, ObjectStoreBlobs):
+        return store.blob_store.content
+    return None
 
 
 def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[StoredFile], list[StoredFile]]:
@@ -136,15 +166,12 @@ def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[S
     return temporaries, orphans
 
 
-def _leftover_objects(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[int, int]:
-    """On an object blob store, delete the blob objects without a catalog row last modified before ``cutoff``;
+def _leftover_objects(store: Store, bucket: ObjectStoreBlobs, cutoff: Any, *, dry_run: bool) -> tuple[int, int]:
+    """In ``bucket``, delete the blob objects without a catalog row last modified before ``cutoff``;
     how many were deleted (with ``dry_run``: would be) and their bytes. The bucket is listed a page at a time; each
     page's rows are looked up and its orphans deleted in a transaction of its own holding the catalog against
     writers, so a publish that inserted a row for an old object's bytes meanwhile keeps them, and memory and the
     lock's time stay bounded however many objects there are."""
-    if not (isinstance(store.blob_store, ContentBlobs) and isinstance(store.blob_store.content, ObjectStoreBlobs)):
-        return 0, 0
-    bucket = store.blob_store.content
     count = size = 0
     for page in bucket.objects_older_than(cutoff):
         with store.db.read() if dry_run else store.db.write() as conn:

@@ -5,7 +5,7 @@ Figures (this module's server, on main 4d1a308): opening the store read one refe
 refusal (every admin command exited 5 or 6, a restarted server crash-looped); one blob GET through the server waited
 30 s. With the fix: the store opens at once; the first blob GET answers 503 after the bounded read timeout (2 tries
 of READ_TIMEOUT, 0.3 s here) and the next ones at once (the circuit), with ``Retry-After``; records-only resolves,
-``/healthz`` and ``token list`` answer meanwhile.
+``/healthz`` and ``token list`` answer meanwhile; ``plans gc`` deletes the records it can and says what it skipped.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from plancache.blobs import objects
+from plancache.cli import make_app
 from plancache.server import create_app
 from plancache.settings import Settings
 from plancache.store import open_store
@@ -129,15 +133,51 @@ def test_a_missing_blob_is_reported_not_refused(seeded, tmp_path):
     assert problem is not None and "the volume mounted" in problem
 
 
-def test_gc_fails_within_the_read_timeout_and_says_so(frozen_endpoint, seeded):
-    """``plans gc`` (``--dry-run`` too) lists the bucket for objects no record names: with the bucket frozen it
-    fails after the read timeout, not obstore's 30 s per try."""
-    from plancache.errors import BlobStoreUnavailable
-    from plancache.store.retention import gc
+@pytest.fixture
+def two_environments(seeded, make_spec, make_plan, tmp_path) -> str:
+    """``seeded`` and a plan of another environment (its own blob) beside it: the database's URL."""
+    from tests.factories import OTHER_GPU
 
     url, _, _ = seeded
-    with open_store(url, blob_store="s3://frozen/blobs") as store:
-        started = time.monotonic()
-        with pytest.raises(BlobStoreUnavailable):
-            gc(store, grace=timedelta(hours=24), dry_run=True)
-    assert time.monotonic() - started < 2 * READ_TIMEOUT + 1.5
+    with open_store(url, blob_store=(tmp_path / "blobs").as_uri()) as store:
+        key, spec = make_spec(1)
+        store.put_spec(key, spec)
+        store.publish_plan(*make_plan(key, OTHER_GPU, blob=b"other-plan"))
+    return url
+
+
+def _plans_gc(url: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[Any, float]:
+    """``plancache plans gc ARGS`` in this process (so the short read timeout holds) on the frozen bucket: the
+    result and its seconds."""
+    monkeypatch.setenv("PLANCACHE_BLOB_STORE", "s3://frozen/blobs")
+    started = time.monotonic()
+    result = CliRunner().invoke(make_app(), ["plans", "gc", "--database-url", url, "--grace-hours", "0", *args])
+    return result, time.monotonic() - started
+
+
+def test_gc_dry_run_reports_the_database_and_what_it_cannot_count(frozen_endpoint, two_environments, gpu_env,
+                                                                   monkeypatch):
+    """``plans gc --dry-run`` with the bucket frozen: what the database tells (records, unreferenced blobs), one
+    line saying the bucket's objects are not counted, exit 0, within the read timeout (it failed with exit 5)."""
+    result, seconds = _plans_gc(two_environments, monkeypatch, "--dry-run", "--keep-environment", gpu_env.env_id)
+    assert result.exit_code == 0, result.output
+    assert "would delete 1 plan records" in result.stdout and "would delete 1 unreferenced blobs" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if "cannot be listed" in line]
+    assert len(lines) == 1 and lines[0].startswith("not counted: objects no catalog row names")
+    assert "Traceback" not in result.output and seconds < 2 * READ_TIMEOUT + 1.5
+
+
+def test_gc_deletes_records_and_skips_the_blob_sweep(frozen_endpoint, two_environments, gpu_env, monkeypatch):
+    """``plans gc`` with the bucket frozen deletes the records it was asked to and keeps every blob row (a row and
+    its bytes go together), then says the sweep was skipped: exit 5 (OS_ERROR), no traceback."""
+    from plancache.cli.common import ExitCode
+    from plancache.store.models import blobs, plans
+
+    result, seconds = _plans_gc(two_environments, monkeypatch, "--keep-environment", gpu_env.env_id)
+    assert result.exit_code == ExitCode.OS_ERROR, result.output
+    assert "deleted 1 plan records" in result.stdout and "deleted 0 unreferenced blobs" in result.stdout
+    assert "blob sweep skipped, as the bucket cannot be listed now" in result.stderr
+    assert "Traceback" not in result.output and seconds < 2 * READ_TIMEOUT + 1.5
+    with open_store(two_environments, blob_store="s3://frozen/blobs") as store, store.db.read() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(plans)).scalar() == 1
+        assert conn.execute(sa.select(sa.func.count()).select_from(blobs)).scalar() == 2

@@ -30,13 +30,14 @@ from ...protocol import (
 from ...settings import ServerSettings
 from ...store import Store
 from ...store.blobs import ContentBlobs
+from ...store.misses import MissCaller
 from ...store.plans import PlanVersion
 from ..auth import Admin, Reader, Worker
 from ..autotune import autotune_policy
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
-from ..limits import Held, miss_caller, rate_key
+from ..limits import Held, miss_caller, miss_share, rate_key
 from ..memo import BlobMemory, RecordMemo, TtlMemory
 from ..metrics import Metrics
 from ..uploads import accept_upload, publish_job_plan
@@ -60,29 +61,29 @@ MAX_INLINE_BLOB_BYTES = 128 << 20
              responses=documented_errors(401, 403, 413, 422, 503))
 def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, principal: Reader,
             request: Request) -> Response:
-    """Exact match on the environment's validity fields; keys without a plan are listed in ``missing``
-    and recorded as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``;
-    past it they are still listed, not counted). A miss counts once per caller (token or anonymous address) and
-    client process (header ``X-Plancache-Process``) in a week, and a caller raises keys it counted already within
-    a share of the autotune budget (docs/DEPLOYMENT.md, "Autotune"). Each plan whose blob is not inline has
-    ``blob_url``: a presigned GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid
+    """Exact match on the environment's validity fields; keys without a plan are listed in ``missing`` and recorded as
+    misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``; past it they are
+    still listed, not counted). A miss counts once per caller (token or anonymous address) and client process
+    (header ``X-Plancache-Process``) in a week, and a caller raises keys it counted already within a share of the
+    autotune budget, both kept in the database across replicas (docs/DEPLOYMENT.md, "Autotune"). Each plan whose
+    blob is not inline has ``blob_url``: a presigned GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid
     ``PLANCACHE_PRESIGN_SECONDS`` when made, and handed out again while more than half of that is left) when the
-    blobs are in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64
-    where the server serves them itself (never when it presigns: the bytes then bypass it), in key order up to
-    128 MiB of blob bytes per answer and what the server's in-flight budget has room for; a plan past that has
-    ``blob_b64`` null."""
+    blobs are in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where
+    the server serves them itself (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of
+    blob bytes per answer and what the server's in-flight budget has room for; a plan past that has ``blob_b64``
+    null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     keys = list(dict.fromkeys(req.graph_keys))
     found = _answer_heads(store, request.app.state.record_memo, req.environment, keys)
     missing = [key for key in keys if key not in found]
     if missing:
-        caller = miss_caller(principal, request.client.host if request.client else None)
-        process = request.headers.get(PROCESS_HEADER, "")[:64]
-        fresh = request.app.state.miss_callers.counted(caller, process, req.environment.env_id, missing)
-        counted = request.app.state.miss_writes.take(rate_key(principal), len(fresh), partial=True) if fresh else 0
+        who = MissCaller(miss_caller(principal, request.client.host if request.client else None),
+                         request.headers.get(PROCESS_HEADER, "")[:64])
+        fresh = store.countable_misses(req.environment.env_id, who, missing, miss_share(settings.autotune_jobs_per_hour))
+        counted = request.app.state.miss_writes.take(rate_key(principal), len(fresh.keys), partial=True) if fresh.keys else 0
         if counted:
-            store.record_misses(req.environment, fresh[:counted])
+            store.record_misses(req.environment, fresh.keys[:counted], who, fresh.shared)
         metrics.misses_not_counted.inc(len(missing) - counted)
     held = 0
     presign = _presigner(store, settings, request.app.state.presigned_urls)
