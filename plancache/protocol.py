@@ -422,7 +422,8 @@ class RejectReport(StrictModel):
     :class:`~plancache.errors.Reason` members: a bounded set the server counts under)."""
 
     rejects: dict[Annotated[str, StringConstraints(pattern=REASON_PATTERN)],
-                  Annotated[Int, Field(ge=1, le=MAX_REPORTED_REJECTS)]] = Field(min_length=1, max_length=len(Reason))
+                  Annotated[Int, Field(ge=1, le=MAX_REPORTED_REJECTS)]] = Field(
+        min_length=1, max_length=len(Reason), json_schema_extra={"additionalProperties": False})  # reasons only
 
 
 class TuneRequest(StrictModel):

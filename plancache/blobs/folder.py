@@ -91,12 +91,14 @@ class FolderBlobs(BlobStore):
                 pass
             return
         for folder in (self.root, path.parent.parent, path.parent):
-            if not folder.is_dir():
-                if folder.exists() or folder.is_symlink():  # a file in the way: no blob of this shard can be written
-                    raise OSError(errno.ENOTDIR, f"{folder} is in the way of a blob shard folder (not a folder)",
-                                  str(folder))
+            if folder.is_dir():
+                continue
+            try:  # another process may make the same folder meanwhile: that is no obstacle
                 folder.mkdir(parents=True, exist_ok=True)
-                fsync_dir(folder.parent)
+            except FileExistsError:  # a file or a dangling link in the way: no blob of this shard can be written
+                raise OSError(errno.ENOTDIR, f"{folder} is in the way of a blob shard folder (not a folder)",
+                              str(folder)) from None
+            fsync_dir(folder.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
