@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +80,8 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
 
         pc = plancache.torch.install(PlanCache(server, token=token, trusted_keys=trusted, cache_dir=cache, mode=mode),
                                      sdpa_route=False)
+    from tests.gpu_util import median_ms
+
     step, hidden = _block(variant)
     out: dict[str, Any] = {"variant": variant, "import_ms": (time.perf_counter() - t_start) * 1e3, "lengths": {}}
     for s in LENGTHS:
@@ -95,17 +93,7 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
         step(x, dy)
         torch.cuda.synchronize()
         first_ms = (time.perf_counter() - t0) * 1e3
-        for _ in range(10):
-            step(x, dy)
-        times = []
-        for _ in range(50):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(x, dy)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out["lengths"][s] = {"first_ms": first_ms, "steady_ms": statistics.median(times)}
+        out["lengths"][s] = {"first_ms": first_ms, "steady_ms": median_ms(lambda x=x, dy=dy: step(x, dy))}
     if pc is not None:
         out["stats"] = pc.stats().as_dict()
         pc.close()
@@ -114,13 +102,9 @@ def child(variant: str, server: str, token: str | None, trusted: str | None, cac
 
 def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
     """A child with ``args``; ``settings``: its only ``PLANCACHE_*`` variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
-    env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench child {args[:2]} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.gpu_util import run_fresh
+
+    return run_fresh([str(Path(__file__)), *args], settings)
 
 
 def main() -> None:

@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -53,37 +49,6 @@ def _route(on: bool, cache: Any) -> None:
         sdpa.uninstall()
 
 
-def _median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def _graphed_ms(fn: Any) -> float:
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _median_ms(graph.replay)
-
-
 def _error(got: Any, want: Any) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
@@ -93,6 +58,7 @@ def kernels(cache: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from plancache.client import sdpa
+    from tests.gpu_util import captured, median_ms
 
     out: dict[str, Any] = {}
     for shape in SHAPES:
@@ -110,8 +76,9 @@ def kernels(cache: Any) -> dict[str, Any]:
             _route(name == "plancache", cache)
             with _backend(name):
                 before = sdpa.stats()
-                row[name] = {"eager_ms": _median_ms(step), "graphed_ms": _graphed_ms(step),
-                             "host_us": _host_us(q, k, v, do)}
+                row[name] = {"eager_ms": median_ms(step), "graphed_ms": median_ms(captured(step)[0].replay)}
+                if name != "flash":  # the host cost of torch's cuDNN kernels, or of the route's
+                    row[name]["host_us"] = _host_us(q, k, v, do)
                 if name == "plancache":
                     after = sdpa.stats()
                     row[name]["served"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
@@ -158,6 +125,8 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
+    from tests.gpu_util import median_ms
+
     hidden = BLOCK_HEADS * BLOCK_DIM
     gen = torch.Generator(device="cuda").manual_seed(0)
     w_qkv = (torch.randn(hidden, 3 * hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16().requires_grad_()
@@ -184,7 +153,7 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                 step(x, dy)
                 torch.cuda.synchronize()
                 first = (time.perf_counter() - t0) * 1e3
-                steady = _median_ms(lambda x=x, dy=dy: step(x, dy))
+                steady = median_ms(lambda x=x, dy=dy: step(x, dy))
                 out.setdefault(f"{b}x{s}", {})[name] = {"first_ms": first, "steady_ms": steady}
     _route(False, cache)
     return out
@@ -216,15 +185,10 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
     print(json.dumps(result))
 
 
-def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
-    env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=900)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if "nanobind" not in line and "leaked" not in line]
-        raise SystemExit(f"bench child {args[:2]} failed:\n" + "\n".join(lines[-40:]))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _run(*args: str) -> dict[str, Any]:
+    from tests.gpu_util import run_fresh
+
+    return run_fresh([str(Path(__file__)), *args])
 
 
 def _tables(results: dict[str, Any]) -> None:

@@ -79,3 +79,52 @@ def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]
         srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
         tuned += 1
     return tuned, failed
+
+
+def median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:
+    """The median of ``n`` CUDA-event timings of ``fn()`` after ``warmup`` calls, in milliseconds."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def captured(fn: Any, warmup: int = 3) -> tuple[Any, Any]:
+    """``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream: the graph, and what
+    the captured call returned (the tensors its replays write)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+def run_fresh(argv: list[str], settings: dict[str, str] | None = None, timeout: float = 900) -> dict[str, Any]:
+    """A benchmark's child in a fresh process (``CUDA_CACHE_DISABLE=1``; ``settings`` its only ``PLANCACHE_*``
+    variables): the JSON object of its last line of output, or SystemExit with the end of its stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
+    env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if proc.returncode != 0:  # nanobind's report of leaks at exit would hide the error
+        lines = [line for line in proc.stderr.splitlines() if "nanobind" not in line and "leaked" not in line]
+        raise SystemExit(f"bench child {argv[:3]} failed:\n" + "\n".join(lines[-40:]))
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tests import gpu_util
+
 B, H, S, D = 2, 8, 256, 64
 
 
@@ -84,15 +86,7 @@ def _graph_replay() -> dict[str, float]:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return [o, *torch.autograd.grad(o, (q, k, v), do)]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = gpu_util.captured(step)
     with torch.no_grad():
         for i, t in enumerate((q, k, v)):
             t.copy_(_rand(*t.shape, seed=100 + i))
