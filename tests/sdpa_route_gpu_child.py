@@ -128,6 +128,22 @@ def _bool_padding() -> dict[str, float]:
     return _checked(q, k, v, attn_mask=keep.view(1, 1, 1, S))
 
 
+def _padding_per_batch() -> dict[str, float]:
+    """A key-padding mask of its own length per sequence, (B, 1, 1, S): what a padded batch hands over."""
+    q, k, v = _qkv()
+    lengths = torch.tensor([S - 40 * (i + 1) for i in range(B)], device="cuda")
+    keep = torch.arange(S, device="cuda") < lengths.view(B, 1)
+    return _checked(q, k, v, attn_mask=keep.view(B, 1, 1, S))
+
+
+def _causal_lower_right() -> dict[str, float]:
+    """Causal attention aligned bottom-right (a shorter query block over a longer key cache), as a boolean mask."""
+    q = _rand(B, H, S // 2, D, seed=20).requires_grad_()
+    k, v = (_rand(B, H, S, D, seed=21 + i).requires_grad_() for i in range(2))
+    keep = torch.ones(S // 2, S, dtype=torch.bool, device="cuda").tril(diagonal=S - S // 2)
+    return _checked(q, k, v, attn_mask=keep)
+
+
 VARIANTS: dict[str, Callable[[], dict[str, float]]] = {
     "causal": lambda: _checked(*_qkv(), is_causal=True),
     "no_mask_fp16": lambda: _checked(*_qkv(dtype=torch.float16)),
@@ -135,6 +151,8 @@ VARIANTS: dict[str, Callable[[], dict[str, float]]] = {
     "gqa": lambda: _checked(*_qkv(kv_heads=2), is_causal=True, enable_gqa=True),
     "additive_bias": lambda: _checked(*_qkv(), attn_mask=_rand(B, 1, S, S, seed=7) * 0.5),
     "bool_padding_mask": _bool_padding,
+    "padding_per_batch": _padding_per_batch,
+    "causal_lower_right": _causal_lower_right,
     "scale": lambda: _checked(*_qkv(), is_causal=True, scale=0.3),
     "dropout": _dropout,
     "cuda_graph_replay": _graph_replay,

@@ -25,8 +25,8 @@ TOLERANCE = 2e-2  # bfloat16/float16 outputs and gradients, normalised max error
 #: Variants the route leaves to torch's own kernel, by the reason it counts (plancache.client.sdpa.ATEN_REASONS).
 TO_ATEN = {"dropout": "dropout"}
 #: Variants served by the route: each must load its forward and backward plans and run both through it.
-SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask", "scale",
-          "cuda_graph_replay", "compiled_block")
+SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask",
+          "padding_per_batch", "causal_lower_right", "scale", "cuda_graph_replay", "compiled_block")
 
 
 def child(*args: str) -> dict:
@@ -79,7 +79,7 @@ def test_a_normal_process_runs_every_variant_through_the_route_and_registers_its
     _, _, normal, tuned, failed = fleet
     check(normal, "normal", strict=False)
     assert failed == {}, f"graphs that could not be tuned: {failed}"
-    assert tuned >= 2 * 7, f"every served variant registers a forward and a backward graph ({tuned} tuned)"
+    assert tuned >= 2 * 8, f"every served variant registers a forward and a backward graph ({tuned} tuned)"
     print(f"\nnormal: {tuned} attention graphs registered and tuned; route {normal['variants']}")
 
 
