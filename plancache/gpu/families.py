@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import TuningError
-from ..spec import GraphSpec, NodeDoc, TensorDoc
+from ..spec import GraphSpec
+from ..spec.document import NodeDoc, TensorDoc
 
 Tensor: TypeAlias = torch.Tensor
 

@@ -29,7 +29,8 @@ from typing import TypeAlias
 import torch
 
 from ..errors import TuningError
-from ..spec import GraphSpec, NodeDoc, TensorDoc, storage_elements
+from ..spec import GraphSpec
+from ..spec.document import NodeDoc, TensorDoc, storage_elements
 from . import families as fam
 from .families import (  # noqa: F401  (re-exported: the family registry beside the reference)
     FAMILIES,
