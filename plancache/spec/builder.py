@@ -22,7 +22,8 @@ from .vocabulary import TORCH_DTYPES
 DType = Literal["float16", "bfloat16", "float32", "int32", "int64"]
 _FE_DTYPE = {torch_name: fe for fe, torch_name in TORCH_DTYPES.items() if torch_name in get_args(DType)}
 Dims = tuple[int, ...]
-#: An op's shape rule: (op, input dims by argument, other arguments) → (output dims, the node's FE params);
+#: An op's lowering: (op, input dims by argument, other arguments) → (output dims, the node's FE params), the dims
+#: by the node type's rule (a reduction's: the call's);
 #: a ValueError says what is wrong with the call.
 Lower = Callable[[str, dict[str, Dims], dict[str, Any]], tuple[Dims, dict[str, Any]]]
 
@@ -47,6 +48,14 @@ def channels_last_strides(dims: list[int] | tuple[int, ...]) -> list[int]:
         acc *= spatial[i]
     strides[0] = acc
     return strides
+
+
+def _infer(op: str, dims: dict[str, Dims], params: dict[str, Any]) -> Dims:
+    """The output dims of builder op ``op`` (input dims by argument): its node type's rule in
+    :data:`plancache.spec.nodes.NODES`."""
+    spec = _OPS[op]
+    ports = {spec.inputs[arg]: list(d) for arg, d in dims.items()}
+    return tuple(kind_of(spec.node_type).output_dims(spec.output, ports, params))
 
 
 def _broadcast(a: Dims, b: Dims) -> Dims | None:
@@ -86,14 +95,12 @@ def _conv(op: str, dims: dict[str, Dims], args: dict[str, Any]) -> tuple[Dims, d
               for label, lo in (("padding", 0), ("stride", 1), ("dilation", 1))}
     if w[1] != x[1]:
         raise ValueError(f"weight input channels {w[1]} != image channels {x[1]} (grouped conv is not supported)")
-    pad, stride, dil = params["padding"], params["stride"], params["dilation"]
-    out = [x[0], w[0]]
-    for i in range(spatial):
-        size = (x[2 + i] + 2 * pad[i] - dil[i] * (w[2 + i] - 1) - 1) // stride[i] + 1
+    out = _infer(op, dims, params)
+    for i, size in enumerate(out[2:]):
         if size < 1:
-            raise ValueError(f"spatial dim {i}: filter {w[2 + i]} does not fit image {x[2 + i]} with padding {pad[i]}")
-        out.append(size)
-    return tuple(out), params
+            raise ValueError(f"spatial dim {i}: filter {w[2 + i]} does not fit image {x[2 + i]} with padding "
+                             f"{params['padding'][i]}")
+    return out, params
 
 
 def _matmul(op: str, dims: dict[str, Dims], args: dict[str, Any]) -> tuple[Dims, dict[str, Any]]:
@@ -102,10 +109,9 @@ def _matmul(op: str, dims: dict[str, Dims], args: dict[str, Any]) -> tuple[Dims,
         raise ValueError(f"A {a} and B {b} must have equal rank >= 3 (batch, M, K) @ (batch, K, N)")
     if a[-1] != b[-2]:
         raise ValueError(f"A {a} and B {b}: inner dims {a[-1]} != {b[-2]}")
-    batch = _broadcast(a[:-2], b[:-2])
-    if batch is None:
+    if _broadcast(a[:-2], b[:-2]) is None:
         raise ValueError(f"batch dims of A {a[:-2]} and B {b[:-2]} do not broadcast")
-    return batch + (a[-2], b[-1]), {"padding": 0.0}
+    return _infer(op, dims, {}), {"padding": 0.0}
 
 
 def _pointwise(onto_first: bool) -> Lower:
@@ -114,13 +120,11 @@ def _pointwise(onto_first: bool) -> Lower:
 
     def lower(op: str, dims: dict[str, Dims], args: dict[str, Any]) -> tuple[Dims, dict[str, Any]]:
         (first, a), *rest = dims.items()
-        out = a
         for second, b in rest:
             both = _broadcast(a, b)
             if both is None or onto_first and both != a:
                 raise ValueError(f"{second} {b} does not broadcast to {first} {a}")
-            out = both
-        return out, {"mode": op, **{k: _number(k, v) for k, v in args.items() if v is not None}}
+        return _infer(op, dims, {}), {"mode": op, **{k: _number(k, v) for k, v in args.items() if v is not None}}
 
     return lower
 
@@ -158,12 +162,13 @@ def _sdpa(op: str, dims: dict[str, Dims], args: dict[str, Any]) -> tuple[Dims, d
     if args["causal"]:
         params.update(diagonal_alignment={"$enum": "diagonal_alignment", "name": "TOP_LEFT"},
                       diagonal_band_right_bound=0)
-    return (q[0], q[1], q[2], v[3]), params
+    return _infer(op, dims, params), params
 
 
 @dataclass(frozen=True)
 class _Op:
-    """One op of the builder: the FE node it writes and its shape rule."""
+    """One op of the builder: the FE node it writes, its ports, and how its call becomes the node's params (the
+    output's dims: the node type's rule, checked by ``lower``)."""
 
     node_type: str
     #: builder argument → the FE input port it feeds, in call order

@@ -116,7 +116,7 @@ class NodeKind:
 # ------------------------------------------------------------------ shape rules
 
 
-def _conv_pads(params: Mapping[str, Any], spatial: int) -> tuple[Dims, Dims, Dims, Dims]:
+def conv_padding(params: Mapping[str, Any], spatial: int) -> tuple[Dims, Dims, Dims, Dims]:
     """(pre, post, stride, dilation): ``padding`` sets both sides; absent padding is 0, stride and dilation 1."""
     pre = params.get("pre_padding") or params.get("padding") or [0] * spatial
     post = params.get("post_padding") or params.get("padding") or [0] * spatial
@@ -128,7 +128,7 @@ def _conv_y(ins: Mapping[str, Dims], params: Mapping[str, Any]) -> Dims | None:
     if not x or not w:
         return None
     spatial = len(x) - 2
-    pre, post, st, dl = _conv_pads(params, spatial)
+    pre, post, st, dl = conv_padding(params, spatial)
     return [x[0], w[0]] + [(x[2 + i] + pre[i] + post[i] - dl[i] * (w[2 + i] - 1) - 1) // st[i] + 1
                            for i in range(spatial)]
 
@@ -138,7 +138,7 @@ def _conv_dx(ins: Mapping[str, Dims], params: Mapping[str, Any]) -> Dims | None:
     if not dy or not w:
         return None
     spatial = len(dy) - 2
-    pre, post, st, dl = _conv_pads(params, spatial)
+    pre, post, st, dl = conv_padding(params, spatial)
     return [dy[0], w[1]] + [(dy[2 + i] - 1) * st[i] - pre[i] - post[i] + dl[i] * (w[2 + i] - 1) + 1
                             for i in range(spatial)]
 
@@ -185,12 +185,13 @@ _SAVED_STATS = {"mean": "saved_mean", "inv_variance": "saved_inv_variance"}
 _SAVED_FORWARD = {"o": "saved_o", "stats": "saved_stats"}
 
 
-def _attention_kind(node_type: str, *, required: tuple[str, ...] = ("q", "k", "v"), fp8: bool = False) -> NodeKind:
+def _attention_kind(node_type: str, *, required: tuple[str, ...] = ("q", "k", "v"), fp8: bool = False,
+                    saved: bool = False) -> NodeKind:
+    """``saved``: a backward whose ``o`` and ``stats`` inputs are the forward's (test inputs recompute them)."""
     flags = {f: False for f in _ATTENTION_FLAGS if node_type != "SDPA" or f != "generate_stats"}
-    backward = node_type.endswith("_BWD")
-    return NodeKind(node_type, "attention", {**_ATTENTION_INPUTS, **(_SAVED_FORWARD if backward else {})},
+    return NodeKind(node_type, "attention", {**_ATTENTION_INPUTS, **(_SAVED_FORWARD if saved else {})},
                     _ATTENTION_OUTPUTS, {**flags, "diagonal_alignment": _TOP_LEFT}, required=required,
-                    float_outputs=frozenset() if backward else frozenset({"Stats"}), fp8=fp8)
+                    float_outputs=frozenset() if node_type.endswith("_BWD") else frozenset({"Stats"}), fp8=fp8)
 
 
 def _norm_kind(node_type: str, statistics: Statistics, *, saved: bool = False) -> NodeKind:
@@ -231,9 +232,9 @@ _KINDS: tuple[NodeKind, ...] = (
     _norm_kind("BATCHNORM_INFERENCE", "batch", saved=True),
     _norm_kind("BATCHNORM_BWD", "batch", saved=True),
     _attention_kind("SDPA"),
-    _attention_kind("SDPA_BWD", required=("q", "k", "v", "o", "dO")),
+    _attention_kind("SDPA_BWD", required=("q", "k", "v", "o", "dO"), saved=True),
     _attention_kind("SDPA_FP8", required=("q", "k", "v", *_FP8_FACTORS), fp8=True),
-    _attention_kind("SDPA_FP8_BWD", fp8=True),
+    _attention_kind("SDPA_FP8_BWD", fp8=True, saved=True),
     _attention_kind("SDPA_MXFP8"),
     _attention_kind("SDPA_MXFP8_BWD"),
     *_plain("GDN", "GDN_BWD", "KDA", "KDA_BWD", "GDN2", "GDN2_BWD", "MOE_GROUPED_MATMUL", "BLOCK_SCALE_QUANTIZE",
@@ -254,5 +255,5 @@ def kind_of(node_type: str) -> NodeKind:
 
 __all__ = [
     "COMMON_INPUTS", "NODES", "NODE_TYPES", "ROLES", "Dims", "FanIn", "Group", "Infer", "NodeKind", "Statistics",
-    "broadcast", "decode_param", "kind_of",
+    "broadcast", "conv_padding", "decode_param", "kind_of",
 ]
