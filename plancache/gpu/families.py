@@ -4,7 +4,9 @@ A :class:`Family` says what a node's float32 torch reference is (``reference``: 
 :class:`NodeCall` returning the node's outputs by port), whether a plan of a graph made only of
 such nodes may come from a kernel cache (``kernel_cache_safe``: True only for CONV_FPROP and
 POINTWISE -- SDPA plans built from a kernel cache gave wrong results on an H200), and which
-example graphs of ``examples/fe/graphs.py`` exercise it.
+example graphs of ``examples/fe/graphs.py`` exercise it. What a node type is (its ports' roles,
+required inputs, output shapes, statistics kind) is the node-type table's
+(:data:`plancache.spec.nodes.NODES`); a family holds what computing it takes.
 
 The references follow cuDNN FE 1.32's semantics (see the comments of each). They compute in
 float32 from float32 inputs (the evaluator in :mod:`plancache.gpu.reference` upcasts every input,

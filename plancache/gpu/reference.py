@@ -202,9 +202,29 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
     Stats 0 and O 0)."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     inputs = spec.input_tensors()
+    input_uids = {d.uid for d in inputs}
+    values = _random_values(spec, gen, inputs)  # in document order: a stable random stream
+    lens: dict[int, list[int]] = {}  # seq-len tensor uid -> lengths
+    side_lens: dict[tuple[int, str], list[int] | None] = {}  # (node index, "q"/"kv") -> lengths
+    for idx, node in enumerate(spec.nodes):
+        kind = kind_of(node.type)
+        _role_values(spec, node, kind, input_uids, gen, values)
+        if _attends(kind, node):
+            _sequence_values(spec, idx, node, input_uids, gen, values, lens, side_lens)
+            _page_tables(spec, node, kind, input_uids, gen, values)
+    _ragged_offsets(spec, input_uids, side_lens, values)
+    out = {doc.uid: _placed(spec, doc, values[doc.uid], device) for doc in inputs}
+    # values that depend on others
+    _norm_statistics(spec, out, input_uids)
+    _attention_saved(spec, out, input_uids)
+    return out
+
+
+def _random_values(spec: GraphSpec, gen: torch.Generator, inputs: list[TensorDoc]) -> dict[int, Tensor]:
+    """Random values of every input: weight-like ones scaled by 1/sqrt(fan-in), one-element floats around 1,
+    pass-by-value floats positive."""
     uses = _consumers(spec)
     values: dict[int, Tensor] = {}
-    # 1. random values for everything, in document order (a stable random stream)
     for doc in inputs:
         name = spec.data_type_of(doc)
         scale = 1.0
@@ -219,58 +239,71 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
         elif doc.is_pass_by_value and v.is_floating_point():
             v = 0.5 + v.abs()  # a positive host scalar unless its port says otherwise
         values[doc.uid] = v
+    return values
 
-    # 2. special ports
-    lens: dict[int, list[int]] = {}  # seq-len tensor uid -> lengths
-    side_lens: dict[tuple[int, str], list[int] | None] = {}  # (node index, "q"/"kv") -> lengths
-    input_uids = {d.uid for d in inputs}
-    for idx, node in enumerate(spec.nodes):
-        kind = kind_of(node.type)
-        for port, uid in node.inputs.items():
+
+def _role_values(spec: GraphSpec, node: NodeDoc, kind: NodeKind, input_uids: set[int], gen: torch.Generator,
+                 values: dict[int, Tensor]) -> None:
+    """Valid values of the node's scalar-like, fp8-scale and running-statistics inputs (by their roles)."""
+    for port, uid in node.inputs.items():
+        if uid not in input_uids:
+            continue
+        dims = list(spec.tensor(uid).dim) or [1]
+        role = kind.role(port)
+        role_value = _scalar(role, node, spec)
+        if role_value is not None:
+            values[uid] = torch.full(dims, role_value)
+        elif role == "fp8_scale":
+            values[uid] = 0.75 + 0.5 * torch.rand(dims, generator=gen)
+        elif role == "running_var":
+            values[uid] = 0.5 + torch.rand(dims, generator=gen)
+        elif role == "running_mean":
+            values[uid] = 0.1 * torch.randn(dims, generator=gen)
+
+
+def _sequence_values(spec: GraphSpec, idx: int, node: NodeDoc, input_uids: set[int], gen: torch.Generator,
+                     values: dict[int, Tensor], lens: dict[int, list[int]],
+                     side_lens: dict[tuple[int, str], list[int] | None]) -> None:
+    """An attention node's sequence lengths (and cumulative ones) per side, one draw per length tensor; the lengths
+    each side uses are noted in ``side_lens``."""
+    q = spec.tensor(node.inputs["q"])
+    b = q.dim[0]
+    for side, s_max in (("q", q.dim[2]), ("kv", fam.kv_len(spec, node))):
+        chosen = None
+        for port in (f"seq_len_{side}", f"cu_seq_len_{side}"):
+            uid = node.inputs.get(port, -1)  # uids are >= 0
             if uid not in input_uids:
                 continue
-            dims = list(spec.tensor(uid).dim) or [1]
-            role = kind.role(port)
-            role_value = _scalar(role, node, spec)
-            if role_value is not None:
-                values[uid] = torch.full(dims, role_value)
-            elif role == "fp8_scale":
-                values[uid] = 0.75 + 0.5 * torch.rand(dims, generator=gen)
-            elif role == "running_var":
-                values[uid] = 0.5 + torch.rand(dims, generator=gen)
-            elif role == "running_mean":
-                values[uid] = 0.1 * torch.randn(dims, generator=gen)
-        if _attends(kind, node):
-            q = spec.tensor(node.inputs["q"])
-            b = q.dim[0]
-            s_kv = fam.kv_len(spec, node)
-            for side, s_max in (("q", q.dim[2]), ("kv", s_kv)):
-                chosen = None
-                for port in (f"seq_len_{side}", f"cu_seq_len_{side}"):
-                    uid = node.inputs.get(port, -1)  # uids are >= 0
-                    if uid not in input_uids:
-                        continue
-                    if uid not in lens:
-                        lens[uid] = _lengths(gen, b, s_max)
-                    chosen = lens[uid]
-                    doc = spec.tensor(uid)
-                    seq = torch.tensor(chosen)
-                    if port.startswith("cu_"):
-                        seq = torch.cat([torch.zeros(1, dtype=seq.dtype), seq.cumsum(0)])
-                    values[uid] = seq.reshape(list(doc.dim) or [-1])
-                side_lens[(idx, side)] = chosen
-            for port, uid in sorted(node.inputs.items()):
-                if uid not in input_uids or kind.role(port) != "page_table":
-                    continue
-                doc = spec.tensor(uid)
-                blocks = spec.tensor(node.inputs["k" if port.endswith("k_table") else "v"]).dim[0]
-                need = math.prod(doc.dim)
-                if blocks >= need:
-                    table = torch.randperm(blocks, generator=gen)[:need]
-                else:
-                    table = torch.randint(0, blocks, (need,), generator=gen)
-                values[uid] = table.reshape(doc.dim)
-    # ragged offsets: each sequence's first token, in elements / multiplier
+            if uid not in lens:
+                lens[uid] = _lengths(gen, b, s_max)
+            chosen = lens[uid]
+            doc = spec.tensor(uid)
+            seq = torch.tensor(chosen)
+            if port.startswith("cu_"):
+                seq = torch.cat([torch.zeros(1, dtype=seq.dtype), seq.cumsum(0)])
+            values[uid] = seq.reshape(list(doc.dim) or [-1])
+        side_lens[(idx, side)] = chosen
+
+
+def _page_tables(spec: GraphSpec, node: NodeDoc, kind: NodeKind, input_uids: set[int], gen: torch.Generator,
+                 values: dict[int, Tensor]) -> None:
+    """Page tables: a permutation of the container's blocks (blocks drawn with repeats where there are too few)."""
+    for port, uid in sorted(node.inputs.items()):
+        if uid not in input_uids or kind.role(port) != "page_table":
+            continue
+        doc = spec.tensor(uid)
+        blocks = spec.tensor(node.inputs["k" if port.endswith("k_table") else "v"]).dim[0]
+        need = math.prod(doc.dim)
+        if blocks >= need:
+            table = torch.randperm(blocks, generator=gen)[:need]
+        else:
+            table = torch.randint(0, blocks, (need,), generator=gen)
+        values[uid] = table.reshape(doc.dim)
+
+
+def _ragged_offsets(spec: GraphSpec, input_uids: set[int], side_lens: dict[tuple[int, str], list[int] | None],
+                    values: dict[int, Tensor]) -> None:
+    """Ragged offsets of attention tensors: each sequence's first token, in elements / multiplier."""
     for idx, node in enumerate(spec.nodes):
         if kind_of(node.type).group != "attention":
             continue
@@ -290,22 +323,15 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
             odoc = spec.tensor(off)
             values[off] = torch.tensor([c * token_stride // mult for c in cum]).reshape(list(odoc.dim) or [-1])
 
-    # 3. place them
-    out: dict[int, Tensor] = {}
-    for doc in inputs:
-        dtype = torch_dtype(spec, doc)
-        v = values[doc.uid]
-        if doc.pass_by_value is not None:
-            v = torch.full(list(doc.dim) or [1], float(doc.pass_by_value))
-        if doc.is_pass_by_value:  # a host tensor of the declared type (FLOAT: float32)
-            out[doc.uid] = v.reshape(list(doc.dim) or [1]).to(dtype).clone()
-            continue
-        out[doc.uid] = _place(v, doc, dtype, device)
 
-    # 4. values that depend on others
-    _norm_statistics(spec, out, input_uids)
-    _attention_saved(spec, out, input_uids)
-    return out
+def _placed(spec: GraphSpec, doc: TensorDoc, v: Tensor, device: torch.device | str) -> Tensor:
+    """An input's value in its data type and layout (an embedded value wins); a pass-by-value one a host tensor."""
+    dtype = torch_dtype(spec, doc)
+    if doc.pass_by_value is not None:
+        v = torch.full(list(doc.dim) or [1], float(doc.pass_by_value))
+    if doc.is_pass_by_value:  # a host tensor of the declared type (FLOAT: float32)
+        return v.reshape(list(doc.dim) or [1]).to(dtype).clone()
+    return _place(v, doc, dtype, device)
 
 
 def _norm_statistics(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[int]) -> None:
