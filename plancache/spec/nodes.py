@@ -88,6 +88,8 @@ class NodeKind:
     required: tuple[str, ...] = ()
     #: FE pushes this node's output dims to the backend even when the user did not set them
     pushed_output_dims: bool = False
+    #: FE's lowering passes every output's dims and strides to cuDNN as the document holds them, set or not
+    lowers_output_layouts: bool = False
     #: outputs FE types FLOAT when their data type is unset
     float_outputs: frozenset[str] = frozenset()
     statistics: Statistics = ""
@@ -191,7 +193,8 @@ def _attention_kind(node_type: str, *, required: tuple[str, ...] = ("q", "k", "v
     flags = {f: False for f in _ATTENTION_FLAGS if node_type != "SDPA" or f != "generate_stats"}
     return NodeKind(node_type, "attention", {**_ATTENTION_INPUTS, **(_SAVED_FORWARD if saved else {})},
                     _ATTENTION_OUTPUTS, {**flags, "diagonal_alignment": _TOP_LEFT}, required=required,
-                    float_outputs=frozenset() if node_type.endswith("_BWD") else frozenset({"Stats"}), fp8=fp8)
+                    float_outputs=frozenset() if node_type.endswith("_BWD") else frozenset({"Stats"}), fp8=fp8,
+                    lowers_output_layouts=True)
 
 
 def _norm_kind(node_type: str, statistics: Statistics, *, saved: bool = False) -> NodeKind:

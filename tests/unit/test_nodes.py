@@ -15,6 +15,8 @@ def test_every_node_type_has_one_entry_and_the_keys_facts_are_the_fe_ones():
     assert {t for t, k in NODES.items() if k.pushed_output_dims} == {
         "CONV_DGRAD", "CONV_WGRAD", "MOE_GROUPED_MATMUL_BWD", "REDUCTION", "RESHAPE"}
     assert {t for t, k in NODES.items() if k.float_outputs} == {"SDPA", "SDPA_FP8", "SDPA_MXFP8"}
+    assert {t for t, k in NODES.items() if k.lowers_output_layouts} == {
+        "SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8", "SDPA_MXFP8_BWD"}
     assert "generate_stats" not in kind_of("SDPA").params  # FE's sdpa defaults it to True
     assert kind_of("SDPA_BWD").params["generate_stats"] is False
     assert kind_of("CONV_WGRAD").params["stride"] == "ones" and kind_of("MATMUL").params == {"padding": 0.0}
