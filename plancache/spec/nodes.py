@@ -257,6 +257,6 @@ def kind_of(node_type: str) -> NodeKind:
 
 
 __all__ = [
-    "COMMON_INPUTS", "NODES", "NODE_TYPES", "ROLES", "Dims", "FanIn", "Group", "Infer", "NodeKind", "Statistics",
+    "COMMON_INPUTS", "Dims", "FanIn", "Group", "Infer", "NODES", "NODE_TYPES", "NodeKind", "ROLES", "Statistics",
     "broadcast", "conv_padding", "decode_param", "kind_of",
 ]

@@ -38,6 +38,14 @@ def test_the_spec_module_exports_its_public_surface():
     assert all(getattr(module, n).__module__.startswith("plancache.spec.") for n in module.__all__)
 
 
+@pytest.mark.parametrize("name", ["builder", "document", "keys", "limits", "nodes", "pygraph", "vocabulary"])
+def test_each_module_of_the_spec_exports_only_what_it_defines(name):
+    module = importlib.import_module(f"plancache.spec.{name}")
+    assert module.__all__ == sorted(module.__all__)
+    assert all(getattr(module, n).__module__ == module.__name__ for n in module.__all__
+               if inspect.isclass(getattr(module, n)) or inspect.isfunction(getattr(module, n)))
+
+
 def test_the_blob_layer_exports_exactly_what_it_defines():
     """``plancache.blobs`` gathers its sub-modules' public classes, functions and constants: every one is in
     ``__all__`` (sorted), and nothing imported from elsewhere is."""
