@@ -4,7 +4,9 @@ A :class:`Family` says what a node's float32 torch reference is (``reference``: 
 :class:`NodeCall` returning the node's outputs by port), whether a plan of a graph made only of
 such nodes may come from a kernel cache (``kernel_cache_safe``: True only for CONV_FPROP and
 POINTWISE -- SDPA plans built from a kernel cache gave wrong results on an H200), and which
-example graphs of ``examples/fe/graphs.py`` exercise it.
+example graphs of ``examples/fe/graphs.py`` exercise it. What a node type is (its ports' roles,
+required inputs, output shapes, statistics kind) is the node-type table's
+(:data:`plancache.spec.nodes.NODES`); a family holds what computing it takes.
 
 The references follow cuDNN FE 1.32's semantics (see the comments of each). They compute in
 float32 from float32 inputs (the evaluator in :mod:`plancache.gpu.reference` upcasts every input,
@@ -26,35 +28,19 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import TuningError
-from ..spec import GraphSpec, NodeDoc, TensorDoc
+from ..spec import GraphSpec
+from ..spec.document import NodeDoc, TensorDoc
+from ..spec.nodes import conv_padding, decode_param, kind_of
 
 Tensor: TypeAlias = torch.Tensor
 
 __all__ = [
     "FAMILIES", "POINTWISE_MODES", "REDUCTION_MODES", "AttentionGeometry", "Family", "NodeCall", "attention_geometry",
-    "decode_param", "family_of", "kernel_cache_safe", "node_label", "norm_axes", "uncovered",
+    "family_of", "kernel_cache_safe", "node_label", "norm_axes", "uncovered",
 ]
 
 
 # ------------------------------------------------------------------ params and the call
-
-
-def decode_param(value: Any) -> Any:
-    """A document param as plain Python: an enum reads as its NAME, a tensor ref as its uid."""
-    if isinstance(value, dict):
-        keys = set(value)
-        if keys == {"$enum", "name"}:
-            return value["name"]
-        if keys == {"$tensor"}:
-            return value["$tensor"]
-        if keys == {"$tuple"}:
-            return [decode_param(v) for v in value["$tuple"]]
-        if keys == {"$dict"}:
-            return {k: decode_param(v) for k, v in value["$dict"].items()}
-        return {k: decode_param(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode_param(v) for v in value]
-    return value
 
 
 def node_label(spec: GraphSpec, node: NodeDoc) -> str:
@@ -178,23 +164,12 @@ def _conv_fn(spatial: int, call: NodeCall) -> Callable[..., Tensor]:
     return fn
 
 
-def _conv_geometry(call: NodeCall, spatial: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(pre, post, stride, dilation): ``padding`` sets both sides; absent padding is 0, stride/dilation 1."""
-    p = call.params
-    sym = p.get("padding")
-    pre = p.get("pre_padding") or sym or [0] * spatial
-    post = p.get("post_padding") or sym or [0] * spatial
-    stride = p.get("stride") or [1] * spatial
-    dil = p.get("dilation") or [1] * spatial
-    return list(pre), list(post), list(stride), list(dil)
-
-
 def _conv_forward(call: NodeCall, x: Tensor, w: Tensor) -> Tensor:
     """cuDNN convolution forward (cross-correlation unless convolution_mode is CONVOLUTION), grouped when
     the image has more channels than the filter."""
     spatial = x.dim() - 2
     fn = _conv_fn(spatial, call)
-    pre, post, stride, dil = _conv_geometry(call, spatial)
+    pre, post, stride, dil = conv_padding(call.params, spatial)
     if str(call.params.get("convolution_mode", "CROSS_CORRELATION")).upper() == "CONVOLUTION":
         w = w.flip(list(range(2, w.dim())))
     if w.shape[1] == 0 or x.shape[1] % w.shape[1]:
@@ -215,12 +190,8 @@ def _conv_fprop(call: NodeCall) -> dict[str, Tensor]:
 def _conv_dgrad(call: NodeCall) -> dict[str, Tensor]:
     """DX = d(conv(x, filter))/dx applied to ``loss`` (autograd of the forward: any padding/stride/dilation)."""
     dy, w = call.f("loss"), call.f("filter")
-    dims = call.dims("DX")
-    if not dims:
-        spatial = dy.dim() - 2
-        pre, post, stride, dil = _conv_geometry(call, spatial)
-        dims = [dy.shape[0], w.shape[1]] + [
-            (dy.shape[2 + i] - 1) * stride[i] - pre[i] - post[i] + dil[i] * (w.shape[2 + i] - 1) + 1 for i in range(spatial)]
+    dims = call.dims("DX") or kind_of(call.node.type).output_dims(
+        "DX", {"loss": list(dy.shape), "filter": list(w.shape)}, call.params)
     with torch.enable_grad():
         x = torch.zeros(dims, dtype=dy.dtype, device=dy.device, requires_grad=True)
         y = _conv_forward(call, x, w.detach())
@@ -470,10 +441,10 @@ def norm_axes(node_type: str, x_shape: list[int] | torch.Size, scale_shape: list
     if axes is not None:
         return axes
     rank = len(x_shape)
-    kind = node_type.removesuffix("_BWD").removesuffix("_INFERENCE")
-    if kind == "BATCHNORM":
+    statistics = kind_of(node_type).statistics
+    if statistics == "batch":
         return [i for i in range(rank) if i != 1]
-    if kind == "INSTANCENORM":
+    if statistics == "instance":
         return list(range(2, rank))
     if scale_shape and len(scale_shape) == rank and any(s != 1 for s in scale_shape):
         return [i for i in range(rank) if scale_shape[i] != 1]
@@ -494,13 +465,14 @@ def _norm_forward(call: NodeCall) -> dict[str, Tensor]:
     inv_var = 1/sqrt(var + eps), var biased (rmsnorm: mean 0, var = mean(x^2)). Batchnorm also updates the
     running stats: next = (1 - momentum) * running + momentum * batch stat, the variance unbiased (n/(n-1))."""
     t = call.node.type
+    statistics = kind_of(t).statistics
     x = call.f("input")
     scale = call.f("scale") if "scale" in call.x else None
     bias = call.f("bias") if "bias" in call.x else None
     eps = call.scalar("epsilon")
     axes = norm_axes(t, list(x.shape), list(scale.shape) if scale is not None else None,
                      _stat_dims(call, ("mean", "inv_var")))
-    if t == "RMSNORM":
+    if statistics == "rms":
         mean = None
         var = (x * x).mean(dim=axes, keepdim=True)
     else:
@@ -515,7 +487,7 @@ def _norm_forward(call: NodeCall) -> dict[str, Tensor]:
     out = {"Y": y, "inv_var": inv}
     if mean is not None:
         out["mean"] = mean
-    if t == "BATCHNORM" and "in_running_mean" in call.x and mean is not None:
+    if statistics == "batch" and "in_running_mean" in call.x and mean is not None:
         m = call.scalar("momentum", 0.1)
         n = math.prod(x.shape[i] for i in axes)
         out["next_running_mean"] = (1 - m) * call.f("in_running_mean") + m * mean
@@ -542,7 +514,7 @@ def _norm_backward(call: NodeCall) -> dict[str, Tensor]:
     t = call.node.type
     dy, x = call.f("grad"), call.f("input")
     inv = call.f("inv_variance")
-    rms = t == "RMSNORM_BWD"
+    rms = kind_of(t).statistics == "rms"
     mean = None if rms else call.f("mean")
     scale = call.f("scale") if "scale" in call.x else None
     axes = norm_axes(t, list(x.shape), list(scale.shape) if scale is not None else None, list(inv.shape))
@@ -562,7 +534,7 @@ def _norm_backward(call: NodeCall) -> dict[str, Tensor]:
 def _norm_unsupported(spec: GraphSpec, node: NodeDoc) -> str | None:
     if any(p.startswith("peer_stats") for p in node.inputs):
         return "peer_stats (multi-GPU batch statistics) have no reference"
-    if node.type in ("LAYERNORM", "RMSNORM", "INSTANCENORM", "BATCHNORM") and "epsilon" not in node.inputs:
+    if "epsilon" in kind_of(node.type).required and "epsilon" not in node.inputs:
         return "no epsilon input"
     return None
 
@@ -844,7 +816,7 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
     P8 = fp8(P * scale_s) in q's fp8 type (emulated: the kernel feeds an fp8 P to the second GEMM);
     O' = P8 V * descale_s * descale_v; Amax_O = max |O'|; O = O' * scale_o."""
     geo = geo or attention_geometry(call.spec, call.node, call.x)
-    fp8 = call.node.type == "SDPA_FP8" if fp8 is None else fp8
+    fp8 = kind_of(call.node.type).fp8 if fp8 is None else fp8
     q = _attn_input(call, "q", geo)
     k = _expand_heads(_attn_input(call, "k", geo), q.shape[1])
     v = _expand_heads(_attn_input(call, "v", geo), q.shape[1])
@@ -990,15 +962,13 @@ def _sdpa_unsupported(spec: GraphSpec, node: NodeDoc) -> str | None:
         return "attn_scale_prefolded has no reference"
     if p.get("softmax_precision") not in (None, "FLOAT"):
         return "a reduced softmax_precision has no float32 reference"
-    required = ("q", "k", "v") + (("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-                                  if node.type == "SDPA_FP8" else ("o", "dO") if node.type == "SDPA_BWD" else ())
-    for port in required:
+    for port in kind_of(node.type).required:
         if port not in node.inputs:
             return f"input {port!r} is missing"
     q = spec.tensor(node.inputs["q"])
     if len(q.dim) != 4:
         return "q is not 4-D [b, h, s, d]"
-    if is_paged(node) and node.type.endswith("_BWD"):
+    if is_paged(node) and kind_of(node.type).backward:
         return "paged K/V in a backward has no reference"
     for port, uid in list(node.inputs.items()) + list(node.outputs.items()):
         t = spec.tensor(uid)

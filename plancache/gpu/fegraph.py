@@ -15,6 +15,7 @@ from cudnn.nodes import Node
 
 from ..errors import SpecError
 from ..spec import GraphSpec, from_pygraph
+from ..spec.nodes import kind_of
 
 #: The FE releases whose IR this module reads and writes (``pyproject.toml`` pins the same range).
 SUPPORTED_FE = ((1, 32), (1, 33))
@@ -66,19 +67,16 @@ def _value(value: Any, tensors: dict[int, Tensor], where: str) -> Any:
     return {k: _value(v, tensors, f"{where}.{k}") for k, v in value["$dict"].items()}
 
 
-#: Node types whose lowering passes every output's dims and strides to cuDNN as the document holds them, set or not.
-_PUSHES_OUTPUT_SHAPES = frozenset({"SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8", "SDPA_MXFP8_BWD"})
-
-
 def _left_to_fe(doc: GraphSpec) -> set[int]:
-    """The outputs of :data:`_PUSHES_OUTPUT_SHAPES` nodes whose dims and strides the caller did not set and FE infers
-    (its own table): decoded empty, so that ``validate()`` infers them as it did when the graph was captured. The
-    graph key leaves them out, so a document carrying other values under an honest key cannot have them built."""
+    """The outputs whose dims and strides the caller did not set and FE infers (its own table), of nodes whose
+    lowering passes output layouts as the document holds them (``NodeKind.lowers_output_layouts``): decoded empty,
+    so that ``validate()`` infers them as it did when the graph was captured. The graph key leaves them out, so a
+    document carrying other values under an honest key cannot have them built."""
     from cudnn import _pygraph
 
     left: set[int] = set()
     for n in doc.nodes:
-        if n.type not in _PUSHES_OUTPUT_SHAPES:
+        if not kind_of(n.type).lowers_output_layouts:
             continue
         entry = _pygraph._STRUCTURED_BY_TYPE.get(NodeType[n.type]) or _pygraph._CAPTURED_BY_TYPE.get(NodeType[n.type])
         inferred = entry[1].get("infer", {}) if entry else {}

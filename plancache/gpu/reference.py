@@ -29,7 +29,9 @@ from typing import TypeAlias
 import torch
 
 from ..errors import TuningError
-from ..spec import GraphSpec, NodeDoc, TensorDoc, storage_elements
+from ..spec import GraphSpec
+from ..spec.document import NodeDoc, TensorDoc, storage_elements
+from ..spec.nodes import NodeKind, decode_param, kind_of
 from . import families as fam
 from .families import (  # noqa: F401  (re-exported: the family registry beside the reference)
     FAMILIES,
@@ -64,7 +66,6 @@ TOLERANCE: dict[str, float] = {
     "INT8": 0.0, "UINT8": 0.0, "INT32": 0.0, "INT64": 0.0, "BOOLEAN": 0.0,
 }
 
-_ATTENTION = ("SDPA", "SDPA_BWD", "SDPA_FP8", "SDPA_FP8_BWD", "SDPA_MXFP8", "SDPA_MXFP8_BWD")
 _FP8_MAX = {"FP8_E4M3": 448.0, "FP8_E5M2": 57344.0}
 
 
@@ -126,20 +127,12 @@ def _consumers(spec: GraphSpec) -> dict[int, list[tuple[NodeDoc, str]]]:
 
 
 def _fan_in(spec: GraphSpec, node: NodeDoc, port: str) -> int | None:
-    """Weight-like inputs are scaled by 1/sqrt(fan-in) so a node's outputs stay O(1)."""
+    """Weight-like inputs (:attr:`NodeKind.fan_in`) are scaled by 1/sqrt(fan-in) so a node's outputs stay O(1)."""
     doc = spec.tensor(node.inputs[port])
-    d = doc.dim
-    if spec.data_type_of(doc) in _FP8_MAX:
+    fan_in = kind_of(node.type).fan_in.get(port)
+    if fan_in is None or spec.data_type_of(doc) in _FP8_MAX:
         return None  # fp8 values keep their range; the graph's descale factors scale them
-    if node.type == "CONV_FPROP" and port == "weight" and len(d) > 2:
-        return math.prod(d[1:])
-    if node.type == "CONV_DGRAD" and port == "filter" and len(d) > 2:
-        return d[0] * math.prod(d[2:])
-    if node.type == "CONV_WGRAD" and port == "loss" and len(d) > 2:
-        return d[0] * math.prod(d[2:])
-    if node.type == "MATMUL" and port == "B" and len(d) >= 2:
-        return d[-2]
-    return None
+    return fan_in(list(doc.dim))
 
 
 def _lengths(gen: torch.Generator, b: int, s: int) -> list[int]:
@@ -173,22 +166,24 @@ def _random(gen: torch.Generator, doc: TensorDoc, name: str, scale: float = 1.0)
     return torch.randn(dims, generator=gen) * scale
 
 
-def _scalar_role(node: NodeDoc, port: str, spec: GraphSpec) -> float | None:
-    """Values of scalar-like special ports (None: not special)."""
-    t = node.type
-    if port == "epsilon":
+def _scalar(role: str, node: NodeDoc, spec: GraphSpec) -> float | None:
+    """The value of a scalar-like input of ``role`` (None: not one)."""
+    if role == "epsilon":
         return 1e-5
-    if port == "momentum":
+    if role == "momentum":
         return 0.1
-    if t in _ATTENTION:
-        if port == "attn_scale":
-            q = spec.tensor(node.inputs["q"])
-            return 1.0 / math.sqrt(q.dim[-1]) if q.dim else 1.0
-        if port in ("scale_s", "descale_s"):
-            qtype = spec.data_type_of(spec.tensor(node.inputs["q"]))
-            top = _FP8_MAX.get(qtype, 1.0)
-            return top if port == "scale_s" else 1.0 / top
+    if role == "attn_scale":
+        q = spec.tensor(node.inputs["q"])
+        return 1.0 / math.sqrt(q.dim[-1]) if q.dim else 1.0
+    if role in ("scale_s", "descale_s"):
+        top = _FP8_MAX.get(spec.data_type_of(spec.tensor(node.inputs["q"])), 1.0)
+        return top if role == "scale_s" else 1.0 / top
     return None
+
+
+def _attends(kind: NodeKind, node: NodeDoc) -> bool:
+    """An attention node with q and k: its sequence lengths, page tables and ragged offsets get valid values."""
+    return kind.group == "attention" and "q" in node.inputs and "k" in node.inputs
 
 
 def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -> dict[int, Tensor]:
@@ -207,9 +202,29 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
     Stats 0 and O 0)."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     inputs = spec.input_tensors()
+    input_uids = {d.uid for d in inputs}
+    values = _random_values(spec, gen, inputs)  # in document order: a stable random stream
+    lens: dict[int, list[int]] = {}  # seq-len tensor uid -> lengths
+    side_lens: dict[tuple[int, str], list[int] | None] = {}  # (node index, "q"/"kv") -> lengths
+    for idx, node in enumerate(spec.nodes):
+        kind = kind_of(node.type)
+        _role_values(spec, node, kind, input_uids, gen, values)
+        if _attends(kind, node):
+            _sequence_values(spec, idx, node, input_uids, gen, values, lens, side_lens)
+            _page_tables(spec, node, kind, input_uids, gen, values)
+    _ragged_offsets(spec, input_uids, side_lens, values)
+    out = {doc.uid: _placed(spec, doc, values[doc.uid], device) for doc in inputs}
+    # values that depend on others
+    _norm_statistics(spec, out, input_uids)
+    _attention_saved(spec, out, input_uids)
+    return out
+
+
+def _random_values(spec: GraphSpec, gen: torch.Generator, inputs: list[TensorDoc]) -> dict[int, Tensor]:
+    """Random values of every input: weight-like ones scaled by 1/sqrt(fan-in), one-element floats around 1,
+    pass-by-value floats positive."""
     uses = _consumers(spec)
     values: dict[int, Tensor] = {}
-    # 1. random values for everything, in document order (a stable random stream)
     for doc in inputs:
         name = spec.data_type_of(doc)
         scale = 1.0
@@ -224,59 +239,73 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
         elif doc.is_pass_by_value and v.is_floating_point():
             v = 0.5 + v.abs()  # a positive host scalar unless its port says otherwise
         values[doc.uid] = v
+    return values
 
-    # 2. special ports
-    lens: dict[int, list[int]] = {}  # seq-len tensor uid -> lengths
-    side_lens: dict[tuple[int, str], list[int] | None] = {}  # (node index, "q"/"kv") -> lengths
-    input_uids = {d.uid for d in inputs}
-    for idx, node in enumerate(spec.nodes):
-        for port, uid in node.inputs.items():
+
+def _role_values(spec: GraphSpec, node: NodeDoc, kind: NodeKind, input_uids: set[int], gen: torch.Generator,
+                 values: dict[int, Tensor]) -> None:
+    """Valid values of the node's scalar-like, fp8-scale and running-statistics inputs (by their roles)."""
+    for port, uid in node.inputs.items():
+        if uid not in input_uids:
+            continue
+        dims = list(spec.tensor(uid).dim) or [1]
+        role = kind.role(port)
+        role_value = _scalar(role, node, spec)
+        if role_value is not None:
+            values[uid] = torch.full(dims, role_value)
+        elif role == "fp8_scale":
+            values[uid] = 0.75 + 0.5 * torch.rand(dims, generator=gen)
+        elif role == "running_var":
+            values[uid] = 0.5 + torch.rand(dims, generator=gen)
+        elif role == "running_mean":
+            values[uid] = 0.1 * torch.randn(dims, generator=gen)
+
+
+def _sequence_values(spec: GraphSpec, idx: int, node: NodeDoc, input_uids: set[int], gen: torch.Generator,
+                     values: dict[int, Tensor], lens: dict[int, list[int]],
+                     side_lens: dict[tuple[int, str], list[int] | None]) -> None:
+    """An attention node's sequence lengths (and cumulative ones) per side, one draw per length tensor; the lengths
+    each side uses are noted in ``side_lens``."""
+    q = spec.tensor(node.inputs["q"])
+    b = q.dim[0]
+    for side, s_max in (("q", q.dim[2]), ("kv", fam.kv_len(spec, node))):
+        chosen = None
+        for port in (f"seq_len_{side}", f"cu_seq_len_{side}"):
+            uid = node.inputs.get(port, -1)  # uids are >= 0
             if uid not in input_uids:
                 continue
+            if uid not in lens:
+                lens[uid] = _lengths(gen, b, s_max)
+            chosen = lens[uid]
             doc = spec.tensor(uid)
-            role_value = _scalar_role(node, port, spec)
-            if role_value is not None:
-                values[uid] = torch.full(list(doc.dim) or [1], role_value)
-            elif port.startswith(("descale_", "scale_")) and node.type in _ATTENTION:
-                values[uid] = 0.75 + 0.5 * torch.rand(list(doc.dim) or [1], generator=gen)
-            elif port in ("in_running_var",):
-                values[uid] = 0.5 + torch.rand(list(doc.dim) or [1], generator=gen)
-            elif port == "in_running_mean":
-                values[uid] = 0.1 * torch.randn(list(doc.dim) or [1], generator=gen)
-        if node.type in _ATTENTION and "q" in node.inputs and "k" in node.inputs:
-            q = spec.tensor(node.inputs["q"])
-            b = q.dim[0]
-            s_kv = fam.kv_len(spec, node)
-            for side, s_max in (("q", q.dim[2]), ("kv", s_kv)):
-                chosen = None
-                for port in (f"seq_len_{side}", f"cu_seq_len_{side}"):
-                    uid = node.inputs.get(port, -1)  # uids are >= 0
-                    if uid not in input_uids:
-                        continue
-                    if uid not in lens:
-                        lens[uid] = _lengths(gen, b, s_max)
-                    chosen = lens[uid]
-                    doc = spec.tensor(uid)
-                    seq = torch.tensor(chosen)
-                    if port.startswith("cu_"):
-                        seq = torch.cat([torch.zeros(1, dtype=seq.dtype), seq.cumsum(0)])
-                    values[uid] = seq.reshape(list(doc.dim) or [-1])
-                side_lens[(idx, side)] = chosen
-            for port in ("paged_attention_k_table", "paged_attention_v_table"):
-                uid = node.inputs.get(port, -1)
-                if uid not in input_uids:
-                    continue
-                doc = spec.tensor(uid)
-                blocks = spec.tensor(node.inputs["k" if port.endswith("k_table") else "v"]).dim[0]
-                need = math.prod(doc.dim)
-                if blocks >= need:
-                    table = torch.randperm(blocks, generator=gen)[:need]
-                else:
-                    table = torch.randint(0, blocks, (need,), generator=gen)
-                values[uid] = table.reshape(doc.dim)
-    # ragged offsets: each sequence's first token, in elements / multiplier
+            seq = torch.tensor(chosen)
+            if port.startswith("cu_"):
+                seq = torch.cat([torch.zeros(1, dtype=seq.dtype), seq.cumsum(0)])
+            values[uid] = seq.reshape(list(doc.dim) or [-1])
+        side_lens[(idx, side)] = chosen
+
+
+def _page_tables(spec: GraphSpec, node: NodeDoc, kind: NodeKind, input_uids: set[int], gen: torch.Generator,
+                 values: dict[int, Tensor]) -> None:
+    """Page tables: a permutation of the container's blocks (blocks drawn with repeats where there are too few)."""
+    for port, uid in sorted(node.inputs.items()):
+        if uid not in input_uids or kind.role(port) != "page_table":
+            continue
+        doc = spec.tensor(uid)
+        blocks = spec.tensor(node.inputs["k" if port.endswith("k_table") else "v"]).dim[0]
+        need = math.prod(doc.dim)
+        if blocks >= need:
+            table = torch.randperm(blocks, generator=gen)[:need]
+        else:
+            table = torch.randint(0, blocks, (need,), generator=gen)
+        values[uid] = table.reshape(doc.dim)
+
+
+def _ragged_offsets(spec: GraphSpec, input_uids: set[int], side_lens: dict[tuple[int, str], list[int] | None],
+                    values: dict[int, Tensor]) -> None:
+    """Ragged offsets of attention tensors: each sequence's first token, in elements / multiplier."""
     for idx, node in enumerate(spec.nodes):
-        if node.type not in _ATTENTION:
+        if kind_of(node.type).group != "attention":
             continue
         for port, uid in list(node.inputs.items()) + list(node.outputs.items()):
             doc = spec.tensor(uid)
@@ -294,31 +323,25 @@ def make_inputs(spec: GraphSpec, device: torch.device | str, *, seed: int = 0) -
             odoc = spec.tensor(off)
             values[off] = torch.tensor([c * token_stride // mult for c in cum]).reshape(list(odoc.dim) or [-1])
 
-    # 3. place them
-    out: dict[int, Tensor] = {}
-    for doc in inputs:
-        dtype = torch_dtype(spec, doc)
-        v = values[doc.uid]
-        if doc.pass_by_value is not None:
-            v = torch.full(list(doc.dim) or [1], float(doc.pass_by_value))
-        if doc.is_pass_by_value:  # a host tensor of the declared type (FLOAT: float32)
-            out[doc.uid] = v.reshape(list(doc.dim) or [1]).to(dtype).clone()
-            continue
-        out[doc.uid] = _place(v, doc, dtype, device)
 
-    # 4. values that depend on others
-    _norm_statistics(spec, out, input_uids)
-    _attention_saved(spec, out, input_uids)
-    return out
+def _placed(spec: GraphSpec, doc: TensorDoc, v: Tensor, device: torch.device | str) -> Tensor:
+    """An input's value in its data type and layout (an embedded value wins); a pass-by-value one a host tensor."""
+    dtype = torch_dtype(spec, doc)
+    if doc.pass_by_value is not None:
+        v = torch.full(list(doc.dim) or [1], float(doc.pass_by_value))
+    if doc.is_pass_by_value:  # a host tensor of the declared type (FLOAT: float32)
+        return v.reshape(list(doc.dim) or [1]).to(dtype).clone()
+    return _place(v, doc, dtype, device)
 
 
 def _norm_statistics(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[int]) -> None:
     """Saved statistics of norm backward / batchnorm inference: the actual ones of the input (eps 1e-5)."""
     for node in spec.nodes:
-        if node.type not in ("LAYERNORM_BWD", "RMSNORM_BWD", "BATCHNORM_BWD", "INSTANCENORM_BWD",
-                             "ADALAYERNORM_BWD", "BATCHNORM_INFERENCE"):
-            continue
-        ports = [p for p in ("mean", "inv_variance") if node.inputs.get(p) in input_uids]
+        kind = kind_of(node.type)
+        # saved statistics by port, the mean first
+        roles = {p: r for r in ("saved_mean", "saved_inv_variance") for p, u in node.inputs.items()
+                 if u in input_uids and kind.role(p) == r}
+        ports = list(roles)
         if not ports:
             continue
         x_uid = node.inputs.get("input")
@@ -326,14 +349,14 @@ def _norm_statistics(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
             for p in ports:  # input computed in the graph: plausible values
                 t = out[node.inputs[p]]
                 with torch.no_grad():
-                    t.copy_(torch.full_like(t, 0.0 if p == "mean" else 1.0, dtype=torch.float32).to(t.dtype))
+                    t.copy_(torch.full_like(t, 0.0 if roles[p] == "saved_mean" else 1.0, dtype=torch.float32).to(t.dtype))
             continue
         x = out[x_uid].to(torch.float32)
         scale = spec.tensor(node.inputs["scale"]).dim if "scale" in node.inputs else None
         stat = spec.tensor(node.inputs[ports[0]]).dim
         axes = fam.norm_axes(node.type, list(x.shape), scale, stat)
         with torch.no_grad():
-            if node.type in ("RMSNORM_BWD",):
+            if kind.statistics == "rms":
                 mean = torch.zeros_like(x.mean(dim=axes, keepdim=True)) if axes else torch.zeros_like(x)
                 var = (x * x).mean(dim=axes, keepdim=True) if axes else x * x
             else:
@@ -342,19 +365,18 @@ def _norm_statistics(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
             inv = torch.rsqrt(var + 1e-5)
             for p in ports:
                 t = out[node.inputs[p]]
-                src = mean if p == "mean" else inv
+                src = mean if roles[p] == "saved_mean" else inv
                 t.copy_(src.reshape(t.shape).to(device=t.device, dtype=t.dtype))
 
 
 def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[int]) -> None:
     """SDPA backward ``o`` / ``stats``: the float32 forward of the generated q, k, v (same masks)."""
     for node in spec.nodes:
-        if node.type not in ("SDPA_BWD", "SDPA_FP8_BWD"):
+        kind = kind_of(node.type)
+        saved = {kind.role(p): p for p, u in node.inputs.items() if u in input_uids}
+        if not {"saved_o", "saved_stats"} & set(saved) or any(node.inputs.get(p) not in out for p in ("q", "k", "v")):
             continue
-        want = [p for p in ("o", "stats") if node.inputs.get(p) in input_uids]
-        if not want or any(node.inputs.get(p) not in out for p in ("q", "k", "v")):
-            continue
-        fp8 = node.type == "SDPA_FP8_BWD"
+        fp8 = kind.fp8
         device = out[node.inputs["q"]].device
         x: dict[str, Tensor] = {}
         for port, uid in node.inputs.items():
@@ -376,10 +398,10 @@ def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
             if fp8 and "descale_o" in x:
                 o = o / x["descale_o"].reshape(())
             stats = torch.where(rows & torch.isfinite(res["Stats"]), res["Stats"], torch.zeros_like(res["Stats"]))
-        for port, dense in (("o", o), ("stats", stats)):
-            if port not in want:
+        for role, dense in (("saved_o", o), ("saved_stats", stats)):
+            if role not in saved:
                 continue
-            uid = node.inputs[port]
+            uid = node.inputs[saved[role]]
             doc, t = spec.tensor(uid), out[uid]
             with torch.no_grad():
                 if doc.ragged_offset is not None and doc.ragged_offset in out:
@@ -503,7 +525,8 @@ def compare_mask(spec: GraphSpec, inputs: dict[int, Tensor]) -> dict[int, Tensor
     device = _device_of(spec, inputs)
     masks: dict[int, Tensor] = {}
     for node in spec.nodes:
-        if node.type in _ATTENTION and "q" in node.inputs and "k" in node.inputs:
+        kind = kind_of(node.type)
+        if _attends(kind, node):
             x = {p: inputs[u] for p, u in node.inputs.items() if u in inputs}
             geo = attention_geometry(spec, node, x)
             q_rows, kv_rows = None, None
@@ -514,7 +537,7 @@ def compare_mask(spec: GraphSpec, inputs: dict[int, Tensor]) -> dict[int, Tensor
                 elif port in ("dK", "dV"):
                     kv_rows = geo.kv_rows(device) if kv_rows is None else kv_rows
                     masks[uid] = kv_rows
-        elif node.type == "POINTWISE":
+        elif kind.group == "pointwise":
             ms = [masks[u] for u in node.inputs.values() if u in masks]
             if ms:
                 m = ms[0]
@@ -538,7 +561,7 @@ def _dense_output(spec: GraphSpec, doc: TensorDoc, t: Tensor, inputs: dict[int, 
         raise TuningError(f"output {_label(doc)} is no node's output")
     port = next(p for p, u in node.outputs.items() if u == doc.uid)
     x = {p: inputs[u] for p, u in node.inputs.items() if u in inputs}
-    geo = attention_geometry(spec, node, x) if node.type in _ATTENTION else None
+    geo = attention_geometry(spec, node, x) if kind_of(node.type).group == "attention" else None
     lens = None if geo is None else (geo.lens_kv if port in fam.KV_SIDE else geo.lens_q)
     return fam.ragged_gather(t, doc, inputs[doc.ragged_offset].to(t.device), lens)
 
@@ -618,44 +641,16 @@ def compare_outputs(spec: GraphSpec, outputs: dict[int, Tensor], reference: dict
 # ------------------------------------------------------------------ memory
 
 
-def _broadcast(*shapes: list[int]) -> list[int]:
-    try:
-        return list(torch.broadcast_shapes(*[tuple(s) for s in shapes if s]))
-    except RuntimeError:
-        return max((s for s in shapes if s), key=math.prod, default=[1])
-
-
 def infer_dims(spec: GraphSpec) -> dict[int, list[int]]:
-    """Dims of every tensor: the document's, else inferred from the producing node (virtual tensors)."""
+    """Dims of every tensor: the document's, else its node type's rule (:meth:`NodeKind.output_dims`)."""
     dims: dict[int, list[int]] = {t.uid: list(t.dim) for t in spec.tensors if t.dim}
     for node in spec.nodes:
+        kind = kind_of(node.type)
         ins = {p: dims.get(u, []) for p, u in node.inputs.items()}
+        params = {k: decode_param(v) for k, v in node.params.items()}
         for port, uid in node.outputs.items():
-            if uid in dims:
-                continue
-            d: list[int] = []
-            if node.type == "MATMUL" and ins.get("A") and ins.get("B"):
-                a, b = ins["A"], ins["B"]
-                d = _broadcast(a[:-2], b[:-2]) + [a[-2], b[-1]]
-            elif node.type == "POINTWISE":
-                d = _broadcast(*ins.values())
-            elif node.type == "CONV_FPROP" and ins.get("image") and ins.get("weight"):
-                x, w = ins["image"], ins["weight"]
-                sp = len(x) - 2
-                p = {k: fam.decode_param(v) for k, v in node.params.items()}
-                pre = p.get("pre_padding") or p.get("padding") or [0] * sp
-                post = p.get("post_padding") or p.get("padding") or [0] * sp
-                st = p.get("stride") or [1] * sp
-                dl = p.get("dilation") or [1] * sp
-                d = [x[0], w[0]] + [(x[2 + i] + pre[i] + post[i] - dl[i] * (w[2 + i] - 1) - 1) // st[i] + 1
-                                    for i in range(sp)]
-            elif node.type in _ATTENTION and ins.get("q"):
-                q = ins["q"]
-                d = q[:-1] + [1] if port in ("Stats", "score_max", "score_sum_exp") else \
-                    q[:-1] + [(ins.get("v") or q)[-1]] if port == "O" else [1, 1, 1, 1] if port.startswith("Amax") else q
-            else:
-                d = ins.get("input") or next((v for v in ins.values() if v), [])
-            dims[uid] = d
+            if uid not in dims:
+                dims[uid] = kind.output_dims(port, ins, params)
     return dims
 
 
@@ -675,7 +670,8 @@ def required_bytes(spec: GraphSpec) -> int:
     for doc in spec.output_tensors():
         total += math.prod(dims.get(doc.uid) or [1]) * 4 * 3
     for node in spec.nodes:
-        if node.type not in _ATTENTION or "q" not in node.inputs or "k" not in node.inputs:
+        kind = kind_of(node.type)
+        if not _attends(kind, node):
             continue
         q = spec.tensor(node.inputs["q"])
         if len(q.dim) != 4:
@@ -683,7 +679,7 @@ def required_bytes(spec: GraphSpec) -> int:
         b, h, s_q, d = q.dim
         s_kv = fam.kv_len(spec, node)
         per_batch = h * s_q * s_kv * 4 * 4 + s_q * s_kv
-        backward = node.type.endswith("_BWD")
+        backward = kind.backward
         total += per_batch * (3 if backward else 1) + b * s_q * s_kv  # + the boolean mask of all batches
         k = spec.tensor(node.inputs["k"])
         h_kv = k.dim[1] if len(k.dim) == 4 else h

@@ -75,8 +75,9 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 #: Longest JSON integer accepted, in characters: -9223372036854775808 (int64's minimum) has 20.
 MAX_INT_CHARS = 20
-#: Deepest nesting of arrays and objects a body may have: a spec's deepest value (:data:`plancache.spec.MAX_DEPTH`
-#: levels of typed forms, each an object and an array) inside a tune request's list of specs is under 24.
+#: Deepest nesting of arrays and objects a body may have: a spec's deepest value
+#: (:data:`plancache.spec.limits.MAX_DEPTH` levels of typed forms, each an object and an array) inside a tune
+#: request's list of specs is under 24.
 MAX_BODY_DEPTH = 32
 #: A body of at most this many bytes is parsed and validated on the event loop, in less time than handing it to a
 #: worker thread takes under load (a resolve of 49 keys, 4.5 KB: 0.1 ms; the worst 8 KiB, numbers: 1 ms).

@@ -30,7 +30,8 @@ import pytest
 from plancache.errors import SpecError
 from plancache.protocol import WORKER_ID_PATTERN
 from plancache.server.limits import ByteBudget, RateLimiter
-from plancache.spec import MAX_RANK, MAX_TENSORS, parse_spec
+from plancache.spec import parse_spec
+from plancache.spec.limits import MAX_RANK, MAX_TENSORS
 from tests.live_server import LiveServer
 from tests.server_util import api, open_api, put_blob, upload, upload_json  # noqa: F401
 

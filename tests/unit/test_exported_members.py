@@ -35,7 +35,15 @@ def test_the_spec_module_exports_its_public_surface():
         "GraphSpec", "SpecBuilder", "TensorRef", "TuningSpec", "channels_last_strides", "contiguous_strides",
         "from_pygraph", "graph_key", "parse_spec",
     ]
-    assert all(getattr(module, n).__module__ == "plancache.spec" for n in module.__all__)
+    assert all(getattr(module, n).__module__.startswith("plancache.spec.") for n in module.__all__)
+
+
+@pytest.mark.parametrize("name", ["builder", "document", "keys", "limits", "nodes", "pygraph", "vocabulary"])
+def test_each_module_of_the_spec_exports_only_what_it_defines(name):
+    module = importlib.import_module(f"plancache.spec.{name}")
+    assert module.__all__ == sorted(module.__all__)
+    assert all(getattr(module, n).__module__ == module.__name__ for n in module.__all__
+               if inspect.isclass(getattr(module, n)) or inspect.isfunction(getattr(module, n)))
 
 
 def test_the_blob_layer_exports_exactly_what_it_defines():

@@ -17,8 +17,8 @@ cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not instal
 from cudnn.graph_types import NodeType, Tensor  # noqa: E402
 from cudnn.nodes import Node  # noqa: E402
 
-from plancache import spec as spec_mod  # noqa: E402
 from plancache.gpu import fegraph  # noqa: E402
+from plancache.spec import document, from_pygraph, nodes, vocabulary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,14 +32,14 @@ def test_installed_fe_is_in_the_supported_range_and_pyproject_pins_the_same_rang
 
 
 def test_node_types_are_exactly_the_spec_vocabulary():
-    assert set(NodeType.__members__) == set(spec_mod.NODE_TYPES)
+    assert set(NodeType.__members__) == set(nodes.NODE_TYPES)
 
 
 def test_data_types_are_the_spec_vocabulary():
-    assert set(cudnn.data_type.__members__) - {"NOT_SET"} == set(spec_mod.DATA_TYPES)
+    assert set(cudnn.data_type.__members__) - {"NOT_SET"} == set(vocabulary.DATA_TYPES)
 
 
-@pytest.mark.parametrize("name", spec_mod.ENUM_TYPES)
+@pytest.mark.parametrize("name", vocabulary.ENUM_TYPES)
 def test_every_enum_the_spec_names_exists_with_members(name):
     enum_type = getattr(cudnn, name, None) or getattr(cudnn._compiled_module, name, None)  # as fegraph._enum looks
     members = getattr(enum_type, "__members__", None)
@@ -53,7 +53,7 @@ def test_tensor_is_the_dataclass_the_encoder_reads():
             "uid_assigned", "dim_assigned", "stride_assigned", "reordering_type", "ragged_offset",
             "ragged_offset_multiplier", "alignment_value", "scalar_type"}
     assert read <= fields, read - fields
-    assert set(spec_mod.TensorDoc.model_fields) - {"ragged_offset"} >= read - {"ragged_offset"}
+    assert set(document.TensorDoc.model_fields) - {"ragged_offset"} >= read - {"ragged_offset"}
 
 
 def test_node_constructor_and_ports():
@@ -69,7 +69,7 @@ def test_pygraph_private_state_the_bridge_uses():
                  "_cpp_graph_kwargs", "_lowered_graph", "_planning_done"):
         assert hasattr(g, attr), f"cudnn.pygraph has no {attr} in FE {cudnn.__version__}"
     params = inspect.signature(cudnn.pygraph).parameters
-    missing = [f for f in (*spec_mod.GRAPH_FLAGS, "io_data_type", "intermediate_data_type", "compute_data_type",
+    missing = [f for f in (*vocabulary.GRAPH_FLAGS, "io_data_type", "intermediate_data_type", "compute_data_type",
                            "handle", "kernel_cache", "device_property") if f not in params]
     assert not missing, missing
 
@@ -85,5 +85,5 @@ def test_a_constructed_graph_records_what_the_spec_encodes():
     assert node.inputs == {"image": x, "weight": w} and node.outputs == {"Y": y}
     assert node.params == {"padding": [1, 1], "stride": [1, 1], "dilation": [1, 1]}
     assert set(g._tensor_by_uid.values()) == {x, w, y}
-    doc = spec_mod.from_pygraph(g)
+    doc = from_pygraph(g)
     assert [n.type for n in doc.nodes] == ["CONV_FPROP"] and len(doc.tensors) == 3

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from plancache.errors import SpecError
-from plancache.spec import MAX_ELEMENTS, MAX_GRAPH_BYTES, parse_spec
+from plancache.spec import parse_spec
+from plancache.spec.limits import MAX_ELEMENTS, MAX_GRAPH_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 
