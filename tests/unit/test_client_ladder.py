@@ -18,34 +18,18 @@ from typing import Any
 
 import pytest
 
-from plancache.blobs import FolderBlobs
 from plancache.blobs.base import chunks
 from plancache.client import LADDER, MODES, Builds, ClientConfig, Pending, Plan, PlanCache, Step
-from plancache.client.cache import BLOBS
 from plancache.client.records import REGISTERED, UNREGISTERED, MemoryRecords
 from plancache.client.remote import MISS_RECHECK_SECONDS, REGISTER_ATTEMPTS
 from plancache.client.server_step import ServerStep
 from plancache.client.steps import family_key
 from plancache.errors import Forbidden, PlanMiss, RequestTimeout, ServerUnavailable, SpecError
 from plancache.protocol import MissReason
-from plancache.spec import contiguous_strides, parse_spec
+from plancache.spec import contiguous_strides
 from tests.client_fakes import RecordingBackend
 from tests.factories import H200, make_record, new_signer, trusted
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SPECS = {name: parse_spec((EXAMPLES / f"{name}.json").read_text())
-         for name in ("conv_bias_relu", "conv_bias_relu_n8", "conv_bias_relu_n16", "sdpa_causal",
-                      "matmul_scale_bias_gelu_amax")}
-CONV, SDPA, MATMUL = SPECS["conv_bias_relu"], SPECS["sdpa_causal"], SPECS["matmul_scale_bias_gelu_amax"]
-
-
-def blob_of(spec: Any) -> bytes:
-    return f"serialized plan of {spec.name}".encode() * 20
-
-
-def blob_path(folder: Path, sha256: str) -> Path:
-    """Where the disk cache's folder of an environment keeps blob ``sha256``."""
-    return FolderBlobs(folder / BLOBS, create=False).path(sha256)
+from tests.integration.test_client_ladder import CONV, MATMUL, SDPA, SPECS, blob_of, blob_path
 
 
 @pytest.fixture(scope="module")
