@@ -196,11 +196,12 @@ class LoadContext:
     :meth:`verify` checks a plan against ``environment``, ``trusted_keys`` (``insecure_allow_unsigned``: normal mode
     without keys admits unsigned plans) and the revisions ``disk`` accepted; :meth:`deserialize` loads one on
     ``backend``, holding ``handle_lock`` (the cuDNN handle, also held by builds and executions). ``stats``: the
-    counters, guarded by ``lock`` (held by the ladder; :meth:`count` takes it off the ladder's thread). ``disk``: the
-    disk cache; ``remote``: the server (None: none), each load's exchange within ``request_deadline`` seconds.
-    ``memory``: the plans loaded, ``verified``: the blobs admitted (for the callers' own graphs), by graph key.
-    ``revalidator`` asks the server about entries loaded from disk last confirmed ``revalidate_seconds`` ago (set by
-    the cache that makes the context: :class:`~plancache.client.revalidate.Revalidator`; none by default)."""
+    counters, guarded by ``lock`` (held by the ladder; :meth:`count` takes it off the ladder's thread). ``disk``:
+    the disk cache; ``remote``: the server or another :class:`RecordsSource` (None: none), each load's exchange
+    within ``request_deadline`` seconds. ``memory``: the plans loaded, ``verified``: the blobs admitted (for the
+    callers' own graphs), by graph key. ``revalidator`` asks the server about entries loaded from disk last
+    confirmed ``revalidate_seconds`` ago (set by the cache that makes the context:
+    :class:`~plancache.client.revalidate.Revalidator`; none by default)."""
 
     environment: Environment
     trusted_keys: TrustedKeys

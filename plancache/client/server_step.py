@@ -62,13 +62,14 @@ class ServerStep(StoreStep):
             return records, received
         now = time.monotonic()
         deadline = now + c.request_deadline
-        known = {p.key: missed for p in batch if (missed := self.missed.get(p.key)) is not None}
+        known = {p.key: m for p in batch if (m := self.missed.get(p.key)) is not None}
         specs = {p.key: p.spec for p in batch if p.key not in known}
         answer = self._ask(specs, deadline) if specs else None
         answers = answer.plans if answer is not None else (None if specs else {})  # None: no answer
-        missing, reasons = (answer.missing, answer.reasons) if answer is not None else ([], {})
+        fresh = [k for k in specs if answers is not None and k not in answers]  # listed missing, or left out
+        reasons = {k: r for k, r in answer.reasons.items() if k in specs} if answer is not None else {}
         blobs = self._blobs([(p, answers[p.key]) for p in batch if answers and p.key in answers], deadline)
-        for key in missing:
+        for key in fresh:
             reason = reasons.get(key)
             unregistered = None
             if reason is None or reason.reason == "not_registered":

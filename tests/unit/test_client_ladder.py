@@ -337,7 +337,38 @@ def test_a_failing_registration_is_sent_at_most_a_few_times(records, tmp_path, s
     assert records.calls["specs"] == REGISTER_ATTEMPTS and CONV.graph_key not in records.specs
 
 
-def test_a_withdrawal_given_for_a_missed_key_is_verified_and_applied(records, tmp_path, signer):
+def test_a_key_left_out_of_the_answer_is_an_unexplained_miss_and_a_reason_not_asked_for_is_ignored(
+        records, tmp_path, signer):
+    resolve = records.resolve
+
+    def confused(*args: Any, **kwargs: Any) -> Any:  # a server that lists no miss, and explains another key
+        return resolve(*args, **kwargs).model_copy(update={"missing": [], "reasons": {SDPA.graph_key: UNREGISTERED}})
+
+    records.resolve = confused  # type: ignore[method-assign]
+    pc = client(records, tmp_path, signer, mode="strict")
+    with pytest.raises(PlanMiss, match="server: no plan for this environment"):
+        pc.plan(CONV)
+    (step,) = [s for s in pc.steps if isinstance(s, ServerStep)]
+    assert pc.stats().miss_reasons == {"unexplained": 1} and step.missed.get(SDPA.graph_key) is None
+    assert records.calls == {"resolve": 1, "specs": 1}
+
+
+def test_the_withdrawal_a_miss_s_reason_carries_raises_the_revision_floor(records, tmp_path, signer):
+    from plancache.protocol import Withdrawal
+
+    record = make_record(CONV.graph_key, H200, blob_of(CONV), signer)
+    withdrawal = signer.sign_withdrawal(Withdrawal(
+        graph_key=CONV.graph_key, environment=H200, withdrawn_revision=record.revision,
+        blob_sha256=record.blob_sha256, reason="wrong results"))
+    records.reasons[CONV.graph_key] = MissReason(reason="withdrawn", message="withdrawn", withdrawal=withdrawal)
+    pc = client(records, tmp_path, signer, mode="strict")
+    with pytest.raises(PlanMiss, match="server: no plan: withdrawn"):
+        pc.plan(CONV)
+    assert pc.stats().withdrawals == {"applied": 1} and pc.disk.revision(CONV.graph_key) == withdrawal.revision
+    assert records.calls == {"resolve": 1}  # a withdrawn key's spec is known: nothing registered
+
+
+def test_revalidation_applies_the_withdrawal_a_resolve_answer_gives(records, tmp_path, signer):
     """The reason of a withdrawn key carries the signed withdrawal: the disk entry of the withdrawn plan is
     deleted and its revision refused from then on."""
     from plancache.protocol import Withdrawal
