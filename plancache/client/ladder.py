@@ -1,4 +1,4 @@
-"""The ladder: its steps in order (:data:`LADDER`), and a batch of loads on its way down them (:class:`Ladder`).
+"""The ladder: its steps in order (:data:`LADDER`), a batch of loads on its way down them (:class:`Ladder`).
 
 A mode is the kinds of step it allows (:data:`~plancache.client.context.MODE_STEPS`, by
 :class:`~plancache.client.context.Builds`). A new step is one :class:`~plancache.client.steps.Step` subclass and one
@@ -39,8 +39,8 @@ LADDER: tuple[StepFactory, ...] = (MemoryStep, DiskStep, index_step, server_step
 
 
 class Ladder:
-    """The steps of one cache: ``factories`` made with ``context``, those ``mode`` allows, in order. Not thread-safe
-    on its own: :meth:`load` holds the context's lock."""
+    """The steps of one cache: ``factories`` made with ``context``, those ``mode`` allows, in order. Loads run one at a
+    time: :meth:`load` holds the context's lock."""
 
     def __init__(self, context: LoadContext, factories: tuple[StepFactory, ...], mode: Mode) -> None:
         self.context = context
