@@ -64,7 +64,7 @@ BLOB_BYTES = 64 * 1024
 DEADLINE_S = 5.0  # PLANCACHE_REQUEST_DEADLINE's default: past it a client builds locally
 P99_GOAL_S = 1.0
 TIMEOUT_S = 30.0
-#: Blob GETs one start-up has in flight at once (``plancache.client.core.FETCH_THREADS``).
+#: Blob GETs one start-up has in flight at once (``plancache.client.steps.FETCH_THREADS``).
 FETCH_AT_ONCE = 8
 MODES = ("inline", "server", "presigned")
 

@@ -338,8 +338,12 @@ class ResolvedPlan(StrictModel):
 
 
 class ResolveResponse(StrictModel):
+    """The plans found, the keys ``missing``, and for each missing key why (``reasons``: the reason ``explain``
+    gives, read once the miss is recorded; absent from a server of API 1.1 or older)."""
+
     plans: dict[GraphKey, ResolvedPlan]
     missing: list[GraphKey]
+    reasons: dict[GraphKey, MissReason] = Field(default_factory=dict)
 
 
 #: Why a graph key has no plan on an environment, most actionable first (:class:`MissReason`).

@@ -28,7 +28,7 @@ import torch
 from examples.fe import graphs
 from plancache import gpu
 from plancache.client import Plan, PlanCache
-from plancache.client.core import HeuristicStep, family_key
+from plancache.client.steps import HeuristicStep, family_key
 from plancache.spec import GraphSpec, parse_spec
 from tests.gpu_util import loaded_engine_id
 

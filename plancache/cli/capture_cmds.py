@@ -22,7 +22,8 @@ def capture(
     the capture file: keys, spec documents, how often each was built. Nothing is uploaded and no server is asked
     (PLANCACHE_SERVER_URL is unset for the program). Then `plancache enqueue FILE` tunes them. Exits with PROGRAM's
     exit code."""
-    from ..client.capture import BOOT_SOURCE, read_capture
+    from ..client.boot import BOOT_SOURCE
+    from ..client.capture import read_capture
     from ..errors import SpecError
 
     out = out.absolute()

@@ -22,20 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .backend import Backend, GpuBackend
-    from .core import (
-        LADDER,
-        MODES,
-        Builds,
-        ClientConfig,
-        ClientStats,
-        LoadContext,
-        Pending,
-        PlanCache,
-        Step,
-        StepName,
-        StoreStep,
-    )
+    from .context import MODES, Builds, ClientStats, LoadContext, Pending, StepName
+    from .core import ClientConfig, PlanCache
+    from .ladder import LADDER
     from .plan import Plan
+    from .steps import Step, StoreStep
 
 #: What users of the client write code against: the cache and its configuration, plans, GPU backends, and what a
 #: custom ladder step is made of. Internals (the disk cache, the server calls, verification) stay in their modules.
@@ -47,8 +38,8 @@ __all__ = [
 #: The module each exported name is defined in, imported when the name is first read.
 _HOMES = {
     "Backend": ".backend", "GpuBackend": ".backend", "Plan": ".plan",
-    **dict.fromkeys(("LADDER", "MODES", "Builds", "ClientConfig", "ClientStats", "LoadContext", "Pending", "PlanCache",
-                     "Step", "StepName", "StoreStep"), ".core"),
+    **dict.fromkeys(("MODES", "Builds", "ClientStats", "LoadContext", "Pending", "StepName"), ".context"),
+    "ClientConfig": ".core", "PlanCache": ".core", "LADDER": ".ladder", "Step": ".steps", "StoreStep": ".steps",
 }
 
 

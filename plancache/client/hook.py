@@ -50,15 +50,16 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanCacheError, PlanMiss, SpecError, UnsupportedGraph
-from .core import PlanCache, SpecLike
+from .core import PlanCache
+from .startup import WarmSource as WarmSource  # plancache.torch names it hook.WarmSource
+from .startup import WarmStart, warm_specs
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec
@@ -108,14 +109,10 @@ _originals: dict[type, dict[str, Any]] = {}  # per patched class, what its own _
 _graphs: weakref.WeakKeyDictionary[Any, _Graph] = weakref.WeakKeyDictionary()
 _recorder: Any = None            # a capture.Recorder while capturing
 _counted: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs the recorder counted
-_warming: threading.Thread | None = None  # the warm start under way or done
+_warm_start = WarmStart()        # the warm start under way or done
 _devices: dict[int | None, PlanCache] = {}  # caches the hook made for devices other than the installed cache's
 _max_workspace: int | None = None  # PLANCACHE_HOOK_MAX_WORKSPACE_BYTES (None: no cap)
 _error_logged = False            # the first error of the hook's own was logged with its traceback
-
-#: What a warm start takes: a capture file, or specs.
-WarmSource = str | os.PathLike[str] | Iterable[SpecLike]
-
 
 def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None,
             warm: WarmSource | None = None, warm_vary: Mapping[str, Sequence[int]] | None = None) -> None:
@@ -137,7 +134,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     if warm is not None and cache is None:
         raise ValueError("a warm start fetches plans into a cache: give install() a PlanCache with warm=")
     warm = warm if warm is not None else settings.warm
-    specs = _warm_specs(cache, warm, warm_vary or {}) if cache is not None and warm is not None else []
+    specs = warm_specs(cache.mode, warm, warm_vary or {}) if cache is not None and warm is not None else []
     _start_capture(capture if capture is not None else settings.capture)
     if graph_class is None:
         import cudnn
@@ -161,15 +158,15 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
             _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
-        _start_warm(cache, specs)
+        _warm_start.start(cache, specs)
 
 
 def uninstall() -> None:
     """Give FE its methods back (graphs already served stay served), after the warm start under way."""
-    global _cache, _warming
+    global _cache
     _await_warm()
     with _lock:
-        _warming = None
+        _warm_start.forget()
         for cls, methods in _originals.items():
             for name in (*_PIPELINE, *PLAN_LIST_CALLS):
                 if name in methods:
@@ -262,66 +259,10 @@ def _start_capture(path: str | os.PathLike[str] | None) -> None:
             log.info("plancache: capturing every graph built into %s", _recorder.path)
 
 
-def _warm_specs(cache: PlanCache, source: WarmSource, axes: Mapping[str, Sequence[int]]) -> list[GraphSpec]:
-    """The specs a warm start fetches: those of ``source``, then their variants along ``axes`` (of the specs that have
-    them all); an unusable capture file raises in strict and replay-only mode, and warms nothing in normal mode."""
-    from ..spec import parse_spec
-    from .capture import AXES, AXIS_ALIASES, axes_of, read_capture, variants
-
-    known = {axis for by_node in AXES.values() for axis in by_node} | set(AXIS_ALIASES)
-    unknown = sorted(set(axes) - known)
-    if unknown:
-        raise ValueError(f"warm_vary: no shape axis {', '.join(unknown)} (axes: {', '.join(sorted(known))})")
-    bad = [f"{axis}={n!r}" for axis, sizes in axes.items() for n in sizes
-           if not isinstance(n, int) or isinstance(n, bool) or n < 1]
-    if bad:
-        raise ValueError(f"warm_vary: sizes are positive integers, not {', '.join(bad)}")
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            specs = [spec for spec, _ in read_capture(source)]
-        except SpecError as exc:
-            if cache.mode != "normal":
-                raise
-            log.warning("plancache: no warm start: %s", exc.message)
-            return []
-    else:
-        specs = [parse_spec(s) for s in source]
-    varied = []
-    for spec in specs:
-        if axes and set(axes) <= set(axes_of(spec)):
-            try:
-                varied += [variant for _, variant in variants(spec, axes)]
-            except SpecError as exc:  # a graph whose other tensors would have to move too: itself only
-                log.info("plancache: warm start: no variants of %s: %s", spec.name or spec.graph_key[:12], exc.message)
-    return specs + varied
-
-
-def _start_warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
-    global _warming
-    thread = threading.Thread(target=_warm, args=(cache, specs), name="plancache-warm", daemon=True)
-    with _lock:
-        _warming = thread
-    thread.start()
-
-
-def _warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
-    t0 = time.perf_counter()
-    try:
-        kept = cache.warm(specs)
-    except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
-        log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,
-                    exc)
-        return
-    log.info("plancache: warm start: verified plans of %d of %d graphs kept in %.0f ms", len(kept),
-             len({s.graph_key for s in specs}), (time.perf_counter() - t0) * 1000)
-
-
 def _await_warm() -> None:
     """Wait for the warm start under way, so a graph is served from it (bounded: the host's turn to fetch and the
     server exchange each take at most the cache's request deadline)."""
-    thread = _warming
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
+    _warm_start.wait()
 
 
 def _stop_capture() -> None:

@@ -29,22 +29,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import urlsplit
-from urllib.request import url2pathname
 
 from ..errors import PlanCacheError, ServerUnavailable, VerificationError
-from .core import FETCH_THREADS, StepName, StoreStep, _bump
+from .context import StepName, bump
+from .steps import FETCH_THREADS, StoreStep
 
 if TYPE_CHECKING:
-    import httpx
 
     from ..blobs import BlobReader
-    from ..http import HttpClient
     from ..index import IndexRoot, IndexShard, ShardRef
     from ..protocol import PlanRecord
-    from .core import LoadContext, Pending
+    from .context import LoadContext, Pending
 
 log = logging.getLogger("plancache.client")
 T = TypeVar("T")
@@ -56,80 +52,6 @@ INDEX_VERSION_KEY = hashlib.sha256(b"plancache index version").hexdigest()
 ROOT_REFRESH_SECONDS = 60.0
 #: Bytes of shards kept in memory (by digest), the oldest forgotten first.
 SHARD_MEMORY_BYTES = 32 << 20
-
-
-class IndexSource:
-    """The files under an index URL: ``file:///path``, or ``http(s)://host/prefix`` read without credentials. A
-    missing file is None; anything else that fails is :class:`~plancache.errors.ServerUnavailable`."""
-
-    def __init__(self, url: str, *, connect_timeout: float, read_timeout: float, cooldown: float,
-                 sets: tuple[str, ...] = (), max_blob_bytes: int = 64 << 20,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        self.url = url.rstrip("/")
-        #: The largest blob read (``PLANCACHE_MAX_BLOB_BYTES``).
-        self.max_blob_bytes = max_blob_bytes
-        #: The named sets read first.
-        self.sets = sets
-        parts = urlsplit(url)
-        self._folder: Path | None = None
-        self._http: HttpClient | None = None
-        if parts.scheme == "file":
-            if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-                raise ValueError(f"index URL {url!r}: a folder is file:///absolute/path")
-            self._folder = Path(url2pathname(parts.path))
-        elif parts.scheme in ("http", "https"):
-            from ..http import CircuitBreaker, HttpClient
-
-            self._http = HttpClient(self.url, None, policies=[CircuitBreaker(cooldown)],
-                                    connect_timeout=connect_timeout, read_timeout=read_timeout, transport=transport)
-        else:
-            raise ValueError(f"index URL {url!r}: use http(s)://host/prefix (a bucket's public URL, a CDN) or "
-                             "file:///absolute/path")
-
-    def get(self, name: str, max_bytes: int, deadline: float) -> bytes | None:
-        """The bytes of ``name`` under the URL, at most ``max_bytes`` (more: ServerUnavailable), by ``deadline``."""
-        if self._folder is not None:
-            from ..files import read_limited
-
-            try:
-                return read_limited(self._folder / name, max_bytes, planted=True)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise ServerUnavailable(f"index {self._folder / name}: {exc.strerror or exc}") from None
-        assert self._http is not None
-        try:
-            return self._http.read("GET", f"/{name}", _body, max_bytes=max_bytes, deadline=deadline)
-        except PlanCacheError as exc:
-            if exc.http_status == 404:
-                return None
-            raise
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-
-
-def _body(resp: httpx.Response) -> bytes:
-    if resp.status_code != 200:
-        raise ValueError(f"{resp.status_code} {resp.reason_phrase}, not 200 with the file")
-    return resp.content
-
-
-def make_source(url: str, sets: str | None, *, connect_timeout: float, read_timeout: float, cooldown: float,
-                max_blob_bytes: int, transport: httpx.BaseTransport | None = None) -> IndexSource:
-    """The :class:`IndexSource` of ``PLANCACHE_INDEX_URL`` and ``PLANCACHE_INDEX_SETS`` (names separated by ``,``);
-    ValueError naming the problem for a bad URL or set name."""
-    import re
-
-    from ..index import SET_NAME_PATTERN
-
-    names = tuple(dict.fromkeys(n.strip() for n in (sets or "").split(",") if n.strip()))
-    bad = [n for n in names if not re.match(SET_NAME_PATTERN, n)]
-    if bad:
-        raise ValueError(f"index sets {bad[0][:80]!r}: a set name is letters, digits, '.', '_' and '-' (at most 128)")
-    return IndexSource(url, connect_timeout=connect_timeout, read_timeout=read_timeout, cooldown=cooldown,
-                       sets=names, max_blob_bytes=max_blob_bytes, transport=transport)
 
 
 class IndexStep(StoreStep):
@@ -159,7 +81,7 @@ class IndexStep(StoreStep):
         try:
             root = self._verified_root(now + c.request_deadline)
         except VerificationError as exc:
-            _bump(c.stats.rejects, exc.reason)
+            bump(c.stats.rejects, exc.reason)
             log.warning("plancache: refused the index at %s (%s): %s", source.url, exc.reason, exc.message)
             self._down = (f"index refused ({exc.reason}): {exc.message}", now)
             return self._passed(batch, self._down[0]), received
@@ -289,7 +211,7 @@ class IndexStep(StoreStep):
         blobs: dict[Pending, bytes] = {}
         for (p, record), blob in zip(todo, self._fetch_all([partial(get, r) for _, r in todo]), strict=True):
             if isinstance(blob, bytes):
-                _bump(c.stats.blob_sources, "index")
+                bump(c.stats.blob_sources, "index")
                 blobs[p] = blob
             else:
                 p.note(self.name, "no blob" if blob is None else "blob unavailable")

@@ -1,4 +1,10 @@
-"""The plancache server as the client sees it: resolve plans, fetch blobs, register specs, explain misses.
+"""The client's conversation with the plancache server: every call, and every policy of the calls.
+
+Calls: resolve plans (each missing key with its reason), fetch blobs, register specs, explain misses (of a server
+that does not give the reasons in its resolve answer), report refusals. Policies: the client's
+:class:`~plancache.http.HttpClient` (retries, timeouts) and :class:`~plancache.http.CircuitBreaker` (:func:`connect`),
+which refusals trip the breaker, https-only presigned GETs, the size limit of every answer, what is registered and
+sent again (:class:`Registrar`), and how long a missed key is not asked about again (:class:`MissMemory`).
 
 Calls go through a :class:`~plancache.http.HttpClient`; the :class:`~plancache.client.PlanCache` gives its
 own short timeouts (``Settings.connect_timeout`` / ``read_timeout``) and a
@@ -21,12 +27,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..environment import Environment
-from ..errors import Reason, ServerUnavailable
+from ..errors import PlanCacheError, Reason, ServerUnavailable
 from ..http import CircuitBreaker, HttpClient, json_as
 from ..protocol import (
     MAX_REPORTED_REJECTS,
@@ -43,10 +51,13 @@ from ..spec import GraphSpec
 if TYPE_CHECKING:
     import httpx
 
+    from ..settings import ClientSettings
+    from .context import RecordsSource
+
 log = logging.getLogger("plancache.client")
 
 #: Bytes allowed per key of a resolve answer besides its base64 blob: the record (digests, signed envelope,
-#: environment, knobs, timings) and the JSON around it; and once per answer.
+#: environment, knobs, timings) or the reason of a miss, and the JSON around it; and once per answer.
 RECORD_ALLOWANCE = 16 * 1024
 ANSWER_ALLOWANCE = 64 * 1024
 #: Bytes allowed per key of an explain answer (a reason of at most 2,000 characters, a signed withdrawal and the
@@ -54,6 +65,15 @@ ANSWER_ALLOWANCE = 64 * 1024
 EXPLAIN_ALLOWANCE = 16 * 1024
 #: The largest answer to ``POST /v1/specs`` (a graph key and a flag).
 SPEC_ANSWER_LIMIT = 64 * 1024
+
+
+#: Seconds a process does not ask the server again about a key it missed (so the miss is not counted again), and
+#: how many such keys it remembers (the oldest forgotten first: asked again).
+MISS_RECHECK_SECONDS = 60.0
+MISS_MEMORY_KEYS = 10_000
+#: Times a process sends the spec of a key whose registration failed for now (429, 5xx, unreachable, past the
+#: deadline, 408) before it gives up: once per miss of the key, so at most once every :data:`MISS_RECHECK_SECONDS`.
+REGISTER_ATTEMPTS = 3
 
 
 def base64_size(n: int) -> int:
@@ -85,6 +105,15 @@ class Remote:
         self._refusal_logged = False
 
     @property
+    def where(self) -> str:
+        """The server's URL."""
+        return self.http.server_url
+
+    def stop(self) -> None:
+        """Waits for answers and retries under way give up at once."""
+        self.http.stop.set()
+
+    @property
     def is_off(self) -> bool:
         """True while a circuit breaker of the HTTP client holds calls back."""
         return any(isinstance(p, CircuitBreaker) and p.is_off for p in self.http.policies)
@@ -92,17 +121,20 @@ class Remote:
     def resolve_limit(self, n_keys: int, include_blobs: bool) -> int:
         """The most bytes read of a resolve answer for ``n_keys`` keys: per key a record allowance plus, with
         blobs, the base64 of the largest blob, and no more than ``resolve_max_bytes`` in all."""
-        per_key = RECORD_ALLOWANCE + (base64_size(self.max_blob_bytes) if include_blobs else 0)
+        per_key = max(RECORD_ALLOWANCE, EXPLAIN_ALLOWANCE) + (base64_size(self.max_blob_bytes) if include_blobs else 0)
         return min(self.resolve_max_bytes, ANSWER_ALLOWANCE + n_keys * per_key)
 
     def resolve(self, environment: Environment, graph_keys: list[str], *, include_blobs: bool = True,
                 deadline: float | None = None, background: bool = False) -> ResolveResponse:
-        """``POST /v1/plans/resolve``: the records (and blobs) of ``graph_keys`` for ``environment``.
-        One round trip for up to ``max_keys_per_request`` keys. The server records the missing keys as misses.
-        ``background``: a failure does not trip the circuit breaker (:class:`~plancache.http.Call`'s ``trips``)."""
+        """``POST /v1/plans/resolve``: the records (and blobs) of ``graph_keys`` for ``environment``, and why each
+        missing key is missing. One round trip for up to ``max_keys_per_request`` keys; the server records the
+        missing keys as misses. A server that does not give the reasons (API 1.1) is asked for them
+        (:meth:`explain`) while the deadline allows; one that cannot say leaves them out. ``background``: a failure
+        does not trip the circuit breaker (:class:`~plancache.http.Call`'s ``trips``)."""
         keys = list(dict.fromkeys(graph_keys))
         plans: dict[str, Any] = {}
         missing: list[str] = []
+        reasons: dict[str, MissReason] = {}
         for start in range(0, len(keys), self.max_keys_per_request):
             part_keys = keys[start:start + self.max_keys_per_request]
             req = ResolveRequest(environment=environment, graph_keys=part_keys, include_blobs=include_blobs)
@@ -111,7 +143,14 @@ class Remote:
                                   max_bytes=self.resolve_limit(len(part_keys), include_blobs))
             plans.update(part.plans)
             missing.extend(part.missing)
-        return ResolveResponse(plans=plans, missing=missing)
+            reasons.update((k, r) for k, r in part.reasons.items() if k in part.missing)
+        unexplained = [k for k in missing if k not in reasons]
+        if unexplained and (deadline is None or time.monotonic() < deadline):
+            try:
+                reasons.update(self.explain(environment, unexplained, deadline=deadline, background=background))
+            except PlanCacheError as exc:
+                log.debug("plancache: the server did not explain its misses: %s", exc.message)
+        return ResolveResponse(plans=plans, missing=missing, reasons=reasons)
 
     def explain(self, environment: Environment, graph_keys: list[str], *,
                 deadline: float | None = None, background: bool = False) -> dict[str, MissReason]:
@@ -191,6 +230,100 @@ class Remote:
         self.http.close()
         for http in self._elsewhere.values():
             http.close()
+
+
+def connect(url: str, token: str | None, settings: ClientSettings, *, connect_timeout: float | None = None,
+            read_timeout: float | None = None, cooldown: float = 30.0,
+            transport: httpx.BaseTransport | None = None) -> Remote:
+    """The :class:`Remote` of a :class:`~plancache.client.PlanCache`: its own short timeouts (``settings``' unless
+    given), a :class:`~plancache.http.CircuitBreaker` of ``cooldown`` seconds, and ``settings``' size limits."""
+    http = HttpClient(url, token, connect_timeout=connect_timeout or settings.connect_timeout,
+                      read_timeout=read_timeout or settings.read_timeout, policies=[CircuitBreaker(cooldown)],
+                      transport=transport)
+    return Remote(http, max_blob_bytes=settings.max_blob_bytes, resolve_max_bytes=settings.resolve_max_bytes,
+                  transport=transport, insecure_allow_http_presigned=settings.insecure_allow_http_presigned)
+
+
+class Registrar:
+    """Registers the specs of the keys a process misses, once per process, so an admin can tune them: one refused
+    for good (401/403: by no key; a spec refused, 409, 413, 422…) is not sent again; one that failed for now (429,
+    5xx, unreachable, past the deadline, 408) is sent again at a later miss of its key, :data:`REGISTER_ATTEMPTS`
+    times at most; one the remote held back unsent is no attempt. ``on_failure`` counts a failed call."""
+
+    def __init__(self, on_failure: Callable[[PlanCacheError], None]) -> None:
+        self._on_failure = on_failure
+        self._done: dict[str, str | None] = {}  # not sent again: None registered, else why not (for good)
+        self._failed: dict[str, int] = {}  # key: its registrations sent that failed for now
+        self._refusal: str | None = None  # why this token may not register any spec
+
+    def register(self, source: RecordsSource, key: str, spec: GraphSpec, deadline: float) -> str | None:
+        """Send the spec of ``key`` when it is due (not past the deadline): None when it is stored, or will be sent at
+        a later miss; else why it was not stored (this time, or for good)."""
+        if key in self._done or self._refusal is not None:
+            return self._done.get(key, self._refusal)
+        if time.monotonic() >= deadline:
+            return None
+        try:
+            source.register_spec(spec, deadline=deadline)
+        except PlanCacheError as exc:
+            if self._gives_up(key, exc):
+                self._done[key] = exc.message
+                self._failed.pop(key, None)
+            return exc.message
+        self._done[key] = None
+        self._failed.pop(key, None)
+        return None
+
+    def _gives_up(self, key: str, exc: PlanCacheError) -> bool:
+        """Whether the registration of ``key`` that failed with ``exc`` is not to be sent again (said so)."""
+        if isinstance(exc, ServerUnavailable):
+            self._on_failure(exc)
+            if exc.skipped:
+                return False
+        if isinstance(exc, ServerUnavailable) or exc.http_status == 408:  # 408: the body came in too slowly
+            self._failed[key] = failed = self._failed.get(key, 0) + 1
+            if failed < REGISTER_ATTEMPTS:
+                return False
+            log.warning("plancache: could not register the spec of %s in %d attempts (%s); this process does not send "
+                        "it again (an admin can: plancache enqueue)", key[:12], failed, exc.message)
+        elif exc.http_status in (401, 403):
+            self._refusal = exc.message
+            log.info("plancache: this token may not register specs (%s); misses are still recorded by resolve",
+                     exc.message)
+        else:
+            log.warning("plancache: could not register the spec of %s: %s", key[:12], exc.message)
+        return True
+
+
+@dataclass(frozen=True)
+class Missed:
+    """What a process remembers of a key the server missed: when (:func:`time.monotonic`), why, and why its spec
+    was not registered then (None: it was, or was not due)."""
+
+    at: float
+    reason: MissReason | None
+    unregistered: str | None = None
+
+
+class MissMemory:
+    """The keys the server missed, each remembered for :data:`MISS_RECHECK_SECONDS` (at most
+    :data:`MISS_MEMORY_KEYS`): a process that loads a missed key on every call neither waits on the server each
+    time nor counts a miss each time. Not thread-safe: the ladder's lock guards it."""
+
+    def __init__(self) -> None:
+        from cachetools import TTLCache  # with the first PlanCache, not the import
+
+        self._missed: TTLCache[str, Missed] = TTLCache(MISS_MEMORY_KEYS, MISS_RECHECK_SECONDS)
+
+    def get(self, key: str) -> Missed | None:
+        return self._missed.get(key)
+
+    def remember(self, key: str, missed: Missed) -> None:
+        self._missed[key] = missed
+
+    def expire(self, now: float) -> None:
+        """Forget what is older than :data:`MISS_RECHECK_SECONDS` at ``now`` (a :func:`time.monotonic` instant)."""
+        self._missed.expire(now)
 
 
 def _blob_bytes(resp: httpx.Response) -> bytes:

@@ -3,7 +3,7 @@
 A plan from the disk cache is served at once. When the server last gave or confirmed its entry longer ago than
 ``revalidate_seconds`` (``PLANCACHE_REVALIDATE_SECONDS``; :meth:`~plancache.client.cache.DiskCache.checked_at`),
 its key is asked about on a background thread once the load is done, once per key and process: one records-only
-resolve for the keys due, then the explain of the keys the server no longer has (which carries a withdrawal).
+resolve for the keys due, whose answer says why the server no longer has a key (a withdrawal, signed).
 
 - The same record: the entry is marked confirmed.
 - A newer record (a replacement): its blob is fetched and verified as a load verifies it, replaces the entry and
@@ -26,11 +26,11 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import PlanCacheError, VerificationError
-from ..protocol import MissReason, PlanRecord, Withdrawal
 from ..verify import verify_withdrawal
 
 if TYPE_CHECKING:
-    from .core import LoadContext
+    from ..protocol import PlanRecord, Withdrawal
+    from .context import LoadContext
 
 log = logging.getLogger("plancache.client")
 
@@ -137,15 +137,8 @@ class Revalidator:
             for _ in keys:
                 c.count("revalidations", "failed")
             return
-        reasons: dict[str, MissReason] = {}
-        if answer.missing:
-            try:
-                reasons = c.remote.explain(c.environment, answer.missing, deadline=deadline, background=True)
-            except PlanCacheError as exc:
-                log.info("plancache: the server did not say why it no longer has %d plans: %s", len(answer.missing),
-                         exc.message)
         for key in keys:
-            resolved, reason = answer.plans.get(key), reasons.get(key)
+            resolved, reason = answer.plans.get(key), answer.reasons.get(key)
             if resolved is not None:
                 outcome = self._compare(key, resolved.record, deadline)
             elif reason is not None and reason.withdrawal is not None:

@@ -17,6 +17,14 @@ from .jobs import env_target_keys, row_to_job
 from .models import jobs, misses, plans, specs, worker_environments
 from .plans import WITHDRAWALS_OF_KEYS, row_to_withdrawal
 
+#: Why a key never registered has no plan: asked by ``explain``, and in a resolve answer, whose client registers it
+#: after the miss.
+NOT_REGISTERED = ("the server has never seen this graph's spec: a client that misses it registers it (a reader token "
+                  "may POST /v1/specs)")
+REGISTERED_BY_CLIENT = (
+    "the server had never seen this graph's spec: the client that missed it registers it; autotune queues it once it "
+    "missed PLANCACHE_AUTOTUNE_MIN_MISSES times here (where the server runs autotune and a worker serves this GPU), "
+    "or an admin enqueues it (POST /v1/admin/tune/misses, plancache enqueue)")
 #: Job errors are quoted in a reason up to this many characters.
 ERROR_CHARS = 300
 #: The miss counts of some graph keys on one environment, and the validity fields of every plan of some graph keys, by
@@ -41,12 +49,13 @@ class Explanations:
     db: Database
 
     def explain_misses(self, env: Environment, graph_keys: list[str], *, autotune: AutotunePolicy | None = None,
-                       job_errors: bool = True) -> dict[str, MissReason]:
+                       job_errors: bool = True, resolving: bool = False) -> dict[str, MissReason]:
         """A :class:`~plancache.protocol.MissReason` for each distinct key: seven queries whatever the count.
         ``autotune``: the server's policy when it is on (a registered key never queued is then explained by it). A
         queued job on an environment no worker claimed for within the policy's worker window (default when off)
         says so: nothing will run it. ``job_errors``: quote a failed job's error (a worker's text: paths, host
-        names), for an admin; else say where an admin reads it."""
+        names), for an admin; else say where an admin reads it. ``resolving``: the reasons of a resolve answer, whose
+        client registers a key never registered next (:data:`REGISTERED_BY_CLIENT` says what follows)."""
         keys = list(dict.fromkeys(graph_keys))
         if not keys:
             return {}
@@ -70,8 +79,9 @@ class Explanations:
                 WITHDRAWALS_OF_KEYS[postgres], key_params(keys, env))}
         unserved = "" if served else _unserved(window, served_at)
         queueing = {k: _not_queued(env, counts.get(k, 0), autotune, unserved) for k in keys}
+        unregistered = REGISTERED_BY_CLIENT if resolving else NOT_REGISTERED
         return {k: _reason(k, newest.get(k), elsewhere.get(k, []), k in registered, env, withdrawn.get(k), queueing[k],
-                           unserved, job_errors) for k in keys}
+                           unserved, job_errors, unregistered) for k in keys}
 
 
 def _unserved(window: timedelta, last_claim: datetime | None) -> str:
@@ -98,8 +108,10 @@ def _not_queued(env: Environment, missed: int, autotune: AutotunePolicy | None, 
 
 
 def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, env: Environment,
-            withdrawal: WithdrawalRecord | None, not_queued: str, unserved: str, job_errors: bool = True) -> MissReason:
-    """``unserved``: empty, or why no worker will run a queued job for ``env``."""
+            withdrawal: WithdrawalRecord | None, not_queued: str, unserved: str, job_errors: bool = True,
+            unregistered: str = "") -> MissReason:
+    """``unserved``: empty, or why no worker will run a queued job for ``env``; ``unregistered``: the message of a key
+    never registered (default :data:`NOT_REGISTERED`)."""
     here = env.describe()
     nearest = min(elsewhere, key=len) if elsewhere else None
     if nearest is not None and not nearest:
@@ -135,5 +147,4 @@ def _reason(key: str, job: Any, elsewhere: list[list[str]], registered: bool, en
             "enqueues it again (POST /v1/admin/tune, plancache enqueue)"))
     if registered:
         return MissReason(reason="not_queued", message=not_queued)
-    return MissReason(reason="not_registered", message="the server has never seen this graph's spec: a client that "
-                                                       "misses it registers it (a reader token may POST /v1/specs)")
+    return MissReason(reason="not_registered", message=unregistered or NOT_REGISTERED)

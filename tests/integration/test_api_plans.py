@@ -219,9 +219,12 @@ def test_resolve_returns_records_blobs_and_records_misses(api, published, make_s
     assert r.headers["content-type"] == "application/json"
     plans = r.json()["plans"]
     assert base64.b64decode(plans[k0]["blob_b64"]) == b0 and base64.b64decode(plans[k1]["blob_b64"]) == b1
+    reasons = api.store.explain_misses(gpu_env, [missing_key], resolving=True)
     expected = ResolveResponse(plans={k: ResolvedPlan(record=api.store.get_plan(k, gpu_env), blob_b64=b64encode(b))
-                                      for k, b in ((k0, b0), (k1, b1))}, missing=[missing_key])
+                                      for k, b in ((k0, b0), (k1, b1))}, missing=[missing_key], reasons=reasons)
     assert ResolveResponse.model_validate_json(r.content) == expected
+    assert reasons[missing_key].reason == "not_registered" and "the client that missed it registers it" in (
+        reasons[missing_key].message)
 
     misses = api.client.get("/v1/misses", headers=api.admin).json()["misses"]
     # one caller and process: its second miss of the key does not count (the count is of distinct callers)
@@ -238,12 +241,13 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
         found, missing = stored_plans(api.store, gpu_env, [k for k, _, _ in published] + ["f" * 64],
                                       include_blobs=include_blobs)
         plans = [(plans_routes.answer_head(k, r), r.blob_sha256, b) for k, (r, b) in found.items()]
-        chunks = list(plans_routes.resolve_json(plans, missing))
+        reasons = api.store.explain_misses(gpu_env, missing, resolving=True)
+        chunks = list(plans_routes.resolve_json(plans, missing, reasons=reasons))
         # one per plan, or with blobs its head then its base64 a piece at a time (one piece here); then the end
         assert len(chunks) == (5 if include_blobs else 3)
         expected = ResolveResponse(plans={k: ResolvedPlan(record=r, blob_b64=None if b is None else b64encode(b),
                                                           blob_url=f"/v1/blobs/{r.blob_sha256}" if b is None else None)
-                                          for k, (r, b) in found.items()}, missing=missing)
+                                          for k, (r, b) in found.items()}, missing=missing, reasons=reasons)
         assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
 
 
@@ -263,7 +267,10 @@ def test_resolve_matches_the_environment_exactly(api, published, gpu_env):
     keys = [k for k, _, _ in published]
     other = gpu_env.model_copy(update={"cudnn_version": gpu_env.cudnn_version + 1})
     r = api.client.post("/v1/plans/resolve", json={"environment": other.model_dump(), "graph_keys": keys}, headers=api.reader)
-    assert r.json() == {"plans": {}, "missing": keys}
+    answer = r.json()
+    assert answer["plans"] == {} and answer["missing"] == keys
+    assert {k: (r["reason"], r["differs"]) for k, r in answer["reasons"].items()} == dict.fromkeys(
+        keys, ("other_environments", ["cudnn_version"]))
 
 
 def test_resolve_limits_and_validation(store, gpu_env):

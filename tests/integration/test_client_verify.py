@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import plancache.bundle
-import plancache.client.core
+import plancache.client.context
 import plancache.store.plans
 import plancache.worker.loop
 import plancache.worker.spool
@@ -34,7 +34,7 @@ BLOB = b"\x00serialized-cudnn-plan\xff" * 10
 CORRUPT = BLOB[:-1] + bytes([BLOB[-1] ^ 0x40])  # same size, other digest
 SPEC = CONV_SPEC
 STEPS = ("size", "sha256", "signature", "graph_key", "environment", "revision")
-CALLERS = (plancache.client.core, plancache.bundle, plancache.store.plans, plancache.worker.upload,
+CALLERS = (plancache.client.context, plancache.bundle, plancache.store.plans, plancache.worker.upload,
            plancache.worker.spool)
 
 

@@ -165,7 +165,7 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     """PLANCACHE_WARM: a fresh strict process fetches every captured graph's plan in one resolve at install; each
     path's graphs then load from the kept blobs (memory), none asks the server; a graph without a tuned plan
     (:data:`UNTUNED`), which that resolve missed, raises PlanMiss when built without asking again (a client
-    remembers a miss for a minute: plancache.client.core.MISS_RECHECK_SECONDS)."""
+    remembers a miss for a minute: plancache.client.remote.MISS_RECHECK_SECONDS)."""
     srv, root, capture, tuned, failed = fleet
     before = srv.requests[RESOLVE]
     warm = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),

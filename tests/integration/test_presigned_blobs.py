@@ -21,7 +21,7 @@ import obstore
 import obstore.store
 import pytest
 
-import plancache.client.core as core
+import plancache.client.server_step as server_step
 from plancache.blobs.base import shard
 from plancache.client import PlanCache
 from plancache.protocol import ResolvedPlan, ResolveResponse
@@ -188,7 +188,7 @@ class Slow(Capture):
 
 
 def test_blobs_are_fetched_concurrently_a_few_at_a_time(s3_server, moto_s3, tmp_path, signer, monkeypatch):
-    monkeypatch.setattr(core, "FETCH_THREADS", 2)
+    monkeypatch.setattr(server_step, "FETCH_THREADS", 2)
     specs = list(SPECS.values())
     for spec in specs:
         seed(s3_server, spec, signer)

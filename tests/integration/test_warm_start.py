@@ -328,7 +328,7 @@ def test_a_second_warm_start_of_kept_blobs_loads_nothing(srv, tmp_path, signer):
     """Two threads warming the same graphs at once (the hook's warm start and the program's own ``warm``): the second
     load finds the blobs the first kept, and deserialized every one of them to throw it away; it keeps them as they
     are. (The race itself is timing; this is the second thread's load as it runs.)"""
-    from plancache.client.core import Builds, Pending
+    from plancache.client.context import Builds, Pending
 
     specs = [spec_of(g) for g in step_graphs()]
     seed(srv, signer, *specs)

@@ -103,7 +103,10 @@ def test_the_admin_route(api, planned, gpu_env, signer):  # noqa: F811
     assert api.client.post("/v1/admin/withdrawals", json=body, headers=api.admin).status_code == 200
     r = api.client.post("/v1/plans/resolve", json={"environment": gpu_env.model_dump(), "graph_keys": [key]},
                         headers=api.reader)
-    assert r.json() == {"plans": {}, "missing": [key]}
+    answer = r.json()
+    assert answer["plans"] == {} and answer["missing"] == [key]
+    assert answer["reasons"][key]["reason"] == "withdrawn"  # with the withdrawal, as explain gives it
+    assert answer["reasons"][key]["withdrawal"]["envelope"] == body["envelope"]
     r = api.client.post("/v1/plans/explain", json={"environment": gpu_env.model_dump(), "graph_keys": [key]},
                         headers=api.reader)
     assert r.json()["reasons"][key]["reason"] == "withdrawn"

@@ -20,7 +20,8 @@ DEFERRED = ("httpx", "httpcore", "h2", "anyio", "click", "rich", "pygments", "cr
 #: the HTTP client, the spec's models and the disk cache all come with the first PlanCache.
 DEFERRED_OWN = ("plancache.protocol", "plancache.signing", "plancache.settings", "plancache.http",
                 "plancache.spec", "plancache.environment", "plancache.validation", "plancache.client.cache",
-                "plancache.client.remote", "plancache.client.revalidate", "plancache.server", "plancache.store",
+                "plancache.client.remote", "plancache.client.revalidate", "plancache.client.server_step",
+                "plancache.client.records", "plancache.server", "plancache.store",
                 "plancache.gpu", "plancache.worker")
 
 STATEMENTS = [
@@ -48,9 +49,9 @@ def test_importing_the_client_loads_none_of_what_the_first_plan_cache_needs(stat
 def test_every_exported_name_is_read_from_its_module():
     """The lazy names are the modules' own objects, listed once, and ``dir`` shows them."""
     import plancache.client as client
-    from plancache.client import backend, core, plan
+    from plancache.client import backend, core, plan, steps
 
-    assert client.PlanCache is core.PlanCache and client.Plan is plan.Plan and client.StoreStep is core.StoreStep
+    assert client.PlanCache is core.PlanCache and client.Plan is plan.Plan and client.StoreStep is steps.StoreStep
     assert client.GpuBackend is backend.GpuBackend
     assert set(client.__all__) <= set(dir(client))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):

@@ -13,13 +13,16 @@ import pytest
 from plancache.client.remote import Remote
 from plancache.errors import Forbidden, NotFound, ServerUnavailable
 from plancache.http import CircuitBreaker, HttpClient
-from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
+from plancache.protocol import ExplainResponse, MissReason, ResolvedPlan, ResolveResponse, b64encode
 from plancache.spec import parse_spec
 from tests.factories import H200, make_record
 
 URL = "http://plancache.test"
 KEY = "d" * 64
 BLOB = b"blob" * 16
+
+
+NOT_SEEN = MissReason(reason="not_registered", message="never seen")
 
 
 class Clock:
@@ -36,6 +39,7 @@ class Server:
     def __init__(self) -> None:
         self.requests: list[httpx.Request] = []
         self.mode = "ok"
+        self.api = "1.2"  # "1.1": resolve answers carry no reasons; "1.0": nor is there an explain route
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -54,7 +58,12 @@ class Server:
             plans = {k: ResolvedPlan(record=make_record(k, H200, BLOB), blob_b64=b64encode(BLOB))
                      for k in body["graph_keys"] if k == KEY}
             missing = [k for k in body["graph_keys"] if k != KEY]
-            return httpx.Response(200, content=ResolveResponse(plans=plans, missing=missing).model_dump_json())
+            reasons = {k: NOT_SEEN for k in missing} if self.api >= "1.2" else {}
+            return httpx.Response(200, content=ResolveResponse(plans=plans, missing=missing,
+                                                               reasons=reasons).model_dump_json(exclude_defaults=True))
+        if request.url.path == "/v1/plans/explain" and self.api >= "1.1":
+            keys = json.loads(request.content)["graph_keys"]
+            return httpx.Response(200, content=ExplainResponse(reasons=dict.fromkeys(keys, NOT_SEEN)).model_dump_json())
         if request.url.path == "/v1/specs":
             if request.headers.get("authorization") != "Bearer worker-token":
                 return httpx.Response(403, json={"error": {"code": "forbidden", "message": "needs a worker token"}})
@@ -95,7 +104,27 @@ def test_resolve_splits_large_key_lists(server, clock):
     keys = [KEY] + [f"{i:064x}" for i in range(4)]
     resp = r.resolve(H200, keys)
     assert len(server.requests) == 3
-    assert list(resp.plans) == [KEY] and len(resp.missing) == 4
+    assert list(resp.plans) == [KEY] and len(resp.missing) == 4 and len(resp.reasons) == 4
+
+
+def test_resolve_says_why_each_missing_key_is_missing_in_its_one_round_trip(server, clock):
+    resp = remote(server, clock).resolve(H200, [KEY, "f" * 64])
+    assert resp.reasons == {"f" * 64: NOT_SEEN} and [r.url.path for r in server.requests] == ["/v1/plans/resolve"]
+
+
+@pytest.mark.parametrize(("api", "paths", "explained"), [
+    ("1.1", ["/v1/plans/resolve", "/v1/plans/explain"], True),
+    ("1.0", ["/v1/plans/resolve", "/v1/plans/explain"], False),
+])
+def test_an_older_server_s_misses_are_explained_by_its_explain_route_if_it_has_one(server, clock, api, paths,
+                                                                                   explained):
+    """A server of API 1.1 gives no reasons in its resolve answer: they are asked of ``explain``; a server without
+    that route leaves the misses unexplained, and the remote on."""
+    server.api = api
+    r = remote(server, clock)
+    resp = r.resolve(H200, [KEY, "f" * 64])
+    assert [q.url.path for q in server.requests] == paths and bool(resp.reasons) is explained and not r.is_off
+    assert resp.missing == ["f" * 64]
 
 
 @pytest.mark.parametrize("mode", ["down", "slow", "500", "401", "garbage"])

@@ -11,8 +11,10 @@ import pytest
 
 from plancache.blobs import MemoryBlobs
 from plancache.client.cache import DiskCache
-from plancache.client.core import DiskStep, LoadContext, Pending, ServerStep, StoreStep
+from plancache.client.context import LoadContext, Pending
 from plancache.client.received import ReceivedBlobs
+from plancache.client.server_step import ServerStep
+from plancache.client.steps import DiskStep, StoreStep
 from plancache.protocol import PlanRecord
 from tests.client_fakes import RecordingBackend
 from tests.factories import CONV_SPEC, H200, make_record, new_signer, trusted

@@ -259,6 +259,32 @@ def test_internal_imports_flow_one_way():
     assert not problems, "\n".join(problems)
 
 
+#: The client's modules from the ground up (docs/CLIENT.md, "How the client is built"): each imports only modules of
+#: earlier floors, at import time, in a function or for typing alike, so the client has no import cycle.
+CLIENT_FLOORS = (
+    ("backend", "cache", "capture", "index_files", "received", "records"),
+    ("plan",),
+    ("context",),
+    ("remote", "revalidate", "steps"),
+    ("index", "server_step"),
+    ("ladder",),
+    ("core",),
+    ("startup",),
+    ("hook",),
+    ("boot", "sdpa"),
+)
+
+
+def test_the_client_s_modules_import_down_its_floors_only():
+    floor = {f"plancache.client.{name}": i for i, names in enumerate(CLIENT_FLOORS) for name in names}
+    client = {m for m in _modules() if m.startswith("plancache.client.")}
+    assert client == set(floor), f"list each client module on a floor of CLIENT_FLOORS: {sorted(client ^ set(floor))}"
+    problems = [f"{module} (floor {floor[module]}) imports {imp.module} (floor {floor[imp.module]})"
+                for module in client for imp in _modules()[module]
+                if imp.module in floor and floor[imp.module] >= floor[module]]
+    assert not problems, "\n".join(problems)
+
+
 _SAMPLE = """
 from __future__ import annotations
 import json

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Annotated
 
@@ -21,6 +21,7 @@ from ...protocol import (
     SHA256_PATTERN,
     ExplainRequest,
     ExplainResponse,
+    MissReason,
     PlanCandidates,
     PlanPut,
     PlanRecord,
@@ -61,20 +62,23 @@ MAX_INLINE_BLOB_BYTES = 128 << 20
              responses=documented_errors(401, 403, 413, 422, 503))
 def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, principal: Reader,
             request: Request) -> Response:
-    """Exact match on the environment's validity fields; keys without a plan are listed in ``missing`` and recorded as
-    misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``; past it they are
+    """Exact match on the environment's validity fields; keys without a plan are listed in ``missing`` and recorded
+    as misses, up to a budget per token (``PLANCACHE_MISSES_PER_MINUTE``, ``PLANCACHE_MISS_BURST``; past it they are
     still listed, not counted). A miss counts once per caller (token or anonymous address) and client process
     (header ``X-Plancache-Process``) in a week, and a caller raises keys it counted already within a share of the
-    autotune budget, both kept in the database across replicas (docs/DEPLOYMENT.md, "Autotune"). Each plan whose
-    blob is not inline has ``blob_url``: a presigned GET URL of the object store (``PLANCACHE_PRESIGN_BLOBS``; valid
-    ``PLANCACHE_PRESIGN_SECONDS`` when made, and handed out again while more than half of that is left) when the
-    blobs are in one, else this server's ``/v1/blobs/{sha256}``. ``include_blobs`` inlines the blobs as base64 where
-    the server serves them itself (never when it presigns: the bytes then bypass it), in key order up to 128 MiB of
-    blob bytes per answer and what the server's in-flight budget has room for; a plan past that has ``blob_b64``
-    null."""
+    autotune budget, both kept in the database across replicas (docs/DEPLOYMENT.md, "Autotune"). Each missing key
+    has its reason in ``reasons``, as ``explain`` gives it once the miss is recorded (a key never registered: the
+    client that missed it registers it next, and the reason says what follows), so a client learns why in the same
+    round trip. Each plan whose blob is not inline has ``blob_url``: a presigned GET URL of the object store
+    (``PLANCACHE_PRESIGN_BLOBS``; valid ``PLANCACHE_PRESIGN_SECONDS`` when made, and handed out again while more
+    than half of that is left) when the blobs are in one, else this server's ``/v1/blobs/{sha256}``.
+    ``include_blobs`` inlines the blobs as base64 where the server serves them itself (never when it presigns: the
+    bytes then bypass it), in key order up to 128 MiB of blob bytes per answer and what the server's in-flight
+    budget has room for; a plan past that has ``blob_b64`` null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     keys = list(dict.fromkeys(req.graph_keys))
+    reasons: dict[str, MissReason] = {}
     found = _answer_heads(store, request.app.state.record_memo, req.environment, keys)
     missing = [key for key in keys if key not in found]
     if missing:
@@ -85,6 +89,8 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
         if counted:
             store.record_misses(req.environment, fresh.keys[:counted], who, fresh.shared)
         metrics.misses_not_counted.inc(len(missing) - counted)
+        reasons = store.explain_misses(req.environment, missing, autotune=autotune_policy(request),
+                                       job_errors=principal.may("admin"), resolving=True)
     held = 0
     presign = _presigner(store, settings, request.app.state.presigned_urls)
     inline: set[str] = set()
@@ -109,7 +115,7 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     plans = [(head, version.blob_sha256, blobs.get(version.blob_sha256) if key in inline else None)
              for key, (version, head) in found.items()]
     metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, _, blob in plans if blob is not None))
-    chunks = resolve_json(plans, missing, presign or _server_route)
+    chunks = resolve_json(plans, missing, presign or _server_route, reasons)
     if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
         hold = Held(request.app.state.inflight, held)
         return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
@@ -187,7 +193,8 @@ def _presigner(store: Store, settings: ServerSettings, urls: TtlMemory[str]) -> 
 
 
 def resolve_json(plans: Iterable[tuple[bytes, str, bytes | None]], missing: list[str],
-                 blob_url: Callable[[str], str] = _server_route) -> Iterator[bytes]:
+                 blob_url: Callable[[str], str] = _server_route,
+                 reasons: Mapping[str, MissReason] | None = None) -> Iterator[bytes]:
     """The :class:`ResolveResponse` JSON in chunks of about :data:`CHUNK_BYTES`, from each plan's
     :func:`answer_head`, blob sha256 and blob (or None). Blobs are base64-encoded as their chunk is made (base64
     needs no JSON escaping) a piece at a time, so the answer holds no copy of a blob beyond its bytes (which the
@@ -209,7 +216,9 @@ def resolve_json(plans: Iterable[tuple[bytes, str, bytes | None]], missing: list
         for start in range(0, len(blob), _B64_PIECE):  # whole 3-byte groups: the pieces' base64 concatenates
             yield base64.b64encode(view[start:start + _B64_PIECE])
         buffer, size = [b'","blob_url":null}'], 0
-    buffer.append(b'},"missing":' + json.dumps(missing).encode() + b"}")
+    explained = b"".join((b'{', b",".join(json.dumps(k).encode() + b":" + r.model_dump_json().encode()
+                                          for k, r in (reasons or {}).items()), b'}'))
+    buffer.append(b'},"missing":' + json.dumps(missing).encode() + b',"reasons":' + explained + b"}")
     yield b"".join(buffer)
 
 

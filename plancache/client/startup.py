@@ -1,0 +1,93 @@
+"""A warm start: the plans of the graphs a process will build, fetched and verified on a background thread before
+they are built (:meth:`~plancache.client.PlanCache.warm`), from a capture file or specs and their variants along
+shape axes (:mod:`plancache.client.capture`). The hook starts one at install and waits for it at each build."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import SpecError
+from .context import Mode
+from .core import PlanCache, SpecLike
+
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
+
+log = logging.getLogger("plancache.client")
+
+#: What a warm start takes: a capture file, or specs.
+WarmSource = str | os.PathLike[str] | Iterable[SpecLike]
+
+
+def warm_specs(mode: Mode, source: WarmSource, axes: Mapping[str, Sequence[int]]) -> list[GraphSpec]:
+    """The specs a warm start fetches: those of ``source``, then their variants along ``axes`` (of the specs that have
+    them all); an unusable capture file raises in strict and replay-only ``mode``, and warms nothing in normal mode."""
+    from ..spec import parse_spec
+    from .capture import AXES, AXIS_ALIASES, axes_of, read_capture, variants
+
+    known = {axis for by_node in AXES.values() for axis in by_node} | set(AXIS_ALIASES)
+    unknown = sorted(set(axes) - known)
+    if unknown:
+        raise ValueError(f"warm_vary: no shape axis {', '.join(unknown)} (axes: {', '.join(sorted(known))})")
+    bad = [f"{axis}={n!r}" for axis, sizes in axes.items() for n in sizes
+           if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+    if bad:
+        raise ValueError(f"warm_vary: sizes are positive integers, not {', '.join(bad)}")
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            specs = [spec for spec, _ in read_capture(source)]
+        except SpecError as exc:
+            if mode != "normal":
+                raise
+            log.warning("plancache: no warm start: %s", exc.message)
+            return []
+    else:
+        specs = [parse_spec(s) for s in source]
+    varied = []
+    for spec in specs:
+        if axes and set(axes) <= set(axes_of(spec)):
+            try:
+                varied += [variant for _, variant in variants(spec, axes)]
+            except SpecError as exc:  # a graph whose other tensors would have to move too: itself only
+                log.info("plancache: warm start: no variants of %s: %s", spec.name or spec.graph_key[:12], exc.message)
+    return specs + varied
+
+
+class WarmStart:
+    """The warm start of a process: one background thread at a time, waited for by the graphs built meanwhile."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self, cache: PlanCache, specs: list[GraphSpec]) -> None:
+        """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own."""
+        thread = threading.Thread(target=_warm, args=(cache, specs), name="plancache-warm", daemon=True)
+        self._thread = thread
+        thread.start()
+
+    def wait(self) -> None:
+        """Wait for the warm start under way (not from its own thread)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def forget(self) -> None:
+        """No warm start is under way any more (the hook was uninstalled)."""
+        self._thread = None
+
+
+def _warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
+    t0 = time.perf_counter()
+    try:
+        kept = cache.warm(specs)
+    except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
+        log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,
+                    exc)
+        return
+    log.info("plancache: warm start: verified plans of %d of %d graphs kept in %.0f ms", len(kept),
+             len({s.graph_key for s in specs}), (time.perf_counter() - t0) * 1000)
