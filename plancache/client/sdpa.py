@@ -178,7 +178,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
     reason = _refusal(route, query, dropout_p, "debug_mask" if return_debug_mask else None)
     if reason is None:
         assert route is not None
-        bias = None if attn_bias is None else _bias(attn_bias, query)
+        bias = None if attn_bias is None else _bias(attn_bias, query, key)
         ckey = ("fwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
                 is_causal, scale, compute_log_sumexp,
                 None if bias is None else (bias.shape, bias.stride()))
@@ -225,7 +225,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
         if grad_out.stride() != out.stride():  # cuDNN reads dO in O's layout
             grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
         lse = logsumexp if logsumexp.dim() == 4 else logsumexp.unsqueeze(-1)
-        bias = None if attn_bias is None else _bias(attn_bias, query)
+        bias = None if attn_bias is None else _bias(attn_bias, query, key)
         deterministic = torch.are_deterministic_algorithms_enabled()
         ckey = ("bwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
                 out.stride(), lse.stride(), query.dtype, is_causal, scale, deterministic,
@@ -285,30 +285,25 @@ def _misaligned(*tensors: Any) -> bool:
     return any(t is not None and (t.data_ptr() % _ALIGNMENT or t.stride(-1) != 1) for t in tensors)
 
 
-def _bias(bias: Any, query: Any) -> Any:
-    """torch's ``attn_bias`` as the additive tensor cuDNN reads: a head dim broadcast by a stride-0 expansion kept at
-    size 1; the batch and query-sequence dims materialised (cuDNN's backward gave wrong gradients for a batch-broadcast
-    bias on the H100, its forward right ones); a boolean mask as 0 / the dtype's lowest value (not -inf: exp of either
-    is 0), converted at its broadcast size."""
+def _bias(bias: Any, query: Any, key: Any) -> Any:
+    """torch's ``attn_bias`` as the additive tensor cuDNN reads: dense (B, 1 or H, Sq, Skv), a head dim broadcast by
+    torch kept at size 1, the batch, query-sequence and key-sequence dims materialised. On an H200 (cuDNN 9.19)
+    cuDNN's backward gave wrong gradients (normalised error 2-4.6) for a padding mask broadcast over the query rows,
+    (B, 1, 1, S) or (1, 1, 1, S), and every tuning candidate of that graph failed the float32 reference, while a
+    dense (B, 1, Sq, Skv) bias was right, forward and backward. A boolean mask becomes 0 / the dtype's lowest value
+    (not -inf: exp of either is 0), converted at its broadcast size before it is expanded."""
     import torch
 
-    if bias.dim() < 4:
-        bias = bias.expand(query.shape[0], query.shape[1], *bias.shape[-2:])
-    batch, rows = bias.shape[0], bias.shape[2]
-    if bias.stride(0) == 0 and batch > 1:
-        bias = bias[:1]
-    if bias.stride(1) == 0 and bias.shape[1] > 1:
-        bias = bias[:, :1]
-    if bias.stride(2) == 0 and rows > 1:
-        bias = bias[:, :, :1]
+    b, h, sq, skv = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    bias = bias.expand(b, h, sq, skv)  # torch's broadcasting rules, as views
+    bias = bias[tuple(slice(0, 1) if bias.stride(i) == 0 else slice(None) for i in range(4))]
     if bias.dtype == torch.bool:
         bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill_(
             ~bias, torch.finfo(query.dtype).min)
     elif bias.dtype != query.dtype:
         bias = bias.to(query.dtype)
-    if bias.shape[0] != query.shape[0] or bias.shape[2] != rows:
-        bias = bias.expand(query.shape[0], bias.shape[1], rows, bias.shape[3])
-    if bias.stride(0) == 0 or bias.stride(2) == 0 or bias.stride(3) != 1:
+    bias = bias.expand(b, bias.shape[1], sq, skv)
+    if any(bias.stride(i) == 0 and bias.shape[i] > 1 for i in (0, 2, 3)) or bias.stride(3) != 1:
         bias = bias.contiguous()
     return bias
 

@@ -178,11 +178,26 @@ def test_masks_become_the_additive_bias_cudnn_reads(route, mask):
     tensors = {t.name: t for t in spec.tensors}
     assert tensors["bias"].data_type == "BFLOAT16"
     assert tensors["bias"].dim[1] == (4 if mask == "float32_additive" else 1), "broadcast heads stay broadcast"
-    converted = sdpa._bias(bias, q)
+    converted = sdpa._bias(bias, q, k)
+    assert converted.is_contiguous() and converted.shape == (2, 4 if mask == "float32_additive" else 1, 64, 64), \
+        "batch and query rows materialised (cuDNN's backward was wrong with broadcast rows), heads kept broadcast"
+    assert tensors["bias"].dim == list(converted.shape) and tensors["bias"].stride == list(converted.stride())
     if mask == "bool_padding":
-        assert converted.dtype == torch.bfloat16 and (converted[0, 0, 0, 48:] == torch.finfo(torch.bfloat16).min).all()
-        assert converted.shape == (2, 1, 64, 64), "the batch dim materialised, the heads broadcast"
-        assert (converted[0, 0, 0, :48] == 0).all()
+        assert converted.dtype == torch.bfloat16 and (converted[:, :, :, 48:] == torch.finfo(torch.bfloat16).min).all()
+        assert (converted[:, :, :, :48] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 64), (2, 1, 1, 64), (64, 64), (1, 64), (2, 4, 64, 1)])
+def test_a_mask_broadcast_over_rows_batch_or_keys_reaches_cudnn_dense(shape):
+    """A padding mask (B or 1, 1, 1, Skv), a 2-D (Sq, Skv) mask, a row vector or a mask broadcast over the keys: what
+    cuDNN reads is dense over batch, query rows and keys, and equal to the mask torch broadcasts."""
+    q, k, _ = qkv()
+    mask = torch.rand(*shape) > 0.3
+    converted = sdpa._bias(mask, q, k)
+    want = torch.zeros(2, 4, 64, 64, dtype=torch.bfloat16).masked_fill_(~mask.expand(2, 4, 64, 64),
+                                                                        torch.finfo(torch.bfloat16).min)
+    assert converted.is_contiguous() and converted.shape[0] == 2 and converted.shape[2:] == (64, 64)
+    assert torch.equal(converted.expand(2, 4, 64, 64), want)
 
 
 @pytest.mark.parametrize(("why", "call"), [
