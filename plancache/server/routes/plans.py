@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Annotated
@@ -13,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from ...blobs import BlobStream, ObjectStoreBlobs
+from ...blobs import BlobStream, MemoryBlobs, ObjectStoreBlobs
 from ...environment import Environment
 from ...errors import Forbidden, IntegrityError, NotFound, PayloadTooLarge
 from ...http import PROCESS_HEADER
@@ -39,10 +40,12 @@ from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..limits import Held, miss_caller, miss_share, rate_key
-from ..memo import BlobMemory, RecordMemo, TtlMemory
+from ..memo import RecordMemo, TtlMemory
 from ..metrics import Metrics
 from ..uploads import accept_upload, publish_job_plan
 from .specs import GraphKeyPath
+
+log = logging.getLogger("plancache.server")
 
 router = APIRouter(route_class=CheckedRoute, tags=["plans"])
 
@@ -271,10 +274,11 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
                     metrics: MetricsDep, _: Reader, if_none_match: Annotated[str | None, Header()] = None) -> Response:
     """Blobs are immutable: the answer may be cached by anyone (``ETag`` is the digest). A blob read once is kept
     in this process's memory (``PLANCACHE_BLOB_MEMORY_BYTES``) and served from there without the database.
-    Bytes read from a folder or a bucket are hashed as they are read: a damaged blob is 404 (logged), and one too
-    large to keep in memory is streamed and cut off before its last chunk when it turns out damaged."""
+    Bytes are hashed when first read (from a folder or a bucket as they are read, from the database before they are
+    kept): a damaged blob is 404 (logged), and one of a folder or bucket too large to keep in memory is streamed and
+    cut off before its last chunk when it turns out damaged."""
     headers = {"ETag": f'"{sha256}"', "Cache-Control": IMMUTABLE}
-    memory: BlobMemory = request.app.state.blob_memory
+    memory: MemoryBlobs = request.app.state.blob_memory
     data = memory.get(sha256)
     if _etag_matches(if_none_match, sha256):
         if data is None and await run_in_threadpool(store.blob_size, sha256) is None:
@@ -296,7 +300,11 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
             data = None if found is None else found[1]
         if data is None:
             raise NotFound(f"no blob {sha256}")
-        memory.put(sha256, data)
+        try:
+            await run_in_threadpool(memory.put, sha256, data)  # bytes from the database are hashed here, once
+        except IntegrityError as exc:
+            log.warning("blob %s of %s is damaged, treated as missing: %s", sha256, store.blob_store.url, exc)
+            raise NotFound(f"no blob {sha256}") from None
     metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers)
 
