@@ -5,16 +5,46 @@ from __future__ import annotations
 import base64
 import binascii
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, StringConstraints, TypeAdapter, field_validator, model_validator
+from annotated_types import Ge, Le
+from pydantic import BeforeValidator, Field, StringConstraints, TypeAdapter, field_validator, model_validator
 
 from .environment import ENV_ID_PATTERN, VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
 from .errors import Reason
-from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
+from .validation import (
+    INT32_MAX,
+    INT64_MAX,
+    Int,
+    Int32,
+    Int64,
+    MaybeError,
+    MaybeMillis,
+    Millis,
+    Seconds,
+    StrictModel,
+    refuse_bool,
+)
 
 Role = Literal["reader", "worker", "admin"]
+#: A job's status, the strings the ``jobs.status`` column holds: queued → running → succeeded or failed (a failed
+#: attempt with attempts left goes back to queued).
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
+JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
+#: Statuses of a job that is still to be tuned, and of one that has ended.
+ACTIVE_JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
+FINISHED_JOB_STATUSES: tuple[JobStatus, ...] = ("failed", "succeeded")
+#: The largest job id: ``jobs.id`` is an ``INTEGER`` column.
+MAX_JOB_ID = INT32_MAX
+#: A job's id, wherever one is read (a body, a path, a header).
+JobId = Annotated[int, Ge(1), Le(MAX_JOB_ID), BeforeValidator(refuse_bool)]
+
+
+def is_job_id(value: int) -> bool:
+    """Whether ``value`` is within :data:`JobId`'s bounds (a larger one names no job, and overflows a query)."""
+    return 1 <= value <= MAX_JOB_ID
+
+
 #: Who asked for a job (``plancache.store.models.JOB_SOURCES``): the server's autotune policy, an admin, a re-tune
 #: campaign, or ``plancache enqueue`` of a capture file.
 JobSource = Literal["auto", "admin", "campaign", "capture"]
@@ -249,7 +279,7 @@ class PlanPut(PlanUpload):
     ``lease_token`` of its claim (``worker_id`` is the lease's), and the upload completes that job. An admin
     token may leave both out and upload for any key and environment."""
 
-    job_id: Int | None = Field(default=None, ge=1, le=INT32_MAX)
+    job_id: JobId | None = None
     lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
 
     @model_validator(mode="after")
@@ -264,7 +294,7 @@ class PlanRecord(PlanMeta):
     cache or bundle wrote) is dropped: candidates are not part of a record, nor of its signed statement."""
 
     env_id: str = Field(pattern=ENV_ID_PATTERN)
-    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    job_id: JobId | None = None
     created_at: datetime
 
     @model_validator(mode="before")
@@ -359,7 +389,7 @@ class MissReason(StrictModel):
 
     reason: MissReasonCode
     message: str = Field(max_length=2000)
-    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    job_id: JobId | None = None
     differs: list[str] = Field(default_factory=list, max_length=len(VALIDITY_FIELDS))
     withdrawal: Withdrawal | None = None
 
@@ -451,7 +481,7 @@ class EnqueueMissesRequest(StrictModel):
 
 
 class Job(StrictModel):
-    id: Int = Field(ge=1, le=INT64_MAX)
+    id: JobId
     graph_key: GraphKey
     target: TargetEnvironment
     status: JobStatus
