@@ -256,37 +256,29 @@ class PlanMeta(StrictModel):
 #: Why a plan upload that carries its blob inline (``blob_b64``) is refused.
 INLINE_BLOB_REFUSED = ("blob_b64 is not accepted: a plan upload carries its record alone; upload the blob raw with "
                        "PUT /v1/blobs/{sha256} first, then the record (a worker that sends blob_b64 must be upgraded)")
+#: Why a plan upload that names a job (``job_id``, ``lease_token``) is refused: a job has one completion route.
+JOB_UPLOAD_REFUSED = ("job_id and lease_token are not accepted here: a worker publishes its job's plan with "
+                      "POST /v1/jobs/{id}/complete (its lease and the plan); PUT /v1/plans is an admin's upload "
+                      "outside the job queue")
 
 
 class PlanUpload(PlanMeta, CandidateTable):
-    """``PUT /v1/plans`` body: the record, optionally its spec, and the tuning run's candidates table (stored apart
-    from the record). The blob is not in it: it is uploaded raw before, with ``PUT /v1/blobs/{sha256}``, and a body
-    that carries one (``blob_b64``) is refused (422) with a message saying so."""
+    """``PUT /v1/plans`` body (and a job completion's ``plan``): the record, optionally its spec, and the tuning
+    run's candidates table (stored apart from the record). The blob is not in it: it is uploaded raw before, with
+    ``PUT /v1/blobs/{sha256}``, and a body that carries one (``blob_b64``) is refused (422) with a message saying so;
+    so is one that names a job (``job_id``, ``lease_token``): a job is completed by its own route."""
 
     spec: dict[str, Any] | None = None
     replace: bool = Field(default=False, description="replace an existing plan for this key+environment")
 
     @model_validator(mode="before")
     @classmethod
-    def _no_inline_blob(cls, data: Any) -> Any:
+    def _refused_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "blob_b64" in data:
             raise ValueError(INLINE_BLOB_REFUSED)
+        if isinstance(data, dict) and ("job_id" in data or "lease_token" in data):
+            raise ValueError(JOB_UPLOAD_REFUSED)
         return data
-
-
-class PlanPut(PlanUpload):
-    """``PUT /v1/plans`` body. A worker token publishes only the plan of a job it holds: ``job_id`` and the
-    ``lease_token`` of its claim (``worker_id`` is the lease's), and the upload completes that job. An admin
-    token may leave both out and upload for any key and environment."""
-
-    job_id: JobId | None = None
-    lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
-
-    @model_validator(mode="after")
-    def _lease_together(self) -> PlanPut:
-        if (self.job_id is None) != (self.lease_token is None):
-            raise ValueError("job_id and lease_token are sent together")
-        return self
 
 
 class PlanRecord(PlanMeta):
