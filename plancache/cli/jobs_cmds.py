@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from ..protocol import JobStatus
-from .common import ExitCode, admin_token_option, command, open_admin_api, printable, quiet_retries, server_option
+from .failures import ExitCode, command
+from .options import admin_token_option, server_option
+from .output import printable
+from .server_api import open_admin_api, quiet_retries
 
 if TYPE_CHECKING:
     from ..protocol import Job

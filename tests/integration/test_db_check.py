@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from plancache.blobs.base import shard
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from plancache.store.blobs import ContentBlobs
 from plancache.store.check import Problem, check
 from plancache.store.models import blobs
