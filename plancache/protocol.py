@@ -5,16 +5,46 @@ from __future__ import annotations
 import base64
 import binascii
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, StringConstraints, TypeAdapter, field_validator, model_validator
+from annotated_types import Ge, Le
+from pydantic import BeforeValidator, Field, StringConstraints, TypeAdapter, field_validator, model_validator
 
 from .environment import ENV_ID_PATTERN, VALIDITY_FIELDS, Environment, FrontendVersion, Sm, SmCount, Version
 from .errors import Reason
-from .validation import INT32_MAX, INT64_MAX, Int, Int32, Int64, MaybeError, MaybeMillis, Millis, Seconds, StrictModel
+from .validation import (
+    INT32_MAX,
+    INT64_MAX,
+    Int,
+    Int32,
+    Int64,
+    MaybeError,
+    MaybeMillis,
+    Millis,
+    Seconds,
+    StrictModel,
+    refuse_bool,
+)
 
 Role = Literal["reader", "worker", "admin"]
+#: A job's status, the strings the ``jobs.status`` column holds: queued → running → succeeded or failed (a failed
+#: attempt with attempts left goes back to queued).
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
+JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
+#: Statuses of a job that is still to be tuned, and of one that has ended.
+ACTIVE_JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
+FINISHED_JOB_STATUSES: tuple[JobStatus, ...] = ("failed", "succeeded")
+#: The largest job id: ``jobs.id`` is an ``INTEGER`` column.
+MAX_JOB_ID = INT32_MAX
+#: A job's id, wherever one is read (a body, a path, a header).
+JobId = Annotated[int, Ge(1), Le(MAX_JOB_ID), BeforeValidator(refuse_bool)]
+
+
+def is_job_id(value: int) -> bool:
+    """Whether ``value`` is within :data:`JobId`'s bounds (a larger one names no job, and overflows a query)."""
+    return 1 <= value <= MAX_JOB_ID
+
+
 #: Who asked for a job (``plancache.store.models.JOB_SOURCES``): the server's autotune policy, an admin, a re-tune
 #: campaign, or ``plancache enqueue`` of a capture file.
 JobSource = Literal["auto", "admin", "campaign", "capture"]
@@ -226,37 +256,29 @@ class PlanMeta(StrictModel):
 #: Why a plan upload that carries its blob inline (``blob_b64``) is refused.
 INLINE_BLOB_REFUSED = ("blob_b64 is not accepted: a plan upload carries its record alone; upload the blob raw with "
                        "PUT /v1/blobs/{sha256} first, then the record (a worker that sends blob_b64 must be upgraded)")
+#: Why a plan upload that names a job (``job_id``, ``lease_token``) is refused: a job has one completion route.
+JOB_UPLOAD_REFUSED = ("job_id and lease_token are not accepted here: a worker publishes its job's plan with "
+                      "POST /v1/jobs/{id}/complete (its lease and the plan); PUT /v1/plans is an admin's upload "
+                      "outside the job queue")
 
 
 class PlanUpload(PlanMeta, CandidateTable):
-    """``PUT /v1/plans`` body: the record, optionally its spec, and the tuning run's candidates table (stored apart
-    from the record). The blob is not in it: it is uploaded raw before, with ``PUT /v1/blobs/{sha256}``, and a body
-    that carries one (``blob_b64``) is refused (422) with a message saying so."""
+    """``PUT /v1/plans`` body (and a job completion's ``plan``): the record, optionally its spec, and the tuning
+    run's candidates table (stored apart from the record). The blob is not in it: it is uploaded raw before, with
+    ``PUT /v1/blobs/{sha256}``, and a body that carries one (``blob_b64``) is refused (422) with a message saying so;
+    so is one that names a job (``job_id``, ``lease_token``): a job is completed by its own route."""
 
     spec: dict[str, Any] | None = None
     replace: bool = Field(default=False, description="replace an existing plan for this key+environment")
 
     @model_validator(mode="before")
     @classmethod
-    def _no_inline_blob(cls, data: Any) -> Any:
+    def _refused_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "blob_b64" in data:
             raise ValueError(INLINE_BLOB_REFUSED)
+        if isinstance(data, dict) and ("job_id" in data or "lease_token" in data):
+            raise ValueError(JOB_UPLOAD_REFUSED)
         return data
-
-
-class PlanPut(PlanUpload):
-    """``PUT /v1/plans`` body. A worker token publishes only the plan of a job it holds: ``job_id`` and the
-    ``lease_token`` of its claim (``worker_id`` is the lease's), and the upload completes that job. An admin
-    token may leave both out and upload for any key and environment."""
-
-    job_id: Int | None = Field(default=None, ge=1, le=INT32_MAX)
-    lease_token: str | None = Field(default=None, min_length=1, max_length=LEASE_TOKEN_MAX_LENGTH)
-
-    @model_validator(mode="after")
-    def _lease_together(self) -> PlanPut:
-        if (self.job_id is None) != (self.lease_token is None):
-            raise ValueError("job_id and lease_token are sent together")
-        return self
 
 
 class PlanRecord(PlanMeta):
@@ -264,7 +286,7 @@ class PlanRecord(PlanMeta):
     cache or bundle wrote) is dropped: candidates are not part of a record, nor of its signed statement."""
 
     env_id: str = Field(pattern=ENV_ID_PATTERN)
-    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    job_id: JobId | None = None
     created_at: datetime
 
     @model_validator(mode="before")
@@ -359,7 +381,7 @@ class MissReason(StrictModel):
 
     reason: MissReasonCode
     message: str = Field(max_length=2000)
-    job_id: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    job_id: JobId | None = None
     differs: list[str] = Field(default_factory=list, max_length=len(VALIDITY_FIELDS))
     withdrawal: Withdrawal | None = None
 
@@ -451,7 +473,7 @@ class EnqueueMissesRequest(StrictModel):
 
 
 class Job(StrictModel):
-    id: Int = Field(ge=1, le=INT64_MAX)
+    id: JobId
     graph_key: GraphKey
     target: TargetEnvironment
     status: JobStatus

@@ -12,7 +12,6 @@ backend (URL)                 bytes checked                    notes
 :class:`MemoryBlobs`          once, when put                   ``memory://[?max_bytes=N]``; byte-bounded LRU
 :class:`ObjectStoreBlobs`     on every read (hashed as read)   ``s3://bucket/prefix`` (``gs://``, ``az://``);
                                                                obstore; presigned GET URLs
-:class:`HttpBlobs`            on every read (hashed as read)   ``http(s)://server``; read-only
 ============================ ================================ ==============================================
 
 A stream (:class:`BlobStream`) fails before its last chunk when the whole does not hash to its name, so a wrong
@@ -30,7 +29,6 @@ from .base import CHUNK_BYTES, BlobReader, BlobStore, BlobStream
 from .folder import FolderBlobs
 from .memory import DEFAULT_MEMORY_BYTES, MemoryBlobs
 from .objects import MAX_PRESIGN_EXPIRY, OBJECT_STORE_SCHEMES, ObjectStoreBlobs
-from .remote import HttpBlobs
 
 __all__ = [
     "BLOB_URL_FORMS",
@@ -40,7 +38,6 @@ __all__ = [
     "CHUNK_BYTES",
     "DEFAULT_MEMORY_BYTES",
     "FolderBlobs",
-    "HttpBlobs",
     "MAX_PRESIGN_EXPIRY",
     "MemoryBlobs",
     "OBJECT_STORE_SCHEMES",
@@ -50,7 +47,7 @@ __all__ = [
 ]
 
 #: The URLs :func:`open_blobs` takes, for error messages.
-BLOB_URL_FORMS = "file:///absolute/path, memory://, s3://bucket/prefix (gs://, az://) or http(s)://server"
+BLOB_URL_FORMS = "file:///absolute/path, memory:// or s3://bucket/prefix (gs://, az://)"
 
 
 def _folder(url: str) -> Path:
@@ -86,7 +83,7 @@ def _object_store(url: str) -> str:
 
 
 def blob_url_kind(url: str) -> str:
-    """Which backend ``url`` names: ``file``, ``memory``, ``object`` (object storage) or ``http``; ValueError naming
+    """Which backend ``url`` names: ``file``, ``memory`` or ``object`` (object storage); ValueError naming
     the problem for any other value. Nothing is opened or touched."""
     scheme = urlsplit(url).scheme
     if scheme == "file":
@@ -98,20 +95,14 @@ def blob_url_kind(url: str) -> str:
     if scheme in OBJECT_STORE_SCHEMES:
         _object_store(url)
         return "object"
-    if scheme in ("http", "https") and urlsplit(url).netloc:
-        return "http"
     raise ValueError(f"blob store {url!r}: use {BLOB_URL_FORMS}")
 
 
-def open_blobs(url: str, *, token: str | None = None) -> BlobReader:
-    """The blob store ``url`` names (see :func:`blob_url_kind`); a folder is created when absent. ``token`` is the
-    bearer token of an ``http(s)://`` server whose reads need one. Only :class:`HttpBlobs` is read-only: check
-    ``isinstance(store, BlobStore)`` before writing."""
+def open_blobs(url: str) -> BlobStore:
+    """The blob store ``url`` names (see :func:`blob_url_kind`); a folder is created when absent."""
     kind = blob_url_kind(url)
     if kind == "file":
         return FolderBlobs(_folder(url))
     if kind == "memory":
         return MemoryBlobs(_memory_bytes(url))
-    if kind == "object":
-        return ObjectStoreBlobs(url)
-    return HttpBlobs(url, token=token)
+    return ObjectStoreBlobs(url)

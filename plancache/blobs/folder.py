@@ -140,6 +140,10 @@ class FolderBlobs(BlobStore):
                     elif (m := _TEMPORARY.match(entry.name)) is not None:
                         yield StoredFile(path, m[1], st.st_size, True, st.st_mtime)
 
+    def files_older_than(self, cutoff: float) -> Iterator[StoredFile]:
+        """The :meth:`files` last modified before ``cutoff`` (seconds since the epoch)."""
+        return (f for f in self.files() if f.mtime < cutoff)
+
 
 def _folders(parent: Path) -> list[Path]:
     """The shard folders (two hex digits, not symlinks) in ``parent``; none when it is absent."""

@@ -1,7 +1,8 @@
 """The ``plancache`` command line. Each command lives in the module named after it and registers itself on the
-app with ``register(app)``; what the modules share is in :mod:`plancache.cli.common` (the error convention
-included). Heavy imports (torch, cudnn, SQLAlchemy, FastAPI) happen inside the commands, so a client-only
-install can run the client commands.
+app with ``register(app)``. What the modules share is a module per job: :mod:`~plancache.cli.failures` (the
+error convention), :mod:`~plancache.cli.options`, :mod:`~plancache.cli.database`, :mod:`~plancache.cli.inputs`,
+:mod:`~plancache.cli.output` and :mod:`~plancache.cli.server_api`. Heavy imports (torch, cudnn, SQLAlchemy,
+FastAPI) happen inside the commands, so a client-only install can run the client commands.
 
 =========================  ===================================
 command                    module

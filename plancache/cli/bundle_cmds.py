@@ -11,18 +11,10 @@ import typer
 
 from ..files import read_limited
 from ..settings import SigningSettings, TrustSettings, env_name
-from .common import (
-    ExitCode,
-    Failure,
-    command,
-    database_url_option,
-    load_environment,
-    load_signer,
-    load_trusted_keys,
-    open_database,
-    signing_key_option,
-    writable_folder,
-)
+from .database import open_database
+from .failures import ExitCode, Failure, command
+from .inputs import load_environment, load_signer, load_trusted_keys, writable_folder
+from .options import database_url_option, signing_key_option
 
 bundle_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                           help="Signed single-file plan bundles for hosts without a server.")

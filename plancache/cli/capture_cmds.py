@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from .common import ExitCode, Failure, command
+from .failures import ExitCode, Failure, command
 
 
 @command

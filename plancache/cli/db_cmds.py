@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import typer
 
-from .common import (
-    ExitCode,
-    Failure,
-    command,
-    database_url_option,
-    describe_os_error,
-    open_database,
-)
+from .database import open_database
+from .failures import ExitCode, Failure, command, describe_os_error
+from .options import database_url_option
 
 db_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage the plancache database.")
 

@@ -15,18 +15,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 
-from .common import (
-    GIVE_ADMIN_TOKEN,
-    ExitCode,
-    Failure,
-    admin_token_option,
-    command,
-    load_spec_file,
-    open_admin_api,
-    quiet_retries,
-    read_spec_file,
-    server_option,
-)
+from .failures import ExitCode, Failure, command
+from .inputs import load_spec_file, read_spec_file
+from .options import admin_token_option, server_option
+from .server_api import GIVE_ADMIN_TOKEN, open_admin_api, quiet_retries
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec

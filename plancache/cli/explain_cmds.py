@@ -8,18 +8,11 @@ from pathlib import Path
 import typer
 
 from ..settings import ClientSettings, env_name
-from .common import (
-    ExitCode,
-    Failure,
-    command,
-    http_client,
-    load_environment,
-    load_spec_file,
-    pick_token,
-    printable,
-    required,
-    server_option,
-)
+from .failures import ExitCode, Failure, command, required
+from .inputs import load_environment, load_spec_file
+from .options import server_option
+from .output import printable
+from .server_api import http_client, pick_token
 
 
 def _graph_key(item: str) -> tuple[str, str]:

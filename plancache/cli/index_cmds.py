@@ -8,16 +8,10 @@ from pathlib import Path
 import typer
 
 from ..settings import SigningSettings, env_name
-from .common import (
-    ExitCode,
-    Failure,
-    command,
-    database_url_option,
-    load_environment,
-    load_signer,
-    open_database,
-    signing_key_option,
-)
+from .database import open_database
+from .failures import ExitCode, Failure, command
+from .inputs import load_environment, load_signer
+from .options import database_url_option, signing_key_option
 
 index_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Signed static indexes that clients read with no API call (PLANCACHE_INDEX_URL).")

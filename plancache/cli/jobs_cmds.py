@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING
 
 import typer
 
-from .common import ExitCode, admin_token_option, command, open_admin_api, printable, quiet_retries, server_option
+from ..protocol import JobStatus
+from .failures import ExitCode, command
+from .options import admin_token_option, server_option
+from .output import printable
+from .server_api import open_admin_api, quiet_retries
 
 if TYPE_CHECKING:
     from ..protocol import Job
@@ -16,24 +19,17 @@ jobs_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                        help="List the server's tuning jobs; cancel queued or running ones (admin).")
 
 
-class StatusChoice(enum.StrEnum):
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-
-
 @jobs_app.command("list")
 @command
 def jobs_list(
-    status: StatusChoice | None = typer.Option(None, "--status", help="only jobs in this state"),
+    status: JobStatus | None = typer.Option(None, "--status", help="only jobs in this state"),
     limit: int = typer.Option(50, "--limit", min=1, max=1000, help="at most this many, newest first"),
     server: str | None = server_option("plancache server URL"),
     token: str | None = admin_token_option(),
 ) -> None:
     """Print the newest jobs under a header: id, status, attempts, source, graph key, target and error."""
     with quiet_retries(), open_admin_api(server, token, "jobs list") as api:
-        jobs = api.jobs(status=status.value if status else None, limit=limit)
+        jobs = api.jobs(status=status, limit=limit)
     if not jobs:
         typer.echo("no jobs", err=True)
         return

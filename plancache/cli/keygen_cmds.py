@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import ExitCode, Failure, command
+from .failures import ExitCode, Failure, command
 
 
 @command

@@ -10,20 +10,11 @@ from typing import TYPE_CHECKING
 import typer
 
 from ..settings import SigningSettings, TrustSettings
-from .common import (
-    ExitCode,
-    Failure,
-    command,
-    database_url_option,
-    load_environment,
-    load_signer,
-    load_trusted_keys,
-    open_database,
-    plain_console,
-    printable,
-    required,
-    signing_key_option,
-)
+from .database import open_database
+from .failures import ExitCode, Failure, command, required
+from .inputs import load_environment, load_signer, load_trusted_keys
+from .options import database_url_option, signing_key_option
+from .output import plain_console, printable
 
 if TYPE_CHECKING:
     from ..protocol import PlanRecord

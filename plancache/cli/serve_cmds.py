@@ -19,7 +19,9 @@ import typer
 
 from .. import logs
 from ..settings import ServerSettings
-from .common import ExitCode, Failure, command, database_place, database_url_option, open_database
+from .database import open_database
+from .failures import ExitCode, Failure, command, database_place
+from .options import database_url_option
 
 
 class LogLevel(enum.StrEnum):

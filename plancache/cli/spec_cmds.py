@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import command, load_spec_file
+from .failures import command
+from .inputs import load_spec_file
 
 spec_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect GraphSpec files.")
 

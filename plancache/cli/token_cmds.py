@@ -6,7 +6,10 @@ import enum
 
 import typer
 
-from .common import command, database_url_option, open_database, plain_console
+from .database import open_database
+from .failures import command
+from .options import database_url_option
+from .output import plain_console
 
 token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage API tokens (stored hashed).")
 

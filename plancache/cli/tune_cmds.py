@@ -10,22 +10,11 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from ..settings import WorkerSettings, env_name
-from .common import (
-    ExitCode,
-    Failure,
-    admin_token_option,
-    as_failure,
-    build_processes_option,
-    command,
-    load_signer,
-    load_spec_file,
-    pick_token,
-    plain_console,
-    required,
-    server_option,
-    signing_key_option,
-    writable_folder,
-)
+from .failures import ExitCode, Failure, as_failure, command, required
+from .inputs import load_signer, load_spec_file, writable_folder
+from .options import admin_token_option, build_processes_option, server_option, signing_key_option
+from .output import plain_console
+from .server_api import pick_token
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec

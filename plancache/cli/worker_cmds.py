@@ -11,18 +11,10 @@ import typer
 from .. import logs
 from ..errors import GpuUnavailable
 from ..settings import WorkerSettings, env_name
-from .common import (
-    ExitCode,
-    Failure,
-    build_processes_option,
-    command,
-    load_signer,
-    open_jobs_api,
-    required,
-    server_option,
-    signing_key_option,
-    writable_folder,
-)
+from .failures import ExitCode, Failure, command, required
+from .inputs import load_signer, writable_folder
+from .options import build_processes_option, server_option, signing_key_option
+from .server_api import open_jobs_api
 
 if TYPE_CHECKING:
     from ..worker.supervisor import Child

@@ -23,7 +23,7 @@ from .bounded import STORE_WAIT, Bounded
 from .docs import install_docs
 from .errors import install_error_handlers
 from .limits import UPLOAD_THREADS, ByteBudget, RateLimiter
-from .memo import PRESIGNED_URLS, BlobMemory, RecordMemo, TtlMemory
+from .memo import PRESIGNED_URLS, RecordMemo, TtlMemory, blob_memory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
 from .routes import ROUTERS
@@ -123,7 +123,7 @@ def create_app(settings: ServerSettings | None = None, *, store: Store | None = 
     app.state.upload_threads = anyio.CapacityLimiter(UPLOAD_THREADS)  # blob uploads' threads, apart from the rest
     # per-process memories of the hot read path (plancache.server.memo): blob bytes, resolve answers' records,
     # authenticated tokens, presigned URLs (each handed out while more than half of its validity is left)
-    app.state.blob_memory = BlobMemory(settings.blob_memory_bytes)
+    app.state.blob_memory = blob_memory(settings.blob_memory_bytes)
     app.state.record_memo = RecordMemo()
     app.state.principals = TtlMemory(settings.token_cache_seconds)
     app.state.presigned_urls = TtlMemory(settings.presign_seconds / 2, max_items=PRESIGNED_URLS)

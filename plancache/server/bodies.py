@@ -529,18 +529,14 @@ def _server_rules(settings: Any) -> dict[tuple[str, str], dict[str, Any]]:
     them)."""
     blob = {"blob_size": {"maximum": settings.max_blob_bytes}}
     keys = {"graph_keys": {"maxItems": settings.max_resolve_keys}}
-    return {(model, name): rule for models, rules in ((("PlanUpload", "PlanPut"), blob),
+    return {(model, name): rule for models, rules in ((("PlanUpload",), blob),
                                                       (("ResolveRequest", "ExplainRequest"), keys))
             for model in models for name, rule in rules.items()}
 
 
-#: Schema → what its model's or its route's own checks require of a whole body (422 otherwise): a plan upload's
-#: ``job_id`` and ``lease_token`` come together (``PlanPut``); a tune request names keys or specs (the admin route).
+#: Schema → what its model's or its route's own checks require of a whole body (422 otherwise): a tune request
+#: names keys or specs (the admin route).
 WHOLE_BODY_RULES: dict[str, dict[str, Any]] = {
-    "PlanPut": {"anyOf": [
-        {"properties": {"job_id": {"type": "null"}, "lease_token": {"type": "null"}}},
-        {"required": ["job_id", "lease_token"],
-         "properties": {"job_id": {"type": "integer"}, "lease_token": {"type": "string"}}}]},
     "TuneRequest": {"anyOf": [{"required": ["graph_keys"], "properties": {"graph_keys": {"minItems": 1}}},
                               {"required": ["specs"], "properties": {"specs": {"minItems": 1}}}]},
 }

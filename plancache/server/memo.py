@@ -1,5 +1,5 @@
 """Per-process memories that keep the hot read path off the database: blob bytes (immutable, content-addressed,
-so never stale) in a byte-bounded LRU, plan records as a resolve answer writes them, by version (never stale
+so never stale) in a :class:`~plancache.blobs.MemoryBlobs`, plan records as a resolve answer writes them, by version (never stale
 either: a resolve reads the versions first), and, for a few seconds, authenticated tokens and presigned URLs.
 
 A blob GET served from memory costs no database round trip and no worker thread; a token seen in the last
@@ -17,46 +17,16 @@ from typing import Generic, TypeVar
 
 from cachetools import LRUCache
 
+from ..blobs import MemoryBlobs
 from ..store.plans import PlanVersion
 
 V = TypeVar("V")
 
 
-class BlobMemory:
-    """Blob bytes by sha256, least recently used dropped past ``max_bytes``; a blob over ``max_bytes // 16`` is
-    never kept (so a few large blobs cannot flush the many small ones). ``max_bytes`` 0 keeps nothing."""
-
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be 0 or more, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.max_item = max_bytes // 16
-        self.bytes = 0
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, sha256: str) -> bytes | None:
-        with self._lock:
-            data = self._items.get(sha256)
-            if data is not None:
-                self._items.move_to_end(sha256)
-            return data
-
-    def put(self, sha256: str, data: bytes) -> None:
-        """Keep ``data`` (the caller has read it from the blob store under ``sha256``)."""
-        if len(data) > self.max_item:
-            return
-        with self._lock:
-            if sha256 in self._items:
-                return
-            self._items[sha256] = data
-            self.bytes += len(data)
-            while self.bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self.bytes -= len(old)
-
-    def __len__(self) -> int:
-        return len(self._items)
+def blob_memory(max_bytes: int) -> MemoryBlobs:
+    """The blob bytes a server process keeps, ``max_bytes`` at most (0: none); a blob over ``max_bytes // 16`` is
+    never kept, so a few large blobs cannot flush the many small ones."""
+    return MemoryBlobs(max_bytes, max_item=max_bytes // 16)
 
 
 #: Bytes of serialized records a :class:`RecordMemo` keeps by default (some 30,000 signed records).

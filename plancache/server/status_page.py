@@ -14,7 +14,7 @@ from html import escape
 from typing import Any
 
 from ..environment import Environment
-from ..protocol import Job, Miss, PlanRecord
+from ..protocol import Job, JobStatus, Miss, PlanRecord
 from ..store.autotune import AutotunePolicy
 
 #: How much of each table the page reads and shows.
@@ -125,7 +125,7 @@ def _speedup_svg(plans: list[PlanRecord]) -> str:
 
 
 #: The order jobs are listed in: failures first, so that none scrolls away behind successes.
-STATUS_ORDER = {"failed": 0, "running": 1, "queued": 2, "succeeded": 3}
+STATUS_ORDER: dict[JobStatus, int] = {"failed": 0, "running": 1, "queued": 2, "succeeded": 3}
 
 
 #: How a job's target names each field it fixes.
@@ -181,7 +181,7 @@ def _jobs(status: Status, stranded: set[int]) -> list[str]:
     seen: dict[int, Job] = {j.id: j for j in status.failures}
     for j in status.jobs:
         seen.setdefault(j.id, j)
-    jobs = sorted(seen.values(), key=lambda j: (STATUS_ORDER.get(j.status, 9), -j.id))
+    jobs = sorted(seen.values(), key=lambda j: (STATUS_ORDER[j.status], -j.id))
     out = ["<h2>Jobs: failures first</h2>",
            f"<p class='muted'>The {FAILURES_SHOWN} newest failed jobs and the {JOBS_SHOWN} newest jobs.</p>",
            "<table><tr><th>job</th><th>graph</th><th>target</th><th>source</th><th>status</th><th>attempts</th>"

@@ -1,5 +1,5 @@
-"""What ``PUT /v1/plans`` and job completion share: the checks before a plan reaches the store, and
-publishing the plan of a held job."""
+"""Plan uploads: the checks before a plan reaches the store, which ``PUT /v1/plans`` (an admin's) and a job's
+completion share, and publishing the plan of a held job (the completion's)."""
 
 from __future__ import annotations
 

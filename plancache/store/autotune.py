@@ -31,10 +31,10 @@ import sqlalchemy as sa
 
 from .. import errors
 from ..environment import VALIDITY_FIELDS
-from ..protocol import PRIORITY_MAX, Job, TargetEnvironment
+from ..protocol import ACTIVE_JOB_STATUSES, PRIORITY_MAX, Job, TargetEnvironment
 from .jobs import insert_job, target_key
 from .misses import expire_miss_callers
-from .models import ACTIVE_JOB_STATUSES, jobs, misses, plans, specs, worker_environments
+from .models import jobs, misses, plans, specs, worker_environments
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection

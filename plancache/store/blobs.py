@@ -1,13 +1,13 @@
-"""Where blob bytes live: a content-addressed :class:`BlobStore` under the ``blobs`` catalog.
+"""Where blob bytes live: :class:`CatalogBlobs`, the bytes of the ``blobs`` catalog's rows.
 
 Every blob has a row in the ``blobs`` table (sha256, size, created_at) on every backend: the catalog
 that plan records reference by foreign key and that :mod:`.retention` collects. Its bytes live in the
 blob store that ``PLANCACHE_BLOB_STORE`` names:
 
 - ``database`` (default, :class:`DatabaseBlobs`): the catalog row's ``data`` column.
-- ``file:///path`` (:class:`FileBlobs`): one file per blob, ``path/ab/cd/<sha256>``, in a local
-  folder or a volume every replica mounts (:class:`plancache.blobs.FolderBlobs`: atomic, fsynced,
-  hashed on every read, so a damaged or swapped file is never served and the next publish replaces it).
+- ``file:///path`` (:class:`ContentBlobs` over :class:`plancache.blobs.FolderBlobs`): one file per blob,
+  ``path/ab/cd/<sha256>``, in a local folder or a volume every replica mounts (atomic, fsynced, hashed on every
+  read, so a damaged or swapped file is never served and the next publish replaces it).
 - ``s3://bucket/prefix`` (also ``gs://``, ``az://``; :class:`ContentBlobs` over
   :class:`plancache.blobs.ObjectStoreBlobs`): one object per blob, ``prefix/ab/cd/<sha256>``, hashed on
   every read; credentials and endpoint from the ``AWS_*`` variables (docs/DEPLOYMENT.md).
@@ -40,8 +40,8 @@ before its commit, between a publish's presence check and its transaction; its r
 those bytes writes them again. A failed publish leaves the uploaded blob unreferenced; gc collects it after the
 grace period.
 
-Gc also collects what crashes leave: in a folder (:meth:`FileBlobs.files_older_than` lists it) temporary files of a
-writer that died before its rename, and in a folder or bucket
+Gc also collects what crashes leave: in a folder (:meth:`plancache.blobs.FolderBlobs.files_older_than` lists it)
+temporary files of a writer that died before its rename, and in a folder or bucket
 (:meth:`plancache.blobs.ObjectStoreBlobs.objects_older_than` lists a page at a time) blob files or objects no
 catalog row names (a publish that crashed between its put and its commit). Both go once older than the grace
 period, the latter under the same lock, so a publish that meanwhile inserted a row for those bytes keeps them
@@ -52,16 +52,13 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
-from pathlib import Path
+from collections.abc import Collection
 from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..blobs import BlobStore as ContentStore
-from ..blobs import BlobStream, FolderBlobs, blob_url_kind, open_blobs
-from ..blobs.folder import StoredFile
+from ..blobs import BlobStore, BlobStream, FolderBlobs, blob_url_kind, open_blobs
 from ..errors import BlobStoreMismatch, IntegrityError
 from .db import Database, lock_against_writers
 from .models import blobs, plans
@@ -76,8 +73,8 @@ def _check(sha256: str, data: bytes) -> None:
         raise IntegrityError(f"blob bytes hash to {digest}, not {sha256}")
 
 
-class BlobStore(ABC):
-    """Blob bytes by sha256. Each call takes the caller's transaction on the store's database: the
+class CatalogBlobs(ABC):
+    """The bytes of the catalog's blobs, by sha256. Each call takes the caller's transaction on the store's database: the
     database backend works in it, the file backend needs none. :meth:`put` expects the catalog row."""
 
     url: str
@@ -119,7 +116,7 @@ class BlobStore(ABC):
         return None
 
 
-class DatabaseBlobs(BlobStore):
+class DatabaseBlobs(CatalogBlobs):
     """Bytes in the catalog row's ``data`` column."""
 
     url = "database"
@@ -150,10 +147,10 @@ class DatabaseBlobs(BlobStore):
         conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha256).values(data=b""))
 
 
-class ContentBlobs(BlobStore):
+class ContentBlobs(CatalogBlobs):
     """Bytes in a store of :mod:`plancache.blobs` (a folder, object storage); the connection is not used."""
 
-    def __init__(self, content: ContentStore) -> None:
+    def __init__(self, content: BlobStore) -> None:
         self.content = content
         self.url = content.url
 
@@ -175,19 +172,10 @@ class ContentBlobs(BlobStore):
     def open(self, sha256: str) -> BlobStream | None:
         return self.content.open(sha256)
 
-
-class FileBlobs(ContentBlobs):
-    """Bytes in files ``root/ab/cd/<sha256>`` (:class:`plancache.blobs.FolderBlobs`)."""
-
-    def __init__(self, root: Path) -> None:
-        self.folder = FolderBlobs(root)
-        super().__init__(self.folder)
-        self.root = root
-
-    def files_older_than(self, cutoff: float) -> Iterator[StoredFile]:
-        """The files of :meth:`plancache.blobs.FolderBlobs.files` last modified before ``cutoff`` (seconds since the
-        epoch)."""
-        return (f for f in self.folder.files() if f.mtime < cutoff)
+    @property
+    def folder(self) -> FolderBlobs | None:
+        """The folder holding the bytes, None when they are in object storage."""
+        return self.content if isinstance(self.content, FolderBlobs) else None
 
 
 def check_blob_store_url(url: str) -> None:
@@ -205,17 +193,15 @@ def check_blob_store_url(url: str) -> None:
                          "file:///absolute/path or s3://bucket/prefix")
 
 
-def open_blob_store(url: str) -> BlobStore:
+def open_blob_store(url: str) -> CatalogBlobs:
     """The blob store a ``PLANCACHE_BLOB_STORE`` value names (:func:`check_blob_store_url`)."""
     check_blob_store_url(url)
     if url == "database":
         return DatabaseBlobs()
-    content = open_blobs(url)
-    assert isinstance(content, ContentStore)  # checked: a folder or object storage
-    return FileBlobs(content.root) if isinstance(content, FolderBlobs) else ContentBlobs(content)
+    return ContentBlobs(open_blobs(url))
 
 
-def check_blob_store(db: Database, blob_store: BlobStore) -> None:
+def check_blob_store(db: Database, blob_store: CatalogBlobs) -> None:
     """Refuse a blob store of the wrong kind: one catalog row tells whether the database's blobs are in it
     (:func:`migrate_blobs` moves them all in one transaction). Only the database is read, so a command that needs
     no blob works while a bucket is unreachable; :func:`probe_blob_store` asks the blob store itself."""
@@ -233,7 +219,7 @@ def check_blob_store(db: Database, blob_store: BlobStore) -> None:
                                 "file:// or s3:// store holding them")
 
 
-def probe_blob_store(db: Database, blob_store: BlobStore, sha256: str | None = None) -> str | None:
+def probe_blob_store(db: Database, blob_store: CatalogBlobs, sha256: str | None = None) -> str | None:
     """What is wrong with the blob store, None when nothing seen: whether it holds ``sha256``, by default one blob
     a plan record references (the right folder mounted, the right bucket), and can be reached. Never raises for
     the blob store: a server starting during an outage reports it and serves what needs no blob."""
@@ -262,7 +248,7 @@ class Migration(NamedTuple):
     last_copied: str | None = None
 
 
-def migrate_blobs(db: Database, source: BlobStore, target: BlobStore, *, batch: int = 100) -> Migration:
+def migrate_blobs(db: Database, source: CatalogBlobs, target: CatalogBlobs, *, batch: int = 100) -> Migration:
     """Copy the bytes of every blob in the catalog from ``source`` (where they are now) to ``target`` (any two of
     the database, a folder, object storage), each checked against its digest on the way.
 

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from ..blobs import ObjectStoreBlobs
 from ..errors import IntegrityError
-from .blobs import ContentBlobs, FileBlobs
+from .blobs import ContentBlobs
 from .models import blobs, plans
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _uncatalogued(store: Store) -> Iterator[tuple[str, str]]:
     from .retention import named_blobs
 
     blob_store = store.blob_store
-    if isinstance(blob_store, FileBlobs):
+    if isinstance(blob_store, ContentBlobs) and blob_store.folder is not None:
         pages: Iterator[list[str]] = _pages(f.sha256 for f in blob_store.folder.files() if not f.temporary)
     elif isinstance(blob_store, ContentBlobs) and isinstance(blob_store.content, ObjectStoreBlobs):
         listing = blob_store.content.objects_older_than(datetime.max.replace(tzinfo=UTC))  # every object

@@ -15,7 +15,7 @@ from ..blobs.base import CHUNK_BYTES, Data, check_name, chunks
 from ..canonical import canonical_json
 from ..spec import GraphSpec, parse_spec
 from ..spec import graph_key as compute_graph_key
-from .blobs import BlobStore, ContentBlobs
+from .blobs import CatalogBlobs, ContentBlobs
 from .db import Database, upsert_insert
 from .models import blobs, specs
 
@@ -80,7 +80,7 @@ def _sized(data: Data, size: int) -> io.BufferedReader:
     return io.BufferedReader(_Sized(data, size), CHUNK_BYTES)
 
 
-def write_blob(db: Database, blob_store: BlobStore, sha256: str, size: int, data: Data) -> bool:
+def write_blob(db: Database, blob_store: CatalogBlobs, sha256: str, size: int, data: Data) -> bool:
     """Store the blob ``sha256`` of ``size`` bytes streamed from ``data`` (bytes or a binary stream), its digest
     and size checked while it is written (:class:`errors.IntegrityError`, nothing stored, when they differ); True
     when it was not there before.
@@ -113,7 +113,7 @@ def spec_exists(conn: Connection, graph_key: str) -> bool:
 
 class SpecsAndBlobs:
     db: Database
-    blob_store: BlobStore
+    blob_store: CatalogBlobs
 
     def put_spec(self, graph_key: str, spec: GraphSpec | dict[str, Any]) -> bool:
         """Store a spec under its graph key; True if newly stored.
@@ -174,6 +174,6 @@ class SpecsAndBlobs:
             return self.blob_store.size(conn, sha256)
 
     def get_blob_up_to(self, sha256: str, limit: int) -> tuple[int, bytes | None] | None:
-        """:meth:`BlobStore.get_up_to`: a blob's size and, unless over ``limit`` bytes, its bytes (one query)."""
+        """:meth:`CatalogBlobs.get_up_to`: a blob's size and, unless over ``limit`` bytes, its bytes (one query)."""
         with self.db.read() as conn:
             return self.blob_store.get_up_to(conn, sha256, limit)

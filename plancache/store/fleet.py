@@ -15,8 +15,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..environment import VALIDITY_FIELDS
+from ..protocol import ACTIVE_JOB_STATUSES
 from .db import Database
-from .models import ACTIVE_JOB_STATUSES, jobs, misses, worker_environments
+from .models import jobs, misses, worker_environments
 
 #: Groups one family reports at most (environments, or job targets and statuses).
 MAX_GROUPS = 200

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from ..protocol import FINISHED_JOB_STATUSES
 from .jobs import tally_finished
 from .misses import DISTINCT_MISS_PERIOD
-from .models import FINISHED_JOB_STATUSES, jobs, miss_callers, misses, plans, withdrawals
+from .models import jobs, miss_callers, misses, plans, withdrawals
 
 if TYPE_CHECKING:
     from . import Store

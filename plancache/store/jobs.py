@@ -33,15 +33,23 @@ from sqlalchemy.engine import Connection, Row
 from .. import errors
 from ..canonical import canonical_json
 from ..environment import VALIDITY_FIELDS, Environment
-from ..protocol import LEASE_TOKEN_BYTES, Job, JobSource, JobStatus, TargetEnvironment
-from ..validation import INT64_MAX
+from ..protocol import (
+    ACTIVE_JOB_STATUSES,
+    FINISHED_JOB_STATUSES,
+    JOB_STATUSES,
+    LEASE_TOKEN_BYTES,
+    Job,
+    JobSource,
+    JobStatus,
+    TargetEnvironment,
+    is_job_id,
+)
 from .content import spec_exists
 from .db import Database, check_int, check_page, indexed_alias, upsert_insert
 from .environments import check_validity
-from .models import ACTIVE_JOB_STATUSES, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
+from .models import ACTIVE_JOBS, FINISHED_JOBS, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
-JOB_STATUSES: tuple[JobStatus, ...] = ("queued", "running", "succeeded", "failed")
-_ACTIVE_PREDICATE = sa.text("status IN ('queued', 'running')")  # must equal the partial indexes' WHERE
+_ACTIVE_PREDICATE = sa.text(ACTIVE_JOBS)  # the partial indexes' WHERE, word for word
 #: 'running' as a literal of the statement, not a parameter: only then may a planner use the index of running jobs.
 _RUNNING: sa.ColumnElement[str] = sa.literal_column("'running'")
 #: How often a claim refreshes the time its environment was last claimed for (``worker_environments``).
@@ -131,7 +139,7 @@ def held_job(conn: Connection, job_id: int, worker_id: str | None, lease_token: 
     its result: the blob's upload, the completion), is the last lease of a job failed because it expired with no
     attempts left: a worker that lost the server for longer than its lease delivers its spooled result then.
     """
-    row = None if not 0 < job_id <= INT64_MAX else conn.execute(
+    row = None if not is_job_id(job_id) else conn.execute(
         sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
     if row is None:
         raise errors.NotFound(f"no job {job_id}")
@@ -233,7 +241,7 @@ _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
 #: Per status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement.
 _STATUS_INDEX = {"queued": ("uq_jobs_active_target", _ACTIVE_PREDICATE),
                  "running": ("ix_jobs_running", sa.text("status = 'running'")),
-                 **{s: ("ix_jobs_finished", sa.text("status IN ('failed', 'succeeded')")) for s in ("failed", "succeeded")}}
+                 **{s: ("ix_jobs_finished", sa.text(FINISHED_JOBS)) for s in FINISHED_JOB_STATUSES}}
 #: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.
 _COUNT_ACTIVE = sa.select(
     sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
@@ -390,7 +398,7 @@ class Jobs:
         again, and its lease, if any, ends (the holder's next heartbeat is refused, and it stops tuning).
         :class:`errors.NotFound`, or :class:`errors.Conflict` when the job has ended already."""
         with self.db.write() as conn:
-            row = None if not 0 < job_id <= INT64_MAX else conn.execute(
+            row = None if not is_job_id(job_id) else conn.execute(
                 sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
             if row is None:
                 raise errors.NotFound(f"no job {job_id}")
@@ -433,13 +441,13 @@ class Jobs:
         """Whether job ``job_id`` succeeded under exactly this lease (worker, lease token and API token): a
         completion repeated by its holder (whose first answer was lost) is then answered, not refused."""
         with self.db.read() as conn:
-            row = None if not 0 < job_id <= INT64_MAX else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            row = None if not is_job_id(job_id) else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
         return (row is not None and row.status == "succeeded" and row.lease_owner == worker_id
                 and row.lease_holder == holder and _lease_token_matches(row, lease_token))
 
     def get_job(self, job_id: int) -> Job:
         with self.db.read() as conn:
-            row = None if not 0 < job_id <= INT64_MAX else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            row = None if not is_job_id(job_id) else conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
         if row is None:
             raise errors.NotFound(f"no job {job_id}")
         return row_to_job(row)

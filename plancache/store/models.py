@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
 from ..environment import INFO_FIELDS, VALIDITY_FIELDS, Environment
-from ..protocol import JobSource
+from ..protocol import ACTIVE_JOB_STATUSES, FINISHED_JOB_STATUSES, JOB_STATUSES, JobSource
 
 metadata = sa.MetaData(
     naming_convention={
@@ -22,9 +22,17 @@ metadata = sa.MetaData(
     }
 )
 
-ACTIVE_JOB_STATUSES = ("queued", "running")
-FINISHED_JOB_STATUSES = ("failed", "succeeded")
 JOB_SOURCES: tuple[str, ...] = get_args(JobSource)
+
+
+def status_in(statuses: tuple[str, ...]) -> str:
+    """The SQL condition ``status IN ('a', 'b')`` of a CHECK constraint or a partial index."""
+    return f"status IN ({', '.join(repr(s) for s in statuses)})"
+
+
+#: The partial indexes' WHERE over active jobs (a claim's query repeats it word for word, to use them).
+ACTIVE_JOBS = status_in(ACTIVE_JOB_STATUSES)
+FINISHED_JOBS = status_in(FINISHED_JOB_STATUSES)
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -103,7 +111,7 @@ jobs = sa.Table(
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.Column("finished_at", UTCDateTime),
     sa.Column("source", sa.String(16), nullable=False, server_default="admin"),
-    sa.CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
+    sa.CheckConstraint(status_in(JOB_STATUSES), name="status"),
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
     sa.CheckConstraint(f"source IN ({', '.join(repr(s) for s in JOB_SOURCES)})", name="source"),
     sa.Index("ix_jobs_source_target", "source", "target_key", "created_at"),
@@ -116,15 +124,15 @@ jobs = sa.Table(
     sa.Index("ix_jobs_running", "lease_token_hash", sqlite_where=sa.text("status = 'running'"),
              postgresql_where=sa.text("status = 'running'")),
     # The ended jobs of a status, newest first (GET /v1/jobs?status=): an index that no claim can use.
-    sa.Index("ix_jobs_finished", "status", "id", sqlite_where=sa.text("status IN ('failed', 'succeeded')"),
-             postgresql_where=sa.text("status IN ('failed', 'succeeded')")),
+    sa.Index("ix_jobs_finished", "status", "id", sqlite_where=sa.text(FINISHED_JOBS),
+             postgresql_where=sa.text(FINISHED_JOBS)),
     sa.Index(
         "uq_jobs_active_target",
         "target_key",
         "graph_key",
         unique=True,
-        sqlite_where=sa.text("status IN ('queued', 'running')"),
-        postgresql_where=sa.text("status IN ('queued', 'running')"),
+        sqlite_where=sa.text(ACTIVE_JOBS),
+        postgresql_where=sa.text(ACTIVE_JOBS),
     ),
 )
 

@@ -1,5 +1,5 @@
 """Plan records: publishing (blob + record + job completion in one transaction), lookup, resolve and withdrawal.
-Blob bytes go through the store's :class:`~.blobs.BlobStore`, in the order :mod:`.blobs` explains."""
+Blob bytes go through the store's :class:`~.blobs.CatalogBlobs`, in the order :mod:`.blobs` explains."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..validation import INT64_MAX
 from ..verify import verify_blob
-from .blobs import BlobStore, ContentBlobs
+from .blobs import CatalogBlobs, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
 from .db import Database, check_int, check_page, upsert_insert
 from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
@@ -115,7 +115,7 @@ class Plans(Misses):
     """Plan records; resolving records misses, hence the base class."""
 
     db: Database
-    blob_store: BlobStore
+    blob_store: CatalogBlobs
 
     def publish_plan(self, meta: PlanMeta, blob: bytes | None, *, job_id: int | None = None, worker_id: str | None = None,
                      lease_token: str | None = None, holder: str | None = None, replace: bool = False,

@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from ..blobs import ObjectStoreBlobs
 from ..blobs.folder import StoredFile
 from ..errors import BlobStoreUnavailable
-from .blobs import ContentBlobs, FileBlobs
+from .blobs import ContentBlobs
 from .db import lock_against_writers
 from .models import blobs, plans
 
@@ -150,9 +150,10 @@ def _leftover_files(store: Store, cutoff: Any, *, dry_run: bool) -> tuple[list[S
     modified before ``cutoff``; the files deleted (with ``dry_run``: those that would be). The folder is listed
     first; the rows are looked up and the files deleted holding the catalog against writers, so a publish that
     inserted a row for an old file's bytes meanwhile (and found them present) keeps them."""
-    if not isinstance(store.blob_store, FileBlobs):
+    folder = store.blob_store.folder if isinstance(store.blob_store, ContentBlobs) else None
+    if folder is None:
         return [], []
-    old = list(store.blob_store.files_older_than(cutoff.timestamp()))
+    old = list(folder.files_older_than(cutoff.timestamp()))
     temporaries = [f for f in old if f.temporary]  # no row ever names one; a live writer's is younger
     candidates = {f.sha256: f for f in old if not f.temporary}
     with store.db.read() if dry_run else store.db.write() as conn:

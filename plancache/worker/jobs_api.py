@@ -80,9 +80,7 @@ class JobsApi:
         self.http.request("POST", f"/v1/jobs/{job_id}/fail", body=req.model_dump(mode="json", exclude_defaults=True))
 
     def put_plan(self, upload: PlanUpload) -> PlanRecord:
-        """``PUT /v1/plans``: with an admin token any plan; with a worker token only a
-        :class:`~plancache.protocol.PlanPut` naming a job this token holds (``job_id``, ``lease_token``),
-        which the upload then completes."""
+        """``PUT /v1/plans``: an admin's plan, outside the job queue (a job's plan goes with :meth:`complete`)."""
         return self.http.read("PUT", "/v1/plans", json_as(PlanRecord), body=upload.model_dump(mode="json"))
 
     def blob_size(self, sha256: str) -> int | None:

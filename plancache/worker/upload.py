@@ -40,8 +40,8 @@ def upload_tuned(server_url: str, token: str | None, spec: GraphSpec | dict[str,
     its record; return the stored record.
 
     This uploads outside the job queue, which needs an **admin** ``token``: a worker token publishes only
-    the plans of jobs it holds (the worker loop completes its jobs; see :class:`~plancache.protocol.PlanPut`)
-    and is refused with :class:`~plancache.errors.Forbidden`.
+    the plans of jobs it holds, with ``POST /v1/jobs/{id}/complete`` (the worker loop), and is refused here with
+    :class:`~plancache.errors.Forbidden`.
 
     Raises :class:`~plancache.errors.TuningError` when the round trip does not match the reference,
     :class:`~plancache.errors.ServerUnavailable` when the server stays unreachable for

@@ -66,14 +66,14 @@ def test_whole_numbers_stay_integers_and_a_spec_reaches_the_store_as_written(api
     assert '"padding":0.0' in stored.replace(" ", "")
 
 
-def test_an_inline_blob_and_lonely_lease_fields_are_refused_as_the_document_says(api: Any, gpu_env: Any,
-                                                                                  make_spec: Any) -> None:
+def test_an_inline_blob_and_job_fields_are_refused_as_the_document_says(api: Any, gpu_env: Any,
+                                                                      make_spec: Any) -> None:
     key, spec = make_spec(0)
     body = upload_json(make_meta(key, gpu_env, b"blob"), spec)
     r = api.client.put("/v1/plans", json={**body, "blob_b64": "YmxvYg=="}, headers=api.admin)  # not in the schema
     assert r.status_code == 422 and "PUT /v1/blobs/{sha256}" in r.json()["error"]["message"]
-    r = api.client.put("/v1/plans", json={**body, "job_id": 5}, headers=api.admin)
-    assert r.status_code == 422 and "sent together" in r.json()["error"]["message"]
+    r = api.client.put("/v1/plans", json={**body, "job_id": 5}, headers=api.admin)  # not in the schema either
+    assert r.status_code == 422 and "POST /v1/jobs/{id}/complete" in r.json()["error"]["message"]
 
 
 def test_the_document_states_the_servers_limits_and_rules(api: Any) -> None:
@@ -82,11 +82,12 @@ def test_the_document_states_the_servers_limits_and_rules(api: Any) -> None:
     settings = api.app.state.settings
     for name in ("ResolveRequest", "ExplainRequest"):
         assert schemas[name]["properties"]["graph_keys"]["maxItems"] == settings.max_resolve_keys
-    for name in ("PlanPut", "PlanUpload"):
-        props = schemas[name]["properties"]
-        assert props["blob_size"]["maximum"] == settings.max_blob_bytes
-        assert "blob_b64" not in props and schemas[name]["additionalProperties"] is False  # the record alone
-    assert {tuple(alt.get("required", ())) for alt in schemas["PlanPut"]["anyOf"]} == {(), ("job_id", "lease_token")}
+    props = schemas["PlanUpload"]["properties"]
+    assert props["blob_size"]["maximum"] == settings.max_blob_bytes
+    assert schemas["PlanUpload"]["additionalProperties"] is False  # the record alone
+    assert not {"blob_b64", "job_id", "lease_token"} & set(props) and "PlanPut" not in schemas  # one completion route
+    put = doc["paths"]["/v1/plans"]["put"]
+    assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PlanUpload")
     assert {tuple(alt["required"]) for alt in schemas["TuneRequest"]["anyOf"]} == {("graph_keys",), ("specs",)}
     assert schemas["TuneRequest"]["properties"]["max_attempts"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 100}

@@ -308,17 +308,18 @@ def test_lease_tokens_cannot_be_guessed(api, intruder, make_spec, gpu_env, clock
     assert api.client.post(f"/v1/jobs/{job_id}/heartbeat", json=_lease("w1", token), headers=api.worker).status_code == 200
 
 
-# ------------------------------------------------------------------ PUT /v1/plans: a worker only for a job it holds
+# ------------------------------------------------------------------ one completion route; PUT /v1/plans is an admin's
 
 
-def test_a_worker_cannot_put_a_plan_for_a_slot_it_holds_no_job_for(api, intruder, make_spec, gpu_env, make_plan):
-    """Before: 201, and the legitimate completion for that key and environment then got 409."""
+def test_a_worker_token_cannot_put_a_plan(api, intruder, make_spec, gpu_env, make_plan):
+    """A squatter's plan for a key and environment would make the legitimate completion a 409: a worker publishes
+    only through the completion of a job it holds."""
     key, spec = make_spec(0)
     squat, squat_blob = make_plan(key, gpu_env, blob=b"squatter", worker_id="w2")
     put_blob(api.client, squat_blob, api.admin)  # refused for the token, not for a missing blob
     r = api.client.put("/v1/plans", json=upload_json(squat, spec), headers=intruder)
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
-    assert "only for a job it holds" in r.json()["error"]["message"]
+    assert "this route needs admin" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None and api.store.get_spec(key) is None  # nothing stored
     job_id, _, token = _held_job(api, make_spec, gpu_env)
     meta, blob = make_plan(key, gpu_env, blob=b"legit", worker_id="w1")
@@ -328,26 +329,19 @@ def test_a_worker_cannot_put_a_plan_for_a_slot_it_holds_no_job_for(api, intruder
     assert r.status_code == 200 and api.store.get_plan(key, gpu_env).blob_sha256 == meta.blob_sha256
 
 
-def test_a_worker_puts_the_plan_of_the_job_it_holds(api, intruder, make_spec, gpu_env, make_plan):
+@pytest.mark.parametrize("named", [{"job_id": 1, "lease_token": "x" * 43}, {"job_id": 1}, {"lease_token": "x"}])
+def test_a_plan_upload_naming_a_job_points_at_the_completion_route(api, make_spec, gpu_env, make_plan, named):
     job_id, key, token = _held_job(api, make_spec, gpu_env)
-    other, other_spec = make_spec(1)
     meta, blob = make_plan(key, gpu_env, worker_id="w1")
-    held = {"job_id": job_id, "lease_token": token}
     put_blob(api.client, blob, api.worker, job=(job_id, "w1", token))
-    r = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=intruder)  # the lease, leaked
-    assert r.status_code == 403 and r.json()["error"]["code"] == "not_lease_holder"
-    r = upload(api.client, *make_plan(other, gpu_env), other_spec, headers=api.worker, **held)
-    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"  # not the job's graph key
-    r = api.client.put("/v1/plans", json=upload_json(meta, job_id=job_id, lease_token="1"), headers=api.worker)
-    assert r.status_code == 409 and r.json()["error"]["code"] == "lease_lost"
-    r = api.client.put("/v1/plans", json=upload_json(meta, job_id=job_id), headers=api.worker)
-    assert r.status_code == 422 and "together" in r.json()["error"]["message"]
+    named = {**named, **({"job_id": job_id} if "job_id" in named else {})}
+    r = api.client.put("/v1/plans", json=upload_json(meta, **named), headers=api.admin)
+    assert r.status_code == 422 and "POST /v1/jobs/{id}/complete" in r.json()["error"]["message"], r.text
+    assert api.client.put("/v1/plans", json=upload_json(meta, **named), headers=api.worker).status_code == 403
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta, **named)},
+                        headers=api.worker)  # the job is the path's: not again in the plan
+    assert r.status_code == 422 and "POST /v1/jobs/{id}/complete" in r.json()["error"]["message"]
     assert api.store.get_plan(key, gpu_env) is None and api.store.get_job(job_id).status == "running"
-    r = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=api.worker)
-    assert r.status_code == 201, r.text
-    assert r.json()["job_id"] == job_id and api.store.get_job(job_id).status == "succeeded"
-    again = api.client.put("/v1/plans", json=upload_json(meta, **held), headers=api.worker)  # a retried upload
-    assert again.status_code == 200 and again.json() == r.json()
 
 
 def test_an_admin_still_uploads_plans_directly(api, make_spec, gpu_env, make_plan):
@@ -435,8 +429,8 @@ def test_a_completion_from_a_non_holder_stores_not_even_its_spec(api, intruder, 
     r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", token), "plan": upload_json(meta, other_spec)},
                         headers=intruder)
     assert r.status_code == 403 and api.store.get_spec(other) is None
-    r = api.client.put("/v1/plans", json=upload_json(meta, other_spec, job_id=job_id, lease_token="x" * 43),
-                       headers=api.worker)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json={**_lease("w1", "x" * 43), "plan": upload_json(meta, other_spec)},
+                        headers=api.worker)
     assert r.status_code == 409 and api.store.get_spec(other) is None
 
 

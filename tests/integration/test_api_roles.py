@@ -33,7 +33,7 @@ ROUTES = [
     ("HEAD", "/v1/blobs/{sha256}", f"/v1/blobs/{KEY}", "reader"),
     # a worker token PUTs only the blob of a job it holds (X-Plancache-Job …; test_blob_uploads.py): without, 403
     ("PUT", "/v1/blobs/{sha256}", f"/v1/blobs/{KEY}", "admin"),
-    ("PUT", "/v1/plans", "/v1/plans", "worker"),
+    ("PUT", "/v1/plans", "/v1/plans", "admin"),
     ("POST", "/v1/admin/tune", "/v1/admin/tune", "admin"),
     ("POST", "/v1/admin/tune/misses", "/v1/admin/tune/misses", "admin"),
     ("POST", "/v1/admin/campaigns", "/v1/admin/campaigns", "admin"),

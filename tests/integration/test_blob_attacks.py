@@ -28,7 +28,7 @@ MEMORY = {"small": {}, "large": {"blob_memory_bytes": 16 * 1024}}
 
 
 def _path(store: Any, digest: str) -> Path:
-    return store.blob_store.root / digest[:2] / digest[2:4] / digest
+    return store.blob_store.folder.root / digest[:2] / digest[2:4] / digest
 
 
 def _served(api: Any, digest: str) -> bytes | None:

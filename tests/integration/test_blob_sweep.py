@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from plancache.blobs import ObjectStoreBlobs, objects
+from plancache.blobs import FolderBlobs, ObjectStoreBlobs, objects
 from plancache.cli import app
 from plancache.store import open_store
-from plancache.store.blobs import FileBlobs
 from plancache.store.retention import gc
 
 HOUR = timedelta(hours=1)
@@ -41,7 +40,7 @@ def _age(path: Path, hours: float) -> Path:
 
 
 def _file(store: Any, sha256: str) -> Path:
-    return store.blob_store.root / sha256[:2] / sha256[2:4] / sha256
+    return store.blob_store.folder.root / sha256[:2] / sha256[2:4] / sha256
 
 
 def _orphan(store: Any, data: bytes) -> Path:
@@ -54,7 +53,7 @@ def _orphan(store: Any, data: bytes) -> Path:
 def _temporary(store: Any, data: bytes) -> Path:
     """A writer's temporary file, as a writer that died before its rename leaves it."""
     sha256 = hashlib.sha256(data).hexdigest()
-    folder = store.blob_store.root / sha256[:2] / sha256[2:4]
+    folder = store.blob_store.folder.root / sha256[:2] / sha256[2:4]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f".{sha256}.k3j9x_q1.tmp"
     path.write_bytes(data[:3])
@@ -96,7 +95,7 @@ def test_blobs_a_row_names_are_never_touched(folder_store, make_spec, make_plan,
 
 
 def test_nothing_but_blob_files_and_temporaries_is_touched(folder_store, tmp_path):
-    root = folder_store.blob_store.root
+    root = folder_store.blob_store.folder.root
     outside = tmp_path / "outside"
     outside.write_bytes(b"not the store's")
     sha256 = hashlib.sha256(b"x").hexdigest()
@@ -117,14 +116,14 @@ def test_nothing_but_blob_files_and_temporaries_is_touched(folder_store, tmp_pat
 def test_a_publish_of_an_old_orphans_bytes_while_gc_runs_keeps_them(folder_store, make_spec, make_plan, gpu_env,
                                                                      monkeypatch):
     orphan = _age(_orphan(folder_store, b"published again"), 48)
-    listed = FileBlobs.files_older_than
+    listed = FolderBlobs.files_older_than
 
-    def listing_then_a_publish(self: FileBlobs, cutoff: float) -> Any:
+    def listing_then_a_publish(self: FolderBlobs, cutoff: float) -> Any:
         found = list(listed(self, cutoff))  # gc has listed the old orphan; now a publish finds the bytes present
         _publish(folder_store, make_spec, make_plan, 0, gpu_env, b"published again")
         return iter(found)
 
-    monkeypatch.setattr(FileBlobs, "files_older_than", listing_then_a_publish)
+    monkeypatch.setattr(FolderBlobs, "files_older_than", listing_then_a_publish)
     assert gc(folder_store, grace=HOUR).orphans_deleted == 0
     assert orphan.read_bytes() == b"published again"
     assert folder_store.get_blob(hashlib.sha256(b"published again").hexdigest()) == b"published again"

@@ -148,13 +148,13 @@ def test_role_rules(api, gpu_env, make_spec):
 def test_a_worker_publishes_the_record_alone_after_putting_the_blob(api, gpu_env, make_spec, make_plan):
     key, spec, job_id, lease = _claim(api, gpu_env, make_spec)
     meta, blob = make_plan(key, gpu_env, blob=b"tuned" * 2000)
-    body = upload_json(meta, spec, job_id=job_id, lease_token=lease)
-    r = api.client.put("/v1/plans", json=body, headers=api.worker)  # blob not uploaded yet
+    body = {"worker_id": "w1", "lease_token": lease, "plan": upload_json(meta, spec)}
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json=body, headers=api.worker)  # blob not uploaded yet
     assert r.status_code == 404 and "PUT /v1/blobs" in r.json()["error"]["message"]
     assert api.store.get_job(job_id).status == "running"  # nothing half-published
     assert _put(api, blob, _job_headers(api, job_id, lease)).status_code == 201
-    r = api.client.put("/v1/plans", json=body, headers=api.worker)
-    assert r.status_code == 201 and r.json()["blob_sha256"] == sha(blob)
+    r = api.client.post(f"/v1/jobs/{job_id}/complete", json=body, headers=api.worker)
+    assert r.status_code == 200 and r.json()["blob_sha256"] == sha(blob)
     assert api.store.get_job(job_id).status == "succeeded"
     assert api.client.get(f"/v1/blobs/{sha(blob)}", headers=api.reader).content == blob
 

@@ -1,6 +1,5 @@
 """The blob layer (:mod:`plancache.blobs`): one contract suite over every writable backend (a folder, memory, S3
-through moto's standalone server), the attacks on a folder and a bucket, presigned URLs, the HTTP reader against a
-live server, and the URL factory."""
+through moto's standalone server), the attacks on a folder and a bucket, presigned URLs and the URL factory."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import io
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,15 +21,12 @@ from plancache.blobs import (
     BlobReader,
     BlobStore,
     FolderBlobs,
-    HttpBlobs,
     MemoryBlobs,
     ObjectStoreBlobs,
     blob_url_kind,
     open_blobs,
 )
 from plancache.blobs.base import checked
-
-from ..live_server import LiveServer
 
 
 def sha(data: bytes) -> str:
@@ -253,7 +248,10 @@ def test_memory_keeps_at_most_its_byte_budget_least_recently_used_first():
     with pytest.raises(ValueError, match="more than this memory store holds"):
         store.put(sha(LARGE), LARGE)
     with pytest.raises(ValueError, match="max_bytes"):
-        MemoryBlobs(0)
+        MemoryBlobs(-1)
+    small_only = MemoryBlobs(max_bytes=3 * len(SMALL), max_item=len(SMALL))
+    with pytest.raises(ValueError, match="more than this memory store holds"):
+        small_only.put(sha(blobs[0]), blobs[0])
 
 
 # ------------------------------------------------------------------ S3 (moto)
@@ -308,47 +306,6 @@ def test_a_bucket_that_does_not_exist_is_an_error_not_a_miss(s3_blob_url):
         store.put(sha(SMALL), SMALL)
 
 
-# ------------------------------------------------------------------ the HTTP reader
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[LiveServer]:
-    with LiveServer(tmp_path) as srv:
-        yield srv
-
-
-def test_the_http_reader_gets_what_the_server_serves(server):
-    digest = server.store.put_blob(LARGE)
-    reader = open_blobs(server.url + "/", token=server.token("reader"))
-    assert isinstance(reader, HttpBlobs) and not isinstance(reader, BlobStore) and reader.url == server.url
-    assert reader.size(digest) == len(LARGE) and reader.get(digest) == LARGE
-    with reader.open(digest) as stream:
-        assert b"".join(stream) == LARGE
-    assert reader.get(sha(b"absent")) is None and not reader.has(sha(b"absent"))
-    with pytest.raises(errors.Unauthorized):
-        HttpBlobs(server.url).get(digest)
-    with pytest.raises(errors.IntegrityError, match="more than 1000"):
-        HttpBlobs(server.url, token=server.token("reader"), max_bytes=1000).get(digest)
-    reader.close()
-
-
-def test_the_http_reader_checks_what_it_receives(server):
-    digest = server.store.put_blob(SMALL)
-    wrong = sha(b"another blob")
-    server.app.state.blob_memory.put(wrong, SMALL)  # a server that serves the wrong bytes under a name
-    reader = HttpBlobs(server.url, token=server.token("reader"))
-    assert reader.get(digest) == SMALL and reader.get(wrong) is None
-    with reader.open(wrong) as stream, pytest.raises(errors.IntegrityError):
-        stream.read()
-
-
-def test_the_http_reader_reports_an_unreachable_server(tmp_path):
-    from ..live_server import free_port
-
-    with pytest.raises(errors.ServerUnavailable):
-        HttpBlobs(f"http://127.0.0.1:{free_port()}", timeout=2).get(sha(SMALL))
-
-
 # ------------------------------------------------------------------ URLs
 
 
@@ -377,8 +334,8 @@ def test_an_unreachable_endpoint_is_an_os_error_after_few_retries(monkeypatch, s
     store = open_blobs(s3_blob_url)
     with pytest.raises(OSError, match=f"{s3_blob_url}: .*error sending request"):
         store.get(sha(SMALL))
-    assert [blob_url_kind(u) for u in ("file:///x", "memory://", "s3://b/p", "gs://b", "az://c/p", "https://h")] == \
-        ["file", "memory", "object", "object", "object", "http"]
+    assert [blob_url_kind(u) for u in ("file:///x", "memory://", "s3://b/p", "gs://b", "az://c/p")] == \
+        ["file", "memory", "object", "object", "object"]
 
 
 @pytest.mark.parametrize(("url", "message"), [
@@ -391,10 +348,10 @@ def test_an_unreachable_endpoint_is_an_os_error_after_few_retries(monkeypatch, s
     ("s3://bucket/a?versionId=1", "s3://bucket/optional/prefix"),
     ("s3://AKIA:secret@bucket/p", "no credentials"),
     ("s3://bucket:9000/p", "AWS_ENDPOINT_URL"),
-    ("ftp://host/x", "file:///absolute/path, memory://, s3://bucket/prefix"),
+    ("ftp://host/x", "file:///absolute/path, memory:// or s3://bucket/prefix"),
     ("database", "s3://bucket/prefix"),
     ("/var/blobs", "file:///absolute/path"),
-    ("https://", "http"),
+    ("https://host", "memory:// or s3://bucket/prefix"),  # a server's blobs are read by the client, not here
 ])
 def test_a_bad_url_is_named_with_the_forms_that_work(url, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -522,7 +522,7 @@ def test_a_file_over_its_limit_or_endless_is_refused_without_reading_it_all(tmp_
     file, its size and the limit, with the exit code of that file's other read errors."""
     from plancache import bundle
     from plancache.cli.bundle_cmds import MAX_KEYS_FILE_BYTES
-    from plancache.cli.common import ExitCode
+    from plancache.cli.failures import ExitCode
     from plancache.signing import MAX_KEY_FILE_BYTES
     from tests.integration.test_cli import expected_failure
 
@@ -570,7 +570,7 @@ def test_export_refuses_a_bundle_no_import_would_read(tmp_path, store, make_spec
     """An export with an entry over MAX_BUNDLE_BYTES is refused, nothing written, rather than a file every import
     refuses (a bundle export writes is read an entry at a time: its size as a whole has no bound)."""
     from plancache import bundle
-    from plancache.cli.common import ExitCode
+    from plancache.cli.failures import ExitCode
     from plancache.errors import PayloadTooLarge
     from tests.integration.test_cli import expected_failure
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from plancache.client.capture import Recorder
 from plancache.spec import SpecBuilder
 from tests.integration.test_cli import EXAMPLE, expected_failure

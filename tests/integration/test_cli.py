@@ -1,4 +1,4 @@
-"""The CLI's conventions (plancache/cli/common.py, docs/CLI.md): every expected failure is an ``error:`` line and a
+"""The CLI's conventions (plancache/cli/failures.py, docs/CLI.md): every expected failure is an ``error:`` line and a
 ``hint:`` line with the exit code of its class, never a traceback; options take their defaults from the settings
 of the command's role; every option has help. Each case below was found on a fresh clone."""
 
@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from plancache import __version__
 from plancache.cli import COMMAND_MODULES, make_app
-from plancache.cli.common import EXIT_CODE_MEANINGS, ExitCode, command
+from plancache.cli.failures import EXIT_CODE_MEANINGS, ExitCode, command
 from plancache.settings import (
     AdminSettings,
     ClientSettings,
@@ -340,7 +340,8 @@ def test_a_spec_file_over_the_limit_or_endless_is_refused_without_reading_it_all
 def test_an_environment_file_over_the_limit_endless_or_not_utf8_is_a_usage_error(tmp_path):
     """``--environment FILE`` is read as a spec file is (at most the default JSON limit, a FIFO not waited on); a file
     that is not UTF-8 was a UnicodeDecodeError no handler caught."""
-    from plancache.cli.common import Failure, load_environment
+    from plancache.cli.failures import Failure
+    from plancache.cli.inputs import load_environment
     from plancache.settings import DEFAULT_MAX_JSON_BYTES
 
     big = tmp_path / "env.json"
@@ -524,7 +525,7 @@ def test_plans_gc_takes_the_short_env_id_plans_list_prints(tmp_path, sqlite_url,
 def test_printable_shows_control_characters_and_keeps_the_rest():
     """What a worker sent (a job error, a device name, a worker id) is printed with its control characters as text:
     no escape sequence reaches the admin's terminal; markup-looking text and non-ASCII letters stay as they are."""
-    from plancache.cli.common import printable
+    from plancache.cli.output import printable
 
     assert printable("e\x1b]0;owned\x07\x1b[2J\nX\x9b") == "e\\x1b]0;owned\\x07\\x1b[2J\\x0aX\\x9b"
     assert printable("gpu [/bold] Ü — ok") == "gpu [/bold] Ü — ok"

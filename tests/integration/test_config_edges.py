@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from plancache.signing import Signer, keygen
 from plancache.spec import graph_key
 from plancache.store import open_store

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from plancache.blobs.base import shard
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
-from plancache.store.blobs import ContentBlobs, FileBlobs
+from plancache.cli.failures import ExitCode
+from plancache.store.blobs import ContentBlobs
 from plancache.store.check import Problem, check
 from plancache.store.models import blobs
 from tests.factories import H200, make_meta
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.both_blob_stores
 def overwrite(store: Any, sha256: str, data: bytes) -> None:
     """Replace the stored bytes of ``sha256`` with ``data``, past every check (a bucket or disk gone bad)."""
     blob_store = store.blob_store
-    if isinstance(blob_store, FileBlobs):
+    if isinstance(blob_store, ContentBlobs) and blob_store.folder is not None:
         path = blob_store.folder.path(sha256)
         path.chmod(0o644)
         path.write_bytes(data)

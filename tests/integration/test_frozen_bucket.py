@@ -170,7 +170,7 @@ def test_gc_dry_run_reports_the_database_and_what_it_cannot_count(frozen_endpoin
 def test_gc_deletes_records_and_skips_the_blob_sweep(frozen_endpoint, two_environments, gpu_env, monkeypatch):
     """``plans gc`` with the bucket frozen deletes the records it was asked to and keeps every blob row (a row and
     its bytes go together), then says the sweep was skipped: exit 5 (OS_ERROR), no traceback."""
-    from plancache.cli.common import ExitCode
+    from plancache.cli.failures import ExitCode
     from plancache.store.models import blobs, plans
 
     result, seconds = _plans_gc(two_environments, monkeypatch, "--keep-environment", gpu_env.env_id)

@@ -143,8 +143,8 @@ def test_a_plan_upload_over_the_json_limit_is_refused_from_its_declared_length(
         assert limit == srv.settings.max_json_bytes + MAX_RECORD_BYTES + MAX_CANDIDATES_BYTES < 3 << 20
         worker = srv.token("worker")
         for path in ("/v1/plans", "/v1/jobs/1/complete"):
-            method = "PUT" if path == "/v1/plans" else "POST"
-            head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {worker}\r\n"
+            method, token = ("PUT", srv.admin_token) if path == "/v1/plans" else ("POST", worker)
+            head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n").encode()
             answer, seconds = _answer_after_head(srv.port, head, wait=2.0)
             status_line, _, rest = answer.partition(b"\r\n")

@@ -18,7 +18,7 @@ from plancache.cli import app
 from plancache.environment import Environment
 from plancache.errors import NotFound, StaleRevision
 from plancache.store import open_store
-from plancache.store.blobs import FileBlobs
+from plancache.store.blobs import ContentBlobs
 from plancache.store.models import blobs
 from plancache.store.retention import GC_BATCH, gc
 
@@ -44,8 +44,8 @@ def _blob_digests(store: Any) -> set[str]:
     none left over)."""
     with store.db.read() as conn:
         digests = set(conn.execute(sa.select(blobs.c.sha256)).scalars())
-    if isinstance(store.blob_store, FileBlobs):
-        assert {p.name for p in store.blob_store.root.rglob("*") if p.is_file()} == digests
+    if isinstance(store.blob_store, ContentBlobs) and store.blob_store.folder is not None:
+        assert {p.name for p in store.blob_store.folder.root.rglob("*") if p.is_file()} == digests
     elif store.blob_store.url.startswith("s3://"):
         import obstore
         from obstore.store import from_url

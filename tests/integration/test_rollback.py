@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from plancache.errors import SchemaTooNew
 from plancache.store import open_store
 from plancache.store.db import EXPAND_ONLY, Database, migrations_dir

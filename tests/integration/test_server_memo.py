@@ -3,33 +3,51 @@ tokens (time-bounded)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import sqlalchemy as sa
 
-from plancache.server.memo import BlobMemory, RecordMemo, TtlMemory
+from plancache.server.memo import RecordMemo, TtlMemory, blob_memory
+from plancache.store.models import blobs
 from plancache.store.plans import PlanVersion
 from tests.server_util import api, bearer, open_api, upload  # noqa: F401
 
 
+def _blobs(count: int, size: int) -> list[tuple[str, bytes]]:
+    return [(hashlib.sha256(data).hexdigest(), data) for data in (bytes([i]) * size for i in range(count))]
+
+
 def test_blob_memory_drops_the_least_recently_used_past_its_size():
-    m = BlobMemory(16 * 100)  # 16 items of 100 bytes
-    for name in "abcdefghijklmnop":
-        m.put(name, name.encode() * 100)
-    assert m.bytes == 1600 and len(m) == 16
-    assert m.get("a") == b"a" * 100  # a is now the most recent
-    m.put("q", b"q" * 100)
-    assert m.get("b") is None and m.get("a") == b"a" * 100 and m.bytes == 1600
+    m = blob_memory(16 * 100)  # 16 items of 100 bytes
+    items = _blobs(17, 100)
+    for sha, data in items[:16]:
+        m.put(sha, data)
+    assert all(m.has(sha) for sha, _ in items[:16])
+    assert m.get(items[0][0]) == items[0][1]  # the first is now the most recent
+    m.put(*items[16])
+    assert m.get(items[1][0]) is None and m.get(items[0][0]) == items[0][1] and m.has(items[16][0])
 
 
 def test_blob_memory_never_keeps_a_blob_over_a_sixteenth_of_its_size():
-    m = BlobMemory(1600)
-    m.put("big", b"x" * 101)
-    assert m.get("big") is None and m.bytes == 0
-    off = BlobMemory(0)
-    off.put("a", b"a")
-    assert off.get("a") is None
+    m = blob_memory(1600)
+    [(sha, big)] = _blobs(1, 101)
+    assert m.max_item == 100
+    with pytest.raises(ValueError, match="more than this memory store holds"):
+        m.put(sha, big)
+    assert m.get(sha) is None
+    off = blob_memory(0)
+    assert off.max_item == 0 and off.get(sha) is None
     with pytest.raises(ValueError):
-        BlobMemory(-1)
+        blob_memory(-1)
+
+
+def test_damaged_database_bytes_are_not_kept_nor_served(api, make_spec, make_plan, gpu_env, caplog):
+    sha = _publish(api, make_spec, make_plan, gpu_env, b"plan-bytes" * 100)
+    with api.store.db.write() as conn:
+        conn.execute(sa.update(blobs).where(blobs.c.sha256 == sha).values(data=b"damaged" * 100))
+    assert api.client.get(f"/v1/blobs/{sha}", headers=api.reader).status_code == 404
+    assert api.app.state.blob_memory.get(sha) is None and "is damaged" in caplog.text
 
 
 def test_record_memo_drops_the_least_recently_used_past_its_size():

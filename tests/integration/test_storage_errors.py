@@ -35,7 +35,7 @@ def _refuse(store: Any, make_spec: Any, caplog: pytest.LogCaptureFixture, why: s
     error = r.json()["error"]
     assert error["code"] == "insufficient_storage" and why in error["message"] and "nothing was stored" in error["message"]
     assert store.get_plan(key, H200) is None
-    assert _files(store.blob_store.root) == []
+    assert _files(store.blob_store.folder.root) == []
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
     assert [rec.levelname for rec in caplog.records if "blob store" in rec.getMessage()] == ["ERROR"]
 
@@ -55,7 +55,7 @@ def test_a_full_disk_is_507_with_nothing_half_written(file_store: Any, make_spec
 
 def test_an_unwritable_blob_folder_is_507(file_store: Any, make_spec: Any, monkeypatch: pytest.MonkeyPatch,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    root: Path = file_store.blob_store.root
+    root: Path = file_store.blob_store.folder.root
     if os.geteuid() == 0:  # root writes whatever the mode says: refuse the folder's writes instead
         real_mkdir = Path.mkdir
 
@@ -134,7 +134,7 @@ def test_a_blob_file_removed_while_it_is_written_is_503_retry(file_store: Any, m
         r = put_blob(api.client, b"plan bytes" * 1000, api.admin, check=False)
     assert r.status_code == 503 and r.json()["error"]["code"] == "blob_store_unavailable", r.text
     assert "removed while it was written" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
-    assert _files(file_store.blob_store.root) == []
+    assert _files(file_store.blob_store.folder.root) == []
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
 
 
@@ -146,7 +146,7 @@ def test_a_blob_shard_that_cannot_be_a_folder_is_507(file_store: Any, make_spec:
 
     blob = b"plan bytes" * 1000
     digest = hashlib.sha256(blob).hexdigest()
-    root: Path = file_store.blob_store.root
+    root: Path = file_store.blob_store.folder.root
     (root / digest[:2]).write_bytes(b"in the way")
     with open_api(file_store) as api, caplog.at_level(logging.INFO):
         r = put_blob(api.client, blob, api.admin, check=False)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from plancache.blobs import open_blobs
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from plancache.store import open_store
 from tests.factories import stored_plans
 
@@ -44,7 +44,7 @@ def test_commands_need_an_upgraded_database(cli, tmp_path, monkeypatch):
     assert "waiting up to" not in result.stderr and time.monotonic() - t0 < 3 and not (tmp_path / "x.db").exists()
     assert "Traceback" not in result.output
 
-    monkeypatch.setattr("plancache.cli.common.SCHEMA_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr("plancache.cli.database.SCHEMA_WAIT_SECONDS", 0.5)
     sqlite3.connect(tmp_path / "x.db").close()  # an empty file
     t0 = time.monotonic()
     result = cli("token", "list", "--database-url", url, code=ExitCode.DATABASE)

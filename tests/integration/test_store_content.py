@@ -102,11 +102,12 @@ def test_blob_store_contract(store):
 
 
 def test_file_blob_store_layout_and_atomic_writes(tmp_path):
-    from plancache.store.blobs import FileBlobs, open_blob_store
+    from plancache.store.blobs import ContentBlobs, open_blob_store
 
     root = tmp_path / "shared volume"
     bs = open_blob_store(root.as_uri())
-    assert isinstance(bs, FileBlobs) and bs.root == root and bs.url == root.as_uri()
+    assert isinstance(bs, ContentBlobs) and bs.folder is not None and bs.folder.root == root
+    assert bs.url == root.as_uri()
     data = b"plan" * 1000
     digest = hashlib.sha256(data).hexdigest()
     bs.put(None, digest, data)  # the file backend needs no connection
@@ -126,9 +127,10 @@ def test_file_blob_store_layout_and_atomic_writes(tmp_path):
 
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     from plancache import files
-    from plancache.store import blobs as blobs_module
+    from plancache.blobs import FolderBlobs
+    from plancache.store.blobs import ContentBlobs
 
-    bs = blobs_module.FileBlobs(tmp_path)
+    bs = ContentBlobs(FolderBlobs(tmp_path))
     data = b"never lands"
     digest = hashlib.sha256(data).hexdigest()
 

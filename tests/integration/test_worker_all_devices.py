@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plancache.cli import make_app
-from plancache.cli.common import ExitCode
+from plancache.cli.failures import ExitCode
 from tests.integration.test_cli import expected_failure
 
 

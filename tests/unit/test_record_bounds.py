@@ -14,6 +14,7 @@ from plancache.protocol import (
     MAX_CANDIDATES,
     MAX_CANDIDATES_BYTES,
     MAX_ENVELOPE_PAYLOAD,
+    MAX_JOB_ID,
     MAX_KNOBS,
     MAX_RECORD_BYTES,
     MAX_WITHDRAWAL_REASON,
@@ -62,7 +63,7 @@ def test_the_largest_record_there_can_be_is_at_most_64_kib():
     """Every string at its longest (each character escaped to 6 bytes where the field allows any), every number at
     its widest, 64 knobs, the largest envelope: a resolve answer for N keys, records only, is at most N x this."""
     widest = PlanRecord(**_widest_meta().model_dump(exclude={"envelope"}), envelope=_widest_envelope(), env_id="f" * 32,
-                        job_id=INT64_MAX, created_at=datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC))
+                        job_id=MAX_JOB_ID, created_at=datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC))
     size = len(widest.model_dump_json())
     assert 30_000 < size <= MAX_RECORD_BYTES, size  # 35.4 KiB at the bounds
     entry = ResolvedPlan(record=widest, blob_url="https://" + "u" * 8184)

@@ -26,7 +26,7 @@ from ..auth import Admin
 from ..bodies import CheckedRoute
 from ..deps import StoreDep
 from ..errors import documented_errors
-from .jobs import JobId
+from .jobs import JobIdPath
 
 router = APIRouter(route_class=CheckedRoute, tags=["admin"])
 
@@ -78,7 +78,7 @@ def tune_misses(req: EnqueueMissesRequest, store: StoreDep, _: Admin) -> JobList
 
 @router.post("/v1/admin/jobs/{job_id}/cancel", response_model=Job, summary="End a queued or running job",
              responses=documented_errors(401, 403, 404, 409, 422, 503))
-def cancel_job(job_id: JobId, store: StoreDep, principal: Admin, req: CancelRequest | None = None) -> Job:
+def cancel_job(job_id: JobIdPath, store: StoreDep, principal: Admin, req: CancelRequest | None = None) -> Job:
     """The job ends ``failed`` with the error ``cancelled by <token name>[: reason]`` and is not claimed again; the
     worker holding it, if any, is refused its next heartbeat and stops tuning. 409 when the job has ended already.
     The body (``{"reason": "..."}``) is optional."""

@@ -18,8 +18,7 @@ from fastapi import APIRouter, Header, Path, Response
 from starlette.concurrency import run_in_threadpool
 
 from ...errors import Forbidden, InvalidValue, LengthRequired, NotFound
-from ...protocol import SHA256_PATTERN
-from ...validation import INT32_MAX
+from ...protocol import SHA256_PATTERN, is_job_id
 from ..auth import Reader, Worker
 from ..bodies import CheckedRequest, CheckedRoute
 from ..deps import StoreDep
@@ -75,7 +74,7 @@ async def put_blob(sha256: Sha256Path, request: CheckedRequest, store: StoreDep,
     ``not_lease_holder`` as heartbeat answers); an admin token none."""
     if not principal.may("admin"):
         job_id = int(x_plancache_job) if x_plancache_job and re.fullmatch("[0-9]{1,10}", x_plancache_job) else 0
-        if not 0 < job_id <= INT32_MAX or not x_plancache_lease:
+        if not is_job_id(job_id) or not x_plancache_lease:
             raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker uploads blobs only for a "
                             "job it holds (headers X-Plancache-Job: its id, X-Plancache-Worker, X-Plancache-Lease)")
         await run_in_threadpool(store.check_held, job_id, x_plancache_worker, x_plancache_lease,

@@ -18,6 +18,7 @@ from ...protocol import (
     CompleteRequest,
     FailRequest,
     Job,
+    JobId,
     JobList,
     JobStatus,
     LeaseRequest,
@@ -34,7 +35,7 @@ from ..uploads import accept_upload, publish_job_plan
 # Allow header (not a malformed job id, 422); a job id that is not a number is 404.
 router = APIRouter(route_class=CheckedRoute, tags=["jobs"])
 
-JobId = Annotated[int, Path(ge=1, le=INT32_MAX)]
+JobIdPath = Annotated[JobId, Path()]
 _LEASE_ERRORS = documented_errors(401, 403, 404, 409, 422, 503)
 
 
@@ -80,13 +81,13 @@ def job_view(job: Job, principal: Principal) -> Job:
 
 
 @router.get("/v1/jobs/{job_id:int}", response_model=Job, summary="One job", responses=documented_errors(401, 403, 404, 422, 503))
-def read_job(job_id: JobId, store: StoreDep, principal: Worker) -> Job:
+def read_job(job_id: JobIdPath, store: StoreDep, principal: Worker) -> Job:
     """Status and progress; the lease's owner only for admins and the lease's holder."""
     return job_view(store.get_job(job_id), principal)
 
 
 @router.post("/v1/jobs/{job_id}/heartbeat", response_model=Job, summary="Extend a held lease", responses=_LEASE_ERRORS)
-def heartbeat(job_id: JobId, req: LeaseRequest, store: StoreDep, settings: SettingsDep, principal: Worker) -> Job:
+def heartbeat(job_id: JobIdPath, req: LeaseRequest, store: StoreDep, settings: SettingsDep, principal: Worker) -> Job:
     job = store.heartbeat(job_id, req.worker_id, req.lease_token, lease_seconds=settings.lease_seconds,
                           holder=principal.identity)
     return job_view(job, principal)
@@ -94,7 +95,7 @@ def heartbeat(job_id: JobId, req: LeaseRequest, store: StoreDep, settings: Setti
 
 @router.post("/v1/jobs/{job_id}/complete", response_model=PlanRecord, summary="Publish the job's plan and finish it",
              responses={**_LEASE_ERRORS, **documented_errors(413)})
-def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep,
+def complete(job_id: JobIdPath, req: CompleteRequest, store: StoreDep, settings: SettingsDep, metrics: MetricsDep,
              principal: Worker) -> PlanRecord:
     """One transaction publishes the plan and marks the job succeeded; a worker whose lease was taken
     over gets 409 ``lease_lost``, another API token 403 ``not_lease_holder``. The same holder repeating a
@@ -110,7 +111,7 @@ def complete(job_id: JobId, req: CompleteRequest, store: StoreDep, settings: Set
 
 
 @router.post("/v1/jobs/{job_id}/fail", response_model=Job, summary="Report a failed attempt", responses=_LEASE_ERRORS)
-def fail(job_id: JobId, req: FailRequest, store: StoreDep, principal: Worker) -> Job:
+def fail(job_id: JobIdPath, req: FailRequest, store: StoreDep, principal: Worker) -> Job:
     """Back to ``queued`` when ``retryable`` and attempts are left, else ``failed``."""
     job = store.fail(job_id, req.worker_id, req.lease_token, req.error, retryable=req.retryable,
                      holder=principal.identity, released=req.released)

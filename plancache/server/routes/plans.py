@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Annotated
@@ -13,9 +14,9 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from ...blobs import BlobStream, ObjectStoreBlobs
+from ...blobs import BlobStream, MemoryBlobs, ObjectStoreBlobs
 from ...environment import Environment
-from ...errors import Forbidden, IntegrityError, NotFound, PayloadTooLarge
+from ...errors import IntegrityError, NotFound, PayloadTooLarge
 from ...http import PROCESS_HEADER
 from ...protocol import (
     SHA256_PATTERN,
@@ -23,8 +24,8 @@ from ...protocol import (
     ExplainResponse,
     MissReason,
     PlanCandidates,
-    PlanPut,
     PlanRecord,
+    PlanUpload,
     ResolveRequest,
     ResolveResponse,
 )
@@ -33,16 +34,18 @@ from ...store import Store
 from ...store.blobs import ContentBlobs
 from ...store.misses import MissCaller
 from ...store.plans import PlanVersion
-from ..auth import Admin, Reader, Worker
+from ..auth import Admin, Reader
 from ..autotune import autotune_policy
 from ..bodies import CheckedRoute
 from ..deps import MetricsDep, SettingsDep, StoreDep
 from ..errors import documented_errors
 from ..limits import Held, miss_caller, miss_share, rate_key
-from ..memo import BlobMemory, RecordMemo, TtlMemory
+from ..memo import RecordMemo, TtlMemory
 from ..metrics import Metrics
-from ..uploads import accept_upload, publish_job_plan
+from ..uploads import accept_upload
 from .specs import GraphKeyPath
+
+log = logging.getLogger("plancache.server")
 
 router = APIRouter(route_class=CheckedRoute, tags=["plans"])
 
@@ -271,10 +274,11 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
                     metrics: MetricsDep, _: Reader, if_none_match: Annotated[str | None, Header()] = None) -> Response:
     """Blobs are immutable: the answer may be cached by anyone (``ETag`` is the digest). A blob read once is kept
     in this process's memory (``PLANCACHE_BLOB_MEMORY_BYTES``) and served from there without the database.
-    Bytes read from a folder or a bucket are hashed as they are read: a damaged blob is 404 (logged), and one too
-    large to keep in memory is streamed and cut off before its last chunk when it turns out damaged."""
+    Bytes are hashed when first read (from a folder or a bucket as they are read, from the database before they are
+    kept): a damaged blob is 404 (logged), and one of a folder or bucket too large to keep in memory is streamed and
+    cut off before its last chunk when it turns out damaged."""
     headers = {"ETag": f'"{sha256}"', "Cache-Control": IMMUTABLE}
-    memory: BlobMemory = request.app.state.blob_memory
+    memory: MemoryBlobs = request.app.state.blob_memory
     data = memory.get(sha256)
     if _etag_matches(if_none_match, sha256):
         if data is None and await run_in_threadpool(store.blob_size, sha256) is None:
@@ -296,7 +300,11 @@ async def read_blob(sha256: Annotated[str, Path(pattern=SHA256_PATTERN)], reques
             data = None if found is None else found[1]
         if data is None:
             raise NotFound(f"no blob {sha256}")
-        memory.put(sha256, data)
+        try:
+            await run_in_threadpool(memory.put, sha256, data)  # bytes from the database are hashed here, once
+        except IntegrityError as exc:
+            log.warning("blob %s of %s is damaged, treated as missing: %s", sha256, store.blob_store.url, exc)
+            raise NotFound(f"no blob {sha256}") from None
     metrics.bytes_served.labels(BLOB_ROUTE).inc(len(data))
     return Response(data, media_type="application/octet-stream", headers=headers)
 
@@ -322,12 +330,12 @@ async def _whole_blob(request: Request, store: Store, metrics: Metrics, sha256: 
 
 
 @router.put("/v1/plans", response_model=PlanRecord, status_code=201,
-            summary="Upload a tuned plan (a worker for a job it holds, or an admin)",
+            summary="Upload a tuned plan outside the job queue (admin)",
             responses={200: {"model": PlanRecord, "description": "this key and environment already had a plan"},
                        **documented_errors(401, 403, 404, 409, 413, 422, 503)})
-def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
-                principal: Worker) -> PlanRecord:
-    """201 for a new plan; 200 when the same blob was stored already (or ``replace``, admin only, swapped it).
+def upload_plan(upload: PlanUpload, store: StoreDep, settings: SettingsDep, metrics: MetricsDep, response: Response,
+                principal: Admin) -> PlanRecord:
+    """201 for a new plan; 200 when the same blob was stored already (or ``replace`` swapped it).
     A different blob for a stored key and environment without ``replace`` is 409, and so is a replacement whose
     ``revision`` is not above the stored record's (``stale_revision``: an older record cannot replace a newer one;
     the same blob signed again with a higher revision replaces its record).
@@ -335,22 +343,11 @@ def upload_plan(upload: PlanPut, store: StoreDep, settings: SettingsDep, metrics
     The body is the record alone: the blob is uploaded raw before, with ``PUT /v1/blobs/{sha256}`` (404 when it is not
     stored with ``blob_size`` bytes, nothing published); a body that carries the blob (``blob_b64``) is 422.
 
-    A worker token publishes only the plan of a job it holds: ``job_id`` and ``lease_token`` of its claim
-    (``worker_id`` the lease's; the plan must be for the job's graph key and match its target), and the
-    upload completes the job, as ``POST /v1/jobs/{id}/complete`` does (403 without them; 409 ``lease_lost``
-    or 403 ``not_lease_holder`` as there). An admin token may upload for any key and environment."""
-    if upload.job_id is None and not principal.may("admin"):
-        raise Forbidden(f"token {principal.name!r} has role {principal.role}: a worker publishes plans only for a job "
-                        "it holds (send job_id and lease_token of its claim); uploading without a job needs admin")
-    lease = None if upload.job_id is None or upload.lease_token is None else (
-        upload.job_id, upload.worker_id, upload.lease_token)
-    accept_upload(upload, principal, store, settings, job=lease)
+    A worker publishes the plan of a job it holds with ``POST /v1/jobs/{id}/complete``, the one completion route; a
+    body here that names a job (``job_id``, ``lease_token``) is 422 saying so."""
+    accept_upload(upload, principal, store, settings)
     existing = store.get_plan(upload.graph_key, upload.environment)
-    if upload.job_id is not None and upload.lease_token is not None:
-        record, _ = publish_job_plan(store, upload, job_id=upload.job_id, worker_id=upload.worker_id,
-                                     lease_token=upload.lease_token, principal=principal)
-    else:
-        record = store.publish_plan(upload, None, replace=upload.replace)
+    record = store.publish_plan(upload, None, replace=upload.replace)
     if existing is not None:
         response.status_code = 200
     if existing is None or existing.blob_sha256 != record.blob_sha256:
