@@ -324,20 +324,20 @@ def test_a_load_works_each_specs_key_out_once(srv, tmp_path, signer, wire, monke
     """The graph key (the spec's canonical form, hashed) is the client's one costly step per served graph before
     its plan is ready: worked out once per spec, whatever takes the load through the ladder (it was twice, 0.14 ms
     a graph on the 2-core development machine). A missed graph's local build also works out its shape family."""
-    from plancache.spec import GraphSpec
+    from plancache.spec import GraphSpec, keys
 
     specs = [parse_spec(s.to_json()) for s in SPECS.values()]  # fresh documents: no key worked out yet
     for spec in specs[:3]:
         seed(srv, parse_spec(spec.to_json()), signer)
-    canonical = GraphSpec.canonical
+    canonical_form = keys.canonical_form
     made: Counter[str] = Counter()
 
-    def counted(self: GraphSpec) -> dict[str, Any]:
+    def counted(spec: GraphSpec) -> dict[str, Any]:
         if threading.current_thread() is threading.main_thread():  # the client's, not the in-process server's
-            made[self.name] += 1
-        return canonical(self)
+            made[spec.name] += 1
+        return canonical_form(spec)
 
-    monkeypatch.setattr(GraphSpec, "canonical", counted)
+    monkeypatch.setattr(keys, "canonical_form", counted)
     pc = client(srv, tmp_path, signer, wire=wire, role="worker")
     plans = pc.prefetch(specs)
     assert [plans[s.graph_key].source for s in specs] == ["server"] * 3 + ["heuristic"] * 2
