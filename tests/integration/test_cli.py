@@ -33,7 +33,9 @@ from plancache.settings import (
     WorkerSettings,
     env_name,
 )
+from plancache.signing import keygen
 from plancache.store import open_store
+from tests.gpu_util import gpu_skip_reason
 from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -529,3 +531,20 @@ def test_printable_shows_control_characters_and_keeps_the_rest():
 
     assert printable("e\x1b]0;owned\x07\x1b[2J\nX\x9b") == "e\\x1b]0;owned\\x07\\x1b[2J\\x0aX\\x9b"
     assert printable("gpu [/bold] Ü — ok") == "gpu [/bold] Ü — ok"
+
+
+@pytest.mark.skipif(gpu_skip_reason() is None, reason="a GPU is present: the worker would start")
+def test_cli_worker_without_a_gpu_exits_with_a_message(tmp_path):
+    """Exit 9 (no usable GPU) where the gpu extra is installed; on a ``.[server,dev]`` install, 4 naming the extra."""
+    import importlib.util
+
+    has_gpu_extra = all(importlib.util.find_spec(m) is not None for m in ("torch", "cudnn"))
+    priv, _, _ = keygen(tmp_path, "w")
+    proc = subprocess.run([sys.executable, "-m", "plancache", "worker", "--server", "http://127.0.0.1:9",
+                           "--token", "t", "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--once"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    if has_gpu_extra:
+        assert proc.returncode == 9, proc.stderr
+    else:
+        assert proc.returncode == 4 and "plancache[gpu]" in proc.stderr, proc.stderr

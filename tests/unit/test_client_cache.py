@@ -215,7 +215,7 @@ def test_a_reader_sharing_the_folder_with_an_evicting_writer_only_ever_misses(tm
     for t in threads:
         t.start()
     try:
-        for _rounds in range(5):
+        for _rounds in range(2):
             for i in range(40):
                 assert writer.save(make_record(key(i), H200, blob(i)), blob(i))
     finally:

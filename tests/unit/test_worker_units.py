@@ -29,7 +29,6 @@ from plancache.validation import INT64_MAX
 from plancache.worker import JobsApi, Spool, SpoolEntry, Worker
 from plancache.worker.loop import lease_duration
 from plancache.worker.spool import ORPHAN_SECONDS
-from tests.gpu_util import gpu_skip_reason
 from tests.worker_fakes import FAKE_ENV, FakeTuner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -372,23 +371,6 @@ def test_cli_worker_requires_a_signing_key(tmp_path, monkeypatch):
     monkeypatch.delenv("PLANCACHE_SIGNING_KEY", raising=False)
     res = CliRunner().invoke(worker_cli(), ["worker", "--server", "http://127.0.0.1:9"])
     assert res.exit_code == 3 and "signing" in res.output  # ExitCode.CONFIG
-
-
-@pytest.mark.skipif(gpu_skip_reason() is None, reason="a GPU is present: the worker would start")
-def test_cli_worker_without_a_gpu_exits_with_a_message(tmp_path):
-    """Exit 9 (no usable GPU) where the gpu extra is installed; on a ``.[server,dev]`` install, 4 naming the extra."""
-    import importlib.util
-
-    has_gpu_extra = all(importlib.util.find_spec(m) is not None for m in ("torch", "cudnn"))
-    priv, _, _ = keygen(tmp_path, "w")
-    proc = subprocess.run([sys.executable, "-m", "plancache", "worker", "--server", "http://127.0.0.1:9",
-                           "--token", "t", "--signing-key", str(priv), "--spool-dir", str(tmp_path / "spool"), "--once"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    if has_gpu_extra:
-        assert proc.returncode == 9, proc.stderr
-    else:
-        assert proc.returncode == 4 and "plancache[gpu]" in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- worker ids, heartbeats, the spool's edge cases
