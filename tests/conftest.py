@@ -47,6 +47,16 @@ os.environ["PLANCACHE_DATABASE_URL"] = f"sqlite:///{os.path.join(SCRATCH, 'defau
 os.environ["PLANCACHE_CACHE_DIR"] = os.path.join(SCRATCH, "cache")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``PLANCACHE_TEST_FAILURE_LOG`` set, each failure is appended to that file as it happens (its test id,
+    phase and the end of its report): a run stopped by a time limit, as a lent GPU's calls are, still says why each
+    test before the stop failed, where pytest's own summary comes only at the end."""
+    path = os.environ.get("PLANCACHE_TEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n\n")
+
+
 class FakeClock:
     """A settable clock for the store: ``clock()`` is now; ``clock.advance(seconds)`` moves it."""
 
