@@ -58,7 +58,7 @@ def kernels(cache: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from plancache.client import sdpa
-    from tests.gpu_util import captured, median_ms
+    from tests.gpu_util import median_ms
 
     out: dict[str, Any] = {}
     for shape in SHAPES:
@@ -76,7 +76,7 @@ def kernels(cache: Any) -> dict[str, Any]:
             _route(name == "plancache", cache)
             with _backend(name):
                 before = sdpa.stats()
-                row[name] = {"eager_ms": median_ms(step), "graphed_ms": median_ms(captured(step)[0].replay)}
+                row[name] = {"eager_ms": median_ms(step), **_graphed(step)}
                 if name != "flash":  # the host cost of torch's cuDNN kernels, or of the route's
                     row[name]["host_us"] = _host_us(q, k, v, do)
                 if name == "plancache":
@@ -92,6 +92,20 @@ def kernels(cache: Any) -> dict[str, Any]:
         _route(False, cache)
         out["x".join(map(str, shape))] = row
     return out
+
+
+def _graphed(step: Any) -> dict[str, Any]:
+    """``graphed_ms``: the median replay of ``step`` captured in a CUDA graph; or ``graphed_error``, why the capture
+    failed (the row keeps its eager figures, and the next backend is measured)."""
+    import torch
+
+    from tests.gpu_util import captured, median_ms
+
+    try:
+        return {"graphed_ms": median_ms(captured(step)[0].replay)}
+    except RuntimeError as exc:  # torch.AcceleratorError (a failed capture) is one
+        torch.cuda.synchronize()
+        return {"graphed_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
 
 def _host_us(q: Any, k: Any, v: Any, do: Any) -> dict[str, float]:
@@ -192,14 +206,15 @@ def _run(*args: str) -> dict[str, Any]:
 
 
 def _tables(results: dict[str, Any]) -> None:
+    nan = float("nan")
     kern = results["kernels"]["kernels"]
     print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} | "
           f"{'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} | {'host us fwd/bwd':>28} {'error':>8}")
     for shape, row in kern.items():
         f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
+        fg, ag, pg = (r.get("graphed_ms", nan) for r in (f, a, p))
         print(f"{shape:>24} | {f['eager_ms']:>7.3f} {a['eager_ms']:>11.3f} {p['eager_ms']:>10.3f} "
-              f"{p['eager_ms'] / a['eager_ms']:>6.2f} | {f['graphed_ms']:>15.3f} {a['graphed_ms']:>7.3f} "
-              f"{p['graphed_ms']:>10.3f} {p['graphed_ms'] / a['graphed_ms']:>6.2f} | "
+              f"{p['eager_ms'] / a['eager_ms']:>6.2f} | {fg:>15.3f} {ag:>7.3f} {pg:>10.3f} {pg / ag:>6.2f} | "
               f"{p['host_us']['fwd']:>5.1f}/{p['host_us']['bwd']:<5.1f} vs ATen {a['host_us']['fwd']:>5.1f}/"
               f"{a['host_us']['bwd']:<5.1f} {p['error']:>8.1e}")
     blk = results["block"]["block"]
@@ -212,6 +227,10 @@ def _tables(results: dict[str, Any]) -> None:
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
               f"{row['plancache']['steady_ms']:>10.3f} {row['plancache']['steady_ms'] / best:>8.2f} | "
               f"{row['plancache']['first_ms']:>22.1f} {aten_first:>11.1f}")
+    for shape, row in kern.items():
+        for name, got in row.items():
+            if isinstance(got, dict) and "graphed_error" in got:
+                print(f"{shape} {name}: CUDA-graph capture failed: {got['graphed_error']}")
     print("route:", results["kernels"]["route_stats"], results["block"]["route_stats"])
 
 

@@ -1,0 +1,34 @@
+"""bench/sdpa_route.py's tables: a backend whose CUDA-graph capture failed keeps its eager figures and says why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import sdpa_route
+
+
+def _row(eager: float, graphed: float | None, *, error: str = "") -> dict[str, Any]:
+    got: dict[str, Any] = {"eager_ms": eager, "host_us": {"fwd": 10.0, "bwd": 20.0}}
+    if graphed is None:
+        got["graphed_error"] = error
+    else:
+        got["graphed_ms"] = graphed
+    return got
+
+
+def test_a_failed_capture_is_printed_with_its_reason_and_the_eager_figures_stay(capsys):
+    plancache = _row(0.30, None, error="AcceleratorError: operation would make the legacy stream depend on ...")
+    plancache["error"] = 1e-3
+    results = {
+        "kernels": {"kernels": {"2x16x1024x128": {"flash": _row(0.35, 0.34), "aten_cudnn": _row(0.26, 0.14),
+                                                  "plancache": plancache}},
+                    "route_stats": {"fwd": 60}},
+        "block": {"block": {"2x512": {name: {"first_ms": 5.0, "steady_ms": 1.0}
+                                      for name in ("flash", "aten_cudnn", "plancache")}},
+                  "route_stats": {}},
+    }
+    sdpa_route._tables(results)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("2x16x1024x128 |"))
+    assert "0.300" in row and "1.15" in row and "nan" in row  # eager figures and ratio kept, graphed unknown
+    assert "2x16x1024x128 plancache: CUDA-graph capture failed: AcceleratorError: operation would make" in out
