@@ -163,7 +163,7 @@ def build_bundle(environment: Environment, plans: Iterable[BundlePlan], signer: 
 
 
 def _entry(plan: BundlePlan) -> dict[str, Any]:
-    return {"record": plan.record.model_dump(mode="json"), "blob_b64": b64encode(plan.blob), "spec": plan.spec}
+    return {"record": plan.record.file_json(), "blob_b64": b64encode(plan.blob), "spec": plan.spec}
 
 
 def _header(environment: Environment, entries: int, now: datetime | None) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def build_index(environment: Environment, records: Iterable[PlanRecord], signer:
                                   *((("", n), g) for n, g in sorted(named.items()) if g)]:
         named_part = {} if name is None else {"set": name}
         data = _json({"format": SHARD_FORMAT, "env_id": environment.env_id, "prefix": prefix, **named_part,
-                      "plans": [r.model_dump(mode="json") for r in group]})
+                      "plans": [r.file_json() for r in group]})
         sha = hashlib.sha256(data).hexdigest()
         files[shard_path(environment.env_id, sha)] = data
         refs.append({"prefix": prefix, **named_part, "sha256": sha, "size": len(data), "plans": len(group)})

@@ -49,6 +49,9 @@ def is_job_id(value: int) -> bool:
 #: campaign, or ``plancache enqueue`` of a capture file.
 JobSource = Literal["auto", "admin", "campaign", "capture"]
 CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
+#: torch's own attention kernels (its flash-attention; ATen's cuDNN attention) a worker times beside an SDPA plan.
+NativeKernel = Literal["flash", "cudnn_aten"]
+NATIVE_KERNELS: tuple[str, ...] = get_args(NativeKernel)
 
 #: A sha256 hex digest (a blob's; a graph key is one too): 64 lowercase hex characters.
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -240,6 +243,10 @@ class PlanMeta(StrictModel):
     winner_median_ms: Millis
     heuristic_median_ms: Millis | None = None
     worst_median_ms: Millis | None = None
+    native_median_ms: dict[NativeKernel, Millis] = Field(
+        default_factory=dict, max_length=len(NATIVE_KERNELS),
+        description="median ms of torch's own kernels for the same attention call, timed by the worker beside the "
+                    "winner (flash, cudnn_aten); empty for other graphs")
     tuning_seconds: Seconds
     worker_id: str = Field(min_length=1, max_length=256)
     numerics_check: str = Field(
@@ -295,6 +302,11 @@ class PlanRecord(PlanMeta):
         if isinstance(data, dict) and "candidates" in data:
             data = {k: v for k, v in data.items() if k != "candidates"}
         return data
+
+    def file_json(self) -> dict[str, Any]:
+        """The record as a bundle entry or an index shard holds it: its JSON less an empty ``native_median_ms``, so
+        that a release that lacks the field (it reads those files strictly) reads a record without native timings."""
+        return self.model_dump(mode="json", exclude=None if self.native_median_ms else {"native_median_ms"})
 
 
 class PlanCandidates(CandidateTable):

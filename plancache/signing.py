@@ -3,12 +3,12 @@
 A signed record carries a DSSE envelope (https://github.com/secure-systems-lab/dsse) of payload type
 :data:`PAYLOAD_TYPE`, whose payload is an in-toto Statement v1 (https://in-toto.io/Statement/v1): its subject
 is the plan blob, named by its graph key (``{"name": GRAPH_KEY, "digest": {"sha256": …}}``), its predicate
-the record's graph key, environment validity fields, blob size, ``(engine_id, knobs)``, timings, numerics
-check, worker id and ``revision`` (:func:`plan_predicate`), plus the signing time. Each signature is ed25519
-over DSSE's pre-authentication encoding (:func:`pae`), so any DSSE verifier holding the public key checks it;
-``keyid`` is the key id (the first 16 hex characters of the sha256 of the raw public key). A record is
-authentic only when a trusted key's signature verifies and the record's fields equal the statement's
-(:meth:`TrustedKeys.verify`). Bundles are signed the same way (:mod:`plancache.bundle`), and so are withdrawals
+the record's graph key, environment validity fields, blob size, ``(engine_id, knobs)``, timings (torch's native
+kernels' too, when timed), numerics check, worker id and ``revision`` (:func:`plan_predicate`), plus the signing
+time. Each signature is ed25519 over DSSE's pre-authentication encoding (:func:`pae`), so any DSSE verifier
+holding the public key checks it; ``keyid`` is the key id (the first 16 hex characters of the sha256 of the raw
+public key). A record is authentic only when a trusted key's signature verifies and the record's fields equal the
+statement's (:meth:`TrustedKeys.verify`). Bundles are signed the same way (:mod:`plancache.bundle`), and so are withdrawals
 (:class:`~plancache.protocol.Withdrawal`, predicate :data:`WITHDRAWAL_PREDICATE`: the same subject, the graph key,
 environment, withdrawn revision, reason and the withdrawal's own revision, :func:`withdrawal_predicate`).
 
@@ -78,8 +78,10 @@ def statement(artifacts: Iterable[tuple[str, str]], predicate_type: str, predica
 
 
 def plan_predicate(meta: PlanMeta) -> dict[str, Any]:
-    """The fields of ``meta`` its statement's predicate signs (the predicate adds ``signed_at``, the signing time)."""
-    return {
+    """The fields of ``meta`` its statement's predicate signs (the predicate adds ``signed_at``, the signing time).
+    ``native_median_ms`` is in it only when it holds a timing: a record without one has the predicate of a release
+    that lacks the field, so the records such a release signed verify unchanged."""
+    predicate: dict[str, Any] = {
         "graph_key": meta.graph_key,
         "environment": meta.environment.validity(),
         "blob_size": meta.blob_size,
@@ -91,6 +93,9 @@ def plan_predicate(meta: PlanMeta) -> dict[str, Any]:
         "worker_id": meta.worker_id,
         "revision": meta.revision,
     }
+    if meta.native_median_ms:
+        predicate["native_median_ms"] = dict(sorted(meta.native_median_ms.items()))
+    return predicate
 
 
 def _stamp(signed_at: datetime) -> str:

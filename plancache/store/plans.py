@@ -23,8 +23,9 @@ from .jobs import complete_held_job, tally_completion
 from .misses import Misses
 from .models import plan_candidates, plans, withdrawals
 
-# PlanMeta fields stored in a column of the same name (the environment is spread over its own columns).
-_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "envelope"))
+# PlanMeta fields stored in a column of the same name (the environment is spread over its own columns; the envelope
+# and native timings are null when absent).
+_META_COLUMNS = tuple(f for f in PlanMeta.model_fields if f not in ("environment", "envelope", "native_median_ms"))
 
 
 def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[str, Any]:
@@ -34,6 +35,7 @@ def _record_values(meta: PlanMeta, job_id: int | None, now: datetime) -> dict[st
         **{f: getattr(meta, f) for f in _META_COLUMNS},
         **env_columns(meta.environment),
         "envelope": None if meta.envelope is None else meta.envelope.model_dump(),
+        "native_median_ms": meta.native_median_ms or None,
         "job_id": job_id,
         "created_at": now,
     }
@@ -73,6 +75,7 @@ def row_to_record(row: Row[Any]) -> PlanRecord:
         **{f: m[f] for f in _META_COLUMNS},
         environment=env_from_row(m),
         envelope=m["envelope"],
+        native_median_ms=m["native_median_ms"] or {},
         env_id=m["env_id"],
         job_id=m["job_id"],
         created_at=m["created_at"],

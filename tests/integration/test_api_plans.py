@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from plancache.protocol import ResolvedPlan, ResolveResponse, b64encode
+from plancache.protocol import PlanMeta, PlanRecord, ResolvedPlan, ResolveResponse, b64encode
 from plancache.server.routes import plans as plans_routes
 from plancache.spec import parse_spec
-from tests.factories import stored_plans
+from plancache.validation import from_answer
+from tests.factories import make_meta, new_signer, stored_plans, trusted
 from tests.server_util import api, env_query, open_api, put_blob, sha, upload, upload_json  # noqa: F401
 
 pytestmark = pytest.mark.both_blob_stores
@@ -297,6 +298,26 @@ def test_plan_lookup_by_environment_query(api, published, gpu_env):
     del partial["driver_version"]
     r = api.client.get(f"/v1/plans/{key}", params=partial, headers=api.reader)
     assert r.status_code == 422 and "driver_version" in r.json()["error"]["message"]
+
+
+def test_a_signed_record_s_native_timings_come_back_unchanged(api, make_spec, gpu_env):
+    """A record with native kernel timings, published, is answered by the upload, resolve and the record lookup as
+    it was signed: read as a client reads an answer, it holds the same fields, and its signature verifies."""
+    signer = new_signer()
+    key, spec = make_spec(0)
+    blob = b"an attention plan"
+    native = {"flash": 0.354, "cudnn_aten": 0.261}
+    meta = make_meta(key, gpu_env, blob, signer, native_median_ms=native)
+    r = upload(api.client, meta, blob, spec, headers=api.admin)
+    assert r.status_code == 201, r.text
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [key]}
+    resolved = api.client.post("/v1/plans/resolve", json=body, headers=api.reader)
+    assert resolved.json()["plans"][key]["record"]["native_median_ms"] == native
+    looked_up = api.client.get(f"/v1/plans/{key}", params=env_query(gpu_env), headers=api.reader)
+    for record in (from_answer(PlanRecord, r.content), from_answer(ResolveResponse, resolved.content).plans[key].record,
+                   from_answer(PlanRecord, looked_up.content)):
+        assert PlanMeta.model_validate(record.model_dump(include=set(PlanMeta.model_fields))) == meta
+        trusted(signer).verify(record)
 
 
 # ------------------------------------------------------------------ blobs

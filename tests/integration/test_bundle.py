@@ -89,6 +89,28 @@ def test_round_trip_signed(store, dest, make_spec, make_plan, gpu_env, other_env
     assert _plan_count(dest) == 2
 
 
+def test_native_timings_travel_in_a_bundle_and_an_empty_set_is_left_out(store, dest, make_spec, make_plan, gpu_env,
+                                                                          keys, tmp_path):
+    """A record's native kernel timings are in its bundle entry, verified and imported with it; a record without any
+    has no ``native_median_ms`` in its entry, so a release that lacks the field reads the bundle (it reads strictly)."""
+    untimed = _seed(store, make_spec, make_plan, gpu_env, keys["signer"], n=1)[0]
+    timed, spec = make_spec(1)
+    store.put_spec(timed, spec)
+    native = {"flash": 0.354, "cudnn_aten": 0.261}
+    meta, blob = make_plan(timed, gpu_env, blob=b"an attention plan", native_median_ms=native)
+    store.publish_plan(keys["signer"].sign(meta), blob)
+    out = tmp_path / "b.json"
+    assert export_bundle(store, gpu_env, None, out, keys["signer"]) == 2
+    records = {e["record"]["graph_key"]: e["record"] for e in json.loads(out.read_text())["entries"]}
+    assert "native_median_ms" not in records[untimed] and records[timed]["native_median_ms"] == native
+    assert {p.record.graph_key: p.record.native_median_ms for p in load_bundle(out, keys["trusted"])} == {
+        untimed: {}, timed: native}
+    assert import_bundle(dest, out, keys["trusted"]).imported == 2
+    got = dest.get_plan(timed, gpu_env)
+    assert got is not None and got.native_median_ms == native
+    keys["trusted"].verify(got)
+
+
 def test_export_all_and_import_into_either_backend(store, make_spec, make_plan, gpu_env, keys, tmp_path):
     src = open_store(f"sqlite:///{tmp_path / 'src.db'}", create=True)
     try:

@@ -318,6 +318,7 @@ def test_absurd_integers_in_plan_uploads_are_422(api, make_spec, make_plan, gpu_
     ("winner_median_ms", 1e308),
     ("heuristic_median_ms", 1e300),
     ("worst_median_ms", -1.0),
+    ("native_median_ms", {"flash": 1e300}),
     ("tuning_seconds", 1e12),
     ("candidates", [{"index": 0, "status": "ok", "median_ms": 1e308}]),
     ("candidates", [{"index": 0, "status": "mismatch", "max_abs_err": 1e300}]),

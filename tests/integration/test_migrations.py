@@ -203,6 +203,27 @@ def test_candidates_inside_records_move_to_their_own_table_capped(db_url, make_s
         store.close()
 
 
+def test_native_timings_come_with_0011_and_go_with_its_downgrade(db_url, make_spec, make_plan, gpu_env):
+    """0011 adds the nullable ``plans.native_median_ms``; downgrading to 0010 drops it (and the timings), the plan
+    and its candidates kept; upgrading again, the record reads as before with no timings."""
+    from tests.factories import make_candidates
+
+    store = Store(db_url)
+    try:
+        store.upgrade()
+        key, spec = make_spec(0)
+        store.put_spec(key, spec)
+        meta, blob = make_plan(key, gpu_env, native_median_ms={"flash": 0.354, "cudnn_aten": 0.261})
+        record = store.publish_plan(meta, blob, candidates=make_candidates())
+        store.db.downgrade("0010")
+        assert "native_median_ms" not in {c["name"] for c in sa.inspect(store.engine).get_columns("plans")}
+        store.upgrade()
+        assert store.get_plan(key, gpu_env) == record.model_copy(update={"native_median_ms": {}})
+        assert store.get_candidates(key, gpu_env).candidates == make_candidates().candidates
+    finally:
+        store.close()
+
+
 def test_a_database_migrated_by_a_newer_plancache_is_refused_clearly(db_url, tmp_path):
     """A revision this plancache does not have (a newer release migrated the database, then was rolled back):
     opening, migrating and `plancache db upgrade` (which `serve` runs) say so, not an internal error or "run

@@ -25,6 +25,7 @@ from plancache.index import (
     FolderTarget,
     build_index,
     open_root,
+    open_shard,
     prefix_length,
     publish_index,
     root_path,
@@ -287,6 +288,21 @@ def test_open_root_checks_in_order_and_names_the_problem():
     with pytest.raises(VerificationError) as exc:
         open_root(root, keys, OTHER_GPU)
     assert exc.value.reason == Reason.ENVIRONMENT
+
+
+def test_a_shard_holds_native_timings_and_leaves_an_empty_set_out():
+    """A record's native kernel timings are in its shard, read back with it; a record without any has no
+    ``native_median_ms`` there, so a client of a release that lacks the field (it reads shards strictly) reads it."""
+    timed, untimed = [record_of(make_meta(spec.graph_key, H200, blob_of(spec.graph_key), SIGNER, **extra))
+                       for spec, extra in zip(SPECS, ({"native_median_ms": {"flash": 0.354, "cudnn_aten": 0.261}}, {}))]
+    root, shards = build_index(H200, [timed, untimed], SIGNER, version=1)
+    (data,) = shards.values()
+    plans = {p["graph_key"]: p for p in json.loads(data)["plans"]}
+    assert plans[timed.graph_key]["native_median_ms"] == timed.native_median_ms
+    assert "native_median_ms" not in plans[untimed.graph_key]
+    opened = open_root(root, trusted(SIGNER), H200)
+    assert sorted(open_shard(data, opened.shards[0], opened).plans, key=lambda r: r.graph_key) == sorted(
+        [timed, untimed], key=lambda r: r.graph_key)
 
 
 def test_the_prefix_length_keeps_shards_small():

@@ -74,11 +74,12 @@ def test_token_lifecycle(cli, db_url):
 def test_plans_list(cli, store, db_url, make_spec, make_plan, gpu_env):
     key, spec = make_spec(0)
     store.put_spec(key, spec)
-    record = store.publish_plan(*make_plan(key, gpu_env))
+    record = store.publish_plan(*make_plan(key, gpu_env, native_median_ms={"flash": 0.354, "cudnn_aten": 0.261}))
     table = cli("plans", "list", "--database-url", db_url).stdout
     assert key[:16] in table and "NVIDIA H200" in table
     lines = cli("plans", "list", "--json", "--env-id", gpu_env.env_id, "--database-url", db_url).stdout.splitlines()
     assert [json.loads(line)["graph_key"] for line in lines] == [record.graph_key]
+    assert json.loads(lines[0])["native_median_ms"] == {"flash": 0.354, "cudnn_aten": 0.261}
     assert cli("plans", "list", "--json", "--graph-key", "0" * 64, "--database-url", db_url).stdout == ""
 
 

@@ -43,6 +43,29 @@ def test_publish_stores_blob_and_full_record(store, key, gpu_env, make_plan, clo
     assert store.get_plan(key, gpu_env) == record
 
 
+def test_native_timings_are_stored_read_by_every_lookup_and_null_when_none(store, make_spec, gpu_env, make_plan):
+    """A record's native kernel timings read back from each lookup (get, resolve's records, list); a record without
+    any stores SQL NULL (as a row code of 0010 writes), which reads as none; a replacement changes them."""
+    keys = []
+    for i in range(2):
+        k, spec = make_spec(i)
+        store.put_spec(k, spec)
+        keys.append(k)
+    meta, blob = make_plan(keys[0], gpu_env, native_median_ms={"flash": 0.354, "cudnn_aten": 0.261})
+    timed = store.publish_plan(meta, blob)
+    untimed = store.publish_plan(*make_plan(keys[1], gpu_env, blob=b"another plan"))
+    assert timed.native_median_ms == {"flash": 0.354, "cudnn_aten": 0.261} and untimed.native_median_ms == {}
+    assert [store.get_plan(k, gpu_env) for k in keys] == [timed, untimed]
+    assert stored_plans(store, gpu_env, keys, include_blobs=False)[0] == {keys[0]: (timed, None), keys[1]: (untimed, None)}
+    assert sorted(store.list_plans(), key=lambda r: r.graph_key) == sorted([timed, untimed], key=lambda r: r.graph_key)
+    with store.engine.connect() as conn:
+        nulls = conn.execute(sa.select(plans.c.graph_key).where(plans.c.native_median_ms.is_(None))).scalars().all()
+    assert nulls == [keys[1]]
+    resigned = meta.model_copy(update={"revision": meta.revision + 1, "native_median_ms": {"flash": 0.3}})
+    assert store.publish_plan(resigned, blob, replace=True).native_median_ms == {"flash": 0.3}
+    assert store.get_plan(keys[0], gpu_env).native_median_ms == {"flash": 0.3}
+
+
 def test_get_plan_matches_validity_fields_exactly(store, key, gpu_env, make_plan):
     store.publish_plan(*make_plan(key, gpu_env))
     same_validity = gpu_env.model_copy(update={"device_name": "other name", "torch_version": "9"})

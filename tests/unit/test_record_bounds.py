@@ -18,16 +18,18 @@ from plancache.protocol import (
     MAX_KNOBS,
     MAX_RECORD_BYTES,
     MAX_WITHDRAWAL_REASON,
+    NATIVE_KERNELS,
     Candidate,
     CandidateTable,
     DsseSignature,
     Envelope,
+    NativeKernel,
     PlanMeta,
     PlanRecord,
     ResolvedPlan,
     Withdrawal,
 )
-from plancache.validation import INT64_MAX, MAX_MS, MAX_SECONDS
+from plancache.validation import INT64_MAX, MAX_MS, MAX_SECONDS, Millis
 from tests.factories import H200, make_meta, make_record, new_signer
 
 #: A character JSON writes as 6 bytes (``\u0001``): strings made of it are the longest their bounds allow.
@@ -50,7 +52,8 @@ def _widest_meta() -> PlanMeta:
     return PlanMeta(graph_key="f" * 64, environment=_widest_env(), blob_sha256="f" * 64, blob_size=INT64_MAX,
                     revision=INT64_MAX, engine_id=-INT64_MAX, knobs=_knobs(), plan_name=WIDE * 512,
                     workspace_bytes=INT64_MAX, winner_median_ms=MAX_MS - 1e-9, heuristic_median_ms=MAX_MS - 1e-9,
-                    worst_median_ms=MAX_MS - 1e-9, tuning_seconds=MAX_SECONDS - 1e-9, worker_id=WIDE * 256,
+                    worst_median_ms=MAX_MS - 1e-9, native_median_ms=dict.fromkeys(NATIVE_KERNELS, MAX_MS - 1e-9),
+                    tuning_seconds=MAX_SECONDS - 1e-9, worker_id=WIDE * 256,
                     numerics_check="cross-check:heuristic")
 
 
@@ -65,7 +68,7 @@ def test_the_largest_record_there_can_be_is_at_most_64_kib():
     widest = PlanRecord(**_widest_meta().model_dump(exclude={"envelope"}), envelope=_widest_envelope(), env_id="f" * 32,
                         job_id=MAX_JOB_ID, created_at=datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC))
     size = len(widest.model_dump_json())
-    assert 30_000 < size <= MAX_RECORD_BYTES, size  # 35.4 KiB at the bounds
+    assert 30_000 < size <= MAX_RECORD_BYTES, size  # 35.1 KiB at the bounds
     entry = ResolvedPlan(record=widest, blob_url="https://" + "u" * 8184)
     assert len(entry.model_dump_json()) <= MAX_RECORD_BYTES + 8400
 
@@ -92,11 +95,22 @@ def test_a_signed_statement_at_every_bound_fits_the_envelope():
                   "signatures": [{"keyid": "k", "sig": "AA=="}]}),
     ("envelope", {"payloadType": "t", "payload": "AA==", "signatures": [{"keyid": "k\n", "sig": "AA=="}]}),
     ("env_id", "x" * 10_000),
+    ("native_median_ms", {"mem_efficient": 1.0}),  # a kernel plancache does not name
+    ("native_median_ms", {"flash": -1.0}),
+    ("native_median_ms", {"cudnn_aten": MAX_MS * 2}),
 ])
 def test_a_field_past_its_bound_is_refused(field, value):
     doc = make_record("0" * 64, H200).model_dump(mode="json")
     with pytest.raises(ValidationError, match=field):
         PlanRecord.model_validate({**doc, field: value})
+
+
+def test_a_record_states_the_native_kernels_plancache_names():
+    """The kernels a worker times beside an attention plan, keyed as the GPU side and clients key them; a record
+    states none by default."""
+    assert NATIVE_KERNELS == ("flash", "cudnn_aten")
+    assert PlanMeta.model_fields["native_median_ms"].annotation == dict[NativeKernel, Millis]
+    assert make_record("0" * 64, H200).native_median_ms == {}
 
 
 def test_a_record_with_candidates_inside_reads_without_them():

@@ -8,22 +8,25 @@ import base64
 import hashlib
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from plancache import signing
 from plancache.bundle import ENTRIES_SUBJECT, BundlePlan, build_bundle
 from plancache.errors import SignatureError
-from plancache.protocol import DsseSignature, Envelope
-from plancache.signing import BUNDLE_PREDICATE, PAYLOAD_TYPE, next_revision, statement
+from plancache.protocol import DsseSignature, Envelope, PlanRecord
+from plancache.signing import BUNDLE_PREDICATE, PAYLOAD_TYPE, TrustedKeys, next_revision, statement
 from tests.factories import CONV_SPEC as SPEC
 from tests.factories import H200, OTHER_GPU, make_meta, make_record, new_signer, trusted
 
 KEY = "c" * 64
 BLOB = b"\x01serialized plan\xfe" * 16
+NATIVE = {"flash": 0.354, "cudnn_aten": 0.261}
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def dsse_pae(payload_type: str, body: bytes) -> bytes:
@@ -153,6 +156,7 @@ def test_a_tampered_payload_is_refused(signer):
     ("graph_key", "d" * 64), ("environment", OTHER_GPU), ("blob_sha256", "0" * 64), ("blob_size", 1),
     ("engine_id", 8), ("knobs", {"TILE_M": 4}), ("winner_median_ms", 0.01), ("heuristic_median_ms", 1.0),
     ("numerics_check", "cross-check:heuristic"), ("worker_id", "mallory"), ("revision", 2**40),
+    ("native_median_ms", {"flash": 0.3}),
 ])
 def test_a_record_is_authentic_only_if_its_fields_equal_the_signed_predicate(signer, field, value):
     """The envelope verifies, but the record around it says something else: refused, naming the field."""
@@ -160,6 +164,27 @@ def test_a_record_is_authentic_only_if_its_fields_equal_the_signed_predicate(sig
     with pytest.raises(SignatureError, match=rf"does not match its signed statement \({field}\)") as err:
         trusted(signer).verify(meta, what="plan")
     assert err.value.reason == "bad_signature"
+
+
+def test_native_timings_are_signed_when_a_record_states_them(signer):
+    """A record's native kernel timings are in its predicate when it states any; changing, dropping or clearing
+    them after signing is refused, naming ``native_median_ms``."""
+    meta = make_meta(KEY, H200, BLOB, signer, native_median_ms=NATIVE)
+    assert json.loads(base64.b64decode(meta.envelope.payload))["predicate"]["native_median_ms"] == NATIVE
+    trusted(signer).verify(meta)
+    for changed in ({**NATIVE, "cudnn_aten": 0.262}, {"flash": NATIVE["flash"]}, {}):
+        with pytest.raises(SignatureError, match=r"does not match its signed statement \(native_median_ms\)"):
+            trusted(signer).verify(meta.model_copy(update={"native_median_ms": changed}), what="plan")
+
+
+def test_a_record_signed_without_the_native_timings_field_verifies_unchanged():
+    """tests/data/record_without_native_timings.json was signed (key: the ed25519 seed of bytes 0 to 31) by a
+    release whose records had no ``native_median_ms``: it reads with none, and its signature still verifies."""
+    doc = json.loads((DATA / "record_without_native_timings.json").read_text())
+    record = PlanRecord.model_validate(doc)
+    assert "native_median_ms" not in doc and record.native_median_ms == {}
+    assert "native_median_ms" not in json.loads(base64.b64decode(record.envelope.payload))["predicate"]
+    TrustedKeys([Ed25519PrivateKey.from_private_bytes(bytes(range(32))).public_key()]).verify(record)
 
 
 def test_a_wrong_or_unknown_keyid_is_refused(signer):
