@@ -49,9 +49,11 @@ def is_job_id(value: int) -> bool:
 #: campaign, or ``plancache enqueue`` of a capture file.
 JobSource = Literal["auto", "admin", "campaign", "capture"]
 CandidateStatus = Literal["ok", "build_failed", "run_failed", "mismatch"]
-#: torch's own attention kernels (its flash-attention; ATen's cuDNN attention) a worker times beside an SDPA plan.
-NativeKernel = Literal["flash", "cudnn_aten"]
-NATIVE_KERNELS: tuple[str, ...] = get_args(NativeKernel)
+#: torch's own attention kernels (its flash-attention; ATen's cuDNN attention) this release's workers time beside an
+#: SDPA plan and its clients run. A record may name others (a later release's kernel): it is read, never run.
+NATIVE_KERNELS: tuple[str, ...] = ("flash", "cudnn_aten")
+NATIVE_KERNEL_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+MAX_NATIVE_KERNELS = 8
 
 #: A sha256 hex digest (a blob's; a graph key is one too): 64 lowercase hex characters.
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -243,8 +245,8 @@ class PlanMeta(StrictModel):
     winner_median_ms: Millis
     heuristic_median_ms: Millis | None = None
     worst_median_ms: Millis | None = None
-    native_median_ms: dict[NativeKernel, Millis] = Field(
-        default_factory=dict, max_length=len(NATIVE_KERNELS),
+    native_median_ms: dict[Annotated[str, StringConstraints(pattern=NATIVE_KERNEL_PATTERN)], Millis] = Field(
+        default_factory=dict, max_length=MAX_NATIVE_KERNELS,
         description="median ms of torch's own kernels for the same attention call, timed by the worker beside the "
                     "winner (flash, cudnn_aten); empty for other graphs")
     tuning_seconds: Seconds

@@ -26,15 +26,20 @@ _lock = threading.Lock()
 
 
 def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: hook.WarmSource | None = None,
-            warm_vary: Mapping[str, Sequence[int]] | None = None) -> PlanCache:
+            warm_vary: Mapping[str, Sequence[int]] | None = None, attention: str | None = None) -> PlanCache:
     """Serve every cuDNN FE build of this process from ``cache`` (default ``PlanCache()`` from the
     ``PLANCACHE_*`` settings) and, with ``sdpa_route``, torch's cuDNN attention kernels from its plans.
     ``warm`` (default ``PLANCACHE_WARM``) and ``warm_vary``: a warm start (:func:`plancache.client.hook.install`):
     the plans of the graphs of a capture file (or of specs), and of their variants along shape axes, fetched and
-    verified in the background now, so each graph is served with no further request when it is built. Returns the
-    cache."""
+    verified in the background now, so each graph is served with no further request when it is built.
+    ``attention`` (default ``PLANCACHE_ATTENTION``, else ``fastest``): what runs each attention configuration, one
+    of :data:`plancache.client.sdpa.CHOICES`. Returns the cache."""
     from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
+    from .settings import ClientSettings
 
+    attention = attention if attention is not None else ClientSettings().attention
+    if attention not in sdpa.CHOICES:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(sdpa.CHOICES)}")
     require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
@@ -42,7 +47,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     with _lock:
         hook.install(cache, warm=warm, warm_vary=warm_vary)
         if sdpa_route:
-            sdpa.install(cache)
+            sdpa.install(cache, attention=attention)
     return cache
 
 

@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--trusted")
     parser.add_argument("--cache")
     parser.add_argument("--mode", default="normal")
+    parser.add_argument("--attention", default="plan", help="plancache.client.sdpa.CHOICES")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
 
@@ -174,7 +175,7 @@ def main() -> None:
     from plancache.client import PlanCache, sdpa
 
     cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
-                                              cache_dir=args.cache, mode=args.mode))
+                                              cache_dir=args.cache, mode=args.mode), attention=args.attention)
     out: dict[str, Any] = {"variants": {}}
     for name in args.variants or VARIANTS:
         before = sdpa.stats()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .backend import Backend, BuiltPlanLike
 
 if TYPE_CHECKING:
+    from ..protocol import PlanRecord
     from ..spec import GraphSpec
 
 #: Device pointers handed to cuDNN must be aligned to this many bytes (the alignment plans are built for).
@@ -83,14 +84,16 @@ class Plan:
     rebuilt locally) or ``heuristic`` (a local heuristic build). Executions of plans of one
     :class:`~plancache.client.PlanCache` are serialized on its cuDNN handle; the plan keeps one
     workspace per stream it ran on, so give your own ``workspace`` to run one plan on several
-    streams at the same time.
+    streams at the same time. ``record``: the verified record it was loaded or rebuilt from (what the worker
+    measured), None for a local heuristic build.
     """
 
     def __init__(self, spec: GraphSpec, graph_key: str, built: BuiltPlanLike, backend: Backend, *, source: str,
-                 lock: threading.Lock) -> None:
+                 lock: threading.Lock, record: PlanRecord | None = None) -> None:
         self.spec = spec
         self.graph_key = graph_key
         self.source = source
+        self.record = record
         self._built = built
         self._backend = backend
         self._lock = lock
@@ -123,7 +126,8 @@ class Plan:
         otherwise (names are not part of the key), the same loaded plan taking ``spec``'s names."""
         if spec is self.spec or spec.canonical_document().io_names() == self.spec.canonical_document().io_names():
             return self
-        return Plan(spec, self.graph_key, self._built, self._backend, source=self.source, lock=self._lock)
+        return Plan(spec, self.graph_key, self._built, self._backend, source=self.source, lock=self._lock,
+                    record=self.record)
 
     def tensor_names(self) -> list[str]:
         """The names :meth:`execute` takes: the graph's inputs, then its outputs (unnamed tensors go by uid)."""

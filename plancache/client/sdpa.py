@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["ATEN_REASONS", "OPS", "install", "installed", "stats", "uninstall"]
+__all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "install", "installed", "stats", "uninstall"]
 
 #: The ATen ops whose CUDA kernels the route replaces.
 OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
@@ -50,6 +50,16 @@ ATEN_REASONS = {
     "capture": "a configuration first seen while a CUDA graph is being captured (plans load before capture)",
     "unsupported": "FE cannot express or build this configuration (the log line says why)",
 }
+
+#: What the route runs for a configuration (``install(attention=...)``, ``PLANCACHE_ATTENTION``): ``fastest`` (the
+#: default) the served plan unless its record says one of torch's own kernels measured faster on the worker;
+#: ``plan`` always the plan; ``flash`` or ``cudnn_aten`` that kernel of torch's (flash only where it can run the call:
+#: no attention bias, as many key as query heads, and not a backward under deterministic algorithms).
+NATIVE = ("flash", "cudnn_aten")  # plancache.protocol.NATIVE_KERNELS (not imported here: pydantic; a test pins them)
+CHOICES = ("fastest", "plan", *NATIVE)
+#: ``fastest`` takes a native kernel only when the worker measured it this much faster than the plan (a tie within
+#: timing noise keeps the plan).
+NATIVE_MARGIN = 0.02
 
 _UID = {"q": 1, "k": 2, "v": 3, "bias": 4, "o": 100, "stats": 101, "dO": 200, "dQ": 201, "dK": 202, "dV": 203}
 _ALIGNMENT = 16
@@ -67,6 +77,13 @@ class _Executor:
 
 
 @dataclass(frozen=True, slots=True)
+class _Native:
+    """A configuration run by one of torch's own kernels (:mod:`plancache.gpu.native`), measured or pinned."""
+
+    kernel: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Aten:
     """A configuration left to torch's kernel, and why (an :data:`ATEN_REASONS` key)."""
 
@@ -76,14 +93,15 @@ class _Aten:
 class _Route:
     """The installed route: its cache, its device, its prepared executors and the call counters."""
 
-    def __init__(self, cache: PlanCache, lib: Any) -> None:
+    def __init__(self, cache: PlanCache, lib: Any, choice: str) -> None:
         import torch
 
         self.cache = cache
         self.lib = lib
+        self.choice = choice
         self.device = cache.context.backend.device
         self.index = self.device.index or 0
-        self.executors: dict[tuple[Any, ...], _Executor | _Aten] = {}
+        self.executors: dict[tuple[Any, ...], _Executor | _Native | _Aten] = {}
         self.counts: dict[str, int] = {"fwd": 0, "bwd": 0}
         self.prepare_seconds = 0.0  # first calls of configurations: writing, keying and loading their plans
         self.prepare_lock = threading.Lock()
@@ -118,20 +136,23 @@ _lock = threading.Lock()
 _route: _Route | None = None
 
 
-def install(cache: PlanCache) -> None:
-    """Serve torch's cuDNN attention kernels from ``cache`` (its device's tensors; others run torch's kernel)."""
+def install(cache: PlanCache, *, attention: str = "fastest") -> None:
+    """Serve torch's cuDNN attention kernels from ``cache`` (its device's tensors; others run torch's kernel).
+    ``attention``: what runs a configuration, one of :data:`CHOICES`."""
     global _route
     import torch
 
+    if attention not in CHOICES:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(CHOICES)}")
     with _lock:
         if _route is not None:
-            if _route.cache is cache:
+            if _route.cache is cache and _route.choice == attention:
                 return
             _uninstall_locked()
         lib = torch.library.Library("aten", "IMPL")
         lib.impl(OPS[0], _forward, "CUDA")
         lib.impl(OPS[1], _backward, "CUDA")
-        _route = _Route(cache, lib)
+        _route = _Route(cache, lib, attention)
 
 
 def uninstall() -> None:
@@ -152,8 +173,9 @@ def installed() -> bool:
 
 
 def stats() -> dict[str, float]:
-    """Calls served by the route (``fwd``, ``bwd``), plans loaded by source (``load:<source>``), calls left to torch's
-    kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of
+    """Calls served by the route (``fwd``, ``bwd``), plans loaded by source (``load:<source>``), calls run by a
+    native kernel chosen as measured faster or pinned (``fwd_native:<kernel>``, ``bwd_native:<kernel>``), calls left
+    to torch's kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of
     configurations spent writing, keying and loading their plans (the waits for a warm start included)."""
     route = _route
     if route is None:
@@ -184,12 +206,18 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                 None if bias is None else (bias.shape, bias.stride()))
         ex = route.executors.get(ckey)
         if ex is None:
-            ex = _prepare(route, ckey, lambda: _forward_graph(query, key, value, bias, compute_log_sumexp,
-                                                              is_causal, scale))
+            ex = _prepare(route, ckey, _flash_takes(query, key, value, bias),
+                          lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal, scale))
         if isinstance(ex, _Aten):
             reason = ex.reason
         elif _misaligned(query, key, value, bias):
             reason = "layout"
+        elif isinstance(ex, _Native):
+            from ..gpu import native
+
+            out, lse = native.forward(ex.kernel, query, key, value, bias, is_causal, scale)
+            route.count(f"fwd_native:{ex.kernel}")
+            return out, lse, None, None, query.shape[2], key.shape[2], *_unused_rng(query), None
         else:
             import torch
 
@@ -204,9 +232,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                 buffers.append(bias)
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
-            seed = torch.empty((), dtype=torch.long, device=query.device)
-            offset = torch.empty((), dtype=torch.long, device=query.device)
-            return out, lse, None, None, s, key.shape[2], seed, offset, None
+            return out, lse, None, None, s, key.shape[2], *_unused_rng(query), None
     if route is not None:
         route.count(f"fwd_aten:{reason}")
     return _aten_forward(query, key, value, attn_bias, None, None, query.size(-2), key.size(-2), compute_log_sumexp,
@@ -232,12 +258,17 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
                 None if bias is None else (bias.shape, bias.stride()))
         ex = route.executors.get(ckey)
         if ex is None:
-            ex = _prepare(route, ckey, lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale,
-                                                               deterministic))
+            ex = _prepare(route, ckey, _flash_takes(query, key, value, bias) and not deterministic,
+                          lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic))
         if isinstance(ex, _Aten):
             reason = ex.reason
         elif _misaligned(query, key, value, bias, out, grad_out, lse):
             reason = "layout"
+        elif isinstance(ex, _Native):
+            from ..gpu import native
+
+            route.count(f"bwd_native:{ex.kernel}")
+            return native.backward(ex.kernel, grad_out, query, key, value, out, lse, bias, is_causal, scale)
         else:
             dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
             buffers = [query, key, value, out, grad_out, lse, dq, dk, dv]
@@ -281,6 +312,32 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
     ex.graph.execute(dict(zip(ex.uids, buffers)), workspace, handle=handle)
 
 
+def _unused_rng(query: Any) -> tuple[Any, Any]:
+    """The forward's philox seed and offset, which a call without dropout leaves unread."""
+    import torch
+
+    return (torch.empty((), dtype=torch.long, device=query.device),
+            torch.empty((), dtype=torch.long, device=query.device))
+
+
+def _flash_takes(query: Any, key: Any, value: Any, bias: Any) -> bool:
+    """Whether torch's flash kernel can run this call (:func:`plancache.gpu.native.native_call`'s rule)."""
+    return bias is None and query.shape[1] == key.shape[1] == value.shape[1]
+
+
+def _pick(choice: str, record: Any, flash: bool) -> str:
+    """What runs a configuration: the pinned ``choice``, or for ``fastest`` the plan unless ``record`` (the plan's,
+    None for a local build) states a native kernel measured :data:`NATIVE_MARGIN` faster on the worker."""
+    if choice != "fastest":
+        return choice if choice != "flash" or flash else "plan"
+    native = {} if record is None else {k: ms for k, ms in record.native_median_ms.items()
+                                        if k in NATIVE and (k != "flash" or flash)}  # a later release's: not run
+    if not native:
+        return "plan"
+    kernel, ms = min(native.items(), key=lambda item: item[1])
+    return kernel if ms < record.winner_median_ms * (1 - NATIVE_MARGIN) else "plan"
+
+
 def _misaligned(*tensors: Any) -> bool:
     return any(t is not None and (t.data_ptr() % _ALIGNMENT or t.stride(-1) != 1) for t in tensors)
 
@@ -308,43 +365,27 @@ def _bias(bias: Any, query: Any, key: Any) -> Any:
     return bias
 
 
-def _matching_layout(query: Any, d_v: int) -> tuple[int, ...]:
-    """The forward output's strides, by torch's meta kernel's rule: the query's own layout where the shapes agree,
-    else the query's dimension order with ``d_v`` as the last size."""
-    import torch
-
-    if d_v == query.shape[3]:
-        return tuple(torch.empty_like(query, device="meta").stride())
-    shape = (*query.shape[:3], d_v)
-    order = sorted(range(4), key=lambda i: query.stride(i), reverse=True)
-    strides = [0] * 4
-    acc = 1
-    for i in reversed(order):
-        strides[i] = acc
-        acc *= shape[i]
-    return tuple(strides)
-
-
 # ------------------------------------------------------------------ preparing a configuration
 
 
-def _prepare(route: _Route, ckey: tuple[Any, ...],
-             write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Aten:
+def _prepare(route: _Route, ckey: tuple[Any, ...], flash: bool,
+             write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Native | _Aten:
     """The executor of a configuration seen for the first time: its plan from the cache (``PlanMiss`` in strict
-    and replay-only mode), or torch's kernel where FE cannot take it."""
+    and replay-only mode) or the native kernel :func:`_pick` names (``flash``: whether flash can run it), or
+    torch's kernel where FE cannot take it."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return _Aten("capture")  # not remembered: the first eager call prepares it
     t0 = time.perf_counter()
     try:
-        return _load(route, ckey, write)
+        return _load(route, ckey, flash, write)
     finally:
         route.prepare_seconds += time.perf_counter() - t0
 
 
-def _load(route: _Route, ckey: tuple[Any, ...],
-          write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Aten:
+def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
+          write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Native | _Aten:
     from ..spec import from_pygraph  # pydantic: not on the import of plancache.torch
 
     hook._await_warm()  # a warm start under way holds this process's plans: load from it, not the server again
@@ -353,14 +394,19 @@ def _load(route: _Route, ckey: tuple[Any, ...],
         if ex is not None:
             return ex
         try:
+            if (pinned := _pick(route.choice, None, flash)) != "plan":
+                ex = route.executors[ckey] = _Native(pinned)  # pinned: no plan is loaded
+                return ex
             graph, roles, layout = write()
             spec = from_pygraph(graph, name=f"torch {ckey[0]} attention")
             hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
             plan = route.cache.plan(spec)
-            canonical = spec.canonical_uids()
-            ex = _Executor(plan.graph, tuple(canonical[_UID[r]] for r in roles), plan.workspace_size,
-                           layout)
             route.count(f"load:{plan.source}")
+            if (kernel := _pick(route.choice, plan.record, flash)) != "plan":
+                ex = _Native(kernel)
+            else:
+                canonical = spec.canonical_uids()
+                ex = _Executor(plan.graph, tuple(canonical[_UID[r]] for r in roles), plan.workspace_size, layout)
         except PlanMiss:
             raise
         except Exception as exc:  # noqa: BLE001 - FE refuses the configuration: torch's kernel serves it
@@ -418,7 +464,9 @@ def _forward_graph(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_
                     **extra, **_mask_args(is_causal))
     b, h, s, _ = query.shape
     d_v = value.shape[3]
-    layout = _matching_layout(query, d_v)
+    from ..gpu.native import matching_layout
+
+    layout = matching_layout(query, d_v)
     o.set_uid(_UID["o"]).set_output(True).set_dim([b, h, s, d_v]).set_stride(list(layout)).set_data_type(io)
     roles: tuple[str, ...] = ("q", "k", "v", "o")
     if stats:

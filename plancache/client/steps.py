@@ -72,10 +72,10 @@ class Step(ABC):
     def finish(self) -> None:  # noqa: B027 - a hook: most steps hold nothing across a load
         """Called once the load is over (the ladder's lock still held); nothing by default."""
 
-    def wrap(self, p: Pending, built: BuiltPlanLike) -> Plan:
-        """``built`` as a :class:`Plan` from this step."""
+    def wrap(self, p: Pending, built: BuiltPlanLike, record: PlanRecord | None = None) -> Plan:
+        """``built`` as a :class:`Plan` from this step (``record``: the verified record it came from)."""
         c = self.context
-        return Plan(p.spec, p.key, built, c.backend, source=str(self.name), lock=c.handle_lock)
+        return Plan(p.spec, p.key, built, c.backend, source=str(self.name), lock=c.handle_lock, record=record)
 
     def reject(self, p: Pending, reason: Reason, message: str) -> None:
         """Count, note and log a refused blob."""
@@ -158,7 +158,7 @@ class Step(ABC):
         c.verified[p.key] = (record, blob)
         if c.signatures_checked:  # the revision of a signed record only: an unsigned one may say anything
             c.disk.accept_revision(p.key, record.revision)
-        return self.wrap(p, built)
+        return self.wrap(p, built, record)
 
 
 class Kept:
@@ -202,7 +202,7 @@ class MemoryStep(Step):
                 if (built := self.load(p, *held)) is None:
                     c.verified.pop(p.key, None)
                     continue
-                found[p] = self.wrap(p, built)
+                found[p] = self.wrap(p, built, held[0])
         return found
 
 
@@ -323,7 +323,7 @@ class RebuildStep(Step):
             return None
         finally:
             c.stats.build_seconds += time.perf_counter() - t0
-        return self.wrap(p, built)
+        return self.wrap(p, built, record)
 
 
 class HeuristicStep(Step):

@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..errors import TuningError
 from ..protocol import Candidate, PlanMeta
 from ..spec import GraphSpec
 from ..validation import MAX_ERROR
-from . import reference
+from . import native, reference
 from .candidates import BuildPool, CandidateSet, build_in_process, list_candidates
 from .fegraph import graph_layouts
 from .runtime import (
@@ -65,6 +65,7 @@ class TunedPlan:
     environment: Environment
     max_abs_err: float
     numerics_check: str = "reference"
+    native_median_ms: dict[str, float] = field(default_factory=dict)  # torch's own kernels' (plancache.gpu.native)
 
     @property
     def speedup_vs_heuristic(self) -> float | None:
@@ -79,7 +80,7 @@ class TunedPlan:
             engine_id=self.engine_id, knobs=self.knobs, plan_name=self.plan_name, workspace_bytes=self.workspace_bytes,
             winner_median_ms=self.winner_median_ms, heuristic_median_ms=self.heuristic_median_ms,
             worst_median_ms=self.worst_median_ms, tuning_seconds=self.tuning_seconds,
-            worker_id=worker_id, numerics_check=self.numerics_check,
+            worker_id=worker_id, numerics_check=self.numerics_check, native_median_ms=self.native_median_ms,
         )
 
 
@@ -165,6 +166,9 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
                 candidates.append(Candidate(**cand, workspace_bytes=ws, status="run_failed", error=str(exc)[:4000]))
             timing_s += time.perf_counter() - tt
             _report(progress, n_done, len(indices), candidates[-1])
+        natives = native.measure(spec, pack, partial(_native_check, spec, inputs, ref, tolerance, check),
+                                 partial(median_ms, warmup=warmup, repeats=repeats, budget_s=CANDIDATE_BUDGET_S,
+                                         set_stream=lambda sid: None)) if timed else {}
 
     if not timed:
         reasons = "; ".join(f"#{c.index} {c.status}: {c.error}" for c in candidates[:5])
@@ -186,8 +190,19 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
         winner_median_ms=win_ms, heuristic_median_ms=heur.median_ms if heur else None,
         worst_median_ms=max(ok_ms) if ok_ms else None, candidates=candidates,
         tuning_seconds=time.perf_counter() - t0, build_seconds=build_s, timing_seconds=timing_s,
-        environment=env, max_abs_err=float(win.max_abs_err or 0.0), numerics_check=check,
+        environment=env, max_abs_err=float(win.max_abs_err or 0.0), numerics_check=check, native_median_ms=natives,
     )
+
+
+def _native_check(spec: GraphSpec, inputs: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
+                  tolerance: dict[int, float], check: str, outputs: dict[int, torch.Tensor]) -> str | None:
+    """Why a native kernel's ``outputs`` fail the check the candidates passed, or None."""
+    missing = sorted(set(tolerance) - set(outputs))
+    if missing:
+        return f"it gives no output uid {missing[0]}"
+    errs = reference.output_errors(spec, outputs, ref, inputs=inputs)
+    bad = [u for u, e in errs.items() if not e <= tolerance[u]]
+    return f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})" if bad else None
 
 
 def _finite(x: float) -> float | None:

@@ -164,7 +164,7 @@ plans = sa.Table(
     sa.Column("winner_median_ms", sa.Float, nullable=False),
     sa.Column("heuristic_median_ms", sa.Float),
     sa.Column("worst_median_ms", sa.Float),
-    # {kernel: median ms} of torch's native attention kernels (protocol.NativeKernel); null: none timed
+    # {kernel: median ms} of torch's native attention kernels (protocol.NATIVE_KERNELS); null: none timed
     sa.Column("native_median_ms", sa.JSON(none_as_null=True)),
     sa.Column("tuning_seconds", sa.Float, nullable=False),
     sa.Column("worker_id", sa.String(256), nullable=False),

@@ -29,6 +29,10 @@ SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool
           "padding_per_batch", "causal_lower_right", "scale", "cuda_graph_replay", "compiled_block")
 
 
+#: Variants torch's flash kernel can run (no bias, as many key as query heads): a flash pin serves them by flash.
+FLASH_TAKES = ("causal", "no_mask_fp16", "bshd_layout", "scale", "cuda_graph_replay", "compiled_block")
+
+
 def child(*args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
     env.update(CUDA_CACHE_DISABLE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -38,9 +42,11 @@ def child(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check(run: dict, what: str, *, strict: bool) -> None:
+def check(run: dict, what: str, *, strict: bool, native: str | None = None) -> None:
     """Every variant ran through the route (or, for TO_ATEN, through torch's kernel for the named reason), and every
-    output and gradient is within tolerance: all failures in one message."""
+    output and gradient is within tolerance: all failures in one message. ``native``: the kernel pinned (flash: for
+    the variants of :data:`FLASH_TAKES`, the others by their plans), or ``fastest``: each call by its plan or by the
+    native kernel its record measured faster, never by torch's kernel for a reason."""
     bad = []
     for name, got in run["variants"].items():
         route = got["route"]
@@ -51,10 +57,20 @@ def check(run: dict, what: str, *, strict: bool) -> None:
             if route.get(f"fwd_aten:{TO_ATEN[name]}", 0) < 1 or route.get("fwd", 0) or got["errors"]["finite"] != 1:
                 bad.append(f"{name}: expected torch's kernel ({TO_ATEN[name]}) and finite results, got {got}")
             continue
-        if route.get("fwd", 0) < 1 or route.get("bwd", 0) < 1 or any(k.startswith(("fwd_aten", "bwd_aten"))
-                                                                     for k in route):
-            bad.append(f"{name}: not served by the route, forward and backward: {route}")
-        if strict and name not in ("cuda_graph_replay", "compiled_block") and \
+        pinned = native in ("cudnn_aten", "flash") and (native != "flash" or name in FLASH_TAKES)
+        for way in ("fwd", "bwd"):
+            plans, natives = route.get(way, 0), sum(n for k, n in route.items() if k.startswith(f"{way}_native:"))
+            if pinned:
+                ok = route.get(f"{way}_native:{native}", 0) >= 1 and plans == 0
+            elif native == "fastest":
+                ok = plans + natives >= 1
+            else:
+                ok = plans >= 1 and natives == 0
+            if not ok:
+                bad.append(f"{name}: {way} not run as {native or 'plan'} asks: {route}")
+        if any(k.startswith(("fwd_aten", "bwd_aten")) for k in route):
+            bad.append(f"{name}: left to torch's kernel: {route}")
+        if strict and not pinned and name not in ("cuda_graph_replay", "compiled_block") and \
                 route.get("load:server", 0) < 2:
             bad.append(f"{name}: forward and backward plans not loaded from the server: {route}")
         bad += [f"{name} {out}: error {err}" for out, err in got["errors"].items() if not err <= TOLERANCE]
@@ -92,3 +108,19 @@ def test_a_fresh_strict_process_serves_every_variant_from_the_server(fleet, tmp_
     assert stats["rejects"] == {} and stats["hits"].get("heuristic", 0) == 0 and stats["hits"].get("server") == tuned
     for name in SERVED:
         print(f"{name}: route {strict['variants'][name]['route']} errors {strict['variants'][name].get('errors')}")
+
+
+@pytest.mark.parametrize("attention", ["fastest", "cudnn_aten", "flash"])
+def test_native_kernels_measured_or_pinned_serve_every_variant_with_reference_numerics(fleet, tmp_path, attention):
+    """What the worker measured (``fastest``) or a pin: each call runs the plan or the native kernel the choice names,
+    through plancache.gpu.native, forward and backward within tolerance of float32; and the records of the tuned
+    attention graphs state torch's kernels' medians beside the winner's."""
+    srv, root, _, _, _ = fleet
+    run = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
+                "--cache", str(tmp_path / "cache"), "--mode", "strict", "--attention", attention)
+    check(run, attention, strict=True, native=attention)
+    records = [r for r in srv.store.list_plans(limit=500)]
+    measured = [r.native_median_ms for r in records if r.native_median_ms]
+    assert len(measured) == len(records), f"records without native timings: {len(records) - len(measured)}"
+    assert all("cudnn_aten" in m for m in measured), measured
+    print(f"\n{attention}: " + ", ".join(f"{n}: {g['route']}" for n, g in run["variants"].items()))

@@ -31,8 +31,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONV = parse_spec((EXAMPLES / "conv_bias_relu.json").read_text())
 SDPA = parse_spec((EXAMPLES / "sdpa_causal.json").read_text())
 #: Answer fields that are maps (graph key -> entry, knob -> value, native kernel -> ms) or documents (a spec): a later
-#: release adds no key to them, only to the objects inside the maps (native kernels are a closed set, NativeKernel:
-#: this release refuses an answer whose record names another).
+#: release adds no key to them, only to the objects inside the maps (a record naming a native kernel this release
+#: does not know is read, tests/unit/test_record_bounds.py).
 MAPS = frozenset({"plans", "reasons", "knobs", "native_median_ms"})
 DOCUMENTS = frozenset({"spec"})
 ONCE = Retry(Backoff(initial=0.05, cap=0.2), within=2.0)

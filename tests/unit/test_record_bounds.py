@@ -23,13 +23,12 @@ from plancache.protocol import (
     CandidateTable,
     DsseSignature,
     Envelope,
-    NativeKernel,
     PlanMeta,
     PlanRecord,
     ResolvedPlan,
     Withdrawal,
 )
-from plancache.validation import INT64_MAX, MAX_MS, MAX_SECONDS, Millis
+from plancache.validation import INT64_MAX, MAX_MS, MAX_SECONDS
 from tests.factories import H200, make_meta, make_record, new_signer
 
 #: A character JSON writes as 6 bytes (``\u0001``): strings made of it are the longest their bounds allow.
@@ -95,7 +94,8 @@ def test_a_signed_statement_at_every_bound_fits_the_envelope():
                   "signatures": [{"keyid": "k", "sig": "AA=="}]}),
     ("envelope", {"payloadType": "t", "payload": "AA==", "signatures": [{"keyid": "k\n", "sig": "AA=="}]}),
     ("env_id", "x" * 10_000),
-    ("native_median_ms", {"mem_efficient": 1.0}),  # a kernel plancache does not name
+    ("native_median_ms", {"Flash attention!": 1.0}),  # not a kernel's name
+    ("native_median_ms", {f"k{i}": 1.0 for i in range(9)}),
     ("native_median_ms", {"flash": -1.0}),
     ("native_median_ms", {"cudnn_aten": MAX_MS * 2}),
 ])
@@ -107,10 +107,12 @@ def test_a_field_past_its_bound_is_refused(field, value):
 
 def test_a_record_states_the_native_kernels_plancache_names():
     """The kernels a worker times beside an attention plan, keyed as the GPU side and clients key them; a record
-    states none by default."""
+    states none by default, and one naming a kernel a later release times is read (this release never runs it)."""
     assert NATIVE_KERNELS == ("flash", "cudnn_aten")
-    assert PlanMeta.model_fields["native_median_ms"].annotation == dict[NativeKernel, Millis]
     assert make_record("0" * 64, H200).native_median_ms == {}
+    doc = make_record("0" * 64, H200).model_dump(mode="json")
+    assert PlanRecord.model_validate({**doc, "native_median_ms": {"mem_efficient": 0.5, "flash": 1.0}}) \
+        .native_median_ms == {"mem_efficient": 0.5, "flash": 1.0}
 
 
 def test_a_record_with_candidates_inside_reads_without_them():

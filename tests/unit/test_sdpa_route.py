@@ -14,6 +14,7 @@ cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not instal
 import plancache.torch  # noqa: E402
 from plancache.client import PlanCache, sdpa  # noqa: E402
 from plancache.errors import PlanMiss  # noqa: E402
+from plancache.gpu.native import matching_layout  # noqa: E402
 from plancache.spec import GraphSpec  # noqa: E402
 from tests.client_fakes import FakeBuiltPlan, RecordingBackend  # noqa: E402
 
@@ -141,7 +142,7 @@ def test_the_output_layout_is_torchs_fake_kernels(layout, d_v):
     k = torch.empty(base, device="meta").permute(*perm)
     v = torch.empty(*base[:3], d_v, device="meta").permute(*perm)
     meta = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
-    assert meta[0].stride() == sdpa._matching_layout(q, d_v)
+    assert meta[0].stride() == matching_layout(q, d_v)
 
 
 def test_gradients_take_their_inputs_layouts_and_do_is_read_in_os(route):
@@ -296,3 +297,126 @@ def test_a_graph_that_refuses_ordered_execution_is_bound_by_uid_from_then_on(rou
     canonical = backend.specs[0].canonical_uids()
     assert calls[0] == "ordered" and calls[1][canonical[1]] is q and calls[1][canonical[100]] is o
     assert calls[2] != "ordered" and len(calls) == 3 and sdpa.stats()["unordered"] == 1
+
+
+# ------------------------------------------------------------------ native kernels: measured or pinned
+
+
+def _record(winner: float, **native: float) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(winner_median_ms=winner, native_median_ms=native)
+
+
+@pytest.mark.parametrize(("choice", "record", "flash", "want"), [
+    ("fastest", None, True, "plan"),  # a local build: nothing measured
+    ("fastest", _record(1.0), True, "plan"),
+    ("fastest", _record(1.0, cudnn_aten=0.9, flash=1.2), True, "cudnn_aten"),
+    ("fastest", _record(1.0, cudnn_aten=0.99), True, "plan"),  # within the margin: the plan
+    ("fastest", _record(1.0, flash=0.5, cudnn_aten=0.9), True, "flash"),
+    ("fastest", _record(1.0, flash=0.5, cudnn_aten=0.9), False, "cudnn_aten"),  # flash cannot run this call
+    ("fastest", _record(1.0, mem_efficient=0.1), True, "plan"),  # a later release's kernel: never run here
+    ("plan", _record(1.0, flash=0.5), True, "plan"),
+    ("cudnn_aten", None, True, "cudnn_aten"),
+    ("flash", None, True, "flash"),
+    ("flash", None, False, "plan"),
+])
+def test_the_route_takes_the_fastest_measured_kernel_or_the_pinned_one(choice, record, flash, want):
+    assert sdpa._pick(choice, record, flash) == want
+
+
+@pytest.fixture
+def natives(monkeypatch):
+    """Calls of plancache.gpu.native's kernels, recorded instead of run."""
+    from plancache.gpu import native
+
+    calls: list[tuple[str, str]] = []
+
+    def fwd(kernel, q, k, v, bias, is_causal, scale):
+        calls.append(("fwd", kernel))
+        return torch.empty_like(q), torch.empty(*q.shape[:3], 1)
+
+    def bwd(kernel, d_o, q, k, v, out, lse, bias, is_causal, scale):
+        calls.append(("bwd", kernel))
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    monkeypatch.setattr(native, "forward", fwd)
+    monkeypatch.setattr(native, "backward", bwd)
+    return calls
+
+
+def test_a_plan_whose_record_measured_torchs_cudnn_faster_runs_torchs_cudnn(route, natives, monkeypatch):
+    backend, aten = route
+    cache = sdpa._route.cache
+    original = type(cache).plan
+
+    def plan(self, spec, **kwargs):
+        p = original(self, spec, **kwargs)
+        p.record = _record(1.0, cudnn_aten=0.5)
+        return p
+
+    monkeypatch.setattr(type(cache), "plan", plan)
+    q, k, v = qkv()
+    out = forward(q, k, v)
+    forward(q, k, v)
+    lse = out[1].squeeze(-1)
+    sdpa._backward(torch.randn_like(q), q, k, v, out[0], lse, None, None, None, None, None, 64, 64, 0.0, True)
+    assert natives == [("fwd", "cudnn_aten"), ("fwd", "cudnn_aten"), ("bwd", "cudnn_aten")] and aten == []
+    stats = sdpa.stats()
+    assert stats["fwd_native:cudnn_aten"] == 2 and stats["bwd_native:cudnn_aten"] == 1 and stats["fwd"] == 0
+    assert len(backend.specs) == 2, "the plans were loaded: what they measured decided"
+
+
+def test_a_pinned_native_kernel_loads_no_plan(tmp_path, natives, monkeypatch):
+    backend = GraphBackend()
+    cache = PlanCache("", backend=backend, cache_dir=tmp_path, trusted_keys=[], mode="strict")
+    monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
+    sdpa.install(cache, attention="flash")
+    try:
+        q, k, v = qkv()
+        forward(q, k, v)  # strict mode, no server: only a pin can serve it
+        assert natives == [("fwd", "flash")] and backend.specs == []
+        with pytest.raises(PlanMiss):  # flash takes no bias: the pin falls back to the plan, which strict misses
+            forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16))
+    finally:
+        sdpa.uninstall()
+
+
+def test_a_deterministic_backward_never_takes_flash(route, natives, monkeypatch):
+    backend, _ = route
+    sdpa._route.choice = "flash"
+    q, k, v = qkv()
+    o, lse = forward(q, k, v)[:2]
+    torch.use_deterministic_algorithms(True)
+    try:
+        sdpa._backward(torch.randn_like(q), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert natives == [("fwd", "flash")] and sdpa.stats()["bwd"] == 1
+
+
+def test_an_unknown_attention_choice_is_refused_before_anything_is_installed(tmp_path, monkeypatch):
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    with pytest.raises(ValueError, match="expected one of fastest, plan, flash, cudnn_aten"):
+        sdpa.install(cache, attention="fast")
+    monkeypatch.setenv("PLANCACHE_ATTENTION", "fast")
+    with pytest.raises(Exception, match="attention"):
+        plancache.torch.install(cache)
+    assert not sdpa.installed()
+
+
+def test_plancache_attention_setting_pins_the_route(tmp_path, monkeypatch):
+    from typing import get_args
+
+    from plancache.protocol import NATIVE_KERNELS
+    from plancache.settings import ClientSettings
+
+    assert get_args(ClientSettings.model_fields["attention"].annotation) == sdpa.CHOICES
+    assert sdpa.NATIVE == NATIVE_KERNELS
+    monkeypatch.setenv("PLANCACHE_ATTENTION", "cudnn_aten")
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    plancache.torch.install(cache)
+    try:
+        assert sdpa._route.choice == "cudnn_aten"
+    finally:
+        plancache.torch.uninstall()
