@@ -67,16 +67,16 @@ def kernels(cache: Any) -> dict[str, Any]:
         for t in (q, k, v):
             t.requires_grad_()
 
-        def step(q: Any = q, k: Any = k, v: Any = v, do: Any = do) -> None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            torch.autograd.grad(o, (q, k, v), do)
-
+        step = _step(q, k, v, do)
         row: dict[str, Any] = {}
         for name in BACKENDS:
             _route(name == "plancache", cache)
             with _backend(name):
                 before = sdpa.stats()
-                row[name] = {"eager_ms": median_ms(step), **_graphed(step)}
+                # the capture gets leaves of its own: ones an eager step used hold autograd's gradient accumulators
+                # on the default stream, which a captured backward cannot wait on (cudaErrorStreamCaptureImplicit)
+                fresh = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                row[name] = {"eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
                 if name != "flash":  # the host cost of torch's cuDNN kernels, or of the route's
                     row[name]["host_us"] = _host_us(q, k, v, do)
                 if name == "plancache":
@@ -92,6 +92,17 @@ def kernels(cache: Any) -> dict[str, Any]:
         _route(False, cache)
         out["x".join(map(str, shape))] = row
     return out
+
+
+def _step(q: Any, k: Any, v: Any, do: Any) -> Any:
+    """Attention forward + backward, causal, as one callable."""
+    import torch
+    import torch.nn.functional as F
+
+    def step() -> None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+    return step
 
 
 def _graphed(step: Any) -> dict[str, Any]:

@@ -42,17 +42,20 @@ requires_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test: {_REAS
 
 def loaded_engine_id(graph: object) -> int | None:
     """The engine id of the plan a pygraph holds after ``deserialize``, read back from cuDNN (not from the plan's
-    record): the C++ graph's ``(engine_id, knobs)`` of its one plan, else the ``eng<ID>`` prefix of its plan name;
-    None where cuDNN tells neither."""
+    record): the graph's ``(engine_id, knobs)`` of its one plan where FE tells it, else the ``engineId`` of the
+    execution plan cuDNN describes when the loaded graph is serialized again (FE 1.32 tells neither the engine nor
+    the plan name of a deserialized graph); None where cuDNN tells neither (a python-engine plan)."""
     import re
 
-    for ask in (lambda: int(graph.get_engine_and_knobs_at_index(0)[0]),  # type: ignore[attr-defined]
-                lambda: int(re.match(r"eng(\d+)", str(graph.get_plan_name_at_index(0))).group(1))):  # type: ignore[attr-defined,union-attr]
-        try:
-            return ask()
-        except Exception:  # noqa: BLE001 - this FE or this plan does not answer that question
-            continue
-    return None
+    try:
+        return int(graph.get_engine_and_knobs_at_index(0)[0])  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - FE 1.32 answers nothing for a deserialized graph
+        pass
+    try:
+        found = re.search(rb'"engineId":(\d+)', bytes(graph.serialize(as_bytes=True)))  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - this graph cannot be serialized again
+        return None
+    return int(found.group(1)) if found else None
 
 
 def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]:
@@ -102,7 +105,9 @@ def median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:
 
 def captured(fn: Any, warmup: int = 3) -> tuple[Any, Any]:
     """``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream: the graph, and what
-    the captured call returned (the tensors its replays write)."""
+    the captured call returned (the tensors its replays write). A backward in ``fn`` needs leaves no eager step
+    used: those hold gradient accumulators on the default stream, which a capture cannot wait on
+    (``cudaErrorStreamCaptureImplicit``)."""
     import torch
 
     side = torch.cuda.Stream()

@@ -129,8 +129,9 @@ def _bool_padding() -> dict[str, float]:
 
 
 def _padding_per_batch() -> dict[str, float]:
-    """A key-padding mask of its own length per sequence, (B, 1, 1, S): what a padded batch hands over."""
-    q, k, v = _qkv()
+    """A key-padding mask of its own length per sequence, (B, 1, 1, S): what a padded batch hands over. In float16:
+    cuDNN reads every mask dense (B, 1, S, S), so in bfloat16 it would be bool_padding_mask's graph again."""
+    q, k, v = _qkv(dtype=torch.float16)
     lengths = torch.tensor([S - 40 * (i + 1) for i in range(B)], device="cuda")
     keep = torch.arange(S, device="cuda") < lengths.view(B, 1)
     return _checked(q, k, v, attn_mask=keep.view(B, 1, 1, S))

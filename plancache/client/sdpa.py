@@ -397,10 +397,11 @@ def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
             if (pinned := _pick(route.choice, None, flash)) != "plan":
                 ex = route.executors[ckey] = _Native(pinned)  # pinned: no plan is loaded
                 return ex
-            graph, roles, layout = write()
-            spec = from_pygraph(graph, name=f"torch {ckey[0]} attention")
-            hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
-            plan = route.cache.plan(spec)
+            with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
+                graph, roles, layout = write()
+                spec = from_pygraph(graph, name=f"torch {ckey[0]} attention")
+                hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
+                plan = route.cache.plan(spec)
             route.count(f"load:{plan.source}")
             if (kernel := _pick(route.choice, plan.record, flash)) != "plan":
                 ex = _Native(kernel)

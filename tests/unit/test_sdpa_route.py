@@ -420,3 +420,21 @@ def test_plancache_attention_setting_pins_the_route(tmp_path, monkeypatch):
         assert sdpa._route.choice == "cudnn_aten"
     finally:
         plancache.torch.uninstall()
+
+
+def test_the_routes_own_builds_are_not_the_users_fe_builds_the_hook_counts(route, monkeypatch):
+    """The route's graphs are written and built by plancache: the FE pipeline hook lets them through to FE, so
+    they are neither served twice nor counted in stats().fe_builds (the GPU test saw {'miss': 2} for one call)."""
+    from plancache.client import hook
+
+    backend, _ = route
+    inside: list[bool] = []
+    original = GraphBackend.build_heuristic
+
+    def build(self, spec, kernel_cache, *, graph=None):
+        inside.append(getattr(hook._local, "inside", False))
+        return original(self, spec, kernel_cache, graph=graph)
+
+    monkeypatch.setattr(GraphBackend, "build_heuristic", build)
+    forward(*qkv())
+    assert inside == [True] and not getattr(hook._local, "inside", False)
