@@ -78,9 +78,20 @@ class _Executor:
 
 @dataclass(frozen=True, slots=True)
 class _Native:
-    """A configuration run by one of torch's own kernels (:mod:`plancache.gpu.native`), measured or pinned."""
+    """A configuration run by one of torch's own kernels (:mod:`plancache.gpu.native`), measured or pinned: its
+    calls, bound once (no import on the steady path)."""
 
     kernel: str
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+
+    @classmethod
+    def of(cls, kernel: str) -> _Native:
+        from functools import partial
+
+        from ..gpu import native
+
+        return cls(kernel, partial(native.forward, kernel), partial(native.backward, kernel))
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +224,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
         elif _misaligned(query, key, value, bias):
             reason = "layout"
         elif isinstance(ex, _Native):
-            from ..gpu import native
-
-            out, lse = native.forward(ex.kernel, query, key, value, bias, is_causal, scale)
+            out, lse = ex.forward(query, key, value, bias, is_causal, scale)
             route.count(f"fwd_native:{ex.kernel}")
             return out, lse, None, None, query.shape[2], key.shape[2], *_unused_rng(query), None
         else:
@@ -265,10 +274,8 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
         elif _misaligned(query, key, value, bias, out, grad_out, lse):
             reason = "layout"
         elif isinstance(ex, _Native):
-            from ..gpu import native
-
             route.count(f"bwd_native:{ex.kernel}")
-            return native.backward(ex.kernel, grad_out, query, key, value, out, lse, bias, is_causal, scale)
+            return ex.backward(grad_out, query, key, value, out, lse, bias, is_causal, scale)
         else:
             dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
             buffers = [query, key, value, out, grad_out, lse, dq, dk, dv]
@@ -395,7 +402,7 @@ def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
             return ex
         try:
             if (pinned := _pick(route.choice, None, flash)) != "plan":
-                ex = route.executors[ckey] = _Native(pinned)  # pinned: no plan is loaded
+                ex = route.executors[ckey] = _Native.of(pinned)  # pinned: no plan is loaded
                 return ex
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
                 graph, roles, layout = write()
@@ -404,7 +411,7 @@ def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
                 plan = route.cache.plan(spec)
             route.count(f"load:{plan.source}")
             if (kernel := _pick(route.choice, plan.record, flash)) != "plan":
-                ex = _Native(kernel)
+                ex = _Native.of(kernel)
             else:
                 canonical = spec.canonical_uids()
                 ex = _Executor(plan.graph, tuple(canonical[_UID[r]] for r in roles), plan.workspace_size, layout)
