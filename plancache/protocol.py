@@ -246,7 +246,7 @@ class PlanMeta(StrictModel):
     heuristic_median_ms: Millis | None = None
     worst_median_ms: Millis | None = None
     native_median_ms: dict[Annotated[str, StringConstraints(pattern=NATIVE_KERNEL_PATTERN)], Millis] = Field(
-        default_factory=dict, max_length=MAX_NATIVE_KERNELS,
+        default_factory=dict, max_length=MAX_NATIVE_KERNELS, json_schema_extra={"additionalProperties": False},
         description="median ms of torch's own kernels for the same attention call, timed by the worker beside the "
                     "winner (flash, cudnn_aten); empty for other graphs")
     tuning_seconds: Seconds

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["NATIVE_KERNELS", "NativeCall", "backward", "forward", "matching_layout", "measure", "native_call"]
 
-Tensor = torch.Tensor
+Tensor: TypeAlias = torch.Tensor
 
 
 def matching_layout(like: Tensor, d_last: int) -> tuple[int, ...]:
@@ -91,7 +91,8 @@ def backward(kernel: str, d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
             scale=scale)
     else:
         raise ValueError(f"unknown native attention kernel {kernel!r}; expected one of {NATIVE_KERNELS}")
-    return tuple(_in_layout(g, matching_layout(t, t.shape[3])) for g, t in zip(grads, (q, k, v)))  # type: ignore[return-value]
+    dq, dk, dv = (_in_layout(g, matching_layout(t, t.shape[3])) for g, t in zip(grads, (q, k, v), strict=True))
+    return dq, dk, dv
 
 
 # ------------------------------------------------------------------ the worker's side
