@@ -38,8 +38,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     from .settings import ClientSettings
 
     attention = attention if attention is not None else ClientSettings().attention
-    if attention not in sdpa.CHOICES:
-        raise ValueError(f"attention={attention!r}: expected one of {', '.join(sdpa.CHOICES)}")
+    sdpa.check_choice(attention)  # before anything is installed
     require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd

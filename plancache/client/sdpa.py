@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "install", "installed", "stats", "uninstall"]
+__all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "check_choice", "install", "installed", "stats",
+           "uninstall"]
 
 #: The ATen ops whose CUDA kernels the route replaces.
 OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
@@ -153,8 +154,7 @@ def install(cache: PlanCache, *, attention: str = "fastest") -> None:
     global _route
     import torch
 
-    if attention not in CHOICES:
-        raise ValueError(f"attention={attention!r}: expected one of {', '.join(CHOICES)}")
+    check_choice(attention)
     with _lock:
         if _route is not None:
             if _route.cache is cache and _route.choice == attention:
@@ -164,6 +164,12 @@ def install(cache: PlanCache, *, attention: str = "fastest") -> None:
         lib.impl(OPS[0], _forward, "CUDA")
         lib.impl(OPS[1], _backward, "CUDA")
         _route = _Route(cache, lib, attention)
+
+
+def check_choice(attention: str) -> None:
+    """Raise ``ValueError`` unless ``attention`` is one of :data:`CHOICES`."""
+    if attention not in CHOICES:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(CHOICES)}")
 
 
 def uninstall() -> None:

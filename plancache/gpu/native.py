@@ -106,7 +106,7 @@ class NativeCall:
     backward: bool
     ports: dict[str, int]  # port → uid: q, k, v, (bias), O, (Stats) / q, k, v, o, dO, stats, dQ, dK, dV
     is_causal: bool
-    scale: float | None
+    scale: float
     kernels: tuple[str, ...]
 
 
@@ -135,7 +135,7 @@ def native_call(spec: GraphSpec) -> NativeCall | None:
     if is_causal is None:
         return None
     scale = _scale(spec, node, p)
-    if scale is False:
+    if scale is None:
         return None
     same_heads = spec.tensor(node.inputs["k"]).dim[1] == q.dim[1] == spec.tensor(node.inputs["v"]).dim[1]
     kernels = tuple(k for k in NATIVE_KERNELS if k != "flash" or ("bias" not in node.inputs and same_heads))
@@ -162,12 +162,12 @@ def _causal(p: dict[str, Any], sq: int, skv: int) -> bool | None:
     return True if right == 0 and top_left else None
 
 
-def _scale(spec: GraphSpec, node: NodeDoc, p: dict[str, Any]) -> float | None | bool:
-    """The attention scale (None: torch's default is not assumed, so 1.0 when the graph names none); False when
-    it is a tensor bound at run time."""
+def _scale(spec: GraphSpec, node: NodeDoc, p: dict[str, Any]) -> float | None:
+    """The attention scale, as the graph states it (1.0 when it names none, as cuDNN and the reference take it;
+    torch's own default is not assumed); None when it is a tensor bound at run time."""
     if "attn_scale" in node.inputs:
         doc = spec.tensor(node.inputs["attn_scale"])
-        return False if doc.pass_by_value is None else float(doc.pass_by_value)
+        return None if doc.pass_by_value is None else float(doc.pass_by_value)
     v = p.get("attn_scale")
     return 1.0 if v is None else float(v)
 
