@@ -11,12 +11,14 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
    own cuDNN (ATen) and plancache's route (every plan from the server), eager (median of 50 CUDA-event timings after
    10 warm-ups) and replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's
-   host time per call (``time.perf_counter`` around 200 calls with the GPU kept busy, so launches never wait);
+   host time per call and per eager step (``time.perf_counter`` around 50 calls queued behind a spin kernel, so
+   the host never waits on the GPU unless the call itself does);
    the route's worst normalised error against a float32 reference.
 3. ``block``: a fresh strict-mode process. LayerNorm -> QKV -> attention (causal) -> projection + residual, forward
    and backward, at four shapes: the steady step (median of 50 after 10 warm-ups) for flash, torch's cuDNN and
    the route; then the first step of each shape (synchronised wall time) with the route serving, after a first
-   shape of the process, and with torch's own cuDNN in a process of its own.
+   shape of the process, with how much of it the route spent preparing its plans (writing, keying, loading), and
+   with torch's own cuDNN in a process of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SHAPES = [(2, 16, 1024, 128), (8, 16, 4096, 128), (16, 32, 512, 64), (1, 8, 8192
 BLOCK_HEADS, BLOCK_DIM = 16, 128
 BLOCK_SHAPES = [(2, 512), (2, 1024), (4, 2048), (1, 4096)]  # (batch, sequence); the first warms the process
 BACKENDS = ("plancache", "flash", "aten_cudnn")  # the route first: its block's first steps are a new process's
+SPIN_CYCLES = 400_000_000  # a spin kernel of about 0.2 s ahead of each host timing (50 calls take far less)
 
 
 def _backend(name: str) -> Any:
@@ -77,12 +80,12 @@ def kernels(cache: Any) -> dict[str, Any]:
                 # on the default stream, which a captured backward cannot wait on (cudaErrorStreamCaptureImplicit)
                 fresh = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 row[name] = {"eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
-                if name != "flash":  # the host cost of torch's cuDNN kernels, or of the route's
-                    row[name]["host_us"] = _host_us(q, k, v, do)
+                # the host cost of a whole step; and of torch's cuDNN kernels, or of the route's, per call
+                row[name]["host_us"] = _host_us(q, k, v, do, ("step",) if name == "flash" else ("fwd", "bwd", "step"))
                 if name == "plancache":
                     after = sdpa.stats()
-                    row[name]["served"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
-                                           if after.get(k, 0) != before.get(k, 0)}
+                    row[name]["served"] = _delta(before, after)
+                    row[name]["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     grads = torch.autograd.grad(o, (q, k, v), do)
         qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -119,29 +122,33 @@ def _graphed(step: Any) -> dict[str, Any]:
         return {"graphed_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
 
-def _host_us(q: Any, k: Any, v: Any, do: Any) -> dict[str, float]:
-    """Host microseconds per forward and per backward call of the route, with the GPU busy throughout."""
+def _host_us(q: Any, k: Any, v: Any, do: Any, which: tuple[str, ...] = ("fwd", "bwd", "step")) -> dict[str, float]:
+    """Host microseconds per forward call, per backward call and per whole eager step (forward + backward through
+    autograd) of the kernels installed now, each behind a spin kernel long enough that the host never waits on the
+    GPU: a figure above the GPU's own time per call means the call itself waited for the GPU."""
     import torch
 
-    q, k, v = (t.detach() for t in (q, k, v))
-    lse_needed = True
-    busy = torch.empty(1 << 26, device="cuda")
+    leaves = (q, k, v)
+    q, k, v = (t.detach() for t in leaves)
+    fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False) \
+        if "bwd" in which else None
+    calls: dict[str, Any] = {
+        "fwd": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False),
+        "bwd": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, *fwd[:2], *fwd[6:8], None, None, None, q.shape[2], k.shape[2], 0.0, True),
+        "step": _step(*leaves, do),
+    }
     results = {}
-    for which in ("fwd", "bwd"):
+    for name in which:
+        call = calls[name]
+        call()
+        n = 50
         torch.cuda.synchronize()
-        for _ in range(20):  # queue work so that the host never waits on the GPU below
-            busy.mul_(1.0)
-        fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse_needed, 0.0, True, False)
-        n = 200
+        torch.cuda._sleep(SPIN_CYCLES)
         t0 = time.perf_counter()
         for _ in range(n):
-            if which == "fwd":
-                torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse_needed, 0.0, True, False)
-            else:
-                torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                    do, q, k, v, fwd[0], fwd[1], fwd[6], fwd[7], None, None, None, q.shape[2], k.shape[2], 0.0,
-                    True)
-        results[which] = (time.perf_counter() - t0) / n * 1e6
+            call()
+        results[name] = (time.perf_counter() - t0) / n * 1e6
         torch.cuda.synchronize()
     return results
 
@@ -165,6 +172,8 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
         y = x + o.transpose(1, 2).reshape(b, s, hidden) @ w_o
         y.backward(dy)
 
+    from plancache.client import sdpa
+
     out: dict[str, Any] = {}
     for name in backends:
         _route(name == "plancache", cache)
@@ -173,15 +182,28 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                 g2 = torch.Generator(device="cuda").manual_seed(s)
                 x = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16().requires_grad_()
                 dy = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16()
+                before, loads = sdpa.stats(), cache.stats()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step(x, dy)
                 torch.cuda.synchronize()
                 first = (time.perf_counter() - t0) * 1e3
-                steady = median_ms(lambda x=x, dy=dy: step(x, dy))
-                out.setdefault(f"{b}x{s}", {})[name] = {"first_ms": first, "steady_ms": steady}
+                row = {"first_ms": first}
+                if name == "plancache":  # where the first step's time went: the route preparing its plans
+                    after, loaded = sdpa.stats(), cache.stats()
+                    row["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
+                    row["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
+                    row["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
+                    row["served"] = _delta(before, after)
+                row["steady_ms"] = median_ms(lambda x=x, dy=dy: step(x, dy))
+                out.setdefault(f"{b}x{s}", {})[name] = row
     _route(False, cache)
     return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The route's counters that moved between two ``sdpa.stats()`` (the route's are gone once it is off)."""
+    return {k: after[k] - before.get(k, 0) for k in after if k != "prepare_seconds" and after[k] != before.get(k, 0)}
 
 
 def child(what: str, server: str, token: str | None, trusted: str | None, cache_dir: str | None, mode: str) -> None:
@@ -202,9 +224,6 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
         result["block"] = block(cache, BACKENDS)
     if what == "block_aten":
         result["block"] = block(cache, ("aten_cudnn",))
-    from plancache.client import sdpa
-
-    result["route_stats"] = sdpa.stats()
     result["stats"] = cache.stats().as_dict()
     cache.close()
     print(json.dumps(result))
@@ -220,29 +239,33 @@ def _tables(results: dict[str, Any]) -> None:
     nan = float("nan")
     kern = results["kernels"]["kernels"]
     print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} | "
-          f"{'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} | {'host us fwd/bwd':>28} {'error':>8}")
+          f"{'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} | {'host us fwd/bwd: route':>23} "
+          f"{'ATen':>13} | {'host us/step: flash':>20} {'ATen':>6} {'route':>6} | {'error':>8}")
     for shape, row in kern.items():
         f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
         fg, ag, pg = (r.get("graphed_ms", nan) for r in (f, a, p))
+        fh, ah, ph = (r.get("host_us", {}) for r in (f, a, p))
         print(f"{shape:>24} | {f['eager_ms']:>7.3f} {a['eager_ms']:>11.3f} {p['eager_ms']:>10.3f} "
               f"{p['eager_ms'] / a['eager_ms']:>6.2f} | {fg:>15.3f} {ag:>7.3f} {pg:>10.3f} {pg / ag:>6.2f} | "
-              f"{p['host_us']['fwd']:>5.1f}/{p['host_us']['bwd']:<5.1f} vs ATen {a['host_us']['fwd']:>5.1f}/"
-              f"{a['host_us']['bwd']:<5.1f} {p['error']:>8.1e}")
+              f"{ph.get('fwd', nan):>11.1f}/{ph.get('bwd', nan):<11.1f} {ah.get('fwd', nan):>6.1f}/"
+              f"{ah.get('bwd', nan):<6.1f} | {fh.get('step', nan):>20.1f} {ah.get('step', nan):>6.1f} "
+              f"{ph.get('step', nan):>6.1f} | {p['error']:>8.1e}")
     blk = results["block"]["block"]
     first_aten = results.get("block_aten", {}).get("block", {})
     print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} | "
-          f"{'first step: plancache':>22} {'ATen cuDNN':>11}")
+          f"{'first step: plancache':>22} {'preparing':>10} {'ATen cuDNN':>11} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
         aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", float("nan"))
+        route = row["plancache"]
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
-              f"{row['plancache']['steady_ms']:>10.3f} {row['plancache']['steady_ms'] / best:>8.2f} | "
-              f"{row['plancache']['first_ms']:>22.1f} {aten_first:>11.1f}")
+              f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} | "
+              f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} {aten_first:>11.1f} | "
+              f"{route.get('served', {})}")
     for shape, row in kern.items():
         for name, got in row.items():
             if isinstance(got, dict) and "graphed_error" in got:
                 print(f"{shape} {name}: CUDA-graph capture failed: {got['graphed_error']}")
-    print("route:", results["kernels"]["route_stats"], results["block"]["route_stats"])
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""bench/sdpa_route.py's tables: a backend whose CUDA-graph capture failed keeps its eager figures and says why."""
+"""bench/sdpa_route.py's tables: a backend whose CUDA-graph capture failed keeps its eager figures and says why; the
+block's first step shows the route's own share of it."""
 
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ def test_a_failed_capture_is_printed_with_its_reason_and_the_eager_figures_stay(
     plancache["error"] = 1e-3
     results = {
         "kernels": {"kernels": {"2x16x1024x128": {"flash": _row(0.35, 0.34), "aten_cudnn": _row(0.26, 0.14),
-                                                  "plancache": plancache}},
-                    "route_stats": {"fwd": 60}},
+                                                  "plancache": plancache}}},
         "block": {"block": {"2x512": {name: {"first_ms": 5.0, "steady_ms": 1.0}
-                                      for name in ("flash", "aten_cudnn", "plancache")}},
-                  "route_stats": {}},
+                                      for name in ("flash", "aten_cudnn", "plancache")}}},
     }
+    results["block"]["block"]["2x512"]["plancache"].update(first_ms=48.0, prepare_ms=12.5, served={"load:server": 2})
     sdpa_route._tables(results)
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.strip().startswith("2x16x1024x128 |"))
     assert "0.300" in row and "1.15" in row and "nan" in row  # eager figures and ratio kept, graphed unknown
     assert "2x16x1024x128 plancache: CUDA-graph capture failed: AcceleratorError: operation would make" in out
+    block = next(line for line in out.splitlines() if line.strip().startswith("2x512 |"))
+    assert "48.0" in block and "12.5" in block and "'load:server': 2" in block
