@@ -9,7 +9,8 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    graph misses, FE builds it and its spec is registered; every registered miss is then autotuned (one process per
    graph) and published signed.
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
-   own cuDNN (ATen) and plancache's route (every plan from the server), eager (median of 50 CUDA-event timings after
+   own cuDNN (ATen) and plancache's route (every plan from the server): the shape's first call (synchronised wall
+   time; for the route, with its preparing of the plans apart), eager (median of 50 CUDA-event timings after
    10 warm-ups) and replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's
    host time per call and per eager step (``time.perf_counter`` around 50 calls queued behind a spin kernel, so
    the host never waits on the GPU unless the call itself does);
@@ -76,10 +77,17 @@ def kernels(cache: Any) -> dict[str, Any]:
             _route(name == "plancache", cache)
             with _backend(name):
                 before = sdpa.stats()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()  # the shape's first forward + backward in this process: plans prepared, kernels loaded
+                torch.cuda.synchronize()
+                first = {"first_ms": (time.perf_counter() - t0) * 1e3}
+                if name == "plancache":  # of which the route's preparing of both plans (writing, keying, loading)
+                    first["first_prepare_ms"] = (sdpa.stats()["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                 # the capture gets leaves of its own: ones an eager step used hold autograd's gradient accumulators
                 # on the default stream, which a captured backward cannot wait on (cudaErrorStreamCaptureImplicit)
                 fresh = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                row[name] = {"eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
+                row[name] = {**first, "eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
                 # the host cost of a whole step; and of torch's cuDNN kernels, or of the route's, per call
                 row[name]["host_us"] = _host_us(q, k, v, do, ("step",) if name == "flash" else ("fwd", "bwd", "step"))
                 if name == "plancache":
@@ -250,6 +258,11 @@ def _tables(results: dict[str, Any]) -> None:
               f"{ph.get('fwd', nan):>11.1f}/{ph.get('bwd', nan):<11.1f} {ah.get('fwd', nan):>6.1f}/"
               f"{ah.get('bwd', nan):<6.1f} | {fh.get('step', nan):>20.1f} {ah.get('step', nan):>6.1f} "
               f"{ph.get('step', nan):>6.1f} | {p['error']:>8.1e}")
+    print(f"{'first call (ms)':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'preparing':>10}")
+    for shape, row in kern.items():
+        f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
+        print(f"{shape:>24} | {f.get('first_ms', nan):>7.1f} {a.get('first_ms', nan):>11.1f} "
+              f"{p.get('first_ms', nan):>10.1f} {p.get('first_prepare_ms', nan):>10.1f}")
     blk = results["block"]["block"]
     first_aten = results.get("block_aten", {}).get("block", {})
     print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} | "

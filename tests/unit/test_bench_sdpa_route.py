@@ -27,6 +27,7 @@ def test_a_failed_capture_is_printed_with_its_reason_and_the_eager_figures_stay(
                                       for name in ("flash", "aten_cudnn", "plancache")}}},
     }
     results["block"]["block"]["2x512"]["plancache"].update(first_ms=48.0, prepare_ms=12.5, served={"load:server": 2})
+    plancache.update(first_ms=1234.5, first_prepare_ms=33.25)
     sdpa_route._tables(results)
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.strip().startswith("2x16x1024x128 |"))
@@ -34,3 +35,5 @@ def test_a_failed_capture_is_printed_with_its_reason_and_the_eager_figures_stay(
     assert "2x16x1024x128 plancache: CUDA-graph capture failed: AcceleratorError: operation would make" in out
     block = next(line for line in out.splitlines() if line.strip().startswith("2x512 |"))
     assert "48.0" in block and "12.5" in block and "'load:server': 2" in block
+    first = [line for line in out.splitlines() if line.strip().startswith("2x16x1024x128 |")][1]
+    assert "1234.5" in first and "33.2" in first and "nan" in first  # flash's and ATen's first calls not given
