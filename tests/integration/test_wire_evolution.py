@@ -148,17 +148,17 @@ def test_a_client_works_against_an_earlier_server_without_an_api_version(tmp_pat
 
 
 def test_answers_name_the_api_version_and_callers_are_counted_by_agent_and_release(tmp_path):
-    with LiveServer(tmp_path) as srv:
-        health = httpx.get(f"{srv.url}/healthz")
+    with LiveServer(tmp_path) as srv, httpx.Client(timeout=30) as http:  # a loaded CI machine: not httpx's 5 s
+        health = http.get(f"{srv.url}/healthz")
         assert health.headers[API_VERSION_HEADER] == API_VERSION
         assert health.json() == {"status": "ok", "api_version": API_VERSION, "release": __version__}
-        assert httpx.get(f"{srv.url}/v1/nothing-here").headers[API_VERSION_HEADER] == API_VERSION  # errors too
+        assert http.get(f"{srv.url}/v1/nothing-here").headers[API_VERSION_HEADER] == API_VERSION  # errors too
         with JobsApi.open(srv.url, srv.admin_token) as admin:
             admin.jobs()
         for n in range(40):  # releases a caller claims are bounded in number
-            httpx.get(f"{srv.url}/healthz", headers={"User-Agent": f"plancache-client/9.{n}.0"})
-        httpx.get(f"{srv.url}/healthz", headers={"User-Agent": "curl/8.5.0"})
-        text = httpx.get(f"{srv.url}/metrics").text
+            http.get(f"{srv.url}/healthz", headers={"User-Agent": f"plancache-client/9.{n}.0"})
+        http.get(f"{srv.url}/healthz", headers={"User-Agent": "curl/8.5.0"})
+        text = http.get(f"{srv.url}/metrics").text
     assert f'plancache_callers_total{{agent="worker",release="{__version__}"}} 1.0' in text
     assert 'plancache_callers_total{agent="other",release=""}' in text
     releases = set(re.findall(r'plancache_callers_total\{agent="client",release="([^"]*)"\}', text))
