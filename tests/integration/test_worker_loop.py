@@ -34,6 +34,10 @@ from tests.worker_fakes import FAKE_ENV, FakeTuner, fake_blob
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ["conv_bias_relu", "matmul_scale_bias_gelu_amax", "sdpa_causal"]
 LEASE = 1.0
+#: The lease of tests that must never lose one (``@pytest.mark.parametrize("srv", [CALM], indirect=True)``): on a
+#: loaded 2-core CI machine, three beats of a 1 s lease in a row once went unanswered in time, and the job claimed
+#: ahead was reclaimed (a fourth claim) in a test about the pipeline, not about leases.
+CALM = 30.0
 FAST = Backoff(initial=0.05, cap=0.3)
 #: How long a child worker may take to be seen working: its imports alone take seconds (7 s measured on a loaded
 #: 2-core machine), so the first wait after :func:`child` is longer than :func:`wait_for`'s default.
@@ -61,8 +65,9 @@ def keys(tmp_path: Path) -> tuple[Path, TrustedKeys]:
 
 
 @pytest.fixture
-def srv(tmp_path: Path, keys: tuple[Path, TrustedKeys]):
-    with LiveServer(tmp_path, lease_seconds=LEASE, trusted_keys=str(tmp_path / "keys")) as server:
+def srv(request: pytest.FixtureRequest, tmp_path: Path, keys: tuple[Path, TrustedKeys]):
+    lease = getattr(request, "param", LEASE)
+    with LiveServer(tmp_path, lease_seconds=lease, trusted_keys=str(tmp_path / "keys")) as server:
         yield server
 
 
@@ -142,6 +147,7 @@ def test_worker_publishes_signed_plans_that_passed_the_round_trip(srv, tmp_path,
     assert spool_files(tmp_path / "spool-w-a") == []
 
 
+@pytest.mark.parametrize("srv", [CALM], indirect=True)
 def test_a_pipelined_worker_claims_the_next_job_ahead_and_tells_the_tuner(srv, tmp_path, keys):
     jobs = enqueue(srv, SEEDS)
     checked = threading.Event()  # the first tuning ends only once the test has looked, however late
