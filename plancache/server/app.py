@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,6 +28,12 @@ from .memo import PRESIGNED_URLS, RecordMemo, TtlMemory, blob_memory
 from .metrics import Metrics, MetricsMiddleware
 from .redact import redacting
 from .routes import ROUTERS
+
+#: FastAPI hands pydantic each body parameter as a field aliased by the parameter's name; for a model with a
+#: model-level "before" validator (PlanUpload, SignedWithdrawal, CompleteRequest) pydantic 2.12+ then warns that the
+#: alias has no effect, though FastAPI reads the body by it (pydantic#12356): a false alarm in every server's log.
+BODY_ALIAS_WARNING = r"The 'alias' attribute with value '(req|upload|withdrawal)' was provided to the `Field\(\)`"
+warnings.filterwarnings("ignore", message=BODY_ALIAS_WARNING, category=UserWarning)
 
 _DESCRIPTION = """Tuned cuDNN Frontend execution plans, per GPU environment.
 
