@@ -157,10 +157,10 @@ def test_openapi_and_docs(sapi):
     assert resolve["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
 
 
-def test_the_bodies_fastapi_reads_by_their_parameter_name_log_no_pydantic_false_alarm(tmp_path):
-    """pydantic warns that FastAPI's alias of a body parameter has no effect when the body's model has a "before"
-    validator (plancache.server.app.BODY_ALIAS_WARNING); a server logged that for three routes. A fresh process
-    where that warning is an error gets answers (4xx for these bodies), not a 500."""
+def test_the_parameters_fastapi_reads_by_their_name_log_no_pydantic_false_alarm(tmp_path):
+    """pydantic warns that FastAPI's alias of five of the server's model parameters has no effect
+    (plancache.server.app.BODY_ALIAS_WARNING); a server logged that at their routes' first requests. A fresh process
+    where that warning is an error gets answers (4xx for these requests), not a 500."""
     code = f"""
 import warnings
 from pydantic.warnings import UnsupportedFieldAttributeWarning
@@ -172,7 +172,8 @@ app = create_app(Settings(database_url="sqlite:///{tmp_path / 'w.db'}", admin_to
 with TestClient(app) as c:
     auth = {{"Authorization": "Bearer " + "t" * 32}}
     print([c.request(m, p, json={{"x": 1}}, headers=auth).status_code for m, p in
-           (("PUT", "/v1/plans"), ("POST", "/v1/admin/withdrawals"), ("POST", "/v1/jobs/1/complete"))])
+           (("PUT", "/v1/plans"), ("POST", "/v1/admin/withdrawals"), ("POST", "/v1/jobs/1/complete"),
+            ("POST", "/v1/reports/rejects"), ("GET", "/v1/plans/" + "a" * 64 + "?sm=90"))])
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
