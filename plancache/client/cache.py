@@ -153,7 +153,8 @@ class DiskCache:
         self._estimate: int | None = None  # bytes under root as of this process's last scan, plus its writes
         self._revisions: dict[str, int] = {}  # accepted by this process, should the folder be read-only
         self._writer: ThreadPoolExecutor | None = None  # one thread: writes in the order they were asked for
-        self._pending: list[Future[Any]] = []
+        self._pending: list[tuple[Future[Any], str | None]] = []  # each write and the graph key it writes
+        self._last_write: dict[str, Future[Any]] = {}  # per graph key, its last pending write
         self._pending_lock = threading.Lock()  # revalidation runs on its own thread
         self._closed = False  # closed: writes are made by their caller (a load of another thread still under way)
 
@@ -194,7 +195,7 @@ class DiskCache:
         or, without ``background``, before returning. A folder that cannot be written keeps it for this process only."""
         self._revisions[graph_key] = max(revision, self._revisions.get(graph_key, 0))
         if background:
-            self.later(self._write_revision, graph_key, revision)
+            self.later(self._write_revision, graph_key, revision, key=graph_key)
         else:
             self._write_revision(graph_key, revision)
 
@@ -231,39 +232,64 @@ class DiskCache:
         except OSError as exc:
             log.debug("plan cache: cannot write the revision of %s: %s", graph_key[:12], exc)
 
-    def later(self, write: Callable[..., Any], *args: Any) -> None:
+    def later(self, write: Callable[..., Any], *args: Any, key: str | None = None) -> None:
         """Run ``write(*args)`` on this cache's writer thread, off the caller's path: a plan is ready before its
-        files are fsynced. :meth:`flush` (called by every read of the folder and by :meth:`close`) waits for them;
-        the interpreter also waits for them at exit. Once the interpreter is exiting (no new threads: a thread of
-        the program still loading after the main thread returned) the write is made here."""
+        files are fsynced. ``key``: the graph key whose files it writes, so that a read of that key
+        (:meth:`record`) waits for it, and a read of another key does not; :meth:`flush` (called by :meth:`close`)
+        waits for every write; the interpreter also waits for them at exit. Once the interpreter is exiting (no new
+        threads: a thread of the program still loading after the main thread returned) the write is made here."""
         with self._pending_lock:
             if not self._closed:
                 if self._writer is None:
                     self._writer = ThreadPoolExecutor(1, thread_name_prefix="plancache-disk")
-                # forget the writes done: the writer runs them in order, so they are the first ones (a scan of every
-                # pending write at each call was quadratic in the writes of a load: 2-3 ms of a 49-plan prefetch)
-                done = 0
-                while done < len(self._pending) and self._pending[done].done():
-                    done += 1
-                del self._pending[:done]
+                self._forget_done()
                 try:
-                    self._pending.append(self._writer.submit(write, *args))
-                    return
+                    future = self._writer.submit(write, *args)
                 except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
                     pass
+                else:
+                    self._pending.append((future, key))
+                    if key is not None:
+                        self._last_write[key] = future
+                    return
             pending, self._pending = self._pending, []
-        for f in pending:  # in the order they were asked for
+            self._last_write.clear()
+        for f, _ in pending:  # in the order they were asked for
             f.exception()
         try:
             write(*args)
         except Exception as exc:  # noqa: BLE001 - logged as a background write's failure is
             log.warning("plan cache: a write failed: %s", exc)
 
-    def flush(self) -> None:
-        """Wait for the writes asked for so far (a failed one was logged by itself)."""
+    def _forget_done(self) -> None:
+        """Forget the writes done (holding ``_pending_lock``): the writer runs them in order, so they are the first
+        ones (a scan of every pending write at each call was quadratic in the writes of a load: 2-3 ms of a 49-plan
+        prefetch)."""
+        done = 0
+        while done < len(self._pending) and self._pending[done][0].done():
+            future, key = self._pending[done]
+            if key is not None and self._last_write.get(key) is future:
+                del self._last_write[key]
+            done += 1
+        del self._pending[:done]
+
+    def flush(self, graph_key: str | None = None) -> None:
+        """Wait for the writes asked for so far (a failed one was logged by itself); with ``graph_key``, for those up
+        to that key's last one only (the writer runs them in order), none when it has none pending."""
         with self._pending_lock:
-            pending, self._pending = self._pending, []
-        for f in pending:
+            if graph_key is not None:
+                last = self._last_write.get(graph_key)
+                if last is None:
+                    return
+                upto = next(i for i, (f, _) in enumerate(self._pending) if f is last) + 1
+            else:
+                upto = len(self._pending)
+            pending = self._pending[:upto]
+            del self._pending[:upto]
+            for future, key in pending:
+                if key is not None and self._last_write.get(key) is future:
+                    del self._last_write[key]
+        for f, _ in pending:
             if (exc := f.exception()) is not None:
                 log.warning("plan cache: a background write failed: %s", exc)
 
@@ -280,8 +306,8 @@ class DiskCache:
     def record(self, graph_key: str) -> PlanRecord | None:
         """The stored record of ``graph_key``, unverified; None when there is none (or it cannot be read, logged).
         Its blob is in :attr:`blobs`. Raises :class:`VerificationError` (reason ``malformed``) for a record file
-        that does not parse."""
-        self.flush()
+        that does not parse. Waits for the writes of ``graph_key`` this process asked for, not for others'."""
+        self.flush(graph_key)
         try:
             text = read_limited(self._record_path(graph_key), RECORD_FILE_BYTES, planted=True)
         except FileNotFoundError:

@@ -596,3 +596,27 @@ def test_a_planted_revision_far_ahead_is_ignored_and_replaced(tmp_path):
     ahead = time.time_ns() // 1_000_000 + 3600 * 1000
     path.write_text(str(ahead))
     assert DiskCache(tmp_path, H200).revision(KEY) == ahead
+
+
+def test_a_read_waits_for_the_pending_writes_of_its_own_key_only(tmp_path):
+    """A load read every key's record only after every background write asked for had been fsynced: a new shape's
+    backward plan waited on its forward's disk write (about 3 ms a plan on the CI machine's disk). A read now waits
+    for its own key's writes, which the single writer makes after every write asked for before them."""
+    cache = DiskCache(tmp_path, H200)
+    other, gate = "b" * 64, threading.Event()
+    cache.later(gate.wait, 30, key=other)  # a write of another key, stuck
+    cache.later(cache.save, make_record(other, H200, BLOB), BLOB, key=other)
+    t0 = time.monotonic()
+    assert cache.record(KEY) is None  # not written, and not waiting for the other key
+    assert time.monotonic() - t0 < 5 and not gate.is_set()
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(cache.record(other)))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and got == []  # its own key's writes are still pending
+    gate.set()
+    reader.join(30)
+    assert got and got[0].graph_key == other  # read once they are done
+    cache.later(cache.save, make_record(KEY, H200, BLOB), BLOB, key=KEY)
+    assert cache.record(KEY).graph_key == KEY and cache._pending == [] and cache._last_write == {}
+    cache.close()
