@@ -60,6 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +253,7 @@ class DiskCache:
                     if key is not None:
                         self._last_write[key] = future
                     return
-            pending, self._pending = self._pending, []
-            self._last_write.clear()
+            pending = self._take(len(self._pending))
         for f, _ in pending:  # in the order they were asked for
             f.exception()
         try:
@@ -267,11 +267,18 @@ class DiskCache:
         prefetch)."""
         done = 0
         while done < len(self._pending) and self._pending[done][0].done():
-            future, key = self._pending[done]
+            done += 1
+        self._take(done)
+
+    def _take(self, count: int) -> list[tuple[Future[Any], str | None]]:
+        """Remove the first ``count`` pending writes, and each key's last write among them (holding
+        ``_pending_lock``); returns them."""
+        taken = self._pending[:count]
+        del self._pending[:count]
+        for future, key in taken:
             if key is not None and self._last_write.get(key) is future:
                 del self._last_write[key]
-            done += 1
-        del self._pending[:done]
+        return taken
 
     def flush(self, graph_key: str | None = None) -> None:
         """Wait for the writes asked for so far (a failed one was logged by itself); with ``graph_key``, for those up
@@ -284,11 +291,7 @@ class DiskCache:
                 upto = next(i for i, (f, _) in enumerate(self._pending) if f is last) + 1
             else:
                 upto = len(self._pending)
-            pending = self._pending[:upto]
-            del self._pending[:upto]
-            for future, key in pending:
-                if key is not None and self._last_write.get(key) is future:
-                    del self._last_write[key]
+            pending = self._take(upto)
         for f, _ in pending:
             if (exc := f.exception()) is not None:
                 log.warning("plan cache: a background write failed: %s", exc)
@@ -398,6 +401,11 @@ class DiskCache:
             if self._estimate > self.max_bytes:
                 self.evict()
         return True
+
+    def save_later(self, record: PlanRecord, blob: bytes) -> None:
+        """:meth:`save` a plan the server (or its index) gave now, ``checked``, on the writer thread (:meth:`later`),
+        a read of its graph key waiting for it."""
+        self.later(partial(self.save, checked=True), record, blob, key=record.graph_key)
 
     def discard(self, graph_key: str, sha256: str | None = None) -> None:
         """Remove the record of ``graph_key`` (and its mark of when it was confirmed) and, when given, the blob

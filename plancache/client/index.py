@@ -105,7 +105,7 @@ class IndexStep(StoreStep):
     def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:
         c = self.context
         if c.signatures_checked:  # an unsigned plan is used, never kept
-            c.disk.later(partial(c.disk.save, checked=True), record, blob, key=record.graph_key)
+            c.disk.save_later(record, blob)
 
     def _passed(self, batch: list[Pending], why: str) -> dict[Pending, PlanRecord]:
         for p in batch:

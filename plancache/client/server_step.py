@@ -103,8 +103,7 @@ class ServerStep(StoreStep):
     def kept(self, p: Pending, record: PlanRecord, blob: bytes) -> None:
         c = self.context
         if c.signatures_checked:  # an unsigned plan is used, never kept
-            # written after the plans are ready
-            c.disk.later(partial(c.disk.save, checked=True), record, blob, key=record.graph_key)
+            c.disk.save_later(record, blob)  # written after the plans are ready
 
     def _blobs(self, answers: list[tuple[Pending, ResolvedPlan]], deadline: float) -> dict[Pending, bytes | None]:
         """The answers' blobs (unverified): inline, or downloaded from their ``blob_url`` (at most their record's
