@@ -47,6 +47,16 @@ os.environ["PLANCACHE_DATABASE_URL"] = f"sqlite:///{os.path.join(SCRATCH, 'defau
 os.environ["PLANCACHE_CACHE_DIR"] = os.path.join(SCRATCH, "cache")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pydantic's false alarm about FastAPI's model parameters, filtered as the server filters it
+    (:data:`plancache.server.app.BODY_ALIAS_WARNING`): pytest resets the filters a module set at its import."""
+    try:
+        from plancache.server.app import BODY_ALIAS_WARNING
+    except ImportError:  # the server extra is not installed: no server test runs
+        return
+    config.addinivalue_line("filterwarnings", f"ignore:{BODY_ALIAS_WARNING}:UserWarning")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``PLANCACHE_TEST_FAILURE_LOG`` set, each failure is appended to that file as it happens (its test id,
     phase and the end of its report): a run stopped by a time limit, as a lent GPU's calls are, still says why each

@@ -33,7 +33,7 @@ from .routes import ROUTERS
 #: of this server's (the bodies of PUT /v1/plans, the withdrawal, job completion and reject report routes, and the
 #: environment query) pydantic 2.12+ warns at the first request that the alias has no effect, though FastAPI reads
 #: the parameter by it (pydantic#12356): a false alarm in every server's log.
-#: (pytest's settings repeat it: pytest resets the filters a module set)
+#: (tests/conftest.py hands it to pytest, which resets the filters a module set)
 BODY_ALIAS_WARNING = (r"The 'alias' attribute with value '(environment|report|req|upload|withdrawal)' was provided "
                       r"to the `Field\(\)`")
 warnings.filterwarnings("ignore", message=BODY_ALIAS_WARNING, category=UserWarning)
