@@ -85,9 +85,11 @@ def loaded(cache: PlanCache) -> list[bytes]:
 
 
 def make_cache(srv: LiveServer, tmp_path: Path, signer: Any, **kw: Any) -> PlanCache:
-    """A client of ``srv``; its request deadline 30 s unless given (a loaded CI machine once took over the default
-    5 s to answer a resolve, which added a warning to a test counting them)."""
+    """A client of ``srv``; its request deadline and read timeout 30 s unless given (a loaded CI machine once took
+    over the default 5 s to answer a resolve: past the deadline it added a warning to a test counting them, past the
+    read timeout a warm start found nothing)."""
     kw.setdefault("request_deadline", 30.0)
+    kw.setdefault("read_timeout", 30.0)
     return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
                      trusted_keys=trusted(signer), **kw)
 
