@@ -35,8 +35,9 @@ from ..spec.nodes import conv_padding, decode_param, kind_of
 Tensor: TypeAlias = torch.Tensor
 
 __all__ = [
-    "FAMILIES", "POINTWISE_MODES", "REDUCTION_MODES", "AttentionGeometry", "Family", "NodeCall", "attention_geometry",
-    "family_of", "kernel_cache_safe", "node_label", "norm_axes", "uncovered",
+    "FAMILIES", "POINTWISE_MODES", "REDUCTION_MODES", "AttentionGeometry", "DropoutProbe", "Family", "NodeCall",
+    "attention_geometry", "dropout_nodes", "dropout_probability", "dropout_probe", "family_of", "kernel_cache_safe",
+    "node_label", "norm_axes", "uncovered",
 ]
 
 
@@ -64,6 +65,9 @@ class NodeCall:
     #: the graph's inputs by uid exactly as bound (ragged gathers read their storage and offsets).
     raw: dict[int, Tensor] = field(default_factory=dict)
     exact: bool = True
+    #: an attention node's dropout: the multiplier cuDNN applies to each probability, [b, h_q, s_q, s_kv] float32,
+    #: 0 where it dropped the element and 1/(1-p) where it kept it (:func:`plancache.gpu.runtime.draw_dropout`).
+    dropout: Tensor | None = None
     _params: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -829,6 +833,7 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
         fp8_dtype = torch.float8_e5m2 if call.spec.data_type_of(call.doc("q")) == "FP8_E5M2" else torch.float8_e4m3fn
         top = torch.finfo(fp8_dtype).max
     want_stats = stats if stats is not None else bool(set(call.node.outputs) & {"Stats", "score_max", "score_sum_exp"})
+    drop = _dropout_multiplier(call)
     b, h, s_q = q.shape[0], q.shape[1], q.shape[2]
     o = torch.empty(b, h, s_q, v.shape[-1], dtype=torch.promote_types(q.dtype, v.dtype), device=q.device)
     m_all = torch.empty(b, h, s_q, 1, dtype=torch.float32, device=q.device) if want_stats else None
@@ -842,6 +847,8 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
         s = _scores(q[i:i + 1, hs], k[i:i + 1, hs], scale, geo, keep[i:i + 1], bias_c, hs, extra)
         p, m, l = _softmax(s)
         del s
+        if drop is not None:  # after the statistics: cuDNN's Stats are those of the undropped row
+            p = p * drop[i:i + 1, hs]
         vv = v[i:i + 1, hs]
         if fp8:
             amax_s = torch.maximum(amax_s, p.amax().to(torch.float32))
@@ -870,7 +877,8 @@ def attention_forward(call: NodeCall, geo: AttentionGeometry | None = None, *, f
 
 def _fused_attention(call: NodeCall) -> dict[str, Tensor] | None:
     """The eager path (exact=False): torch's fused scaled_dot_product_attention where it applies."""
-    if call.exact or call.node.type != "SDPA" or set(call.node.outputs) - {"O"} or "bias" in call.x:
+    if call.exact or call.node.type != "SDPA" or set(call.node.outputs) - {"O"} or "bias" in call.x \
+            or _has_dropout(call.node):
         return None
     geo = attention_geometry(call.spec, call.node, call.x)
     if geo.alibi:
@@ -909,6 +917,7 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
     bias = call.f("bias") if "bias" in call.x else None
     want_dbias = bias is not None and "dBias" in call.node.outputs
     keep = geo.keep(q.device)
+    drop = _dropout_multiplier(call)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dbias = torch.zeros_like(bias) if bias is not None and want_dbias else None
     for i, hs in _chunks(geo):
@@ -924,6 +933,8 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
                     bias_c = bias_c.expand(1, qi.shape[1], *bias_c.shape[2:]).clone().requires_grad_(True)
             s = _scores(qi, ki, scale, geo, keep[i:i + 1], bias_c, hs)
             p, _, _ = _softmax(s)
+            if drop is not None:
+                p = p * drop[i:i + 1, hs]
             o = torch.matmul(p, vi)
             wrt = [qi, ki, vi] + ([bias_c] if bias_c is not None and want_dbias else [])
             grads = torch.autograd.grad(o, wrt, d_o[i:i + 1, hs])
@@ -944,14 +955,98 @@ def _sdpa_backward(call: NodeCall) -> dict[str, Tensor]:
     return out
 
 
-def _dropout(node: NodeDoc) -> bool:
+def _has_dropout(node: NodeDoc) -> bool:
     return "_dropout_n" in node.params or any(p.startswith("dropout") for p in node.inputs) or "rng_dump" in node.outputs
+
+
+def dropout_probability(node: NodeDoc) -> float | None:
+    """p of an attention node whose dropout cuDNN draws from a seed and an offset (FE's ``dropout=(p, seed,
+    offset)``, both tensors), the form the reference checks; None for any other node or form."""
+    if kind_of(node.type).group != "attention" or decode_param(node.params.get("_dropout_n")) != 3 \
+            or "rng_dump" in node.outputs or not {"dropout_1", "dropout_2"} <= set(node.inputs):
+        return None
+    p = decode_param(node.params.get("dropout_0"))
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < 1 else None
+
+
+def dropout_nodes(spec: GraphSpec) -> list[int]:
+    """Indices of the attention nodes of ``spec`` with a reference-checked dropout (:func:`dropout_probability`)."""
+    return [i for i, node in enumerate(spec.nodes) if dropout_probability(node) is not None]
+
+
+#: Params of an attention backward that its forward does not take.
+_BACKWARD_ONLY = frozenset({"use_deterministic_algorithm", "max_total_seq_len_q", "max_total_seq_len_kv"})
+#: Inputs of an attention backward that its forward does not take.
+_BACKWARD_INPUTS = frozenset({"o", "dO", "stats"})
+
+
+@dataclass(frozen=True)
+class DropoutProbe:
+    """A forward graph that draws the dropout of one attention node and dumps it (:func:`dropout_probe`)."""
+
+    spec: GraphSpec  # the probe: outputs O, Stats and rng_dump
+    checked: GraphSpec  # the same graph without the dump: what the float32 reference evaluates
+    dump_uid: int
+    p: float
+
+
+def dropout_probe(spec: GraphSpec, index: int) -> DropoutProbe:
+    """The probe of attention node ``index``'s dropout: one SDPA forward node on that node's own inputs (q, k, v,
+    bias, sequence lengths, seed and offset, same uids, same masks, scale and p), with outputs O and Stats
+    (contiguous) and ``rng_dump`` [b, h_q, s_q, s_kv] float32. cuDNN draws an element's dropout from the seed, the
+    offset and the element's position, so a forward and a backward of the same seed and offset drop the same
+    elements, and so does this probe."""
+    node = spec.nodes[index]
+    p = dropout_probability(node)
+    if p is None:
+        raise TuningError(f"{node_label(spec, node)}: no dropout drawn from a seed and an offset to probe")
+    inputs = {port: u for port, u in node.inputs.items() if port not in _BACKWARD_INPUTS}
+    produced = [port for port, u in inputs.items() if spec.producer(u) is not None]
+    if produced:
+        raise TuningError(f"{node_label(spec, node)}: its dropout cannot be probed: input {produced[0]!r} is computed "
+                          "in the graph")
+    q, v = spec.tensor(inputs["q"]), spec.tensor(inputs["v"])
+    b, h, s_q = q.dim[0], q.dim[1], q.dim[2]
+    s_kv, d_v = kv_len(spec, node), v.dim[3]
+    used = set(inputs.values())
+    used |= {r for u in inputs.values() if (r := spec.tensor(u).ragged_offset) is not None}
+    top = max(t.uid for t in spec.tensors)
+    o_uid, stats_uid, dump_uid = top + 1, top + 2, top + 3
+    tensors = [t.model_dump() for t in spec.tensors if t.uid in used]
+    for uid, name, dtype, dims in ((o_uid, "O", spec.data_type_of(q), [b, h, s_q, d_v]),
+                                   (stats_uid, "Stats", "FLOAT", [b, h, s_q, 1]),
+                                   (dump_uid, "rng_dump", "FLOAT", [b, h, s_q, s_kv])):
+        strides = [math.prod(dims[i + 1:]) for i in range(4)]
+        tensors.append({"uid": uid, "name": f"probe::{name}", "data_type": dtype, "dim": dims, "stride": strides,
+                        "uid_assigned": True, "dim_assigned": True, "stride_assigned": True})
+    params = {k: v for k, v in node.params.items() if k not in _BACKWARD_ONLY}
+    params["generate_stats"] = True  # a training forward: the one cuDNN draws dropout in
+    outputs = {"O": o_uid, "Stats": stats_uid}
+
+    def document(outs: dict[str, int]) -> GraphSpec:
+        return GraphSpec.model_validate({
+            "name": f"dropout probe of {spec.name}"[:200], "context": spec.context.model_dump(),
+            "tensors": [t for t in tensors if t["uid"] in used or t["uid"] in outs.values()],
+            "nodes": [{"name": "probe", "type": "SDPA", "compute_data_type": node.compute_data_type, "inputs": inputs,
+                       "outputs": outs, "params": params}]})
+
+    return DropoutProbe(document({**outputs, "rng_dump": dump_uid}), document(outputs), dump_uid, p)
+
+
+def _dropout_multiplier(call: NodeCall) -> Tensor | None:
+    """The node's dropout multiplier, None without dropout; a node with dropout and no multiplier cannot be
+    evaluated (the multiplier is what cuDNN drew)."""
+    if not _has_dropout(call.node):
+        return None
+    if call.dropout is None:
+        raise call.fail("its dropout needs the elements cuDNN drops (plancache.gpu.runtime.draw_dropout)")
+    return call.dropout
 
 
 def _sdpa_unsupported(spec: GraphSpec, node: NodeDoc) -> str | None:
     p = {k: decode_param(v) for k, v in node.params.items()}
-    if _dropout(node):
-        return "dropout is random; it has no reference"
+    if _has_dropout(node) and (dropout_probability(node) is None or kind_of(node.type).fp8):
+        return "dropout other than a probability drawn from a seed and an offset (or in fp8) has no reference"
     for port in ("block_mask", "sink_token", "kv_mask"):
         if port in node.inputs:
             return f"{port} has no reference"

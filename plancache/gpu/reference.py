@@ -45,9 +45,9 @@ from .families import (  # noqa: F401  (re-exported: the family registry beside 
 Tensor: TypeAlias = torch.Tensor
 
 __all__ = [
-    "TOLERANCE", "TORCH_DTYPES", "allocate_outputs", "compare_mask", "compare_outputs", "evaluate", "make_inputs",
-    "tolerance",
-    "output_errors", "reference_outputs", "required_bytes", "storage_elements", "tensor_bytes", "torch_dtype",
+    "TOLERANCE", "TORCH_DTYPES", "allocate_outputs", "compare_mask", "compare_outputs", "evaluate", "first_mismatch",
+    "make_inputs", "output_errors", "redraw_saved_attention", "reference_outputs", "required_bytes", "storage_elements",
+    "tensor_bytes", "tolerance", "torch_dtype",
 ]
 
 #: cuDNN data type name -> torch dtype.
@@ -369,9 +369,15 @@ def _norm_statistics(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
                 t.copy_(src.reshape(t.shape).to(device=t.device, dtype=t.dtype))
 
 
-def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[int]) -> None:
-    """SDPA backward ``o`` / ``stats``: the float32 forward of the generated q, k, v (same masks)."""
-    for node in spec.nodes:
+def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[int],
+                     dropout: dict[int, Tensor] | None = None) -> None:
+    """SDPA backward ``o`` / ``stats``: the float32 forward of the generated q, k, v (same masks). A node with dropout
+    is left for :func:`redraw_saved_attention` unless ``dropout`` (by node index) holds what cuDNN drops there; with
+    ``dropout``, only its nodes are recomputed."""
+    for idx, node in enumerate(spec.nodes):
+        wanted = idx in dropout if dropout is not None else fam.dropout_probability(node) is None
+        if not wanted:
+            continue
         kind = kind_of(node.type)
         saved = {kind.role(p): p for p, u in node.inputs.items() if u in input_uids}
         if not {"saved_o", "saved_stats"} & set(saved) or any(node.inputs.get(p) not in out for p in ("q", "k", "v")):
@@ -389,7 +395,7 @@ def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
                 d = x.get(f"descale_{port}")
                 if d is not None:
                     x[port] = x[port] * d.reshape(())
-        call = NodeCall(spec, node, x, raw=out, exact=True)
+        call = NodeCall(spec, node, x, raw=out, exact=True, dropout=None if dropout is None else dropout[idx])
         with _exact_float32(), torch.no_grad():
             geo = attention_geometry(spec, node, x)
             res = fam.attention_forward(call, geo, fp8=False, stats=True)
@@ -408,6 +414,12 @@ def _attention_saved(spec: GraphSpec, out: dict[int, Tensor], input_uids: set[in
                     fam.ragged_scatter(t, doc, out[doc.ragged_offset], geo.lens_q, dense)
                 else:
                     t.copy_(dense.reshape(t.shape).to(t.dtype))
+
+
+def redraw_saved_attention(spec: GraphSpec, inputs: dict[int, Tensor], dropout: dict[int, Tensor]) -> None:
+    """Rewrite, in place, the saved ``o`` / ``stats`` inputs of the attention backward nodes in ``dropout`` (node index
+    -> the multiplier cuDNN applies, :attr:`NodeCall.dropout`): a backward's ``o`` is its dropped forward's output."""
+    _attention_saved(spec, inputs, {d.uid for d in spec.input_tensors()}, dropout)
 
 
 def allocate_outputs(spec: GraphSpec, device: torch.device | str,
@@ -454,14 +466,17 @@ def _fit(t: Tensor, doc: TensorDoc, where: str) -> Tensor:
     raise TuningError(f"{where}: result dims {list(t.shape)} do not fit output {_label(doc)} dims {doc.dim}")
 
 
-def reference_outputs(spec: GraphSpec, inputs: dict[int, Tensor]) -> dict[int, Tensor]:
+def reference_outputs(spec: GraphSpec, inputs: dict[int, Tensor], *,
+                      dropout: dict[int, Tensor] | None = None) -> dict[int, Tensor]:
     """The float32 reference of every graph output, by uid, on the inputs' device (logical dims; a ragged
-    output as its dense [b, h, s, d] view). Raises :class:`TuningError` naming a node without a reference
+    output as its dense [b, h, s, d] view). ``dropout``: by node index, what cuDNN drops at each attention node with
+    dropout (:attr:`NodeCall.dropout`). Raises :class:`TuningError` naming a node without a reference
     (check :func:`plancache.gpu.families.uncovered` first)."""
-    return evaluate(spec, inputs, exact_float32=True)
+    return evaluate(spec, inputs, exact_float32=True, dropout=dropout)
 
 
-def evaluate(spec: GraphSpec, inputs: dict[int, Tensor], *, exact_float32: bool) -> dict[int, Tensor]:
+def evaluate(spec: GraphSpec, inputs: dict[int, Tensor], *, exact_float32: bool,
+             dropout: dict[int, Tensor] | None = None) -> dict[int, Tensor]:
     """Run ``spec`` node by node with torch ops.
 
     ``exact_float32``: every input upcast to float32 (fp8 values included), TF32 off, attention
@@ -489,7 +504,7 @@ def evaluate(spec: GraphSpec, inputs: dict[int, Tensor], *, exact_float32: bool)
     raw = dict(inputs)
     ctx = _exact_float32() if exact_float32 else contextlib.nullcontext()
     with ctx, torch.no_grad():
-        for node in spec.nodes:
+        for idx, node in enumerate(spec.nodes):
             family = family_of(node)
             where = fam.node_label(spec, node)
             if family is None or family.reference is None:
@@ -500,7 +515,8 @@ def evaluate(spec: GraphSpec, inputs: dict[int, Tensor], *, exact_float32: bool)
             missing = [p for p, u in node.inputs.items() if u not in env]
             if missing:
                 raise TuningError(f"{where}: inputs {missing} are not available")
-            call = NodeCall(spec, node, {p: env[u] for p, u in node.inputs.items()}, raw=raw, exact=exact_float32)
+            call = NodeCall(spec, node, {p: env[u] for p, u in node.inputs.items()}, raw=raw, exact=exact_float32,
+                            dropout=(dropout or {}).get(idx))
             results = family.reference(call)
             for port, uid in node.outputs.items():
                 if port in results:
@@ -622,6 +638,13 @@ def tolerance(spec: GraphSpec, doc: TensorDoc) -> float:
                     doc = spec.tensor(node.outputs[source])
                 break
     return TOLERANCE.get(spec.data_type_of(doc), 2e-2)
+
+
+def first_mismatch(errs: dict[int, float], tolerance: dict[int, float], check: str) -> str | None:
+    """Why outputs with these normalised errors (by uid, :func:`output_errors`) fail ``check``: the first past its
+    tolerance (:func:`tolerance`); or None."""
+    bad = [u for u, e in errs.items() if not e <= tolerance[u]]
+    return f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})" if bad else None
 
 
 def compare_outputs(spec: GraphSpec, outputs: dict[int, Tensor], reference: dict[int, Tensor], *,

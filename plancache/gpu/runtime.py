@@ -280,23 +280,115 @@ def _execute(plan: BuiltPlan, handle: Any, device: torch.device, inputs: dict[in
 def expected_outputs(spec: GraphSpec, inputs: dict[int, torch.Tensor], handle: Any,
                      device: torch.device) -> tuple[dict[int, torch.Tensor], str]:
     """What the graph's outputs must be, and how that was decided: ``reference`` (the float32 torch
-    reference of every node) or, for a graph some node of which no reference covers, ``cross-check:fallback``
-    / ``cross-check:heuristic`` (the outputs of cuDNN's FALLBACK plan, else its heuristic choice)."""
+    reference of every node; an attention node's dropout is the elements cuDNN drops, :func:`draw_dropout`, and the
+    saved ``o`` of a dropout backward is rewritten in ``inputs`` to match) or, for a graph some node of which no
+    reference covers, ``cross-check:fallback`` / ``cross-check:heuristic`` (the outputs of cuDNN's FALLBACK plan,
+    else its heuristic choice)."""
     spec = canonical(spec)
     if not families.uncovered(spec):
-        return reference.reference_outputs(spec, inputs), "reference"
-    for mode, label in (("FALLBACK", "cross-check:fallback"), ("A", "cross-check:heuristic")):
+        drops = draw_dropout(spec, inputs, handle, device) if families.dropout_nodes(spec) else None
+        if drops:
+            reference.redraw_saved_attention(spec, inputs, drops)
+        return reference.reference_outputs(spec, inputs, dropout=drops), "reference"
+    built = _plain_plan(spec, handle)
+    if built is None:
+        raise TuningError(f"no reference covers {', '.join(families.uncovered(spec))} and no FALLBACK or heuristic "
+                          "plan builds to cross-check against")
+    plan, label = built
+    out = _execute(plan, handle, device, inputs)
+    return {u: t.to(torch.float32) for u, t in out.items()}, f"cross-check:{label}"
+
+
+def _plain_plan(spec: GraphSpec, handle: Any) -> tuple[BuiltPlan, str] | None:
+    """cuDNN's FALLBACK plan of ``spec``, else its heuristic choice, and which (``fallback`` / ``heuristic``); None
+    when neither builds."""
+    for mode, label in (("FALLBACK", "fallback"), ("A", "heuristic")):
         g = decode(spec, handle=handle)
         try:
             prepare(g, spec, [mode])
             g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
         except Exception:  # noqa: BLE001 - no plan of this mode builds: try the next
             continue
-        plan = BuiltPlan(spec, g, int(g.get_workspace_size()))
-        out = _execute(plan, handle, device, inputs)
-        return {u: t.to(torch.float32) for u, t in out.items()}, label
-    raise TuningError(f"no reference covers {', '.join(families.uncovered(spec))} and no FALLBACK or heuristic "
-                      "plan builds to cross-check against")
+        return BuiltPlan(spec, g, int(g.get_workspace_size())), label
+    return None
+
+
+#: The largest dropout dump :func:`draw_dropout` reads for one attention node (b·h·s_q·s_kv float32 elements).
+DROPOUT_DUMP_BYTES = 2 << 30
+#: How far the share of elements a dump drops may be from p, in standard deviations of that share.
+DROPOUT_SIGMAS = 6.0
+
+
+def draw_dropout(spec: GraphSpec, inputs: dict[int, torch.Tensor], handle: Any,
+                 device: torch.device) -> dict[int, torch.Tensor]:
+    """What cuDNN drops at each attention node with dropout (:func:`plancache.gpu.families.dropout_nodes`) from the
+    seed and offset ``inputs`` bind, by node index: the multiplier of each probability (0 dropped, 1/(1-p) kept,
+    :attr:`plancache.gpu.families.NodeCall.dropout`).
+
+    The node's :func:`~plancache.gpu.families.dropout_probe` is built as cuDNN's FALLBACK plan (else its heuristic
+    choice) and run once on ``inputs``. Its dump is read in whichever form (a 0/1 mask, kept elements as 1/(1-p), or
+    the uniform draws kept at >= p or below 1 - p) makes the probe's own O and Stats agree with the float32 reference
+    given those kept elements, and the share dropped among the visible elements must be within
+    :data:`DROPOUT_SIGMAS` standard deviations of p. A candidate plan then passes only if it drops the same elements:
+    a forward and a backward plan of one seed and offset must agree, or training is silently wrong."""
+    out: dict[int, torch.Tensor] = {}
+    for idx in families.dropout_nodes(spec):
+        where = families.node_label(spec, spec.nodes[idx])
+        probe = families.dropout_probe(spec, idx)
+        dims = probe.spec.tensor(probe.dump_uid).dim
+        if math.prod(dims) * 4 > DROPOUT_DUMP_BYTES:
+            raise TuningError(f"{where}: its dropout cannot be checked: the dump of {dims} elements is over "
+                              f"{DROPOUT_DUMP_BYTES >> 30} GiB")
+        built = _plain_plan(probe.spec, handle)
+        if built is None:
+            raise TuningError(f"{where}: no FALLBACK or heuristic plan of its dropout probe builds")
+        bound = {t.uid: inputs[t.uid] for t in probe.spec.input_tensors()}
+        got = _execute(built[0], handle, device, bound)
+        out[idx] = _read_dropout(probe, bound, got, where)
+    return out
+
+
+def _read_dropout(probe: families.DropoutProbe, inputs: dict[int, torch.Tensor], got: dict[int, torch.Tensor],
+                  where: str) -> torch.Tensor:
+    """The multiplier a probe's dump stands for (:func:`draw_dropout`), or TuningError saying why none fits. Only
+    the visible elements of the dump are read: cuDNN skips the tiles a mask hides whole, which leave the dump
+    unwritten there (garbage, NaN included, measured on an H100); a hidden element's multiplier is 1/(1-p), which
+    its zero probability makes moot."""
+    dump, p = got[probe.dump_uid].to(torch.float32), probe.p
+    node = probe.checked.nodes[0]
+    geo = families.attention_geometry(probe.checked, node, {port: inputs[u] for port, u in node.inputs.items()})
+    visible = geo.keep(dump.device).expand_as(dump)
+    outputs = {u: t for u, t in got.items() if u != probe.dump_uid}
+    tolerance = {t.uid: reference.tolerance(probe.checked, t) for t in probe.checked.output_tensors()}
+    tried = []
+    for form, kept in _dropout_forms(dump[visible], p):
+        multiplier = torch.full_like(dump, 1 / (1 - p)).masked_scatter_(visible, kept.to(torch.float32) / (1 - p))
+        ref = reference.reference_outputs(probe.checked, inputs, dropout={0: multiplier})
+        errs = reference.output_errors(probe.checked, outputs, ref, inputs=inputs)
+        if (why := reference.first_mismatch(errs, tolerance, "reference")) is not None:
+            tried.append(f"{form}: {why}")
+            continue
+        n = kept.numel()
+        dropped = 1.0 - float(kept.float().mean()) if n else p
+        if n and abs(dropped - p) > DROPOUT_SIGMAS * math.sqrt(p * (1 - p) / n) + 1.0 / n:
+            raise TuningError(f"{where}: cuDNN's dropout drops {dropped:.4f} of {n} visible elements, not p = {p}")
+        return multiplier
+    raise TuningError(f"{where}: no reading of cuDNN's dropout dump agrees with its own output "
+                      f"({'; '.join(tried) or 'its visible elements are in none of the forms read'})")
+
+
+def _dropout_forms(dump: torch.Tensor, p: float) -> list[tuple[str, torch.Tensor]]:
+    """The kept elements each form cuDNN may dump its dropout in would mean (``dump``: the visible elements), the
+    plausible ones first."""
+    zero = dump == 0
+    forms = []
+    if bool((zero | ((dump - 1).abs() < 1e-6)).all()):
+        forms.append(("a 0/1 mask", ~zero))
+    if bool((zero | ((dump * (1 - p) - 1).abs() < 1e-3)).all()):
+        forms.append(("kept elements as 1/(1-p)", ~zero))
+    if bool(((dump >= 0) & (dump <= 1)).all()):
+        forms += [("uniform draws kept at >= p", dump >= p), ("uniform draws kept below 1 - p", dump < 1 - p)]
+    return forms
 
 
 def run_and_check(plan: BuiltPlan, handle: Any, device: torch.device, *, seed: int) -> tuple[float, str]:
@@ -304,8 +396,8 @@ def run_and_check(plan: BuiltPlan, handle: Any, device: torch.device, *, seed: i
     return the worst normalised error and the check applied."""
     spec = plan.spec
     inputs = reference.make_inputs(spec, device, seed=seed)
+    expected, check = expected_outputs(spec, inputs, handle, device)  # first: it may rewrite a dropout's saved o
     outputs = _execute(plan, handle, device, inputs)
-    expected, check = expected_outputs(spec, inputs, handle, device)
     return reference.compare_outputs(spec, outputs, expected, inputs=inputs), check
 
 

@@ -149,7 +149,7 @@ def autotune(spec: GraphSpec | dict[str, Any], *, device: int = 0, warmup: int =
                 torch.cuda.synchronize(dev)
                 errs = reference.output_errors(spec, outputs, ref, inputs=inputs)
                 err = max(errs.values())
-                if (why := _mismatch(errs, tolerance, check)) is not None:
+                if (why := reference.first_mismatch(errs, tolerance, check)) is not None:
                     candidates.append(Candidate(**cand, workspace_bytes=ws, max_abs_err=_finite(err), status="mismatch",
                                                 error=why))
                 else:
@@ -199,13 +199,7 @@ def _native_check(spec: GraphSpec, inputs: dict[int, torch.Tensor], ref: dict[in
     missing = sorted(set(tolerance) - set(outputs))
     if missing:
         return f"it gives no output uid {missing[0]}"
-    return _mismatch(reference.output_errors(spec, outputs, ref, inputs=inputs), tolerance, check)
-
-
-def _mismatch(errs: dict[int, float], tolerance: dict[int, float], check: str) -> str | None:
-    """Why outputs with these normalised errors (by uid) fail ``check``: the first past its tolerance; or None."""
-    bad = [u for u, e in errs.items() if not e <= tolerance[u]]
-    return f"output uid {bad[0]} normalised error {errs[bad[0]]:.3g} ({check})" if bad else None
+    return reference.first_mismatch(reference.output_errors(spec, outputs, ref, inputs=inputs), tolerance, check)
 
 
 def _finite(x: float) -> float | None:

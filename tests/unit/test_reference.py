@@ -546,11 +546,11 @@ def test_uncovered_names_nodes_without_a_reference():
     assert not FAM.kernel_cache_safe(spec)
     with pytest.raises(TuningError, match="GENSTATS"):
         R.reference_outputs(spec, R.make_inputs(spec, "cpu"))
-    g = graph()
+    g = graph()  # dropout as a caller's mask and scale: nothing says what cuDNN drops (a seed and an offset do)
     q = g.tensor(name="q", dim=[1, 2, 4, 8], data_type=BF16)
-    seed = g.tensor(name="seed", dim=[1, 1, 1, 1], data_type=cudnn.data_type.INT64)
-    off = g.tensor(name="offset", dim=[1, 1, 1, 1], data_type=cudnn.data_type.INT64)
-    o, _ = g.sdpa(q=q, k=q, v=q, generate_stats=False, dropout=(0.1, seed, off))
+    mask = g.tensor(name="mask", dim=[1, 2, 4, 4], data_type=BF16)
+    scale = g.tensor(name="scale", dim=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
+    o, _ = g.sdpa(q=q, k=q, v=q, generate_stats=False, dropout=(mask, scale))
     o.set_name("o").set_output(True)
     [msg] = FAM.uncovered(from_pygraph(g))
     assert "SDPA" in msg and "dropout" in msg
