@@ -69,11 +69,24 @@ def _checked(q: Any, k: Any, v: Any, **kwargs: Any) -> dict[str, float]:
 
 
 def _dropout() -> dict[str, float]:
+    """Dropout through the cuDNN backend against torch's own cuDNN kernels (called directly: the route replaces only
+    the kernels behind ``F.scaled_dot_product_attention``) from the same generator state: cuDNN draws each element
+    from the seed, the offset and its position, so both drop the same elements. ``generator``: 0 where both advanced
+    torch's generator alike (reported, not required)."""
     q, k, v = _qkv()
+    do = _rand(B, H, S, D, seed=9)
+    state = torch.cuda.get_rng_state()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
-        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
-    return {"finite": float(all(bool(t.isfinite().all()) for t in (o, *grads)))}
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    advanced = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(state)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    fwd = torch.ops.aten._cudnn_attention_forward(qd, kd, vd, None, None, None, S, S, True, 0.1, True, False)
+    want = torch.ops.aten._cudnn_attention_backward(do, qd, kd, vd, fwd[0], fwd[1], fwd[6], fwd[7], None, None, None,
+                                                    S, S, 0.1, True)
+    errors = {name: _error(g, w.float()) for name, g, w in zip(("out", "dq", "dk", "dv"), (o, *grads), (fwd[0], *want))}
+    return {**errors, "generator": float(not torch.equal(advanced, torch.cuda.get_rng_state()))}
 
 
 def _graph_replay() -> dict[str, float]:

@@ -9,9 +9,11 @@ torch's own: only the kernel that runs changes, so eager, compiled and CUDA-grap
 Each configuration (shapes, strides, dtype, device and flags) is prepared once: the FE graph torch's op stands for
 is written without a handle, keyed as a spec, and its plan taken from the :class:`~plancache.client.PlanCache`
 ladder (memory, disk, server; a plan is deserialized without the op graph's re-lowering and warm-up), or built by
-FE where the ladder allows it. A later call is one dict lookup of that executor, its outputs and workspace from
-torch's caching allocator on the current stream, and one launch through FE's ordered execute: no graph work and
-no Python validation, since the lookup key holds every layout the plan was built for.
+FE where the ladder allows it. A training forward (``compute_log_sumexp``) prepares the backward its outputs will
+feed with it: both plans come in one round trip to the server, and the backward's first call finds its executor.
+A later call is one dict lookup of that executor, its outputs and workspace from torch's caching allocator on the
+current stream, and one launch through FE's ordered execute: no graph work and no Python validation, since the
+lookup key holds every layout the plan was built for.
 
 Calls that go to torch's own C++ kernel, counted in :func:`stats` by :data:`ATEN_REASONS`: see that table.
 """
@@ -42,8 +44,8 @@ OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attenti
 
 #: Why a call runs torch's own kernel instead of a served plan (``stats()`` keys ``fwd_aten:<reason>``).
 ATEN_REASONS = {
-    "dropout": "dropout: its mask comes from torch's generator, and the tuner's float32 reference cannot "
-               "reproduce a random mask, so such a graph cannot be checked before it is served",
+    "dropout": "dropout under CUDA-graph capture (torch hands a captured kernel its generator's seed and offset on "
+               "the device, at each replay), or a dropout call pinned to one of torch's own kernels",
     "debug_mask": "return_debug_mask asks for the attention probabilities, which cuDNN does not return",
     "nested": "a nested (ragged) batch: torch passes per-sequence offsets this route does not bind",
     "device": "the tensors are on another device than the PlanCache's (one cache serves one device)",
@@ -62,7 +64,8 @@ CHOICES = ("fastest", "plan", *NATIVE)
 #: timing noise keeps the plan).
 NATIVE_MARGIN = 0.02
 
-_UID = {"q": 1, "k": 2, "v": 3, "bias": 4, "o": 100, "stats": 101, "dO": 200, "dQ": 201, "dK": 202, "dV": 203}
+_UID = {"q": 1, "k": 2, "v": 3, "bias": 4, "seed": 5, "offset": 6, "o": 100, "stats": 101, "dO": 200, "dQ": 201,
+        "dK": 202, "dV": 203}
 _ALIGNMENT = 16
 
 
@@ -208,7 +211,16 @@ def _refusal(route: _Route | None, query: Any, dropout_p: float, other: str | No
     of one direction only), or None."""
     if route is None or query.device != route.device:
         return "device"
-    return "dropout" if dropout_p else other
+    if other is None and dropout_p and _capturing():
+        return "dropout"
+    return other
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a CUDA graph."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumexp: bool, dropout_p: float = 0.0,
@@ -220,14 +232,18 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
         ckey = ("fwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
                 is_causal, scale, compute_log_sumexp,
-                None if bias is None else (bias.shape, bias.stride()))
+                None if bias is None else (bias.shape, bias.stride()), dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
-            ex = _prepare(route, ckey, _flash_takes(query, key, value, bias),
-                          lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal, scale))
+            ex = _prepare(route, _Config(ckey, _flash_takes(query, key, value, bias) and not dropout_p,
+                                         lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal,
+                                                                scale, dropout_p),
+                                         _inner_strided(query, key, value, bias)),
+                          _backward_ahead(query, key, value, bias, is_causal, scale, dropout_p)
+                          if compute_log_sumexp else None)
         if isinstance(ex, _Aten):
             reason = ex.reason
-        elif _misaligned(query, key, value, bias):
+        elif (query.data_ptr() | key.data_ptr() | value.data_ptr() | _address(bias)) % _ALIGNMENT:
             reason = "layout"
         elif isinstance(ex, _Native):
             out, lse = ex.forward(query, key, value, bias, is_causal, scale)
@@ -240,14 +256,19 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             out = torch.empty_strided((b, h, s, value.shape[3]), ex.out_strides, dtype=query.dtype,
                                       device=query.device)
             lse = torch.empty((b, h, s, 1), dtype=torch.float32, device=query.device)
-            buffers = [query, key, value, out]
+            # detached: FE reads a tensor that requires grad (autograd's inputs and saved outputs) through a
+            # Python fallback of tens of microseconds, where it reads any other natively
+            buffers = [query.detach(), key.detach(), value.detach(), out]
             if compute_log_sumexp:
                 buffers.append(lse)
             if bias is not None:
-                buffers.append(bias)
+                buffers.append(bias.detach())
+            rng = _philox(query, key) if dropout_p else _unused_rng(query)
+            if dropout_p:
+                buffers += rng
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
-            return out, lse, None, None, s, key.shape[2], *_unused_rng(query), None
+            return out, lse, None, None, s, key.shape[2], *rng, None
     if route is not None:
         route.count(f"fwd_aten:{reason}")
     return _aten_forward(query, key, value, attn_bias, None, None, query.size(-2), key.size(-2), compute_log_sumexp,
@@ -260,7 +281,9 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
     import torch
 
     route = _route
-    reason = _refusal(route, query, dropout_p, "nested" if cum_seq_q is not None else None)
+    unseeded = dropout_p and (philox_seed is None or philox_offset is None  # not what a cuDNN forward returns
+                              or not philox_seed.device == philox_offset.device == query.device)
+    reason = _refusal(route, query, dropout_p, "nested" if cum_seq_q is not None else "dropout" if unseeded else None)
     if reason is None:
         assert route is not None
         if grad_out.stride() != out.stride():  # cuDNN reads dO in O's layout
@@ -268,25 +291,26 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
         lse = logsumexp if logsumexp.dim() == 4 else logsumexp.unsqueeze(-1)
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        ckey = ("bwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
-                out.stride(), lse.stride(), query.dtype, is_causal, scale, deterministic,
-                None if bias is None else (bias.shape, bias.stride()))
+        ckey = _backward_key(query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
-            ex = _prepare(route, ckey, _flash_takes(query, key, value, bias) and not deterministic,
-                          lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic))
+            ex = _prepare(route, _backward_config(ckey, query, key, value, out, lse, bias, is_causal, scale,
+                                                  deterministic, dropout_p))
         if isinstance(ex, _Aten):
             reason = ex.reason
-        elif _misaligned(query, key, value, bias, out, grad_out, lse):
+        elif (query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr() | grad_out.data_ptr()
+              | lse.data_ptr() | _address(bias)) % _ALIGNMENT:
             reason = "layout"
         elif isinstance(ex, _Native):
             route.count(f"bwd_native:{ex.kernel}")
             return ex.backward(grad_out, query, key, value, out, lse, bias, is_causal, scale)
         else:
             dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-            buffers = [query, key, value, out, grad_out, lse, dq, dk, dv]
+            buffers = [query.detach(), key.detach(), value.detach(), out.detach(), grad_out.detach(), lse, dq, dk, dv]
             if bias is not None:
-                buffers.append(bias)
+                buffers.append(bias.detach())
+            if dropout_p:
+                buffers += (philox_seed, philox_offset)
             _run(route, ex, buffers)
             route.counts["bwd"] += 1
             return dq, dk, dv
@@ -325,6 +349,28 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
     ex.graph.execute(dict(zip(ex.uids, buffers)), workspace, handle=handle)
 
 
+def _philox(query: Any, key: Any) -> tuple[Any, Any]:
+    """The seed and offset a dropout forward hands cuDNN, as torch's own cuDNN kernel takes them: the device's
+    generator's seed, and its offset, which is then advanced by one draw per element of the attention matrix (so
+    the next random op of the process draws past them). Tensors on the query's device, written there by the stream
+    (no host sync); a 64-bit seed is held as the int64 of the same bits, as torch hands it over."""
+    import torch
+
+    gen = _generator(query.device)
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    draws = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
+    gen.set_offset(offset + (draws + 3) // 4 * 4)
+    seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+    return (torch.full((), seed, dtype=torch.long, device=query.device),
+            torch.full((), offset, dtype=torch.long, device=query.device))
+
+
+def _generator(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def _unused_rng(query: Any) -> tuple[Any, Any]:
     """The forward's philox seed and offset, which a call without dropout leaves unread."""
     import torch
@@ -351,8 +397,15 @@ def _pick(choice: str, record: Any, flash: bool) -> str:
     return kernel if ms < record.winner_median_ms * (1 - NATIVE_MARGIN) else "plan"
 
 
-def _misaligned(*tensors: Any) -> bool:
-    return any(t is not None and (t.data_ptr() % _ALIGNMENT or t.stride(-1) != 1) for t in tensors)
+def _address(t: Any) -> int:
+    """The address of an optional tensor (0 for None), for the per-call alignment check."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _inner_strided(*tensors: Any) -> bool:
+    """Whether any of these (optional) tensors has an innermost stride other than 1: a property of the
+    configuration's key, so checked when it is prepared, not at each call."""
+    return any(t is not None and t.stride(-1) != 1 for t in tensors)
 
 
 def _bias(bias: Any, query: Any, key: Any) -> Any:
@@ -381,46 +434,98 @@ def _bias(bias: Any, query: Any, key: Any) -> Any:
 # ------------------------------------------------------------------ preparing a configuration
 
 
-def _prepare(route: _Route, ckey: tuple[Any, ...], flash: bool,
-             write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Native | _Aten:
-    """The executor of a configuration seen for the first time: its plan from the cache (``PlanMiss`` in strict
-    and replay-only mode) or the native kernel :func:`_pick` names (``flash``: whether flash can run it), or
-    torch's kernel where FE cannot take it."""
+@dataclass(frozen=True, slots=True)
+class _Config:
+    """A configuration seen for the first time: its key, whether torch's flash kernel can run it, and the writer of
+    its FE graph (the graph, the roles of its buffers in call order, the forward output's strides)."""
+
+    ckey: tuple[Any, ...]
+    flash: bool
+    write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]
+    strided: bool = False  # an input's innermost stride is not 1: torch's kernel runs it ("layout")
+
+
+def _backward_key(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
+                  scale: float | None, deterministic: bool, dropout_p: float) -> tuple[Any, ...]:
+    return ("bwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), out.stride(),
+            lse.stride(), query.dtype, is_causal, scale, deterministic,
+            None if bias is None else (bias.shape, bias.stride()), dropout_p)
+
+
+def _backward_config(ckey: tuple[Any, ...], query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any,
+                     is_causal: bool, scale: float | None, deterministic: bool, dropout_p: float) -> _Config:
+    return _Config(ckey, _flash_takes(query, key, value, bias) and not deterministic and not dropout_p,
+                   lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic,
+                                           dropout_p),
+                   _inner_strided(query, key, value, out, lse, bias))
+
+
+def _backward_ahead(query: Any, key: Any, value: Any, bias: Any, is_causal: bool, scale: float | None,
+                    dropout_p: float) -> _Config:
+    """The configuration of the backward a training forward's outputs will feed: O in the forward's layout, its
+    log-sum-exp as the forward returns it, the deterministic setting of now (a backward under another one prepares
+    its own)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    from ..gpu.native import matching_layout
+
+    b, h, s = query.shape[0], query.shape[1], query.shape[2]
+    out = torch.empty_strided((b, h, s, value.shape[3]), matching_layout(query, value.shape[3]), dtype=query.dtype,
+                              device="meta")
+    lse = torch.empty((b, h, s, 1), dtype=torch.float32, device="meta")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    ckey = _backward_key(query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
+    return _backward_config(ckey, query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """A configuration's FE graph, written and keyed as a spec."""
+
+    config: _Config
+    spec: Any
+    roles: tuple[str, ...]
+    layout: tuple[int, ...]
+
+
+def _prepare(route: _Route, config: _Config, ahead: _Config | None = None) -> _Executor | _Native | _Aten:
+    """The executor of a configuration seen for the first time: its plan from the cache (``PlanMiss`` in strict
+    and replay-only mode) or the native kernel :func:`_pick` names, or torch's kernel where FE cannot take it.
+    ``ahead``: the backward a training forward will need, whose plan is asked for in the same round trip and
+    prepared too when it can be (otherwise its own first call prepares it, and raises there)."""
+    if _capturing():
         return _Aten("capture")  # not remembered: the first eager call prepares it
     t0 = time.perf_counter()
     try:
-        return _load(route, ckey, flash, write)
+        return _load(route, config, ahead)
     finally:
         route.prepare_seconds += time.perf_counter() - t0
 
 
-def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
-          write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]) -> _Executor | _Native | _Aten:
-    from ..spec import from_pygraph  # pydantic: not on the import of plancache.torch
-
+def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | _Native | _Aten:
     hook._await_warm()  # a warm start under way holds this process's plans: load from it, not the server again
     with route.prepare_lock:
+        ckey = config.ckey
         ex = route.executors.get(ckey)
         if ex is not None:
             return ex
+        dropout_p = ckey[-1]  # every configuration's key ends with it
+        also = None
+        if config.strided:
+            ex = route.executors[ckey] = _Aten("layout")
+            return ex
         try:
-            if (pinned := _pick(route.choice, None, flash)) != "plan":
-                ex = route.executors[ckey] = _Native.of(pinned)  # pinned: no plan is loaded
+            if (pinned := _pick(route.choice, None, config.flash)) != "plan":
+                # pinned: no plan is loaded; torch's own kernels run dropout only through torch's own op
+                ex = route.executors[ckey] = _Aten("dropout") if dropout_p else _Native.of(pinned)
                 return ex
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
-                graph, roles, layout = write()
-                spec = from_pygraph(graph, name=f"torch {ckey[0]} attention")
-                hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
-                plan = route.cache.plan(spec)
-            route.count(f"load:{plan.source}")
-            if (kernel := _pick(route.choice, plan.record, flash)) != "plan":
-                ex = _Native.of(kernel)
-            else:
-                canonical = spec.canonical_uids()
-                ex = _Executor(plan.graph, tuple(canonical[_UID[r]] for r in roles), plan.workspace_size, layout)
+                written = _write(config)
+                also = _write_ahead(route, ahead)
+                if also is not None:
+                    _fetch(route, [written.spec, also.spec])
+                plan = route.cache.plan(written.spec)
+            ex = _executor(route, written, plan)
         except PlanMiss:
             raise
         except Exception as exc:  # noqa: BLE001 - FE refuses the configuration: torch's kernel serves it
@@ -428,7 +533,63 @@ def _load(route: _Route, ckey: tuple[Any, ...], flash: bool,
                         _describe(ckey), exc)
             ex = _Aten("unsupported")
         route.executors[ckey] = ex
+        if also is not None:
+            _load_ahead(route, also)
         return ex
+
+
+def _write(config: _Config) -> _Written:
+    from ..spec import from_pygraph  # pydantic: not on the import of plancache.torch
+
+    graph, roles, layout = config.write()
+    spec = from_pygraph(graph, name=f"torch {config.ckey[0]} attention")
+    hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
+    return _Written(config, spec, roles, layout)
+
+
+def _write_ahead(route: _Route, ahead: _Config | None) -> _Written | None:
+    """``ahead`` written, unless it is prepared already, pinned to a native kernel or FE refuses it (its own first
+    call then says why)."""
+    if ahead is None or ahead.strided or ahead.ckey in route.executors or _pick(route.choice, None, ahead.flash) != "plan":
+        return None
+    try:
+        return _write(ahead)
+    except Exception as exc:  # noqa: BLE001 - left to the backward's own first call
+        log.debug("plancache: the attention backward of %s is left to its first call: %s", _describe(ahead.ckey), exc)
+        return None
+
+
+def _fetch(route: _Route, specs: list[Any]) -> None:
+    """Ask for the plans of ``specs`` together (one round trip to the server for those it is asked for); what is
+    missing or fails is met again, and raised, by the plan() call of its own configuration."""
+    try:
+        route.cache.prefetch(specs)
+    except Exception as exc:  # noqa: BLE001 - PlanMiss (strict mode) names the ones the server lacks
+        log.debug("plancache: attention plans asked for together: %s", exc)
+
+
+def _load_ahead(route: _Route, written: _Written) -> None:
+    """The executor of a backward written ahead by its forward, from the plan fetched with the forward's; when
+    it cannot be had now (strict mode without its plan, a build failure) the backward's own call tries again."""
+    try:
+        with hook._inside():
+            plan = route.cache.plan(written.spec)
+        route.executors[written.config.ckey] = _executor(route, written, plan)
+    except Exception as exc:  # noqa: BLE001 - left to the backward's own first call
+        log.debug("plancache: the attention backward of %s is left to its first call: %s",
+                  _describe(written.config.ckey), exc)
+
+
+def _executor(route: _Route, written: _Written, plan: Any) -> _Executor | _Native:
+    """How a configuration runs given its plan: the plan, or the native kernel :func:`_pick` names from its
+    record (never for dropout: torch's own kernels run it only through torch's own op)."""
+    route.count(f"load:{plan.source}")
+    config = written.config
+    if not config.ckey[-1] and (kernel := _pick(route.choice, plan.record, config.flash)) != "plan":
+        return _Native.of(kernel)
+    canonical = written.spec.canonical_uids()
+    return _Executor(plan.graph, tuple(canonical[_UID[r]] for r in written.roles), plan.workspace_size,
+                     written.layout)
 
 
 def _describe(ckey: tuple[Any, ...]) -> str:
@@ -467,15 +628,27 @@ def _scale(scale: float | None, query: Any) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[3])
 
 
+def _dropout_args(g: Any, dropout_p: float) -> dict[str, Any]:
+    """FE's ``dropout=(p, seed, offset)``: cuDNN draws each element's dropout from a seed and an offset (int64 tensors
+    on the device, bound per call as roles ``seed`` and ``offset``)."""
+    import cudnn
+
+    if not dropout_p:
+        return {}
+    seed, offset = (g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64,
+                             uid=_UID[name]) for name in ("seed", "offset"))
+    return {"dropout": (float(dropout_p), seed, offset)}
+
+
 def _forward_graph(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_causal: bool,
-                   scale: float | None) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
+                   scale: float | None, dropout_p: float = 0.0) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
     """FE's graph of torch's forward kernel, the roles of its buffers in call order, and the output's strides."""
     io, f32 = _fe_types(query.dtype)
     g = _new_graph(io, f32)
     q, k, v = _tensor(g, "q", query, io), _tensor(g, "k", key, io), _tensor(g, "v", value, io)
     extra = {"bias": _tensor(g, "bias", bias, io)} if bias is not None else {}
     o, lse = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=stats, attn_scale=_scale(scale, query),
-                    **extra, **_mask_args(is_causal))
+                    **extra, **_mask_args(is_causal), **_dropout_args(g, dropout_p))
     b, h, s, _ = query.shape
     d_v = value.shape[3]
     from ..gpu.native import matching_layout
@@ -487,11 +660,12 @@ def _forward_graph(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_
         lse.set_uid(_UID["stats"]).set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]) \
             .set_data_type(f32)
         roles += ("stats",)
-    return g, roles + (("bias",) if bias is not None else ()), layout
+    return g, roles + (("bias",) if bias is not None else ()) + (("seed", "offset") if dropout_p else ()), layout
 
 
 def _backward_graph(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
-                    scale: float | None, deterministic: bool) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
+                    scale: float | None, deterministic: bool,
+                    dropout_p: float = 0.0) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
     """FE's graph of torch's backward kernel (dO in O's layout, gradients in their inputs' layouts)."""
     import torch
 
@@ -504,10 +678,10 @@ def _backward_graph(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: 
     extra = {"bias": _tensor(g, "bias", bias, io)} if bias is not None else {}
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                  attn_scale=_scale(scale, query), use_deterministic_algorithm=deterministic,
-                                 **extra, **_mask_args(is_causal))
+                                 **extra, **_mask_args(is_causal), **_dropout_args(g, dropout_p))
     for grad, name, like in ((dq, "dQ", query), (dk, "dK", key), (dv, "dV", value)):
         layout = torch.empty_like(like, device="meta").stride()
         grad.set_uid(_UID[name]).set_output(True).set_dim(list(like.shape)).set_stride(list(layout)) \
             .set_data_type(io)
     roles = ("q", "k", "v", "o", "dO", "stats", "dQ", "dK", "dV")
-    return g, roles + (("bias",) if bias is not None else ()), ()
+    return g, roles + (("bias",) if bias is not None else ()) + (("seed", "offset") if dropout_p else ()), ()

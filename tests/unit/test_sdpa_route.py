@@ -56,6 +56,11 @@ def route(tmp_path, monkeypatch):
     sdpa.uninstall()
 
 
+def fwd_specs(backend: GraphBackend) -> list[GraphSpec]:
+    """The forward graphs built (a training forward builds its backward's with it)."""
+    return [spec for spec in backend.specs if spec.nodes[0].type == "SDPA"]
+
+
 def qkv(b: int = 2, h: int = 4, s: int = 64, d: int = 32, dtype: Any = torch.bfloat16, kv_heads: int | None = None):
     kv = kv_heads or h
     return (torch.randn(b, h, s, d, dtype=dtype), torch.randn(b, kv, s, d, dtype=dtype),
@@ -71,13 +76,13 @@ def test_a_configuration_is_prepared_once_and_each_call_binds_its_buffers_in_pla
     q, k, v = qkv()
     out = forward(q, k, v)
     again = forward(q, k, v)
-    assert aten == [] and len(backend.specs) == 1, "one plan for one configuration"
-    graph = backend.specs[0]
+    assert aten == [] and len(fwd_specs(backend)) == 1, "one plan for one configuration"
+    graph = fwd_specs(backend)[0]
     o, lse = out[0], out[1]
     assert o.shape == (2, 4, 64, 32) and lse.shape == (2, 4, 64, 1) and lse.dtype == torch.float32
     assert out[4:6] == (64, 64) and again[0].data_ptr() != o.data_ptr()
     stats = sdpa.stats()
-    assert stats["fwd"] == 2 and stats["load:heuristic"] == 1
+    assert stats["fwd"] == 2 and stats["load:heuristic"] == 2  # with its backward's
     # the spec is the attention forward torch's op stands for: causal, stats, the default scale
     (node,) = graph.nodes
     assert node.type == "SDPA" and node.params["generate_stats"] is True
@@ -86,20 +91,14 @@ def test_a_configuration_is_prepared_once_and_each_call_binds_its_buffers_in_pla
 
 def test_buffers_reach_the_loaded_graph_by_canonical_uid(route, monkeypatch):
     backend, _ = route
-    q, k, v = qkv()
-    graphs: list[FakeGraph] = []
-    original = GraphBackend.build_heuristic
-
-    def keep(self, spec, kernel_cache, *, graph=None):
-        built = original(self, spec, kernel_cache, graph=graph)
-        graphs.append(built.graph)
-        return built
-
-    monkeypatch.setattr(GraphBackend, "build_heuristic", keep)
+    q, k, v = (t.requires_grad_() for t in qkv())  # as autograd hands them over in training
+    graphs = _runs(monkeypatch)
     o, lse = forward(q, k, v)[:2]
     (run,) = graphs[0].runs
     buffers, workspace, handle, uids = run
-    assert handle == "handle" and buffers[:3] == [q, k, v] and buffers[3] is o and buffers[4] is lse
+    assert handle == "handle" and buffers[3] is o and buffers[4] is lse
+    assert [b.data_ptr() for b in buffers[:3]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    assert not any(b.requires_grad for b in buffers), "detached: FE reads those natively, not by a Python fallback"
     canonical = backend.specs[0].canonical_uids()
     assert uids == tuple(canonical[u] for u in (1, 2, 3, 100, 101))
     assert workspace.numel() == 4096 and workspace.dtype == torch.uint8  # the plan's size, from torch's allocator
@@ -128,8 +127,8 @@ def test_every_layout_and_flag_is_part_of_the_key(route, change):
     else:
         q, k, v = qkv(kv_heads=2)
     forward(q, k, v, **kwargs)
-    assert len(backend.specs) == 2
-    assert backend.specs[0].graph_key != backend.specs[1].graph_key
+    specs = fwd_specs(backend)
+    assert len(specs) == 2 and specs[0].graph_key != specs[1].graph_key
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd", "sbhd"])
@@ -175,7 +174,7 @@ def test_masks_become_the_additive_bias_cudnn_reads(route, mask):
         bias = torch.randn(2, 4, 64, 64)
     forward(q, k, v, bias)
     assert aten == []
-    (spec,) = backend.specs
+    (spec,) = fwd_specs(backend)
     tensors = {t.name: t for t in spec.tensors}
     assert tensors["bias"].data_type == "BFLOAT16"
     assert tensors["bias"].dim[1] == (4 if mask == "float32_additive" else 1), "broadcast heads stay broadcast"
@@ -202,7 +201,6 @@ def test_a_mask_broadcast_over_rows_batch_or_keys_reaches_cudnn_dense(shape):
 
 
 @pytest.mark.parametrize(("why", "call"), [
-    ("dropout", lambda q, k, v: forward(q, k, v, dropout=0.1)),
     ("debug_mask", lambda q, k, v: sdpa._forward(q, k, v, None, True, 0.0, True, True)),
     ("layout", lambda q, k, v: forward(q[..., ::2], k[..., ::2], v[..., ::2])),
 ])
@@ -210,6 +208,25 @@ def test_what_the_route_cannot_serve_runs_torchs_kernel_and_is_counted(route, wh
     backend, aten = route
     assert call(*qkv()) == "aten"
     assert [a[0] for a in aten] == ["fwd"] and sdpa.stats()[f"fwd_aten:{why}"] == 1
+
+
+def _shifted(t: Any) -> Any:
+    """``t``'s values at an address 2 bytes past a 16-byte boundary, in the same layout."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+
+def test_an_input_off_the_alignment_is_left_to_torch_at_each_call_and_its_configuration_still_runs_the_plan(route):
+    """The inner strides are part of the key (checked once, when it is prepared); an address is checked each call."""
+    backend, aten = route
+    q, k, v = qkv()
+    assert forward(_shifted(q), k, v) == "aten" and sdpa.stats()["fwd_aten:layout"] == 1
+    assert forward(q, k, v) != "aten" and sdpa.stats()["fwd"] == 1, "the same configuration, aligned: the plan"
+    o, lse = forward(q, k, v)[:2]
+    assert sdpa._backward(_shifted(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True) == "aten"
+    assert sdpa.stats()["bwd_aten:layout"] == 1 and [a[0] for a in aten] == ["fwd", "bwd"]
+    strided = torch.randn(2, 4, 64, 64, dtype=torch.bfloat16)[..., ::2]
+    assert sdpa._backward(o, strided, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True) == "aten"
+    assert sdpa.stats()["bwd_aten:layout"] == 2
 
 
 def test_nested_and_dropout_backward_run_torchs_kernel(route):
@@ -221,6 +238,93 @@ def test_nested_and_dropout_backward_run_torchs_kernel(route):
     sdpa._backward(o, q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.1, True)
     assert [a[0] for a in aten] == ["bwd", "bwd"]
     assert sdpa.stats()["bwd_aten:nested"] == 1 and sdpa.stats()["bwd_aten:dropout"] == 1
+
+
+class Philox:
+    """A device generator's seed and offset (the CPU generator keeps no offset)."""
+
+    def __init__(self, seed: int, offset: int) -> None:
+        self.seed, self.offset = seed, offset
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+
+@pytest.fixture
+def generator(monkeypatch):
+    gen = Philox((1 << 64) - 5, 1000)  # a seed past int64: handed over as the int64 of the same bits
+    monkeypatch.setattr(sdpa, "_generator", lambda device: gen)
+    return gen
+
+
+def _runs(monkeypatch) -> list[FakeGraph]:
+    """The graph of each plan built from now on (each records its runs)."""
+    graphs: list[FakeGraph] = []
+    original = GraphBackend.build_heuristic
+
+    def keep(self, spec, kernel_cache, *, graph=None):
+        built = original(self, spec, kernel_cache, graph=graph)
+        graphs.append(built.graph)
+        return built
+
+    monkeypatch.setattr(GraphBackend, "build_heuristic", keep)
+    return graphs
+
+
+def test_dropout_is_served_with_the_generators_seed_and_offset_which_it_advances(route, generator, monkeypatch):
+    backend, aten = route
+    graphs = _runs(monkeypatch)
+    q, k, v = qkv(b=2, h=4, s=64)
+    first = forward(q, k, v, dropout=0.1)
+    second = forward(q, k, v, dropout=0.1)
+    assert aten == [] and sdpa.stats()["fwd"] == 2 and len(fwd_specs(backend)) == 1
+    (node,) = fwd_specs(backend)[0].nodes
+    assert node.params["dropout_0"] == pytest.approx(0.1) and {"dropout_1", "dropout_2"} <= set(node.inputs)
+    draws = 2 * 4 * 64 * 64
+    assert generator.offset == 1000 + 2 * draws, "each call draws past the last"
+    for out, offset in ((first, 1000), (second, 1000 + draws)):
+        seed_t, offset_t = out[6], out[7]
+        assert seed_t.dtype == torch.long and seed_t.shape == () and int(seed_t) == -5 and int(offset_t) == offset
+    buffers, _, _, uids = graphs[0].runs[1]
+    canonical = fwd_specs(backend)[0].canonical_uids()
+    assert buffers[-2] is second[6] and buffers[-1] is second[7]
+    assert uids[-2:] == (canonical[5], canonical[6])
+    forward(q, k, v, dropout=0.2)
+    assert len(fwd_specs(backend)) == 2, "p is part of the key"
+
+
+def test_a_dropout_backward_binds_the_forwards_seed_and_offset(route, generator, monkeypatch):
+    backend, aten = route
+    graphs = _runs(monkeypatch)
+    q, k, v = qkv()
+    out = forward(q, k, v, dropout=0.1)
+    grads = sdpa._backward(torch.randn_like(q), q, k, v, out[0], out[1].squeeze(-1), out[6], out[7], None, None,
+                           None, 64, 64, 0.1, True)
+    assert aten == [] and len(grads) == 3 and sdpa.stats()["bwd"] == 1
+    (node,) = backend.specs[1].nodes
+    assert node.type == "SDPA_BWD" and node.params["dropout_0"] == pytest.approx(0.1)
+    buffers, _, _, uids = graphs[1].runs[0]
+    assert buffers[-2] is out[6] and buffers[-1] is out[7]
+    canonical = backend.specs[1].canonical_uids()
+    assert uids[-2:] == (canonical[5], canonical[6])
+
+
+def test_dropout_under_capture_or_without_a_cudnn_seed_runs_torchs_kernel(route, generator, monkeypatch):
+    _, aten = route
+    q, k, v = qkv()
+    monkeypatch.setattr(sdpa, "_capturing", lambda: True)
+    assert forward(q, k, v, dropout=0.1) == "aten"  # a replay must draw anew: torch's generator does that
+    monkeypatch.setattr(sdpa, "_capturing", lambda: False)
+    o = torch.empty_like(q)
+    sdpa._backward(o, q, k, v, o, torch.empty(2, 4, 64, 1), None, None, None, None, None, 64, 64, 0.1, True)
+    assert [a[0] for a in aten] == ["fwd", "bwd"] and generator.offset == 1000
+    assert sdpa.stats()["fwd_aten:dropout"] == 1 and sdpa.stats()["bwd_aten:dropout"] == 1
 
 
 def test_a_configuration_fe_refuses_is_remembered_and_runs_torchs_kernel(route, monkeypatch):
@@ -295,7 +399,7 @@ def test_a_graph_that_refuses_ordered_execution_is_bound_by_uid_from_then_on(rou
     o = forward(q, k, v)[0]
     forward(q, k, v)
     canonical = backend.specs[0].canonical_uids()
-    assert calls[0] == "ordered" and calls[1][canonical[1]] is q and calls[1][canonical[100]] is o
+    assert calls[0] == "ordered" and calls[1][canonical[1]].data_ptr() == q.data_ptr() and calls[1][canonical[100]] is o
     assert calls[2] != "ordered" and len(calls) == 3 and sdpa.stats()["unordered"] == 1
 
 
@@ -382,6 +486,28 @@ def test_a_pinned_native_kernel_loads_no_plan(tmp_path, natives, monkeypatch):
         sdpa.uninstall()
 
 
+@pytest.mark.parametrize("choice", ["cudnn_aten", "flash", "fastest"])
+def test_dropout_never_runs_a_native_kernel_without_it(route, natives, generator, choice, monkeypatch):
+    backend, aten = route
+    sdpa._route.choice = choice
+    cache = sdpa._route.cache
+    original = type(cache).plan
+
+    def plan(self, spec, **kwargs):  # a record measuring torch's cuDNN faster (of a graph without dropout)
+        p = original(self, spec, **kwargs)
+        p.record = _record(1.0, cudnn_aten=0.5)
+        return p
+
+    monkeypatch.setattr(type(cache), "plan", plan)
+    q, k, v = qkv()
+    out = forward(q, k, v, dropout=0.1)
+    assert natives == []
+    if choice != "cudnn_aten":  # flash cannot run a dropout call (its own generator's draws): the plan does
+        assert sdpa.stats()["fwd"] == 1 and len(fwd_specs(backend)) == 1, "the plan draws the dropout"
+    else:
+        assert out == "aten" and sdpa.stats()["fwd_aten:dropout"] == 1 and backend.specs == []
+
+
 def test_a_deterministic_backward_never_takes_flash(route, natives, monkeypatch):
     backend, _ = route
     sdpa._route.choice = "flash"
@@ -437,4 +563,67 @@ def test_the_routes_own_builds_are_not_the_users_fe_builds_the_hook_counts(route
 
     monkeypatch.setattr(GraphBackend, "build_heuristic", build)
     forward(*qkv())
-    assert inside == [True] and not getattr(hook._local, "inside", False)
+    assert inside == [True, True] and not getattr(hook._local, "inside", False)  # the forward and its backward
+
+
+def test_a_training_forward_fetches_its_backwards_plan_with_its_own(route, monkeypatch):
+    """A new shape's backward plan was asked for at the backward's first call: a second round trip to the server in
+    the first step. A training forward (compute_log_sumexp) asks for both at once and prepares the backward, which
+    then loads nothing; an inference forward asks for its own alone."""
+    backend, aten = route
+    cache = sdpa._route.cache
+    batches: list[list[str]] = []
+    original = type(cache).prefetch
+
+    def prefetch(self, specs):
+        specs = list(specs)
+        batches.append([spec.nodes[0].type for spec in specs])
+        return original(self, specs)
+
+    monkeypatch.setattr(type(cache), "prefetch", prefetch)
+    graphs = _runs(monkeypatch)
+    q, k, v = qkv()
+    o, lse = forward(q, k, v)[:2]
+    assert batches == [["SDPA", "SDPA_BWD"]] and sdpa.stats()["load:heuristic"] == 2
+    grads = sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
+    assert aten == [] and len(grads) == 3 and len(backend.specs) == 2 and sdpa.stats()["load:heuristic"] == 2
+    assert sorted(len(g.runs) for g in graphs) == [1, 1], "the backward ran the plan its forward prepared"
+    forward(*qkv(s=128), lse=False)  # inference: no backward to come
+    assert len(batches) == 1 and [spec.nodes[0].type for spec in backend.specs[2:]] == ["SDPA"]
+
+
+def test_a_backward_plan_missing_when_its_forward_is_served_is_raised_by_the_backward(route, monkeypatch):
+    """Strict mode with the forward's plan and not the backward's: the forward runs (an inference-only caller never
+    needs the other) and the backward's own first call raises PlanMiss."""
+    _, _ = route
+    cache = sdpa._route.cache
+    original = type(cache).plan
+
+    def plan(self, spec, **kwargs):
+        if spec.nodes[0].type == "SDPA_BWD":
+            raise PlanMiss("no backward plan")
+        return original(self, spec, **kwargs)
+
+    def prefetch(self, specs):
+        raise PlanMiss("1 of 2 graphs have no verified tuned plan")
+
+    monkeypatch.setattr(type(cache), "plan", plan)
+    monkeypatch.setattr(type(cache), "prefetch", prefetch)
+    q, k, v = qkv()
+    o, lse = forward(q, k, v)[:2]
+    assert sdpa.stats()["fwd"] == 1 and sdpa.stats()["load:heuristic"] == 1
+    with pytest.raises(PlanMiss, match="no backward plan"):
+        sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
+
+
+def test_a_backward_under_another_deterministic_setting_prepares_its_own(route):
+    backend, _ = route
+    q, k, v = qkv()
+    o, lse = forward(q, k, v)[:2]
+    torch.use_deterministic_algorithms(True)
+    try:
+        sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    backwards = [spec.nodes[0] for spec in backend.specs if spec.nodes[0].type == "SDPA_BWD"]
+    assert [bool(node.params.get("use_deterministic_algorithm")) for node in backwards] == [False, True]
