@@ -4,6 +4,8 @@ torch's kernel. The kernels run on the GPU in tests/integration/test_sdpa_route_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -65,6 +67,16 @@ def qkv(b: int = 2, h: int = 4, s: int = 64, d: int = 32, dtype: Any = torch.bfl
     kv = kv_heads or h
     return (torch.randn(b, h, s, d, dtype=dtype), torch.randn(b, kv, s, d, dtype=dtype),
             torch.randn(b, kv, s, d, dtype=dtype))
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms on, for the block."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def forward(q, k, v, bias=None, *, causal=True, dropout=0.0, lse=True, scale=None):
@@ -513,11 +525,8 @@ def test_a_deterministic_backward_never_takes_flash(route, natives, monkeypatch)
     sdpa._route.choice = "flash"
     q, k, v = qkv()
     o, lse = forward(q, k, v)[:2]
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic():
         sdpa._backward(torch.randn_like(q), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert natives == [("fwd", "flash")] and sdpa.stats()["bwd"] == 1
 
 
@@ -620,10 +629,7 @@ def test_a_backward_under_another_deterministic_setting_prepares_its_own(route):
     backend, _ = route
     q, k, v = qkv()
     o, lse = forward(q, k, v)[:2]
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic():
         sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
-    finally:
-        torch.use_deterministic_algorithms(False)
     backwards = [spec.nodes[0] for spec in backend.specs if spec.nodes[0].type == "SDPA_BWD"]
     assert [bool(node.params.get("use_deterministic_algorithm")) for node in backwards] == [False, True]
