@@ -36,7 +36,9 @@ from tests.live_server import LiveServer
 from tests.server_util import api, open_api, put_blob, upload, upload_json  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "conv_bias_relu.json"
-HEALTHZ_P99_LIMIT = 0.100
+#: healthz's p99 while hostile bodies arrive: about 30 ms alone, 106 ms on a loaded 2-core CI machine (a rehearsal
+#: failed a 100 ms limit there); what it guards against is the event loop stalled for seconds (p99 5.5 s before).
+HEALTHZ_P99_LIMIT = 0.250
 
 
 # ------------------------------------------------------------------ helpers
@@ -125,7 +127,7 @@ def spec_body(tensors: int, name: str = "T") -> bytes:
 def test_hostile_bodies_are_refused_quickly_while_healthz_keeps_answering(tmp_path):
     """Before: the 59 MiB spec took 20 s (healthz p99 5.5 s, 1.7 GB peak); a 95 MiB JSON array stalled the loop 8.7 s
     before its 401. After (measured here): 413 or 401 from the request head in a few ms, 422 for a spec just under
-    the body limit in well under a second, healthz p99 about 30 ms throughout (limit 100 ms)."""
+    the body limit in well under a second, healthz p99 about 30 ms throughout (limit 250 ms: a loaded machine)."""
     with LiveServer(tmp_path, body_timeout=1.0, header_timeout=2.0) as srv:
         reader = srv.token("reader")
         huge_spec = spec_body(1_000_000)  # 59 MiB, 10^6 tensors
