@@ -106,6 +106,10 @@ def serve() -> Iterator[Any]:
 
 
 def client(tmp_path: Path, index_url: str, server_url: str = "", **options: Any) -> PlanCache:
+    """A replay-only client of the index at ``index_url``; its request deadline and read timeout 30 s unless given
+    (a loaded CI machine once left 8 parallel GETs of this static server unanswered past the default 5 s)."""
+    options.setdefault("request_deadline", 30.0)
+    options.setdefault("read_timeout", 30.0)
     return PlanCache(server_url, index_url=index_url, trusted_keys=trusted(SIGNER), cache_dir=tmp_path / "cache",
                      backend=RecordingBackend(), mode="replay_only", **options)
 
