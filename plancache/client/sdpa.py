@@ -444,6 +444,10 @@ class _Config:
     write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]
     strided: bool = False  # an input's innermost stride is not 1: torch's kernel runs it ("layout")
 
+    @property
+    def dropout_p(self) -> float:
+        return float(self.ckey[-1])  # every configuration's key ends with it
+
 
 def _backward_key(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
                   scale: float | None, deterministic: bool, dropout_p: float) -> tuple[Any, ...]:
@@ -509,7 +513,6 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
         ex = route.executors.get(ckey)
         if ex is not None:
             return ex
-        dropout_p = ckey[-1]  # every configuration's key ends with it
         also = None
         if config.strided:
             ex = route.executors[ckey] = _Aten("layout")
@@ -517,7 +520,7 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
         try:
             if (pinned := _pick(route.choice, None, config.flash)) != "plan":
                 # pinned: no plan is loaded; torch's own kernels run dropout only through torch's own op
-                ex = route.executors[ckey] = _Aten("dropout") if dropout_p else _Native.of(pinned)
+                ex = route.executors[ckey] = _Aten("dropout") if config.dropout_p else _Native.of(pinned)
                 return ex
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
                 written = _write(config)
@@ -585,7 +588,7 @@ def _executor(route: _Route, written: _Written, plan: Any) -> _Executor | _Nativ
     record (never for dropout: torch's own kernels run it only through torch's own op)."""
     route.count(f"load:{plan.source}")
     config = written.config
-    if not config.ckey[-1] and (kernel := _pick(route.choice, plan.record, config.flash)) != "plan":
+    if not config.dropout_p and (kernel := _pick(route.choice, plan.record, config.flash)) != "plan":
         return _Native.of(kernel)
     canonical = written.spec.canonical_uids()
     return _Executor(plan.graph, tuple(canonical[_UID[r]] for r in written.roles), plan.workspace_size,
