@@ -25,6 +25,10 @@ H200 = Environment(sm=90, sm_count=132, cudnn_version=91900, driver_version=1300
 OTHER_GPU = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version=13000, frontend_version="1.32.0",
                         device_name="NVIDIA A100")
 
+#: A client's request deadline and read timeout in tests that do not test them: a loaded CI machine has taken over
+#: the default 5 s to answer a resolve, and to serve 8 parallel GETs of a static index.
+PATIENT: dict[str, float] = {"request_deadline": 30.0, "read_timeout": 30.0}
+
 
 def new_signer() -> Signer:
     """A fresh ed25519 :class:`~plancache.signing.Signer` (in memory)."""

@@ -186,7 +186,7 @@ def test_a_client_reports_its_rejects_to_the_server_when_it_closes(tmp_path):
     from plancache.client import PlanCache
     from plancache.spec import parse_spec
     from tests.client_fakes import RecordingBackend
-    from tests.factories import make_meta, new_signer, trusted
+    from tests.factories import PATIENT, make_meta, new_signer, trusted
     from tests.live_server import LiveServer
 
     spec = parse_spec((ROOT / "examples" / "conv_bias_relu.json").read_text())
@@ -195,7 +195,7 @@ def test_a_client_reports_its_rejects_to_the_server_when_it_closes(tmp_path):
         srv.store.put_spec(spec.graph_key, spec.to_json())
         srv.store.publish_plan(make_meta(spec.graph_key, H200, blob, new_signer()), blob)  # a key not trusted
         with PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
-                       trusted_keys=trusted(new_signer())) as pc:
+                       trusted_keys=trusted(new_signer()), **PATIENT) as pc:
             pc.plan(spec)
             assert pc.stats().rejects == {"unknown_signer": 1}
         import httpx

@@ -31,7 +31,7 @@ from plancache.protocol import MAX_CANDIDATES_BYTES, MAX_RECORD_BYTES
 from plancache.server.bodies import record_body_limit
 from plancache.spec import parse_spec
 from tests.client_fakes import RecordingBackend
-from tests.factories import H200, make_meta, new_signer, trusted
+from tests.factories import H200, PATIENT, make_meta, new_signer, trusted
 from tests.live_server import LiveServer
 from tests.server_util import bearer, put_blob, upload_json
 
@@ -108,7 +108,7 @@ def test_the_client_after_a_refused_spec_registration_still_prefetches(tmp_path:
         failed = []
         for trial in range(8):
             with PlanCache(srv.url, backend=RecordingBackend(), token=None, cache_dir=tmp_path / f"cache{trial}",
-                           trusted_keys=trusted(signer)) as pc:
+                           trusted_keys=trusted(signer), **PATIENT) as pc:
                 assert pc.plan(missing).source != "server"  # a miss: resolve, then the spec sent and refused
                 plans = pc.prefetch([stored])
                 if plans[stored.graph_key].source != "server" or pc.stats().remote_errors:

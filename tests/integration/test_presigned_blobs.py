@@ -27,7 +27,7 @@ from plancache.client import PlanCache
 from plancache.protocol import ResolvedPlan, ResolveResponse
 from plancache.store import open_store
 from tests.client_fakes import RecordingBackend
-from tests.factories import H200, make_meta, make_record, new_signer, trusted
+from tests.factories import H200, PATIENT, make_meta, make_record, new_signer, trusted
 from tests.live_server import LiveServer
 from tests.server_util import api, open_api  # noqa: F401 (fixture)
 
@@ -75,7 +75,7 @@ def seed(srv: LiveServer, spec: Any, signer: Any) -> bytes:
 
 def client(srv: LiveServer, tmp_path: Path, signer: Any, wire: Capture) -> PlanCache:
     return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), trusted_keys=trusted(signer),
-                     cache_dir=tmp_path / "cache", transport=wire)
+                     cache_dir=tmp_path / "cache", transport=wire, **PATIENT)
 
 
 def test_resolve_answers_presigned_urls_that_work_without_a_token_and_expire(tmp_path, s3_blob_url, moto_s3, signer):

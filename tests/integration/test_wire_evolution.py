@@ -23,7 +23,7 @@ from plancache.spec import parse_spec
 from plancache.validation import from_answer
 from plancache.worker import JobsApi, Spool, Worker
 from tests.client_fakes import RecordingBackend
-from tests.factories import H200, make_meta, new_signer, trusted
+from tests.factories import H200, PATIENT, make_meta, new_signer, trusted
 from tests.live_server import LiveServer
 from tests.worker_fakes import FAKE_ENV, FakeTuner
 
@@ -128,7 +128,7 @@ def test_a_client_and_a_worker_work_against_a_later_server_that_added_fields(tmp
         srv.store.put_spec(CONV.graph_key, CONV.to_json())
         srv.store.publish_plan(make_meta(CONV.graph_key, H200, blob, signer), blob)
         with PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
-                       trusted_keys=trusted(signer)) as pc:
+                       trusted_keys=trusted(signer), **PATIENT) as pc:
             plan = pc.plan(CONV)
             assert plan.source == "server" and pc.stats().rejects == {} and pc.stats().remote_errors == 0
         assert later.rewritten >= 4  # enqueue, claim, the plan upload, resolve: each answer carried the new fields
@@ -143,7 +143,7 @@ def test_a_client_works_against_an_earlier_server_without_an_api_version(tmp_pat
         srv.store.put_spec(CONV.graph_key, CONV.to_json())
         srv.store.publish_plan(make_meta(CONV.graph_key, H200, blob, signer), blob)
         with PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
-                       trusted_keys=trusted(signer)) as pc:
+                       trusted_keys=trusted(signer), **PATIENT) as pc:
             assert pc.plan(CONV).source == "server"
 
 
