@@ -30,6 +30,14 @@ OTHER_GPU = Environment(sm=80, sm_count=108, cudnn_version=91900, driver_version
 PATIENT: dict[str, float] = {"request_deadline": 30.0, "read_timeout": 30.0}
 
 
+def patient(options: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`~plancache.client.PlanCache`'s keyword ``options`` with :data:`PATIENT`'s values for what neither
+    they nor their ``settings`` set (a test that sets a deadline, either way, is testing it)."""
+    settings = options.get("settings")
+    given = set(options) | (settings.model_fields_set if settings is not None else set())
+    return {**{k: v for k, v in PATIENT.items() if k not in given}, **options}
+
+
 def new_signer() -> Signer:
     """A fresh ed25519 :class:`~plancache.signing.Signer` (in memory)."""
     return Signer(Ed25519PrivateKey.generate())

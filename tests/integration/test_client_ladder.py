@@ -28,7 +28,7 @@ from plancache.errors import PlanMiss
 from plancache.settings import Settings
 from plancache.spec import parse_spec
 from tests.client_fakes import CountedStream, DripServer, RecordingBackend
-from tests.factories import H200, OTHER_GPU, PATIENT, make_meta, make_record, new_signer, trusted
+from tests.factories import H200, OTHER_GPU, make_meta, make_record, new_signer, patient, trusted
 from tests.live_server import LiveServer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -106,12 +106,12 @@ def seed(srv: LiveServer, spec: Any, signer: Any, env=H200, blob: bytes | None =
 
 def client(srv: LiveServer | None, tmp_path: Path, signer: Any, *, role: str = "reader", wire: Wire | None = None,
            backend: RecordingBackend | None = None, **kw: Any) -> PlanCache:
-    """A client of ``srv`` through ``wire``, :data:`~tests.factories.PATIENT` unless given (a loaded CI machine once
-    took over the default 5 s to answer a resolve, and a plan the test expected from the server was rebuilt)."""
+    """A client of ``srv`` through ``wire``, :func:`~tests.factories.patient` (a loaded CI machine once took over the
+    default 5 s to answer a resolve, and a plan the test expected from the server was rebuilt)."""
     kw.setdefault("trusted_keys", trusted(signer))
     return PlanCache(srv.url if srv is not None else "", backend=backend or RecordingBackend(),
                      token=srv.token(role) if srv is not None else None, cache_dir=tmp_path / "cache",
-                     transport=wire, **{**PATIENT, **kw})
+                     transport=wire, **patient(kw))
 
 
 def test_a_fresh_process_loads_from_the_server_then_memory_then_disk_offline(srv, tmp_path, signer, wire):

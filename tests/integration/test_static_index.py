@@ -33,7 +33,7 @@ from plancache.index import (
 )
 from plancache.store import open_store
 from tests.client_fakes import RecordingBackend
-from tests.factories import H200, OTHER_GPU, PATIENT, make_meta, new_signer, trusted
+from tests.factories import H200, OTHER_GPU, make_meta, new_signer, patient, trusted
 
 SPECS = workload()[:12]
 SIGNER = new_signer()
@@ -106,9 +106,9 @@ def serve() -> Iterator[Any]:
 
 
 def client(tmp_path: Path, index_url: str, server_url: str = "", **options: Any) -> PlanCache:
-    """A replay-only client of the index at ``index_url``, :data:`~tests.factories.PATIENT` unless given."""
+    """A replay-only client of the index at ``index_url``, :func:`~tests.factories.patient`."""
     return PlanCache(server_url, index_url=index_url, trusted_keys=trusted(SIGNER), cache_dir=tmp_path / "cache",
-                     backend=RecordingBackend(), mode="replay_only", **{**PATIENT, **options})
+                     backend=RecordingBackend(), mode="replay_only", **patient(options))
 
 
 def test_a_fresh_client_loads_every_plan_from_the_static_index_with_no_api_call(folder, tmp_path, serve):

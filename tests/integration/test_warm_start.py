@@ -22,7 +22,7 @@ from plancache.client.capture import Recorder, variants, vary  # noqa: E402
 from plancache.errors import PlanMiss, SpecError  # noqa: E402
 from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
 from tests.client_fakes import RecordingBackend  # noqa: E402
-from tests.factories import H200, PATIENT, make_meta, new_signer, trusted  # noqa: E402
+from tests.factories import H200, make_meta, new_signer, patient, trusted  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
 from tests.unit.test_hook import StageGraph, five_steps, rmsnorm  # noqa: E402
 
@@ -85,10 +85,10 @@ def loaded(cache: PlanCache) -> list[bytes]:
 
 
 def make_cache(srv: LiveServer, tmp_path: Path, signer: Any, **kw: Any) -> PlanCache:
-    """A client of ``srv``, :data:`~tests.factories.PATIENT` unless given (past the default deadline a loaded CI
+    """A client of ``srv``, :func:`~tests.factories.patient` (past the default deadline a loaded CI
     machine added a warning to a test counting them; past the default read timeout a warm start found nothing)."""
     return PlanCache(srv.url, backend=RecordingBackend(), token=srv.token("reader"), cache_dir=tmp_path / "cache",
-                     trusted_keys=trusted(signer), **{**PATIENT, **kw})
+                     trusted_keys=trusted(signer), **patient(kw))
 
 
 @contextlib.contextmanager
