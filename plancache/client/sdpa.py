@@ -230,9 +230,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
     if reason is None:
         assert route is not None
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
-        ckey = ("fwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
-                is_causal, scale, compute_log_sumexp,
-                None if bias is None else (bias.shape, bias.stride()), dropout_p)
+        ckey = _forward_key(query, key, value, bias, compute_log_sumexp, is_causal, scale, dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
             ex = _prepare(route, _Config(ckey, _flash_takes(query, key, value, bias) and not dropout_p,
@@ -449,6 +447,12 @@ class _Config:
         return float(self.ckey[-1])  # every configuration's key ends with it
 
 
+def _forward_key(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_causal: bool, scale: float | None,
+                 dropout_p: float) -> tuple[Any, ...]:
+    return ("fwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
+            is_causal, scale, stats, None if bias is None else (bias.shape, bias.stride()), dropout_p)
+
+
 def _backward_key(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
                   scale: float | None, deterministic: bool, dropout_p: float) -> tuple[Any, ...]:
     return ("bwd", query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), out.stride(),
@@ -643,6 +647,11 @@ def _dropout_args(g: Any, dropout_p: float) -> dict[str, Any]:
     return {"dropout": (float(dropout_p), seed, offset)}
 
 
+def _extra_roles(bias: Any, dropout_p: float) -> tuple[str, ...]:
+    """The roles a graph's optional inputs add after its fixed ones, in call order."""
+    return (("bias",) if bias is not None else ()) + (("seed", "offset") if dropout_p else ())
+
+
 def _forward_graph(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_causal: bool,
                    scale: float | None, dropout_p: float = 0.0) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
     """FE's graph of torch's forward kernel, the roles of its buffers in call order, and the output's strides."""
@@ -663,7 +672,7 @@ def _forward_graph(query: Any, key: Any, value: Any, bias: Any, stats: bool, is_
         lse.set_uid(_UID["stats"]).set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]) \
             .set_data_type(f32)
         roles += ("stats",)
-    return g, roles + (("bias",) if bias is not None else ()) + (("seed", "offset") if dropout_p else ()), layout
+    return g, roles + _extra_roles(bias, dropout_p), layout
 
 
 def _backward_graph(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any, is_causal: bool,
@@ -687,4 +696,4 @@ def _backward_graph(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: 
         grad.set_uid(_UID[name]).set_output(True).set_dim(list(like.shape)).set_stride(list(layout)) \
             .set_data_type(io)
     roles = ("q", "k", "v", "o", "dO", "stats", "dQ", "dK", "dV")
-    return g, roles + (("bias",) if bias is not None else ()) + (("seed", "offset") if dropout_p else ()), ()
+    return g, roles + _extra_roles(bias, dropout_p), ()
