@@ -526,12 +526,13 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
                 # pinned: no plan is loaded; torch's own kernels run dropout only through torch's own op
                 ex = route.executors[ckey] = _Aten("dropout") if config.dropout_p else _Native.of(pinned)
                 return ex
+            fetched: dict[str, Any] = {}
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
                 written = _write(config)
                 also = _write_ahead(route, ahead)
                 if also is not None:
-                    _fetch(route, [written.spec, also.spec])
-                plan = route.cache.plan(written.spec)
+                    fetched = _fetch(route, [written.spec, also.spec])
+                plan = fetched.get(written.spec.graph_key) or route.cache.plan(written.spec)
             ex = _executor(route, written, plan)
         except PlanMiss:
             raise
@@ -541,7 +542,7 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
             ex = _Aten("unsupported")
         route.executors[ckey] = ex
         if also is not None:
-            _load_ahead(route, also)
+            _load_ahead(route, also, fetched.get(also.spec.graph_key))
         return ex
 
 
@@ -566,21 +567,25 @@ def _write_ahead(route: _Route, ahead: _Config | None) -> _Written | None:
         return None
 
 
-def _fetch(route: _Route, specs: list[Any]) -> None:
-    """Ask for the plans of ``specs`` together (one round trip to the server for those it is asked for); what is
-    missing or fails is met again, and raised, by the plan() call of its own configuration."""
+def _fetch(route: _Route, specs: list[Any]) -> dict[str, Any]:
+    """The plans of ``specs`` asked for together (one round trip to the server for those it is asked for), by graph
+    key: each counted once in ``stats().hits``, by where it came from. What is missing or fails is met again, and
+    raised, by the plan() call of its own configuration (then a memory hit for those loaded here)."""
     try:
-        route.cache.prefetch(specs)
+        return route.cache.prefetch(specs)
     except Exception as exc:  # noqa: BLE001 - PlanMiss (strict mode) names the ones the server lacks
         log.debug("plancache: attention plans asked for together: %s", exc)
+        return {}
 
 
-def _load_ahead(route: _Route, written: _Written) -> None:
-    """The executor of a backward written ahead by its forward, from the plan fetched with the forward's; when
-    it cannot be had now (strict mode without its plan, a build failure) the backward's own call tries again."""
+def _load_ahead(route: _Route, written: _Written, plan: Any) -> None:
+    """The executor of a backward written ahead by its forward, from ``plan``, fetched with the forward's (None: not
+    fetched, asked of the cache now); when it cannot be had now (strict mode without its plan, a build failure) the
+    backward's own call tries again."""
     try:
-        with hook._inside():
-            plan = route.cache.plan(written.spec)
+        if plan is None:
+            with hook._inside():
+                plan = route.cache.plan(written.spec)
         route.executors[written.config.ckey] = _executor(route, written, plan)
     except Exception as exc:  # noqa: BLE001 - left to the backward's own first call
         log.debug("plancache: the attention backward of %s is left to its first call: %s",

@@ -461,17 +461,30 @@ def natives(monkeypatch):
     return calls
 
 
-def test_a_plan_whose_record_measured_torchs_cudnn_faster_runs_torchs_cudnn(route, natives, monkeypatch):
-    backend, aten = route
-    cache = sdpa._route.cache
-    original = type(cache).plan
+def _measured(monkeypatch, **native_ms):
+    """Every plan the route's cache hands out (asked for alone or fetched together) carries a record in which the
+    plan measured 1 ms and ``native_ms`` the native kernels."""
+    cls = type(sdpa._route.cache)
+    plan, prefetch = cls.plan, cls.prefetch
 
-    def plan(self, spec, **kwargs):
-        p = original(self, spec, **kwargs)
-        p.record = _record(1.0, cudnn_aten=0.5)
+    def planned(self, spec, **kwargs):
+        p = plan(self, spec, **kwargs)
+        p.record = _record(1.0, **native_ms)
         return p
 
-    monkeypatch.setattr(type(cache), "plan", plan)
+    def prefetched(self, specs):
+        plans = prefetch(self, specs)
+        for p in plans.values():
+            p.record = _record(1.0, **native_ms)
+        return plans
+
+    monkeypatch.setattr(cls, "plan", planned)
+    monkeypatch.setattr(cls, "prefetch", prefetched)
+
+
+def test_a_plan_whose_record_measured_torchs_cudnn_faster_runs_torchs_cudnn(route, natives, monkeypatch):
+    backend, aten = route
+    _measured(monkeypatch, cudnn_aten=0.5)
     q, k, v = qkv()
     out = forward(q, k, v)
     forward(q, k, v)
@@ -502,15 +515,7 @@ def test_a_pinned_native_kernel_loads_no_plan(tmp_path, natives, monkeypatch):
 def test_dropout_never_runs_a_native_kernel_without_it(route, natives, generator, choice, monkeypatch):
     backend, aten = route
     sdpa._route.choice = choice
-    cache = sdpa._route.cache
-    original = type(cache).plan
-
-    def plan(self, spec, **kwargs):  # a record measuring torch's cuDNN faster (of a graph without dropout)
-        p = original(self, spec, **kwargs)
-        p.record = _record(1.0, cudnn_aten=0.5)
-        return p
-
-    monkeypatch.setattr(type(cache), "plan", plan)
+    _measured(monkeypatch, cudnn_aten=0.5)  # a record measuring torch's cuDNN faster (of a graph without dropout)
     q, k, v = qkv()
     out = forward(q, k, v, dropout=0.1)
     assert natives == []
@@ -578,7 +583,8 @@ def test_the_routes_own_builds_are_not_the_users_fe_builds_the_hook_counts(route
 def test_a_training_forward_fetches_its_backwards_plan_with_its_own(route, monkeypatch):
     """A new shape's backward plan was asked for at the backward's first call: a second round trip to the server in
     the first step. A training forward (compute_log_sumexp) asks for both at once and prepares the backward, which
-    then loads nothing; an inference forward asks for its own alone."""
+    then loads nothing; an inference forward asks for its own alone. Each plan fetched is counted once in the cache's
+    hits (the GPU test saw {'heuristic': 2, 'memory': 2} when the route asked the cache again after fetching)."""
     backend, aten = route
     cache = sdpa._route.cache
     batches: list[list[str]] = []
@@ -594,6 +600,7 @@ def test_a_training_forward_fetches_its_backwards_plan_with_its_own(route, monke
     q, k, v = qkv()
     o, lse = forward(q, k, v)[:2]
     assert batches == [["SDPA", "SDPA_BWD"]] and sdpa.stats()["load:heuristic"] == 2
+    assert cache.stats().hits == {"heuristic": 2}, "each plan counted once, where it came from (not again from memory)"
     grads = sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, None, None, None, 64, 64, 0.0, True)
     assert aten == [] and len(grads) == 3 and len(backend.specs) == 2 and sdpa.stats()["load:heuristic"] == 2
     assert sorted(len(g.runs) for g in graphs) == [1, 1], "the backward ran the plan its forward prepared"
