@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -167,6 +168,18 @@ def _norm(kind: str, rows: int = 4096, hidden: int = 1024, seed: int = 3) -> Cal
         return errs
 
     return run
+
+
+def _whole() -> int:
+    """Graphs FE's norm ops hold as served plans loaded on their own (:class:`plancache.client.fe_ops.Loaded`)."""
+    from plancache.client.fe_ops import Loaded
+
+    held = 0
+    for name in ("cudnn.ops.norm.layernorm", "cudnn.ops.norm.rmsnorm"):
+        module = sys.modules.get(name)
+        for cache in (getattr(module, "_fprop_cache", None), getattr(module, "_bprop_cache", None)):
+            held += sum(isinstance(graph, Loaded) for graph, _ in getattr(cache, "_entries", {}).values())
+    return held
 
 
 def _cudnn_graph_block(seed: int = 4) -> dict[str, float]:
@@ -332,6 +345,7 @@ def main() -> None:
     out: dict[str, Any] = {}
     for name in args.paths or list(PATHS):
         before = cache.stats() if cache is not None else None
+        whole = _whole()
         t0 = time.perf_counter()
         try:
             errs = PATHS[name]()
@@ -345,6 +359,7 @@ def main() -> None:
                                  if v != before.hits.get(k, 0)}
             out[name]["fe_builds"] = {k: v - before.fe_builds.get(k, 0) for k, v in after.fe_builds.items()
                                       if v != before.fe_builds.get(k, 0)}
+            out[name]["whole"] = _whole() - whole
     print(json.dumps({"paths": out, "stats": cache.stats().as_dict() if cache is not None else None,
                       "ready_ms": ready_ms, "torch": torch.__version__,
                       "sdpa_route": plancache.torch.sdpa_stats()}))

@@ -20,6 +20,8 @@ FE builds a graph in five steps: ``validate()`` → ``build_operation_graph()`` 
   with its own ``execute`` (Tensor handles, names or uids), ``get_workspace_size`` and CUDA-graph capture.
   On a miss in normal mode FE runs the deferred steps exactly as the caller asked them (same heuristic modes,
   filters and policy); in strict and replay-only mode :class:`~plancache.errors.PlanMiss` is raised.
+- FE's norm ops (``cudnn.ops.norm``) are served whole (:mod:`plancache.client.fe_ops`): a new shape's graph in
+  the op's graph cache is the served plan loaded on its own; FE never lowers or builds the op's graph.
 - With a capture file (``install(..., capture=FILE)`` or ``PLANCACHE_CAPTURE=FILE``) every graph whose spec is read
   is also counted into that file (:mod:`plancache.client.capture`); ``install(None, capture=FILE)`` only captures
   (FE builds every graph itself), which is what ``plancache capture -- CMD`` does.
@@ -57,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanCacheError, PlanMiss, SpecError, UnsupportedGraph
+from . import fe_ops
 from .core import PlanCache
 from .startup import WarmSource as WarmSource  # plancache.torch names it hook.WarmSource
 from .startup import WarmStart, warm_specs
@@ -100,6 +103,7 @@ class _Graph:
     heuristics: Any = None
     served: bool = False
     fe: bool = False             # FE planned it (the hook no longer steps in); never while deferred
+    missed: bool = False         # offered whole (fe_ops) and the cache had no plan: build_plans does not ask again
 
 
 _lock = threading.Lock()
@@ -154,6 +158,8 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
                                        if name in graph_class.__dict__}
             for name, wrapper in wrappers.items():
                 setattr(graph_class, name, wrapper)
+        if cache is not None:
+            fe_ops.patch()
         if cache is not _cache:
             _close_device_caches_locked()
         _cache = cache
@@ -174,6 +180,7 @@ def uninstall() -> None:
                 elif name in cls.__dict__:
                     delattr(cls, name)
         _originals.clear()
+        fe_ops.unpatch()
         _cache = None
         _close_device_caches_locked()
     _stop_capture()
@@ -367,13 +374,57 @@ def _name(state: _Graph) -> str:
 
 def _validate(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    whole = fe_ops.take_offer()
     if graph._lowered_graph is None and not graph._planning_done:  # FE's IR is still readable
         try:
-            _graphs[graph] = _capture(graph, cache)
+            state = _graphs[graph] = _capture(graph, cache)
         except Exception as exc:  # noqa: BLE001 - the hook's own failure: FE builds the graph (normal mode)
             _hook_failed(cache, exc)
             _graphs[graph] = _Graph(None, "error", f"{type(exc).__name__}: {exc}")
+        else:
+            if whole and state.why_not is None and state.spec is not None and _binds_own_uids(state.spec):
+                _serve_whole(graph, cache, state)  # raises fe_ops.Served when it loaded the plan
     return original(graph, *args, **kwargs)
+
+
+def _binds_own_uids(spec: GraphSpec) -> bool:
+    """Whether every tensor ``execute`` binds carries a uid its writer set (so the canonical uids are the writer's,
+    and a plan loaded on its own binds the buffers its writer hands over)."""
+    return all(t.uid_assigned for t in (*spec.input_tensors(), *spec.output_tensors()))
+
+
+def _serve_whole(graph: Any, cache: PlanCache, state: _Graph) -> None:
+    """A graph an FE op's graph cache is building (:mod:`plancache.client.fe_ops`): its served plan loaded into an
+    empty graph, handed over by raising :class:`~plancache.client.fe_ops.Served`, which ends the op's build. On a miss
+    the build goes on and ``build_plans`` leaves it to FE without asking again (strict and replay-only mode:
+    :class:`PlanMiss` here, as ``build_plans`` would raise it); a failure of the hook's own leaves it to FE."""
+    assert state.spec is not None
+    serving, plan = _serve(graph, cache, state.spec, whole=True)
+    if isinstance(plan, Exception):  # FE builds the graph (normal mode)
+        state.why_not, state.detail = "error", f"{type(plan).__name__}: {plan}"
+    elif plan is not None:
+        raise fe_ops.Served(plan.graph, plan.workspace_size)
+    elif serving is not None:  # without a cache for the graph's device, build_plans says why
+        state.missed = True
+
+
+def _serve(graph: Any, cache: PlanCache, spec: GraphSpec, *, whole: bool) -> tuple[PlanCache | None, Any]:
+    """The cache serving ``graph`` (None: none for its device) and its plan of ``spec`` loaded into ``graph``, or on
+    its own when ``whole``: None on a miss in normal mode (:class:`PlanMiss` raised in strict and replay-only mode),
+    or the exception of a failure of the hook's own (:func:`_hook_failed`)."""
+    _await_warm()
+    serving = None
+    try:
+        serving = _cache_for(graph, cache)
+        if serving is None:
+            return None, None
+        with _inside():
+            return serving, serving.serve(None if whole else graph, spec, max_workspace=_max_workspace)
+    except PlanMiss:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the hook's own failure: FE builds the graph (normal mode)
+        _hook_failed(cache, exc)
+        return serving, exc
 
 
 def _capture(graph: Any, cache: PlanCache) -> _Graph:
@@ -435,6 +486,12 @@ def _build_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCa
         return original(graph, *args, **kwargs)
     if state.served:
         return None
+    if state.missed:  # asked when the op's graph cache offered it whole
+        if state.deferred:
+            _plan_with_fe(graph, cache, state, "miss", "")
+        else:
+            _leave_to_fe(cache, state, "miss", "")
+        return original(graph, *args, **kwargs)
     if not state.deferred:  # FE plans first (build_plans would call create_execution_plans itself)
         graph.create_execution_plans()
         if state.fe:
@@ -444,18 +501,9 @@ def _build_plans(original: Callable[..., Any], _: str, graph: Any, cache: PlanCa
         return original(graph, *args, **kwargs)
     if state.spec is None:  # unreachable: a graph without a spec has a why_not, so FE planned it
         raise RuntimeError("plancache hook: a deferred graph without a spec")
-    _await_warm()
-    plan = None
-    try:
-        serving = _cache_for(graph, cache)
-        if serving is not None:
-            with _inside():
-                plan = serving.serve(graph, state.spec, max_workspace=_max_workspace)
-    except PlanMiss:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the hook's own failure: FE builds the graph (normal mode)
-        _hook_failed(cache, exc)
-        _plan_with_fe(graph, cache, state, "error", f"{type(exc).__name__}: {exc}")
+    serving, plan = _serve(graph, cache, state.spec, whole=False)
+    if isinstance(plan, Exception):
+        _plan_with_fe(graph, cache, state, "error", f"{type(plan).__name__}: {plan}")
         return original(graph, *args, **kwargs)
     if serving is None:
         detail = (f"it is built for cuda:{_device_of(graph)}, the cache serves cuda:{_device_index(cache)} and its "

@@ -36,6 +36,9 @@ GRAPHS = {"sdpa_causal": 2, "sdpa_gqa": 2, "sdpa_padded": 1, "sdpa_thd": 2, "sdp
 #: backward. In a normal process the route builds a missed graph through the cache's ladder (a ``heuristic`` hit),
 #: not through FE's op.
 ROUTED = {"torch_sdpa": 2}
+#: Paths of FE's norm ops, whose graph caches take a served plan loaded on its own (plancache.client.fe_ops): each of
+#: their served graphs is held as one, none of those FE built.
+WHOLE = ("layer_norm", "rms_norm")
 
 
 def child(*args: str, check: bool = True, settings: dict[str, str] | None = None) -> dict:
@@ -59,8 +62,9 @@ def describe(doc: dict) -> str:
 
 def check_served(run: dict, what: str, *, hits: str | None, untuned: bool = False) -> None:
     """Each path built exactly its :data:`GRAPHS`, every one a hit of ``hits`` (``memory``, ``server``, ``disk``) and
-    none built by FE; with ``hits`` None (a normal process, nothing tuned yet) every one a miss FE built. Totals could
-    hide a path that stopped being served behind another that built more; so each path is checked on its own."""
+    none built by FE, those of :data:`WHOLE` held served whole; with ``hits`` None (a normal process, nothing tuned
+    yet) every one a miss FE built. Totals could hide a path that stopped being served behind another that built more;
+    so each path is checked on its own."""
     assert set(run["paths"]) == set(GRAPHS) | set(ROUTED), sorted(run["paths"])
     bad = []
     for name, n in {**GRAPHS, **ROUTED}.items():
@@ -73,6 +77,8 @@ def check_served(run: dict, what: str, *, hits: str | None, untuned: bool = Fals
             want = ({hits: n} if n else {}, {})
         if (got.get("hits", {}), got.get("fe_builds", {})) != want:
             bad.append(f"{name}: hits {got.get('hits')} fe_builds {got.get('fe_builds')}, expected {want[0]} and {want[1]}")
+        if name in WHOLE and got.get("whole") != (0 if hits is None else n):
+            bad.append(f"{name}: {got.get('whole')} graphs held served whole, expected {0 if hits is None else n}")
     assert not bad, f"{what}:\n" + "\n".join(bad)
 
 

@@ -1,0 +1,133 @@
+"""FE's normalization ops (``cudnn.ops.norm``: ``layer_norm``, ``rms_norm``) served whole: a new shape's graph is the
+served plan loaded on its own, not a graph of the op's that FE lowers and then loads the plan into.
+
+Each of those ops keeps one ``(graph, workspace size)`` per shape in a graph cache (FE 1.32's
+``cudnn.ops.norm._common.GraphCache``) and, on a miss, writes its graph and builds it through FE's five steps, which
+the hook serves by loading the tuned plan into the op's graph part-way: FE validates and lowers the graph to cuDNN's
+operation graph, then deserializes the plan into it with a warm-up run. While the hook is installed (:func:`patch`),
+the cache's build runs with an offer open on its thread: the hook reads the graph's spec at ``validate()`` as for
+any graph and, when the graph's every bound tensor carries a uid the op set itself (so the op's ``execute`` binds the
+plan's canonical uids) and the cache has a tuned plan for it (memory, disk, server, the rebuild of a tuned record),
+loads the plan into an empty graph, the way plancache's attention route loads its plans, and ends the build by
+raising :class:`Served`. The op's cache keeps that graph (:class:`Loaded`) and its workspace size, and the op runs
+it with its own ``execute``. Without a plan the build goes on as it always does: the hook leaves it to FE (normal mode) without
+asking the cache again, or raises :class:`~plancache.errors.PlanMiss` (strict and replay-only mode)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("plancache.client")
+
+__all__ = ["Loaded", "Served", "patch", "patched", "take_offer", "unpatch"]
+
+#: Where FE 1.32 keeps its norm ops' graph cache (imported only once torch is: those ops are torch ops).
+GRAPH_CACHE_MODULE = "cudnn.ops.norm._common"
+
+_local = threading.local()  # .offer: a graph cache's build is under way on this thread and takes a served graph
+_patched: tuple[type, Callable[..., Any]] | None = None  # (the class, its own get_or_build)
+
+
+class Served(Exception):  # noqa: N818 - control flow, never an error: the build it ends has its graph
+    """Raised by the hook's ``validate()`` inside an offered build: the served plan's graph, loaded on its own, and its
+    workspace size, which the graph cache keeps in place of the graph the op was writing."""
+
+    def __init__(self, graph: Any, workspace_size: int) -> None:
+        super().__init__("a served plan ends the graph's build")
+        self.graph = graph
+        self.workspace_size = workspace_size
+
+
+def take_offer() -> bool:
+    """Whether the graph being validated on this thread is the one a graph cache's build writes and takes served
+    whole (:class:`Served`); the offer is taken: a second graph of the same build is built as any other."""
+    offer = getattr(_local, "offer", False)
+    _local.offer = False
+    return offer
+
+
+def patch() -> bool:
+    """Open the offer in every build of FE's norm ops' graph cache, where FE has one and torch is imported (FE's norm
+    ops are torch ops: a process that imports torch after this runs them served as any graph). Whether it is patched."""
+    global _patched
+    if _patched is not None:
+        return True
+    if "torch" not in sys.modules:
+        return False
+    try:
+        module = __import__(GRAPH_CACHE_MODULE, fromlist=["GraphCache"])
+    except ImportError:
+        return False
+    cls = getattr(module, "GraphCache", None)
+    original = None if not isinstance(cls, type) else cls.__dict__.get("get_or_build")
+    if cls is None or original is None:  # not FE 1.32's graph cache: its ops are served as any graph
+        log.info("plancache: %s has no GraphCache.get_or_build; FE's norm ops are served into their own graphs",
+                 GRAPH_CACHE_MODULE)
+        return False
+    setattr(cls, "get_or_build", _offering(original))  # noqa: B010 - FE's class, patched
+    _patched = (cls, original)
+    return True
+
+
+def unpatch() -> None:
+    """Give the graph cache its own ``get_or_build`` back (graphs it holds stay)."""
+    global _patched
+    if _patched is not None:
+        cls, original = _patched
+        setattr(cls, "get_or_build", original)  # noqa: B010 - FE's class, restored
+        _patched = None
+
+
+def patched() -> bool:
+    return _patched is not None
+
+
+def _offering(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_or_build(cache: Any, key: Any, build: Callable[[], Any]) -> Any:
+        hit = getattr(cache, "_entries", {}).get(key)  # the op's steady path: one lookup, as FE's own
+        if hit is not None:
+            return hit
+        return original(cache, key, functools.partial(_build, build))
+
+    return get_or_build
+
+
+def _build(build: Callable[[], Any]) -> Any:
+    before = getattr(_local, "offer", False)
+    _local.offer = True
+    try:
+        return build()
+    except Served as served:
+        return Loaded(served.graph), served.workspace_size
+    finally:
+        _local.offer = before
+
+
+class Loaded:
+    """A served plan's graph as an op's graph cache holds it: the op's ``execute`` with its buffers in its uids' order
+    (FE's ordered execute), or, once FE refuses that for this graph before anything ran, the same buffers bound by
+    uid; every other attribute is the graph's."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.ordered = True
+
+    def execute(self, buffers: Any, workspace: Any, *args: Any, tensor_uids: Any = None, **kwargs: Any) -> Any:
+        if tensor_uids is None:
+            return self.graph.execute(buffers, workspace, *args, **kwargs)
+        if self.ordered:
+            try:
+                return self.graph.execute(buffers, workspace, *args, tensor_uids=tensor_uids, **kwargs)
+            except (ValueError, KeyError, TypeError) as exc:  # refused while binding, before any launch
+                log.info("plancache: FE's ordered execute refused a norm op's served plan (%s); binding by uid", exc)
+                self.ordered = False
+        return self.graph.execute(dict(zip(tensor_uids, buffers, strict=True)), workspace, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
