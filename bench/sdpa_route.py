@@ -20,6 +20,9 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    the route; then the first step of each shape (synchronised wall time) with the route serving, after a first
    shape of the process, with how much of it the route spent preparing its plans (writing, keying, loading), and
    with torch's own cuDNN in a process of its own.
+4. ``block_warm``: a fresh strict-mode process with a warm start from the capture file step 1 wrote
+   (``PLANCACHE_WARM``): the route's plans fetched and deserialized in the background at install, then the block's
+   first step of each shape as in 3.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
     from plancache.client import PlanCache
 
     cache = PlanCache(server, token=token, trusted_keys=trusted or [], cache_dir=cache_dir, mode=mode)
-    plancache.torch.install(cache, sdpa_route=False)
+    plancache.torch.install(cache)  # the route is switched on and off per backend below
     torch.cuda.synchronize()
     result: dict[str, Any] = {"what": what, "import_ms": (time.perf_counter() - t_start) * 1e3,
                               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -232,15 +235,17 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
         result["block"] = block(cache, BACKENDS)
     if what == "block_aten":
         result["block"] = block(cache, ("aten_cudnn",))
+    if what == "block_warm":
+        result["block"] = block(cache, ("plancache",))
     result["stats"] = cache.stats().as_dict()
     cache.close()
     print(json.dumps(result))
 
 
-def _run(*args: str) -> dict[str, Any]:
+def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
     from tests.gpu_util import run_fresh
 
-    return run_fresh([str(Path(__file__)), *args])
+    return run_fresh([str(Path(__file__)), *args], settings)
 
 
 def _tables(results: dict[str, Any]) -> None:
@@ -265,15 +270,19 @@ def _tables(results: dict[str, Any]) -> None:
               f"{p.get('first_ms', nan):>10.1f} {p.get('first_prepare_ms', nan):>10.1f}")
     blk = results["block"]["block"]
     first_aten = results.get("block_aten", {}).get("block", {})
+    warm = results.get("block_warm", {}).get("block", {})
     print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} | "
-          f"{'first step: plancache':>22} {'preparing':>10} {'ATen cuDNN':>11} | served")
+          f"{'first step: plancache':>22} {'preparing':>10} {'warm start':>11} {'preparing':>10} "
+          f"{'ATen cuDNN':>11} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
         aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", float("nan"))
         route = row["plancache"]
+        warmed = warm.get(shape, {}).get("plancache", {})
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
               f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} | "
-              f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} {aten_first:>11.1f} | "
+              f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} "
+              f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {aten_first:>11.1f} | "
               f"{route.get('served', {})}")
     for shape, row in kern.items():
         for name, got in row.items():
@@ -312,7 +321,9 @@ def main() -> None:
             signer = Signer.from_file(priv)
             with LiveServer(root / "server") as srv:
                 common = ["--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys")]
-                _run("--child", "capture", *common, "--cache", str(root / "c0"))
+                capture = str(root / "capture.json")
+                _run("--child", "capture", *common, "--cache", str(root / "c0"),
+                     settings={"PLANCACHE_CAPTURE": capture})
                 t0 = time.perf_counter()
                 tuned, failed = tune_misses(srv, root, signer)
                 for key, why in failed.items():
@@ -320,6 +331,8 @@ def main() -> None:
                 results["tuning"] = {"graphs": tuned, "seconds": time.perf_counter() - t0}
                 for what in ("kernels", "block"):
                     results[what] = _run("--child", what, *common, "--cache", str(root / what), "--mode", "strict")
+                results["block_warm"] = _run("--child", "block_warm", *common, "--cache", str(root / "warm"),
+                                             "--mode", "strict", settings={"PLANCACHE_WARM": capture})
                 results["block_aten"] = _run("--child", "block_aten")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -31,7 +31,9 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     ``PLANCACHE_*`` settings) and, with ``sdpa_route``, torch's cuDNN attention kernels from its plans.
     ``warm`` (default ``PLANCACHE_WARM``) and ``warm_vary``: a warm start (:func:`plancache.client.hook.install`):
     the plans of the graphs of a capture file (or of specs), and of their variants along shape axes, fetched and
-    verified in the background now, so each graph is served with no further request when it is built.
+    verified in the background now, so each graph is served with no further request when it is built; with
+    ``sdpa_route``, the route's attention plans are deserialized there too, so a known shape's first call loads
+    nothing.
     ``attention`` (default ``PLANCACHE_ATTENTION``, else ``fastest``): what runs each attention configuration, one
     of :data:`plancache.client.sdpa.CHOICES`. Returns the cache."""
     from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
@@ -44,7 +46,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
 
     with _lock:
-        hook.install(cache, warm=warm, warm_vary=warm_vary)
+        hook.install(cache, warm=warm, warm_vary=warm_vary, warm_load=sdpa.SPEC_NAMES.values() if sdpa_route else ())
         if sdpa_route:
             sdpa.install(cache, attention=attention)
     return cache

@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -308,21 +308,25 @@ class PlanCache:
                            f"{self.environment.describe()} ({self.mode} mode): {names}")
         return {p.key: r for p, r in zip(batch, results) if isinstance(r, Plan)}
 
-    def warm(self, specs: Iterable[SpecLike]) -> list[str]:
+    def warm(self, specs: Iterable[SpecLike], *, load: Collection[str] = frozenset()) -> list[str]:
         """Fetch and verify the tuned plans of graphs still to be built (specs, not pygraphs), without loading them:
         the disk cache first, then one resolve round trip for the rest (blobs inline or from where its answer says),
         within ``request_deadline`` and in this host's turn to fetch, like any load. Each verified blob is kept for
         the caller's graph that asks for it later (:meth:`build`, :meth:`serve`), which loads it with no further
-        round trip and one deserialization. Builds nothing and never raises :class:`PlanMiss`: a graph without a
-        verified plan takes the whole ladder when it is built. Returns the graph keys of ``specs`` kept (also those
-        kept before)."""
+        round trip and one deserialization. ``load``: graph keys whose plans are deserialized now as well, each into
+        an empty graph of its own, as :meth:`plan` loads a spec (for graphs that run from that loaded graph, as the
+        attention route's do: their first :meth:`plan` is a memory hit). Builds nothing and never raises
+        :class:`PlanMiss`: a graph without a verified plan takes the whole ladder when it is built. Returns the
+        graph keys of ``specs`` kept (also those kept or loaded before)."""
         from ..spec import graph_key, parse_spec
 
+        c = self.context
         wanted = {graph_key(s): s for s in map(parse_spec, specs)}
-        batch = [Pending(key, spec, None, warm=True) for key, spec in wanted.items() if key not in self.context.verified]
+        batch = [Pending(key, spec, None, warm=key not in load) for key, spec in wanted.items()
+                 if (key not in c.memory if key in load else key not in c.verified)]
         if batch:
             self._load_many(batch, frozenset({Builds.NOTHING}))
-        return [key for key in wanted if key in self.context.verified]
+        return [key for key in wanted if key in c.verified or key in c.memory]
 
     def serve(self, graph: Any, spec: GraphSpec, *, max_workspace: int | None = None) -> Plan | None:
         """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its

@@ -53,7 +53,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,7 +119,8 @@ _max_workspace: int | None = None  # PLANCACHE_HOOK_MAX_WORKSPACE_BYTES (None: n
 _error_logged = False            # the first error of the hook's own was logged with its traceback
 
 def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None,
-            warm: WarmSource | None = None, warm_vary: Mapping[str, Sequence[int]] | None = None) -> None:
+            warm: WarmSource | None = None, warm_vary: Mapping[str, Sequence[int]] | None = None,
+            warm_load: Collection[str] = ()) -> None:
     """Route every build of a ``graph_class`` (default ``cudnn.pygraph``) in this process through ``cache`` until
     :func:`uninstall`. Installing again switches the cache. ``capture`` (default ``PLANCACHE_CAPTURE``): a capture file
     that counts every graph built; with ``cache`` None the hook only captures.
@@ -127,7 +128,9 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     ``warm`` (default ``PLANCACHE_WARM``): the graphs this process will build, as a capture file or specs; their plans
     are fetched and verified on a background thread (:meth:`PlanCache.warm`) and each graph built later loads its own
     with no further request. ``warm_vary``: their variants too, at every combination of these sizes of shape axes
-    (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes. A
+    (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes.
+    ``warm_load``: names of graphs whose plans the warm start also deserializes, each into an empty graph of its own
+    (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing). A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
     and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
     global _cache, _max_workspace
@@ -164,7 +167,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
             _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
-        _warm_start.start(cache, specs)
+        _warm_start.start(cache, specs, warm_load)
 
 
 def uninstall() -> None:

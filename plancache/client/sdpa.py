@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "check_choice", "install", "installed", "stats",
-           "uninstall"]
+__all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "SPEC_NAMES", "check_choice", "install",
+           "installed", "stats", "uninstall"]
 
 #: The ATen ops whose CUDA kernels the route replaces.
 OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
@@ -60,6 +60,8 @@ ATEN_REASONS = {
 #: no attention bias, as many key as query heads, and not a backward under deterministic algorithms).
 NATIVE = ("flash", "cudnn_aten")  # plancache.protocol.NATIVE_KERNELS (not imported here: pydantic; a test pins them)
 CHOICES = ("fastest", "plan", *NATIVE)
+#: The names of the route's specs, by direction: in a capture file, and what a warm start loads whole.
+SPEC_NAMES = {"fwd": "torch fwd attention", "bwd": "torch bwd attention"}
 #: ``fastest`` takes a native kernel only when the worker measured it this much faster than the plan (a tie within
 #: timing noise keeps the plan).
 NATIVE_MARGIN = 0.02
@@ -550,7 +552,7 @@ def _write(config: _Config) -> _Written:
     from ..spec import from_pygraph  # pydantic: not on the import of plancache.torch
 
     graph, roles, layout = config.write()
-    spec = from_pygraph(graph, name=f"torch {config.ckey[0]} attention")
+    spec = from_pygraph(graph, name=SPEC_NAMES[config.ckey[0]])
     hook._count(graph, spec)  # into the capture file, when one is being written: the next warm start's
     return _Written(config, spec, roles, layout)
 

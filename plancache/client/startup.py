@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import SpecError
@@ -64,9 +64,11 @@ class WarmStart:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
 
-    def start(self, cache: PlanCache, specs: list[GraphSpec]) -> None:
-        """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own."""
-        thread = threading.Thread(target=_warm, args=(cache, specs), name="plancache-warm", daemon=True)
+    def start(self, cache: PlanCache, specs: list[GraphSpec], load: Collection[str] = ()) -> None:
+        """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own, and deserialize those of
+        the specs named one of ``load`` (:meth:`PlanCache.warm`'s ``load``)."""
+        keys = frozenset(s.graph_key for s in specs if s.name in load)
+        thread = threading.Thread(target=_warm, args=(cache, specs, keys), name="plancache-warm", daemon=True)
         self._thread = thread
         thread.start()
 
@@ -81,13 +83,14 @@ class WarmStart:
         self._thread = None
 
 
-def _warm(cache: PlanCache, specs: list[GraphSpec]) -> None:
+def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str]) -> None:
     t0 = time.perf_counter()
     try:
-        kept = cache.warm(specs)
+        kept = cache.warm(specs, load=load)
     except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
         log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,
                     exc)
         return
-    log.info("plancache: warm start: verified plans of %d of %d graphs kept in %.0f ms", len(kept),
-             len({s.graph_key for s in specs}), (time.perf_counter() - t0) * 1000)
+    log.info("plancache: warm start: verified plans of %d of %d graphs kept (%d of them loaded) in %.0f ms",
+             len(kept), len({s.graph_key for s in specs}), len(load.intersection(kept)),
+             (time.perf_counter() - t0) * 1000)

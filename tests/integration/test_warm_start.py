@@ -32,7 +32,7 @@ BF16, FP32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
 
 def attention(s: int, b: int = 2, h: int = 4, d: int = 64) -> StageGraph:
     """FE's SDPA forward in BSHD layout, as ``cudnn.sdpa_torch`` lays it out (the shape axes vary moves)."""
-    g = StageGraph(io_data_type=BF16, intermediate_data_type=FP32, compute_data_type=FP32)
+    g = StageGraph(io_data_type=BF16, intermediate_data_type=FP32, compute_data_type=FP32, name="attention")
     stride = [s * h * d, d, h * d, 1]
     q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=stride, data_type=BF16) for n in ("q", "k", "v"))
     o, stats = g.sdpa(name="attention", q=q, k=k, v=v, generate_stats=True, attn_scale=0.125)
@@ -338,3 +338,57 @@ def test_a_second_warm_start_of_kept_blobs_loads_nothing(srv, tmp_path, signer):
     assert loaded(cache) == [] and len(cache.context.memory) == 0
     build_all(cache, step_graphs())
     assert len(loaded(cache)) == 3
+
+
+def test_warm_load_deserializes_the_named_plans_now_and_keeps_the_rest(srv, tmp_path, signer):
+    """``load``: graphs run from the plan's own loaded graph (the attention route's) are deserialized at the warm
+    start, once, into an empty graph each; their first plan() is a memory hit that loads nothing more."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    whole = specs[2]
+    assert cache.warm(specs, load={whole.graph_key}) == [s.graph_key for s in specs]
+    assert loaded(cache) == [blob_of(whole)] and list(cache.context.memory) == [whole.graph_key]
+    assert cache.plan(whole).graph is cache.context.memory[whole.graph_key].graph
+    assert loaded(cache) == [blob_of(whole)]
+    assert cache.stats().hits == {"server": 3, "memory": 1}
+    assert cache.warm(specs, load={whole.graph_key}) == [s.graph_key for s in specs]  # nothing asked or loaded again
+    assert srv.requests[RESOLVE] == 1 and len(loaded(cache)) == 1
+    build_all(cache, step_graphs())  # a caller's own graph loads its plan into itself, whole-loaded or not
+    assert loaded(cache)[1:] == [blob_of(s) for s in specs]
+
+
+def test_warm_load_of_a_blob_kept_earlier_loads_it_from_memory(srv, tmp_path, signer):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    cache.warm(specs)
+    assert cache.warm(specs, load={specs[0].graph_key}) == [s.graph_key for s in specs]
+    assert loaded(cache) == [blob_of(specs[0])] and srv.requests[RESOLVE] == 1
+
+
+def test_the_hook_warm_start_loads_the_graphs_named_in_warm_load(srv, tmp_path, signer):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    path = capture(tmp_path / "capture.json", *step_graphs())
+    cache = make_cache(srv, tmp_path, signer)
+    with installed(cache, warm=path, warm_load=[specs[2].name, "another name"]):
+        hook._await_warm()
+        assert loaded(cache) == [blob_of(specs[2])]
+    assert list(cache.context.memory) == [specs[2].graph_key]
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_start(srv, tmp_path, signer,
+                                                                                   monkeypatch, route):
+    pytest.importorskip("torch")
+    import plancache.torch
+    from plancache.client import sdpa
+
+    started: list[Any] = []
+    monkeypatch.setattr(hook._warm_start, "start", lambda cache, specs, load=(): started.append(set(load)))
+    monkeypatch.setattr(sdpa, "install", lambda cache, attention: None)
+    cache = make_cache(srv, tmp_path, signer)
+    plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
+    plancache.torch.uninstall()
+    assert started == [{"torch fwd attention", "torch bwd attention"} if route else set()]

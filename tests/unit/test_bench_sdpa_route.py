@@ -37,3 +37,15 @@ def test_a_failed_capture_is_printed_with_its_reason_and_the_eager_figures_stay(
     assert "48.0" in block and "12.5" in block and "'load:server': 2" in block
     first = [line for line in out.splitlines() if line.strip().startswith("2x16x1024x128 |")][1]
     assert "1234.5" in first and "33.2" in first and "nan" in first  # flash's and ATen's first calls not given
+
+
+def test_the_block_table_shows_the_warm_starts_first_step_beside_the_cold_one(capsys):
+    results = {
+        "kernels": {"kernels": {}},
+        "block": {"block": {"2x1024": {name: {"first_ms": 40.0, "prepare_ms": 29.5, "steady_ms": 1.0}
+                                       for name in ("flash", "aten_cudnn", "plancache")}}},
+        "block_warm": {"block": {"2x1024": {"plancache": {"first_ms": 13.25, "prepare_ms": 2.5, "steady_ms": 1.0}}}},
+    }
+    sdpa_route._tables(results)
+    block = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2x1024 |"))
+    assert block.split("|")[2].split()[:4] == ["40.0", "29.5", "13.2", "2.5"]
