@@ -360,6 +360,7 @@ def main() -> None:
             out[name]["fe_builds"] = {k: v - before.fe_builds.get(k, 0) for k, v in after.fe_builds.items()
                                       if v != before.fe_builds.get(k, 0)}
             out[name]["whole"] = _whole() - whole
+            out[name]["deserialize_ms"] = (after.deserialize_seconds - before.deserialize_seconds) * 1e3
     print(json.dumps({"paths": out, "stats": cache.stats().as_dict() if cache is not None else None,
                       "ready_ms": ready_ms, "torch": torch.__version__,
                       "sdpa_route": plancache.torch.sdpa_stats()}))

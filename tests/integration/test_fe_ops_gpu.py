@@ -151,6 +151,7 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
     check_served(online, "strict", hits="server", untuned=bool(failed))
     assert online["stats"]["fe_builds"] == {} and online["stats"]["rejects"] == {}
     assert online["stats"]["hits"] == {"server": len(tuned)}
+    assert online["paths"]["torch_sdpa"]["deserialize_ms"] > 0  # the route loads its two plans at its first call
     offline = child("--trusted", str(root / "keys"), "--cache", str(tmp_path / "cache"), "--mode", "replay_only")
     check_numerics(offline, "replay_only", untuned=bool(failed))
     check_served(offline, "replay_only", hits="disk", untuned=bool(failed))
@@ -183,6 +184,8 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     stats = warm["stats"]
     assert stats["hits"] == {"server": len(tuned), "memory": len(tuned)} and stats["fe_builds"] == {}
     assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
+    # the route's plans run from graphs of plancache's own: the warm start deserialized them, the first call nothing
+    assert warm["paths"]["torch_sdpa"]["deserialize_ms"] == 0, warm["paths"]["torch_sdpa"]
     print(f"\n{'path':<20}{'first ms (FE)':>15}{'first ms (served, warm)':>25}")
     for name, got in warm["paths"].items():
         if "first_ms" in got:
