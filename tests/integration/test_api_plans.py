@@ -252,6 +252,23 @@ def test_resolve_json_chunks_join_to_the_model(api, published, gpu_env, monkeypa
         assert ResolveResponse.model_validate_json(b"".join(chunks)) == expected
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_small_resolve_answer_is_sent_whole_and_a_large_one_streamed(api, published, gpu_env, monkeypatch, whole):
+    """Up to WHOLE_ANSWER_BLOB_BYTES of inline blobs the answer is one body (Content-Length); past it, chunks. Either
+    way the same JSON, and the in-flight bytes it held are given back once it is sent."""
+    (k0, _, b0), (k1, _, b1) = published
+    monkeypatch.setattr(plans_routes, "WHOLE_ANSWER_BLOB_BYTES", len(b0) + len(b1) - (0 if whole else 1))
+    monkeypatch.setattr(plans_routes, "CHUNK_BYTES", 64)
+    api.app.state.settings.presign_blobs = False
+    body = {"environment": gpu_env.model_dump(), "graph_keys": [k0, k1], "include_blobs": True}
+    r = api.client.post("/v1/plans/resolve", json=body, headers=api.reader)
+    assert r.status_code == 200, r.text
+    assert ("content-length" in r.headers) is whole  # a streamed answer has none
+    plans = ResolveResponse.model_validate_json(r.content).plans
+    assert (base64.b64decode(plans[k0].blob_b64 or ""), base64.b64decode(plans[k1].blob_b64 or "")) == (b0, b1)
+    assert api.app.state.inflight.used == 0
+
+
 def test_resolve_inlines_blobs_up_to_the_budget(api, published, gpu_env, monkeypatch):
     (k0, _, b0), (k1, _, b1) = published
     monkeypatch.setattr(plans_routes, "MAX_INLINE_BLOB_BYTES", len(b0) + len(b1) - 1)

@@ -58,6 +58,10 @@ CHUNK_BYTES = 1 << 20
 _B64_PIECE = 3 * (CHUNK_BYTES // 4)
 #: Blob bytes one resolve answer inlines at most (the server holds them in memory while it answers).
 MAX_INLINE_BLOB_BYTES = 128 << 20
+#: An answer inlining at most this many blob bytes is sent whole: streaming it costs a thread-pool hop a chunk
+#: (a pair of 60 KB blobs answered in 2.5 ms whole against 3.1 ms streamed, on a CPU host), and its base64, joined,
+#: stays within what the in-flight budget holds for it.
+WHOLE_ANSWER_BLOB_BYTES = CHUNK_BYTES // 4
 
 
 @router.post("/v1/plans/resolve", response_model=ResolveResponse,
@@ -121,6 +125,8 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     chunks = resolve_json(plans, missing, presign or _server_route, reasons)
     if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
         hold = Held(request.app.state.inflight, held)
+        if sum(len(blob) for _, _, blob in plans if blob is not None) <= WHOLE_ANSWER_BLOB_BYTES:
+            return Response(b"".join(chunks), media_type="application/json", background=BackgroundTask(hold.release))
         return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
                                  background=BackgroundTask(hold.release))
     return Response(b"".join(chunks), media_type="application/json")
