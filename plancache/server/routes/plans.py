@@ -121,11 +121,12 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
             raise
     plans = [(head, version.blob_sha256, blobs.get(version.blob_sha256) if key in inline else None)
              for key, (version, head) in found.items()]
-    metrics.observe_resolve(len(found), len(missing), sum(len(blob) for _, _, blob in plans if blob is not None))
+    inline_bytes = sum(len(blob) for _, _, blob in plans if blob is not None)
+    metrics.observe_resolve(len(found), len(missing), inline_bytes)
     chunks = resolve_json(plans, missing, presign or _server_route, reasons)
     if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
         hold = Held(request.app.state.inflight, held)
-        if sum(len(blob) for _, _, blob in plans if blob is not None) <= WHOLE_ANSWER_BLOB_BYTES:
+        if inline_bytes <= WHOLE_ANSWER_BLOB_BYTES:
             return Response(b"".join(chunks), media_type="application/json", background=BackgroundTask(hold.release))
         return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
                                  background=BackgroundTask(hold.release))
