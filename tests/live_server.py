@@ -12,6 +12,10 @@ in-process; :func:`free_port` is also for tests that start ``plancache serve`` i
         srv.stop(); srv.start()              # down and back up on the same port
         srv.requests["/v1/plans/resolve"]    # HTTP requests received, by path
 
+The runner's heap is frozen (:func:`gc.freeze`) while a server runs: the server shares the test process, and a full
+collection of everything the suite's earlier tests left (millions of objects) stalled it for 4 s on a loaded CI
+machine, which says nothing about the server. A server's own objects are still collected.
+
 The helper owns the store (opened and migrated on construction, closed on exit) unless it is given one
 (``store=``, e.g. the ``store`` fixture: any database and blob store), which it leaves open. The store
 survives :meth:`LiveServer.stop`/:meth:`LiveServer.start`; a stopped server refuses connections.
@@ -21,6 +25,7 @@ Extra keyword arguments become :class:`~plancache.settings.Settings` fields.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
@@ -36,6 +41,25 @@ from plancache.server import create_app
 from plancache.server.serving import uvicorn_config
 from plancache.settings import Settings
 from plancache.store import open_store
+
+_running = 0  # live servers started and not stopped: the runner's heap stays frozen while any runs
+_running_lock = threading.Lock()
+
+
+def _server_started() -> None:
+    global _running
+    with _running_lock:
+        _running += 1
+        if _running == 1:
+            gc.freeze()
+
+
+def _server_stopped() -> None:
+    global _running
+    with _running_lock:
+        _running -= 1
+        if _running == 0:
+            gc.unfreeze()
 
 
 def free_port() -> int:
@@ -82,11 +106,13 @@ class LiveServer:
                                 access_log=False, lifespan="on", interface="asgi3", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)  # signal handlers are only installed on the main thread
         self._thread = threading.Thread(target=self._server.run, name=f"live-server-{self.port}", daemon=True)
+        _server_started()
         self._thread.start()
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if not self._thread.is_alive():
                 self._thread = None
+                _server_stopped()
                 raise RuntimeError(f"the server on port {self.port} exited during start-up")
             if self._server.started:
                 try:
@@ -108,6 +134,7 @@ class LiveServer:
             raise RuntimeError(f"the server on port {self.port} did not stop")
         self._thread = None
         self._server = None
+        _server_stopped()
 
     def token(self, role: Role) -> str:
         """A bearer token of ``role`` (created through the store on first use, then reused)."""
