@@ -26,7 +26,8 @@ _lock = threading.Lock()
 
 
 def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: hook.WarmSource | None = None,
-            warm_vary: Mapping[str, Sequence[int]] | None = None, attention: str | None = None) -> PlanCache:
+            warm_vary: Mapping[str, Sequence[int]] | None = None, attention: str | None = None,
+            attention_cpp: bool | None = None) -> PlanCache:
     """Serve every cuDNN FE build of this process from ``cache`` (default ``PlanCache()`` from the
     ``PLANCACHE_*`` settings) and, with ``sdpa_route``, torch's cuDNN attention kernels from its plans.
     ``warm`` (default ``PLANCACHE_WARM``) and ``warm_vary``: a warm start (:func:`plancache.client.hook.install`):
@@ -35,11 +36,15 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     ``sdpa_route``, the route's attention plans are deserialized there too, so a known shape's first call loads
     nothing.
     ``attention`` (default ``PLANCACHE_ATTENTION``, else ``fastest``): what runs each attention configuration, one
-    of :data:`plancache.client.sdpa.CHOICES`. Returns the cache."""
+    of :data:`plancache.client.sdpa.CHOICES`. ``attention_cpp`` (default ``PLANCACHE_ATTENTION_CPP``, else off): the
+    route's steady path in C++ (:func:`plancache.client.sdpa.install`). Returns the cache."""
     from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
     from .settings import ClientSettings
 
-    attention = attention if attention is not None else ClientSettings().attention
+    if attention is None or attention_cpp is None:
+        settings = ClientSettings()
+        attention = settings.attention if attention is None else attention
+        attention_cpp = settings.attention_cpp if attention_cpp is None else attention_cpp
     sdpa.check_choice(attention)  # before anything is installed
     require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
@@ -48,7 +53,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     with _lock:
         hook.install(cache, warm=warm, warm_vary=warm_vary, warm_load=sdpa.SPEC_NAMES.values() if sdpa_route else ())
         if sdpa_route:
-            sdpa.install(cache, attention=attention)
+            sdpa.install(cache, attention=attention, cpp=attention_cpp)
     return cache
 
 

@@ -1,16 +1,19 @@
 """A child process for tests/integration/test_sdpa_route_gpu.py: every attention variant through plancache's route.
 
-    python -m tests.sdpa_route_gpu_child --server URL --token T --trusted DIR --cache DIR --mode strict
+    python -m tests.sdpa_route_gpu_child --server URL --token T --trusted DIR --cache DIR --mode strict [--cpp]
 
 Installs ``plancache.torch`` and runs each variant of ``F.scaled_dot_product_attention`` under the cuDNN backend,
 forward and backward, against a float32 reference; then a CUDA-graph replay against eager, and a block under
 ``torch.compile(fullgraph=True)``. Prints one JSON line: per variant, what the route did (its counters' change:
 ``fwd``, ``bwd``, ``load:<source>``, ``fwd_aten:<reason>``) and the worst normalised error; the client's stats.
+With ``--cpp`` the route's steady path runs in C++, and each variant runs twice: what is reported is the second run,
+the one a configuration handed over at its first is served by.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -182,6 +185,7 @@ def main() -> None:
     parser.add_argument("--cache")
     parser.add_argument("--mode", default="normal")
     parser.add_argument("--attention", default="plan", help="plancache.client.sdpa.CHOICES")
+    parser.add_argument("--cpp", action="store_true", help="the route's steady path in C++; each variant twice")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
 
@@ -189,9 +193,13 @@ def main() -> None:
     from plancache.client import PlanCache, sdpa
 
     cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
-                                              cache_dir=args.cache, mode=args.mode), attention=args.attention)
-    out: dict[str, Any] = {"variants": {}}
+                                              cache_dir=args.cache, mode=args.mode), attention=args.attention,
+                                      attention_cpp=args.cpp)
+    out: dict[str, Any] = {"variants": {}, "cpp_unavailable": sdpa.stats().get("cpp_unavailable", 0)}
     for name in args.variants or VARIANTS:
+        if args.cpp:
+            with contextlib.suppress(Exception):  # the second run says what failed
+                VARIANTS[name]()  # the first run hands its configurations over
         before = sdpa.stats()
         try:
             errors = VARIANTS[name]()

@@ -16,6 +16,11 @@ current stream, and one launch through FE's ordered execute: no graph work and n
 lookup key holds every layout the plan was built for.
 
 Calls that go to torch's own C++ kernel, counted in :func:`stats` by :data:`ATEN_REASONS`: see that table.
+
+With ``install(cpp=True)`` (``PLANCACHE_ATTENTION_CPP``) the steady path runs in C++ (:mod:`~plancache.client.sdpa_ext`,
+``plancache/csrc/sdpa_route.cpp``): kernels registered over these, holding the plans of the configurations run here
+once without an attention bias or dropout; a later call of one is served with no Python at all, and every other
+call comes here. Where the extension cannot be built, the route runs as above and says why once.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class _Executor:
     uids: tuple[int, ...]  # canonical uids, in the order of the call's buffers
     workspace: int
     out_strides: tuple[int, ...]  # the forward's output layout (torch's meta kernel's); () for the backward
+    graph_key: str  # its spec's: the verified blob the C++ steady path loads
     ordered: bool = True  # FE's ordered execute; False once it refused this graph (then by uid mapping)
 
 
@@ -111,12 +117,14 @@ class _Aten:
 class _Route:
     """The installed route: its cache, its device, its prepared executors and the call counters."""
 
-    def __init__(self, cache: PlanCache, lib: Any, choice: str) -> None:
+    def __init__(self, cache: PlanCache, lib: Any, choice: str, ext: Any = None) -> None:
         import torch
 
         self.cache = cache
         self.lib = lib
         self.choice = choice
+        self.ext = ext  # the C++ steady path (sdpa_ext), installed over ``lib``'s kernels; None: Python only
+        self.handed: set[tuple[Any, ...]] = set()  # configurations handed to ``ext`` (or that it refused)
         self.device = cache.context.backend.device
         self.index = self.device.index or 0
         self.executors: dict[tuple[Any, ...], _Executor | _Native | _Aten] = {}
@@ -154,22 +162,43 @@ _lock = threading.Lock()
 _route: _Route | None = None
 
 
-def install(cache: PlanCache, *, attention: str = "fastest") -> None:
+def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool = False) -> None:
     """Serve torch's cuDNN attention kernels from ``cache`` (its device's tensors; others run torch's kernel).
-    ``attention``: what runs a configuration, one of :data:`CHOICES`."""
+    ``attention``: what runs a configuration, one of :data:`CHOICES`. ``cpp``: the steady path in C++, built on
+    first use (see the module docstring); where it cannot be built, a warning says why and Python serves."""
     global _route
     import torch
 
     check_choice(attention)
     with _lock:
         if _route is not None:
-            if _route.cache is cache and _route.choice == attention:
+            if _route.cache is cache and _route.choice == attention and (_route.ext is not None) == cpp:
                 return
             _uninstall_locked()
         lib = torch.library.Library("aten", "IMPL")
         lib.impl(OPS[0], _forward, "CUDA")
         lib.impl(OPS[1], _backward, "CUDA")
-        _route = _Route(cache, lib, attention)
+        ext = _load_ext() if cpp else None
+        if ext is not None:
+            try:
+                ext.install(cache.context.backend.device.index or 0, _forward, _backward)
+            except Exception:
+                lib._destroy()
+                raise
+        _route = _Route(cache, lib, attention, ext)
+        if cpp and ext is None:
+            _route.count("cpp_unavailable")
+
+
+def _load_ext() -> Any:
+    """The C++ steady path's module, or None (logged) where it cannot be built or loaded here."""
+    from . import sdpa_ext
+
+    try:
+        return sdpa_ext.load()
+    except sdpa_ext.ExtensionUnavailable as exc:
+        log.warning("plancache: the attention route runs in Python: its C++ steady path is unavailable: %s", exc)
+        return None
 
 
 def check_choice(attention: str) -> None:
@@ -187,6 +216,8 @@ def uninstall() -> None:
 def _uninstall_locked() -> None:
     global _route
     if _route is not None:
+        if _route.ext is not None:
+            _route.ext.uninstall()  # first: its kernels were registered over the Python ones
         _route.lib._destroy()
         _route = None
 
@@ -196,14 +227,23 @@ def installed() -> bool:
 
 
 def stats() -> dict[str, float]:
-    """Calls served by the route (``fwd``, ``bwd``), plans loaded by source (``load:<source>``), calls run by a
+    """Calls served by the route (``fwd``, ``bwd``; of which by the C++ steady path ``cpp:fwd``, ``cpp:bwd``),
+    plans loaded by source (``load:<source>``), calls run by a
     native kernel chosen as measured faster or pinned (``fwd_native:<kernel>``, ``bwd_native:<kernel>``), calls left
     to torch's kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of
-    configurations spent writing, keying and loading their plans (the waits for a warm start included)."""
+    configurations spent writing, keying and loading their plans (the waits for a warm start included). With the
+    C++ steady path asked for: ``cpp_unavailable`` (1: it could not be built or loaded) and configurations it refused
+    (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them)."""
     route = _route
     if route is None:
         return {}
-    return {**route.counts, "prepare_seconds": route.prepare_seconds}
+    counts: dict[str, float] = {**route.counts, "prepare_seconds": route.prepare_seconds}
+    if route.ext is not None:
+        served = route.ext.counts()
+        for direction in ("fwd", "bwd"):
+            counts[f"cpp:{direction}"] = served[direction]
+            counts[direction] += served[direction]
+    return counts
 
 
 # ------------------------------------------------------------------ the kernels
@@ -269,6 +309,8 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                 buffers += rng
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
+            if route.ext is not None and bias is None and not dropout_p and ckey not in route.handed:
+                _hand(route, ckey, ex, route.ext.add_forward, query, key, value, compute_log_sumexp, is_causal, scale)
             return out, lse, None, None, s, key.shape[2], *rng, None
     if route is not None:
         route.count(f"fwd_aten:{reason}")
@@ -314,6 +356,9 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
                 buffers += (philox_seed, philox_offset)
             _run(route, ex, buffers)
             route.counts["bwd"] += 1
+            if route.ext is not None and bias is None and not dropout_p and ckey not in route.handed:
+                _hand(route, ckey, ex, route.ext.add_backward, query, key, value, out, lse, is_causal, scale,
+                      deterministic)
             return dq, dk, dv
     if route is not None:
         route.count(f"bwd_aten:{reason}")
@@ -348,6 +393,24 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
             ex.ordered = False
             route.count("unordered")
     ex.graph.execute(dict(zip(ex.uids, buffers)), workspace, handle=handle)
+
+
+def _hand(route: _Route, ckey: tuple[Any, ...], ex: _Executor, add: Callable[..., None], *call: Any) -> None:
+    """Hand a configuration run here to the C++ steady path: its plan's bytes (the verified blob the cache admitted;
+    a plan built here, serialized) and the uids of its buffers in call order, keyed there by ``call``, the tensors
+    and flags of this call. Not while a CUDA graph is captured (loading a plan is not capturable: a later eager call
+    hands it). A configuration the extension refuses stays here, logged once."""
+    if _capturing():
+        return
+    route.handed.add(ckey)
+    try:
+        held = route.cache.context.verified.get(ex.graph_key)
+        blob = held[1] if held is not None else bytes(ex.graph.serialize(as_bytes=True))
+        add(*call, blob, list(ex.uids), *([list(ex.out_strides)] if ckey[0] == "fwd" else []))
+    except Exception as exc:  # noqa: BLE001 - the Python route keeps serving it
+        log.warning("plancache: the C++ steady path did not take the attention %s of %s (Python serves it): %s",
+                    ckey[0], _describe(ckey), exc)
+        route.count(f"{ckey[0]}_cpp_refused")
 
 
 def _philox(query: Any, key: Any) -> tuple[Any, Any]:
@@ -603,7 +666,7 @@ def _executor(route: _Route, written: _Written, plan: Any) -> _Executor | _Nativ
         return _Native.of(kernel)
     canonical = written.spec.canonical_uids()
     return _Executor(plan.graph, tuple(canonical[_UID[r]] for r in written.roles), plan.workspace_size,
-                     written.layout)
+                     written.layout, written.spec.graph_key)
 
 
 def _describe(ckey: tuple[Any, ...]) -> str:

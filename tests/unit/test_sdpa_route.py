@@ -30,6 +30,10 @@ class FakeGraph:
     def execute(self, buffers: list[Any], workspace: Any, handle: Any = None, tensor_uids: Any = None) -> None:
         self.runs.append((list(buffers), workspace, handle, tuple(tensor_uids)))
 
+    def serialize(self, as_bytes: bool = False) -> bytes:
+        assert as_bytes
+        return f"plan of graph {id(self)}".encode()
+
 
 class GraphBackend(RecordingBackend):
     """Heuristic builds hold a :class:`FakeGraph`; ``specs`` keeps every spec built."""

@@ -1,0 +1,353 @@
+// plancache's route for torch's cuDNN attention: its steady path in C++ (plancache/client/sdpa_ext.py builds it).
+//
+// The Python route (plancache/client/sdpa.py) prepares each configuration: it writes the configuration's FE graph,
+// keys it as a spec and takes its plan through the PlanCache ladder (verified: digest, signature, environment). It
+// then hands the plan's serialized bytes here (add_forward / add_backward) with the tensors of that call, which
+// key it. A later call of a configuration held here runs with no Python and no graph work: one hash lookup of the
+// configuration (every size, stride, dtype and flag the plan was built for), outputs and workspace from torch's
+// caching allocator on the current stream, one FE execute from a pointer array in the plan's own order. Every
+// other call (a configuration not handed here yet, an attention bias, dropout, a debug mask, a nested batch,
+// another device, an address not 16-byte aligned) calls the Python route's kernel, which decides as before.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cudnn_frontend.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace fe = cudnn_frontend;
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kMaxBuffers = 16;  // a forward binds 5 buffers, a backward 9
+constexpr uintptr_t kAlignment = 16;
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : k) h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
+// A loaded plan of one configuration and how to feed it.
+struct Executor {
+  std::shared_ptr<fe::graph::Graph> graph;
+  std::vector<int> order;            // for each of the plan's variant-pack slots (FE's uid order): the call's buffer
+  int64_t workspace = 0;
+  std::vector<int64_t> out_strides;  // the forward's output layout (torch's meta kernel's); empty for the backward
+};
+
+using Map = std::unordered_map<Key, std::shared_ptr<const Executor>, KeyHash>;
+
+struct State {
+  std::shared_mutex lock;  // readers: every call; writers: add_*, install, uninstall
+  Map forward, backward;
+  py::object py_forward, py_backward;  // the Python route's kernels: every call not served here
+  int device = -1;
+  std::unique_ptr<torch::Library> library;
+  std::atomic<int64_t> served_forward{0}, served_backward{0};
+};
+
+State& state() {
+  static State* s = new State();  // never destroyed: a kernel may run while the interpreter exits
+  return *s;
+}
+
+void push_tensor(Key& k, const at::Tensor& t) {
+  k.push_back(t.dim());
+  for (auto d : t.sizes()) k.push_back(d);
+  for (auto d : t.strides()) k.push_back(d);
+}
+
+int64_t bits(double v) {
+  int64_t out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+void push_flags(Key& k, const at::Tensor& q, bool causal, std::optional<double> scale) {
+  k.push_back(static_cast<int64_t>(q.scalar_type()));
+  k.push_back(causal);
+  k.push_back(scale.has_value());
+  k.push_back(scale.has_value() ? bits(*scale) : 0);
+}
+
+Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
+                std::optional<double> scale) {
+  Key key;
+  key.reserve(48);
+  key.push_back(1);
+  push_tensor(key, q);
+  push_tensor(key, k);
+  push_tensor(key, v);
+  push_flags(key, q, causal, scale);
+  key.push_back(stats);
+  return key;
+}
+
+Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                 const at::Tensor& lse, bool causal, std::optional<double> scale, bool deterministic) {
+  Key key;
+  key.reserve(64);
+  key.push_back(2);
+  push_tensor(key, q);
+  push_tensor(key, k);
+  push_tensor(key, v);
+  push_tensor(key, out);
+  push_tensor(key, lse);
+  push_flags(key, q, causal, scale);
+  key.push_back(deterministic);
+  return key;
+}
+
+// This thread's cuDNN handle on `device`, bound to the thread's current stream there.
+cudnnHandle_t handle_for(int device) {
+  struct Bound {
+    cudnnHandle_t handle = nullptr;
+    cudaStream_t stream = nullptr;
+  };
+  thread_local std::unordered_map<int, Bound> handles;
+  auto& b = handles[device];
+  if (b.handle == nullptr) {
+    c10::cuda::CUDAGuard guard(device);
+    TORCH_CHECK(cudnnCreate(&b.handle) == CUDNN_STATUS_SUCCESS, "plancache: cudnnCreate failed");
+    b.stream = nullptr;
+    TORCH_CHECK(cudnnSetStream(b.handle, nullptr) == CUDNN_STATUS_SUCCESS, "plancache: cudnnSetStream failed");
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  if (stream != b.stream) {
+    TORCH_CHECK(cudnnSetStream(b.handle, stream) == CUDNN_STATUS_SUCCESS, "plancache: cudnnSetStream failed");
+    b.stream = stream;
+  }
+  return b.handle;
+}
+
+std::shared_ptr<const Executor> find(const Map& map, const Key& key) {
+  std::shared_lock<std::shared_mutex> g(state().lock);
+  auto it = map.find(key);
+  return it == map.end() ? nullptr : it->second;
+}
+
+bool aligned(std::initializer_list<const at::Tensor*> ts) {
+  uintptr_t any = 0;
+  for (auto* t : ts) any |= reinterpret_cast<uintptr_t>(t->data_ptr());
+  return any % kAlignment == 0;
+}
+
+void run(const Executor& ex, std::initializer_list<const at::Tensor*> buffers, int device,
+         const at::TensorOptions& options) {
+  void* given[kMaxBuffers];
+  int n = 0;
+  for (auto* t : buffers) given[n++] = t->data_ptr();
+  void* sorted[kMaxBuffers];
+  for (size_t i = 0; i < ex.order.size(); ++i) sorted[i] = given[ex.order[i]];
+  auto workspace = at::empty({std::max<int64_t>(ex.workspace, 1)}, options.dtype(at::kByte));
+  auto status = ex.graph->execute(handle_for(device), sorted, static_cast<int>(ex.order.size()),
+                                  workspace.data_ptr());
+  TORCH_CHECK(status.is_good(), "plancache: FE execute failed: ", status.get_message());
+}
+
+using FwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
+                          at::Tensor, at::Tensor>;
+using BwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+at::Tensor or_undefined(const py::handle& h) { return h.is_none() ? at::Tensor() : h.cast<at::Tensor>(); }
+
+py::object or_none(const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); }
+
+FwdOut python_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& bias, bool stats, double p, bool causal, bool debug,
+                      std::optional<double> scale) {
+  py::gil_scoped_acquire gil;
+  py::object b = bias.has_value() ? py::cast(*bias) : py::none();
+  py::object s = scale.has_value() ? py::cast(*scale) : py::none();
+  py::tuple r = state().py_forward(q, k, v, b, stats, p, causal, debug, py::arg("scale") = s);
+  return {or_undefined(r[0]), or_undefined(r[1]), or_undefined(r[2]), or_undefined(r[3]),
+          c10::SymInt(r[4].cast<int64_t>()), c10::SymInt(r[5].cast<int64_t>()), or_undefined(r[6]),
+          or_undefined(r[7]), or_undefined(r[8])};
+}
+
+// aten::_scaled_dot_product_cudnn_attention's CUDA kernel.
+FwdOut forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
+               bool stats, double p, bool causal, bool debug, std::optional<double> scale) {
+  auto& st = state();
+  if (!bias.has_value() && p == 0.0 && !debug && q.get_device() == st.device && aligned({&q, &k, &v})) {
+    if (auto ex = find(st.forward, forward_key(q, k, v, stats, causal, scale))) {
+      const auto b = q.size(0), h = q.size(1), s = q.size(2);
+      auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
+      auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
+      if (stats) {
+        run(*ex, {&q, &k, &v, &out, &lse}, st.device, q.options());
+      } else {
+        run(*ex, {&q, &k, &v, &out}, st.device, q.options());
+      }
+      st.served_forward.fetch_add(1, std::memory_order_relaxed);
+      // the philox seed and offset, which a call without dropout leaves unread (as torch's kernel returns them)
+      auto seed = at::empty({}, q.options().dtype(at::kLong));
+      auto offset = at::empty({}, q.options().dtype(at::kLong));
+      return {out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
+              at::Tensor()};
+    }
+  }
+  return python_forward(q, k, v, bias, stats, p, causal, debug, scale);
+}
+
+BwdOut python_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& seed,
+                       const at::Tensor& offset, const at::Tensor& bias, const at::Tensor& cum_q,
+                       const at::Tensor& cum_k, c10::SymInt max_q, c10::SymInt max_k, double p, bool causal,
+                       std::optional<double> scale) {
+  py::gil_scoped_acquire gil;
+  py::object s = scale.has_value() ? py::cast(*scale) : py::none();
+  py::tuple r = state().py_backward(dout, q, k, v, out, lse, or_none(seed), or_none(offset), or_none(bias),
+                                    or_none(cum_q), or_none(cum_k), max_q.guard_int(__FILE__, __LINE__),
+                                    max_k.guard_int(__FILE__, __LINE__), p, causal, py::arg("scale") = s);
+  return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
+}
+
+// aten::_scaled_dot_product_cudnn_attention_backward's CUDA kernel.
+BwdOut backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& out, const at::Tensor& logsumexp, const at::Tensor& seed,
+                const at::Tensor& offset, const at::Tensor& bias, const at::Tensor& cum_q, const at::Tensor& cum_k,
+                c10::SymInt max_q, c10::SymInt max_k, double p, bool causal, std::optional<double> scale) {
+  auto& st = state();
+  if (!bias.defined() && p == 0.0 && !cum_q.defined() && q.get_device() == st.device) {
+    const at::Tensor lse = logsumexp.dim() == 4 ? logsumexp : logsumexp.unsqueeze(-1);
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    if (auto ex = find(st.backward, backward_key(q, k, v, out, lse, causal, scale, deterministic))) {
+      at::Tensor d = dout;
+      if (dout.strides() != out.strides()) {  // cuDNN reads dO in O's layout
+        d = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(dout);
+      }
+      if (aligned({&q, &k, &v, &out, &d, &lse})) {
+        auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+        run(*ex, {&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv}, st.device, q.options());
+        st.served_backward.fetch_add(1, std::memory_order_relaxed);
+        return {dq, dk, dv};
+      }
+    }
+  }
+  return python_backward(dout, q, k, v, out, logsumexp, seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal,
+                         scale);
+}
+
+// A plan deserialized (without FE's warm-up run) and checked: the uids it binds are exactly those of the call's
+// buffers, in whatever order.
+std::shared_ptr<const Executor> load(const py::bytes& blob, const std::vector<int64_t>& uids,
+                                     std::vector<int64_t> out_strides) {
+  std::string_view view = blob;
+  std::vector<uint8_t> bytes(view.begin(), view.end());
+  TORCH_CHECK(!uids.empty() && uids.size() <= kMaxBuffers, "plancache: ", uids.size(), " buffers; at most ",
+              kMaxBuffers);
+  auto ex = std::make_shared<Executor>();
+  ex->graph = std::make_shared<fe::graph::Graph>();
+  const int device = state().device;
+  std::vector<int64_t> sorted;
+  {
+    py::gil_scoped_release nogil;
+    c10::cuda::CUDAGuard guard(device);
+    auto status = ex->graph->deserialize(handle_for(device), bytes, false, /*run_warmup=*/false);
+    TORCH_CHECK(status.is_good(), "plancache: FE could not load the plan: ", status.get_message());
+    status = ex->graph->prepare_variant_pack_template();
+    TORCH_CHECK(status.is_good(), "plancache: FE could not prepare the plan's variant pack: ", status.get_message());
+    status = ex->graph->get_workspace_size(ex->workspace);
+    TORCH_CHECK(status.is_good(), "plancache: FE could not tell the plan's workspace: ", status.get_message());
+    sorted = ex->graph->get_variant_pack_uids_sorted();
+  }
+  TORCH_CHECK(sorted.size() == uids.size(), "plancache: the plan binds ", sorted.size(), " tensors; the call has ",
+              uids.size());
+  for (int64_t uid : sorted) {
+    auto it = std::find(uids.begin(), uids.end(), uid);
+    TORCH_CHECK(it != uids.end(), "plancache: the plan binds uid ", uid, ", which no buffer of the call has");
+    ex->order.push_back(static_cast<int>(it - uids.begin()));
+  }
+  ex->out_strides = std::move(out_strides);
+  return ex;
+}
+
+void add(Map& map, Key key, std::shared_ptr<const Executor> ex) {
+  auto& st = state();
+  std::unique_lock<std::shared_mutex> g(st.lock);
+  TORCH_CHECK(st.library, "plancache: the C++ attention route is not installed");
+  map[std::move(key)] = std::move(ex);
+}
+
+}  // namespace
+
+void install(int device, py::object py_forward, py::object py_backward) {
+  auto& st = state();
+  std::unique_lock<std::shared_mutex> g(st.lock);
+  TORCH_CHECK(!st.library, "plancache: the C++ attention route is installed already");
+  st.device = device;
+  st.py_forward = std::move(py_forward);
+  st.py_backward = std::move(py_backward);
+  st.served_forward = 0;
+  st.served_backward = 0;
+  st.library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__,
+                                                __LINE__);
+  st.library->impl("_scaled_dot_product_cudnn_attention", TORCH_FN(forward));
+  st.library->impl("_scaled_dot_product_cudnn_attention_backward", TORCH_FN(backward));
+}
+
+void uninstall() {
+  auto& st = state();
+  std::unique_lock<std::shared_mutex> g(st.lock);
+  st.library.reset();  // the kernels registered before (the Python route's) are the ops' again
+  st.forward.clear();
+  st.backward.clear();
+  st.py_forward = py::object();
+  st.py_backward = py::object();
+}
+
+void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
+                 std::optional<double> scale, const py::bytes& blob, const std::vector<int64_t>& uids,
+                 std::vector<int64_t> out_strides) {
+  TORCH_CHECK(out_strides.size() == 4, "plancache: the forward's output strides have ", out_strides.size(),
+              " entries; expected 4");
+  TORCH_CHECK(uids.size() == (stats ? 5u : 4u), "plancache: a forward binds ", stats ? 5 : 4, " buffers, not ",
+              uids.size());
+  auto ex = load(blob, uids, std::move(out_strides));
+  add(state().forward, forward_key(q, k, v, stats, causal, scale), std::move(ex));
+}
+
+void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                  const at::Tensor& lse, bool causal, std::optional<double> scale, bool deterministic,
+                  const py::bytes& blob, const std::vector<int64_t>& uids) {
+  TORCH_CHECK(uids.size() == 9u, "plancache: a backward binds 9 buffers, not ", uids.size());
+  TORCH_CHECK(lse.dim() == 4, "plancache: the log-sum-exp of a backward is 4-d");
+  auto ex = load(blob, uids, {});
+  add(state().backward, backward_key(q, k, v, out, lse, causal, scale, deterministic), std::move(ex));
+}
+
+py::dict counts() {
+  auto& st = state();
+  std::shared_lock<std::shared_mutex> g(st.lock);
+  py::dict d;
+  d["fwd"] = st.served_forward.load();
+  d["bwd"] = st.served_backward.load();
+  d["fwd_configs"] = st.forward.size();
+  d["bwd_configs"] = st.backward.size();
+  return d;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "plancache's attention route, its steady path (plancache/csrc/sdpa_route.cpp)";
+  m.def("install", &install, "register the two kernels over the Python route's, calling it for what they miss");
+  m.def("uninstall", &uninstall, "unregister them and drop every plan");
+  m.def("add_forward", &add_forward, "hand over a forward configuration's plan, keyed by the call's tensors");
+  m.def("add_backward", &add_backward, "hand over a backward configuration's plan, keyed by the call's tensors");
+  m.def("counts", &counts, "calls served here by direction, and configurations held");
+}

@@ -1,0 +1,263 @@
+"""The attention route's C++ steady path on the CPU: what the Python route hands it (:func:`plancache.client.sdpa._hand`)
+and when, its counters in ``stats()``, install and uninstall, and every way it is unavailable
+(:mod:`plancache.client.sdpa_ext`). The compiled kernels run on the GPU in tests/integration/test_sdpa_route_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
+
+import torch.utils.cpp_extension  # noqa: E402 - before a test empties sys.path: it imports setuptools
+
+import plancache.torch  # noqa: E402
+from plancache.client import PlanCache, sdpa, sdpa_ext  # noqa: E402
+from tests.unit.test_sdpa_route import GraphBackend, forward, fwd_specs, qkv  # noqa: E402
+
+
+class FakeExt:
+    """Stands for the compiled module: records what it is handed; ``refuse`` makes ``add_*`` raise."""
+
+    def __init__(self) -> None:
+        self.installed: tuple[Any, ...] | None = None
+        self.forwards: list[tuple[Any, ...]] = []
+        self.backwards: list[tuple[Any, ...]] = []
+        self.served = {"fwd": 0, "bwd": 0}
+        self.refuse = False
+        self.uninstalled = 0
+
+    def install(self, device: int, py_forward: Any, py_backward: Any) -> None:
+        self.installed = (device, py_forward, py_backward)
+
+    def uninstall(self) -> None:
+        self.uninstalled += 1
+
+    def add_forward(self, *args: Any) -> None:
+        if self.refuse:
+            raise RuntimeError("plancache: the plan binds 6 tensors; the call has 5")
+        self.forwards.append(args)
+
+    def add_backward(self, *args: Any) -> None:
+        if self.refuse:
+            raise RuntimeError("refused")
+        self.backwards.append(args)
+
+    def counts(self) -> dict[str, int]:
+        return {**self.served, "fwd_configs": len(self.forwards), "bwd_configs": len(self.backwards)}
+
+
+@pytest.fixture
+def ext(monkeypatch) -> FakeExt:
+    fake = FakeExt()
+    monkeypatch.setattr(sdpa_ext, "load", lambda **_: fake)
+    return fake
+
+
+@pytest.fixture
+def route(tmp_path, monkeypatch, ext):
+    backend = GraphBackend()
+    cache = PlanCache("", backend=backend, cache_dir=tmp_path, trusted_keys=[])
+    monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
+    aten: list[str] = []
+    monkeypatch.setattr(sdpa, "_aten_forward", lambda *a, **k: aten.append("fwd") or "aten")
+    monkeypatch.setattr(sdpa, "_aten_backward", lambda *a, **k: aten.append("bwd") or "aten")
+    sdpa.install(cache, cpp=True)
+    yield backend, ext, cache
+    sdpa.uninstall()
+
+
+def test_install_registers_the_cpp_kernels_over_the_python_ones_which_serve_what_they_miss(route):
+    _, ext, _ = route
+    device, py_forward, py_backward = ext.installed
+    assert device == 0 and py_forward is sdpa._forward and py_backward is sdpa._backward
+    sdpa.uninstall()
+    assert ext.uninstalled == 1 and not sdpa.installed()
+
+
+def test_a_configuration_run_here_once_is_handed_over_with_its_plan_and_uids_in_call_order(route):
+    backend, ext, _ = route
+    q, k, v = qkv()
+    out = forward(q, k, v, scale=0.25)
+    forward(q, k, v, scale=0.25)  # in the process, the C++ kernel serves this one: here, nothing is handed again
+    (handed,) = ext.forwards
+    hq, hk, hv, stats, causal, scale, blob, uids, out_strides = handed
+    assert (hq, hk, hv) == (q, k, v) and (stats, causal, scale) == (True, True, 0.25)
+    spec = fwd_specs(backend)[0]
+    canonical = spec.canonical_uids()
+    assert uids == [canonical[u] for u in (1, 2, 3, 100, 101)]
+    assert out_strides == list(out[0].stride())
+    assert blob.startswith(b"plan of graph"), "a plan built here: its graph serialized"
+
+
+def test_a_served_plan_is_handed_over_as_the_verified_blob_the_cache_admitted(route):
+    backend, ext, cache = route
+    q, k, v = qkv()
+    forward(q, k, v)
+    key = fwd_specs(backend)[0].graph_key
+    cache.context.verified[key] = ("record", b"verified bytes")
+    forward(q, k, v, causal=False)  # another configuration: handed now
+    forward(q, k, v)
+    assert len(ext.forwards) == 2
+    key2 = fwd_specs(backend)[1].graph_key
+    cache.context.verified[key2] = ("record", b"verified bytes")
+    sdpa._route.handed.clear()
+    forward(q, k, v, causal=False)
+    assert ext.forwards[-1][6] == b"verified bytes"
+
+
+def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setting(route):
+    backend, ext, _ = route
+    q, k, v = qkv()
+    o, lse = forward(q, k, v)[:2]
+    sdpa._backward(torch.randn_like(o), q, k, v, o, lse.squeeze(-1), None, None, None, None, None, 64, 64, 0.0,
+                   True)
+    (handed,) = ext.backwards
+    assert len(handed) == 10
+    hq, hk, hv, ho, hlse, causal, scale, deterministic, blob, uids = handed
+    assert ho is o and hlse.shape == (2, 4, 64, 1) and (causal, scale, deterministic) == (True, None, False)
+    canonical = backend.specs[-1].canonical_uids()
+    assert uids == [canonical[u] for u in (1, 2, 3, 100, 200, 101, 201, 202, 203)]
+
+
+@pytest.mark.parametrize("variant", ["bias", "dropout"])
+def test_bias_and_dropout_configurations_stay_in_python(route, variant, monkeypatch):
+    _, ext, _ = route
+    q, k, v = qkv()
+    if variant == "bias":
+        forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16))
+    else:
+        monkeypatch.setattr(sdpa, "_philox", lambda q, k: (torch.zeros((), dtype=torch.long),) * 2)
+        forward(q, k, v, dropout=0.1)
+    assert ext.forwards == [] and sdpa.stats()["fwd"] == 1
+
+
+def test_nothing_is_handed_over_while_a_cuda_graph_is_captured_and_a_later_eager_call_hands_it(route, monkeypatch):
+    _, ext, _ = route
+    q, k, v = qkv()
+    forward(q, k, v)  # prepared and handed eagerly
+    q2, k2, v2 = qkv(s=128)
+    forward(q2, k2, v2)
+    sdpa._route.handed.clear()
+    ext.forwards.clear()
+    monkeypatch.setattr(sdpa, "_capturing", lambda: True)
+    forward(q2, k2, v2)  # prepared before: runs here under capture, and loading a plan is not capturable
+    assert ext.forwards == []
+    monkeypatch.setattr(sdpa, "_capturing", lambda: False)
+    forward(q2, k2, v2)
+    assert len(ext.forwards) == 1
+
+
+def test_a_configuration_the_extension_refuses_stays_in_python_logged_once(route, caplog):
+    _, ext, _ = route
+    ext.refuse = True
+    q, k, v = qkv()
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        forward(q, k, v)
+        forward(q, k, v)
+    assert sdpa.stats()["fwd"] == 2 and sdpa.stats()["fwd_cpp_refused"] == 1
+    assert sum("did not take the attention fwd" in r.message for r in caplog.records) == 1
+    assert "binds 6 tensors" in caplog.text
+
+
+def test_stats_count_the_calls_the_cpp_kernels_served_with_the_routes(route):
+    _, ext, _ = route
+    q, k, v = qkv()
+    forward(q, k, v)
+    ext.served.update(fwd=7, bwd=3)
+    stats = sdpa.stats()
+    assert stats["fwd"] == 8 and stats["cpp:fwd"] == 7 and stats["bwd"] == 3 and stats["cpp:bwd"] == 3
+
+
+def test_where_the_extension_is_unavailable_python_serves_and_says_why(tmp_path, monkeypatch, caplog):
+    def unavailable(**_: Any) -> Any:
+        raise sdpa_ext.ExtensionUnavailable("cuDNN FE's C++ headers not found")
+
+    monkeypatch.setattr(sdpa_ext, "load", unavailable)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        sdpa.install(cache, cpp=True)
+    try:
+        assert sdpa.installed() and sdpa._route.ext is None and sdpa.stats()["cpp_unavailable"] == 1
+        assert "C++ steady path is unavailable: cuDNN FE's C++ headers not found" in caplog.text
+    finally:
+        sdpa.uninstall()
+
+
+def test_the_setting_turns_the_cpp_path_on_and_a_changed_choice_reinstalls(tmp_path, monkeypatch, ext):
+    monkeypatch.setenv("PLANCACHE_ATTENTION_CPP", "1")
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    plancache.torch.install(cache)
+    try:
+        assert sdpa._route.ext is ext and ext.installed is not None
+        sdpa.install(cache, attention="fastest", cpp=False)
+        assert sdpa._route.ext is None and ext.uninstalled == 1
+    finally:
+        plancache.torch.uninstall()
+
+
+def test_an_extension_that_fails_to_install_leaves_no_kernel_registered(tmp_path, monkeypatch, ext):
+    def broken(*_: Any) -> None:
+        raise RuntimeError("plancache: the C++ attention route is installed already")
+
+    monkeypatch.setattr(ext, "install", broken)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    with pytest.raises(RuntimeError, match="installed already"):
+        sdpa.install(cache, cpp=True)
+    assert not sdpa.installed()
+    sdpa.install(cache)  # the Python kernels register again: the failed install left none behind
+    sdpa.uninstall()
+
+
+# ------------------------------------------------------------------ finding and building the extension
+
+
+def test_a_torch_without_cuda_cannot_build_it(monkeypatch):
+    monkeypatch.setattr(sdpa_ext, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match="a build without CUDA"):
+        sdpa_ext.load()
+
+
+def test_missing_headers_are_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match=r"cuDNN FE's C\+\+ headers .*not found"):
+        sdpa_ext.build_options()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cudnn_frontend.h").write_text("")
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match="cuDNN's headers"):
+        sdpa_ext.build_options()
+
+
+def test_build_options_take_fe_cudnn_and_cuda_from_wheels_and_link_torchs_cuda_libraries(monkeypatch, tmp_path):
+    for rel in ("include/cudnn_frontend.h", "nvidia/cudnn/include/cudnn.h", "nvidia/cudnn/lib/libcudnn.so.9",
+                "nvidia/cu13/include/cuda_runtime_api.h", "nvidia/cu13/include/crt/host_defines.h",
+                "nvidia/cu13/include/nvrtc.h"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
+    monkeypatch.setattr(sdpa_ext, "SYSTEM_CUDA_INCLUDE", str(tmp_path / "no-toolkit"))
+    options = sdpa_ext.build_options()
+    assert options["extra_include_paths"] == [str(tmp_path / "include"), str(tmp_path / "nvidia/cudnn/include"),
+                                              str(tmp_path / "nvidia/cu13/include")]
+    lib = tmp_path / "nvidia/cudnn/lib"
+    assert options["extra_ldflags"] == [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}", "-lc10_cuda",
+                                        "-ltorch_cuda"]
+
+
+def test_the_source_ships_in_the_package():
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["plancache"]
+    relative = sdpa_ext.SOURCE.relative_to(root / "plancache").as_posix()
+    assert sdpa_ext.SOURCE.is_file() and any(fnmatch(relative, p) for p in patterns)
