@@ -46,7 +46,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import ForkedProcess, PlanCacheError, PlanMiss
 from .backend import Backend
@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # imported by the first PlanCache made, not with this module 
     import httpx
 
     from ..environment import Environment
+    from ..protocol import PlanRecord
     from ..settings import ClientSettings
     from ..signing import TrustedKeys
     from ..spec import GraphSpec
@@ -71,6 +72,15 @@ SpecLike = Any
 #: Seconds :meth:`PlanCache.close` gives the revalidation under way to end (a server that answers does so in
 #: milliseconds), and then, its request abandoned, to write what it has.
 CLOSE_GRACE_SECONDS, CLOSE_WAIT_SECONDS = 1.0, 0.5
+
+
+class VerifiedBlob(NamedTuple):
+    """A plan's verified blob, kept by the cache (:meth:`PlanCache.verified_blobs`): its record, its bytes, and
+    the step it came from (``memory`` when kept from before)."""
+
+    record: PlanRecord
+    blob: bytes
+    source: str
 
 
 @dataclass(frozen=True)
@@ -327,6 +337,43 @@ class PlanCache:
         if batch:
             self._load_many(batch, frozenset({Builds.NOTHING}))
         return [key for key in wanted if key in c.verified or key in c.memory]
+
+    def verified_blobs(self, specs: Iterable[SpecLike]) -> dict[str, VerifiedBlob]:
+        """The verified blobs of ``specs``, for a caller that loads plans itself (the attention route's C++ steady
+        path): fetched as :meth:`warm` fetches them (nothing built, never :class:`PlanMiss`), or kept from before and
+        verified again now (a withdrawal or a newer revision since refuses it), by graph key; a spec without one is
+        left out. The caller counts its loading time with :meth:`count_load`."""
+        from ..errors import VerificationError
+        from ..spec import graph_key, parse_spec
+
+        c = self.context
+        wanted = {graph_key(s): s for s in map(parse_spec, specs)}
+        batch = [Pending(key, spec, None, warm=True) for key, spec in wanted.items() if key not in c.verified]
+        sources = {}
+        if batch:
+            for p, result in zip(batch, self._load_many(batch, frozenset({Builds.NOTHING}))):
+                if isinstance(result, Plan):
+                    sources[p.key] = result.source
+        found = {}
+        for key in wanted:
+            held = c.verified.get(key)
+            if held is None:
+                continue
+            if key not in sources:
+                try:
+                    c.verify(*held, key)
+                except VerificationError as exc:
+                    c.verified.pop(key, None)
+                    c.count("rejects", exc.reason)
+                    log.warning("plancache: the kept plan %s is refused now (%s): %s", key[:12], exc.reason, exc.message)
+                    continue
+            found[key] = VerifiedBlob(*held, sources.get(key, StepName.MEMORY.value))
+        return found
+
+    def count_load(self, seconds: float) -> None:
+        """Count ``seconds`` a caller spent deserializing blobs of :meth:`verified_blobs` (``stats().deserialize_seconds``)."""
+        with self.context.lock:
+            self.context.stats.deserialize_seconds += seconds
 
     def serve(self, graph: Any, spec: GraphSpec, *, max_workspace: int | None = None) -> Plan | None:
         """A tuned plan loaded into the caller's ``graph`` part-way through FE's build pipeline (validated, its

@@ -108,6 +108,15 @@ class _Native:
 
 
 @dataclass(frozen=True, slots=True)
+class _Held:
+    """A configuration whose plan the C++ steady path holds: it serves the calls, and this route meets only the
+    first one (which it hands there too)."""
+
+
+_HELD = _Held()
+
+
+@dataclass(frozen=True, slots=True)
 class _Aten:
     """A configuration left to torch's kernel, and why (an :data:`ATEN_REASONS` key)."""
 
@@ -127,7 +136,7 @@ class _Route:
         self.handed: set[tuple[Any, ...]] = set()  # configurations handed to ``ext`` (or that it refused)
         self.device = cache.context.backend.device
         self.index = self.device.index or 0
-        self.executors: dict[tuple[Any, ...], _Executor | _Native | _Aten] = {}
+        self.executors: dict[tuple[Any, ...], _Executor | _Native | _Held | _Aten] = {}
         self.counts: dict[str, int] = {"fwd": 0, "bwd": 0}
         self.prepare_seconds = 0.0  # first calls of configurations: writing, keying and loading their plans
         self.prepare_lock = threading.Lock()
@@ -279,7 +288,9 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             ex = _prepare(route, _Config(ckey, _flash_takes(query, key, value, bias) and not dropout_p,
                                          lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal,
                                                                 scale, dropout_p),
-                                         _inner_strided(query, key, value, bias)),
+                                         _inner_strided(query, key, value, bias),
+                                         (query, key, value, compute_log_sumexp, is_causal, scale)
+                                         if bias is None and not dropout_p else None),
                           _backward_ahead(query, key, value, bias, is_causal, scale, dropout_p)
                           if compute_log_sumexp else None)
         if isinstance(ex, _Aten):
@@ -290,6 +301,11 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             out, lse = ex.forward(query, key, value, bias, is_causal, scale)
             route.count(f"fwd_native:{ex.kernel}")
             return out, lse, None, None, query.shape[2], key.shape[2], *_unused_rng(query), None
+        elif isinstance(ex, _Held):
+            served = route.ext.serve_forward(query, key, value, compute_log_sumexp, is_causal, scale)
+            if served is not None:
+                return served
+            reason = _lost(ckey)
         else:
             import torch
 
@@ -310,7 +326,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
             if route.ext is not None and bias is None and not dropout_p and ckey not in route.handed:
-                _hand(route, ckey, ex, route.ext.add_forward, query, key, value, compute_log_sumexp, is_causal, scale)
+                _hand(route, ckey, (query, key, value, compute_log_sumexp, is_causal, scale), ex)
             return out, lse, None, None, s, key.shape[2], *rng, None
     if route is not None:
         route.count(f"fwd_aten:{reason}")
@@ -347,6 +363,11 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
         elif isinstance(ex, _Native):
             route.count(f"bwd_native:{ex.kernel}")
             return ex.backward(grad_out, query, key, value, out, lse, bias, is_causal, scale)
+        elif isinstance(ex, _Held):
+            served = route.ext.serve_backward(grad_out, query, key, value, out, lse, is_causal, scale)
+            if served is not None:
+                return served
+            reason = _lost(ckey)
         else:
             dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
             buffers = [query.detach(), key.detach(), value.detach(), out.detach(), grad_out.detach(), lse, dq, dk, dv]
@@ -357,8 +378,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
             _run(route, ex, buffers)
             route.counts["bwd"] += 1
             if route.ext is not None and bias is None and not dropout_p and ckey not in route.handed:
-                _hand(route, ckey, ex, route.ext.add_backward, query, key, value, out, lse, is_causal, scale,
-                      deterministic)
+                _hand(route, ckey, (query, key, value, out, lse, is_causal, scale, deterministic), ex)
             return dq, dk, dv
     if route is not None:
         route.count(f"bwd_aten:{reason}")
@@ -395,22 +415,46 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
     ex.graph.execute(dict(zip(ex.uids, buffers)), workspace, handle=handle)
 
 
-def _hand(route: _Route, ckey: tuple[Any, ...], ex: _Executor, add: Callable[..., None], *call: Any) -> None:
-    """Hand a configuration run here to the C++ steady path: its plan's bytes (the verified blob the cache admitted;
-    a plan built here, serialized) and the uids of its buffers in call order, keyed there by ``call``, the tensors
-    and flags of this call. Not while a CUDA graph is captured (loading a plan is not capturable: a later eager call
-    hands it). A configuration the extension refuses stays here, logged once."""
+def _hand(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], ex: _Executor) -> None:
+    """Hand a configuration this route ran to the C++ steady path (:func:`_give`): its plan as the verified blob the
+    cache admitted, or a plan built here serialized. Not while a CUDA graph is captured (loading a plan is not
+    capturable): a later eager call hands it."""
     if _capturing():
         return
+    held = route.cache.context.verified.get(ex.graph_key)
+    blob = held[1] if held is not None else bytes(ex.graph.serialize(as_bytes=True))
+    _give(route, ckey, call, blob, ex.uids, ex.out_strides)
+
+
+def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], blob: bytes, uids: tuple[int, ...],
+          layout: tuple[int, ...]) -> bool:
+    """The C++ steady path loads ``blob`` for the configuration ``ckey``, keyed there by ``call`` (the call's tensors
+    and flags; a backward written ahead: meta tensors of its O and log-sum-exp), its buffers bound by ``uids`` in
+    call order. False when it refuses it (logged and counted once; this route keeps serving it). Its loading time
+    counts in the cache's ``deserialize_seconds``."""
     route.handed.add(ckey)
+    t0 = time.perf_counter()
     try:
-        held = route.cache.context.verified.get(ex.graph_key)
-        blob = held[1] if held is not None else bytes(ex.graph.serialize(as_bytes=True))
-        add(*call, blob, list(ex.uids), *([list(ex.out_strides)] if ckey[0] == "fwd" else []))
-    except Exception as exc:  # noqa: BLE001 - the Python route keeps serving it
+        if ckey[0] == "fwd":
+            route.ext.add_forward(*call, blob, list(uids), list(layout))
+        else:
+            route.ext.add_backward(*call, blob, list(uids))
+    except Exception as exc:  # noqa: BLE001 - this route keeps serving it
         log.warning("plancache: the C++ steady path did not take the attention %s of %s (Python serves it): %s",
                     ckey[0], _describe(ckey), exc)
         route.count(f"{ckey[0]}_cpp_refused")
+        return False
+    finally:
+        route.cache.count_load(time.perf_counter() - t0)
+    return True
+
+
+def _lost(ckey: tuple[Any, ...]) -> str:
+    """The :data:`ATEN_REASONS` key of a held configuration the C++ steady path did not serve (it keeps what it is
+    given until uninstalled, so this is a defect): torch's kernel runs the call, logged."""
+    log.error("plancache: the C++ steady path lost the attention %s of %s; torch's kernel runs it", ckey[0],
+              _describe(ckey))
+    return "unsupported"
 
 
 def _philox(query: Any, key: Any) -> tuple[Any, Any]:
@@ -506,6 +550,9 @@ class _Config:
     flash: bool
     write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]
     strided: bool = False  # an input's innermost stride is not 1: torch's kernel runs it ("layout")
+    #: The C++ steady path's key of it: the tensors and flags ``add_forward`` / ``add_backward`` take; None where
+    #: that path does not serve it (an attention bias, dropout).
+    cpp_call: tuple[Any, ...] | None = None
 
     @property
     def dropout_p(self) -> float:
@@ -530,7 +577,9 @@ def _backward_config(ckey: tuple[Any, ...], query: Any, key: Any, value: Any, ou
     return _Config(ckey, _flash_takes(query, key, value, bias) and not deterministic and not dropout_p,
                    lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic,
                                            dropout_p),
-                   _inner_strided(query, key, value, out, lse, bias))
+                   _inner_strided(query, key, value, out, lse, bias),
+                   (query, key, value, out, lse, is_causal, scale, deterministic)
+                   if bias is None and not dropout_p else None)
 
 
 def _backward_ahead(query: Any, key: Any, value: Any, bias: Any, is_causal: bool, scale: float | None,
@@ -561,7 +610,7 @@ class _Written:
     layout: tuple[int, ...]
 
 
-def _prepare(route: _Route, config: _Config, ahead: _Config | None = None) -> _Executor | _Native | _Aten:
+def _prepare(route: _Route, config: _Config, ahead: _Config | None = None) -> _Executor | _Native | _Held | _Aten:
     """The executor of a configuration seen for the first time: its plan from the cache (``PlanMiss`` in strict
     and replay-only mode) or the native kernel :func:`_pick` names, or torch's kernel where FE cannot take it.
     ``ahead``: the backward a training forward will need, whose plan is asked for in the same round trip and
@@ -575,7 +624,7 @@ def _prepare(route: _Route, config: _Config, ahead: _Config | None = None) -> _E
         route.prepare_seconds += time.perf_counter() - t0
 
 
-def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | _Native | _Aten:
+def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | _Native | _Held | _Aten:
     hook._await_warm()  # a warm start under way holds this process's plans: load from it, not the server again
     with route.prepare_lock:
         ckey = config.ckey
@@ -595,6 +644,15 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
                 written = _write(config)
                 also = _write_ahead(route, ahead)
+                taken = _load_cpp(route, [w for w in (written, also) if w is not None])
+                if also is not None and also.config.ckey in taken:
+                    route.executors[also.config.ckey] = taken[also.config.ckey]
+                    also = None
+                if ckey in taken:
+                    ex = route.executors[ckey] = taken[ckey]
+                    if also is not None:
+                        _load_ahead(route, also, None)
+                    return ex
                 if also is not None:
                     fetched = _fetch(route, [written.spec, also.spec])
                 plan = fetched.get(written.spec.graph_key) or route.cache.plan(written.spec)
@@ -632,6 +690,35 @@ def _write_ahead(route: _Route, ahead: _Config | None) -> _Written | None:
         return None
 
 
+def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _Held | _Native]:
+    """The configurations of ``written`` the C++ steady path takes from verified blobs, by key: their plans asked
+    for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one round trip to the server for those it is
+    asked for) and loaded there only, never into a Python graph; or the native kernel a record measured faster.
+    The others (no C++ path, a bias or dropout, no verified plan, a plan it refuses) load here as before."""
+    eligible = [w for w in written if route.ext is not None and w.config.cpp_call is not None]
+    if not eligible:
+        return {}
+    try:
+        blobs = route.cache.verified_blobs([w.spec for w in eligible])
+    except Exception as exc:  # noqa: BLE001 - the ladder's own calls meet it again, and raise it
+        log.debug("plancache: attention plans asked for the C++ steady path: %s", exc)
+        return {}
+    taken: dict[tuple[Any, ...], _Held | _Native] = {}
+    for w in eligible:
+        held, call = blobs.get(w.spec.graph_key), w.config.cpp_call
+        if held is None or call is None:
+            continue
+        ckey = w.config.ckey
+        if (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
+            taken[ckey] = _Native.of(kernel)
+        elif _give(route, ckey, call, held.blob, _uids(w), w.layout):
+            taken[ckey] = _HELD
+        else:
+            continue
+        route.count(f"load:{held.source}")
+    return taken
+
+
 def _fetch(route: _Route, specs: list[Any]) -> dict[str, Any]:
     """The plans of ``specs`` asked for together (one round trip to the server for those it is asked for), by graph
     key: each counted once in ``stats().hits``, by where it came from. What is missing or fails is met again, and
@@ -664,9 +751,13 @@ def _executor(route: _Route, written: _Written, plan: Any) -> _Executor | _Nativ
     config = written.config
     if not config.dropout_p and (kernel := _pick(route.choice, plan.record, config.flash)) != "plan":
         return _Native.of(kernel)
+    return _Executor(plan.graph, _uids(written), plan.workspace_size, written.layout, written.spec.graph_key)
+
+
+def _uids(written: _Written) -> tuple[int, ...]:
+    """The canonical uids of a written configuration's buffers, in call order."""
     canonical = written.spec.canonical_uids()
-    return _Executor(plan.graph, tuple(canonical[_UID[r]] for r in written.roles), plan.workspace_size,
-                     written.layout, written.spec.graph_key)
+    return tuple(canonical[_UID[r]] for r in written.roles)
 
 
 def _describe(ckey: tuple[Any, ...]) -> str:

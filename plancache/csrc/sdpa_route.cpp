@@ -180,27 +180,34 @@ FwdOut python_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           or_undefined(r[7]), or_undefined(r[8])};
 }
 
+// A forward without bias, dropout or debug mask whose configuration is held here, run; else nothing.
+std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats,
+                                    bool causal, std::optional<double> scale) {
+  auto& st = state();
+  if (q.get_device() != st.device || !aligned({&q, &k, &v})) return std::nullopt;
+  auto ex = find(st.forward, forward_key(q, k, v, stats, causal, scale));
+  if (!ex) return std::nullopt;
+  const auto b = q.size(0), h = q.size(1), s = q.size(2);
+  auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
+  auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
+  if (stats) {
+    run(*ex, {&q, &k, &v, &out, &lse}, st.device, q.options());
+  } else {
+    run(*ex, {&q, &k, &v, &out}, st.device, q.options());
+  }
+  st.served_forward.fetch_add(1, std::memory_order_relaxed);
+  // the philox seed and offset, which a call without dropout leaves unread (as torch's kernel returns them)
+  auto seed = at::empty({}, q.options().dtype(at::kLong));
+  auto offset = at::empty({}, q.options().dtype(at::kLong));
+  return FwdOut{out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
+                at::Tensor()};
+}
+
 // aten::_scaled_dot_product_cudnn_attention's CUDA kernel.
 FwdOut forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
                bool stats, double p, bool causal, bool debug, std::optional<double> scale) {
-  auto& st = state();
-  if (!bias.has_value() && p == 0.0 && !debug && q.get_device() == st.device && aligned({&q, &k, &v})) {
-    if (auto ex = find(st.forward, forward_key(q, k, v, stats, causal, scale))) {
-      const auto b = q.size(0), h = q.size(1), s = q.size(2);
-      auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
-      auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
-      if (stats) {
-        run(*ex, {&q, &k, &v, &out, &lse}, st.device, q.options());
-      } else {
-        run(*ex, {&q, &k, &v, &out}, st.device, q.options());
-      }
-      st.served_forward.fetch_add(1, std::memory_order_relaxed);
-      // the philox seed and offset, which a call without dropout leaves unread (as torch's kernel returns them)
-      auto seed = at::empty({}, q.options().dtype(at::kLong));
-      auto offset = at::empty({}, q.options().dtype(at::kLong));
-      return {out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
-              at::Tensor()};
-    }
+  if (!bias.has_value() && p == 0.0 && !debug) {
+    if (auto served = serve_forward(q, k, v, stats, causal, scale)) return *std::move(served);
   }
   return python_forward(q, k, v, bias, stats, p, causal, debug, scale);
 }
@@ -218,27 +225,34 @@ BwdOut python_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
   return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
 }
 
+// A backward without bias, dropout or nested batch whose configuration is held here, run; else nothing.
+std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& logsumexp,
+                                     bool causal, std::optional<double> scale) {
+  auto& st = state();
+  if (q.get_device() != st.device) return std::nullopt;
+  const at::Tensor lse = logsumexp.dim() == 4 ? logsumexp : logsumexp.unsqueeze(-1);
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  auto ex = find(st.backward, backward_key(q, k, v, out, lse, causal, scale, deterministic));
+  if (!ex) return std::nullopt;
+  at::Tensor d = dout;
+  if (dout.strides() != out.strides()) {  // cuDNN reads dO in O's layout
+    d = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(dout);
+  }
+  if (!aligned({&q, &k, &v, &out, &d, &lse})) return std::nullopt;
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  run(*ex, {&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv}, st.device, q.options());
+  st.served_backward.fetch_add(1, std::memory_order_relaxed);
+  return BwdOut{dq, dk, dv};
+}
+
 // aten::_scaled_dot_product_cudnn_attention_backward's CUDA kernel.
 BwdOut backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& out, const at::Tensor& logsumexp, const at::Tensor& seed,
                 const at::Tensor& offset, const at::Tensor& bias, const at::Tensor& cum_q, const at::Tensor& cum_k,
                 c10::SymInt max_q, c10::SymInt max_k, double p, bool causal, std::optional<double> scale) {
-  auto& st = state();
-  if (!bias.defined() && p == 0.0 && !cum_q.defined() && q.get_device() == st.device) {
-    const at::Tensor lse = logsumexp.dim() == 4 ? logsumexp : logsumexp.unsqueeze(-1);
-    const bool deterministic = at::globalContext().deterministicAlgorithms();
-    if (auto ex = find(st.backward, backward_key(q, k, v, out, lse, causal, scale, deterministic))) {
-      at::Tensor d = dout;
-      if (dout.strides() != out.strides()) {  // cuDNN reads dO in O's layout
-        d = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(dout);
-      }
-      if (aligned({&q, &k, &v, &out, &d, &lse})) {
-        auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-        run(*ex, {&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv}, st.device, q.options());
-        st.served_backward.fetch_add(1, std::memory_order_relaxed);
-        return {dq, dk, dv};
-      }
-    }
+  if (!bias.defined() && p == 0.0 && !cum_q.defined()) {
+    if (auto served = serve_backward(dout, q, k, v, out, logsumexp, causal, scale)) return *std::move(served);
   }
   return python_backward(dout, q, k, v, out, logsumexp, seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal,
                          scale);
@@ -332,6 +346,24 @@ void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   add(state().backward, backward_key(q, k, v, out, lse, causal, scale, deterministic), std::move(ex));
 }
 
+// serve_forward / serve_backward for the Python route: a tuple of the kernel's outputs, or None.
+py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
+                            std::optional<double> scale) {
+  auto served = serve_forward(q, k, v, stats, causal, scale);
+  if (!served) return py::none();
+  auto& [out, lse, cum_q, cum_k, max_q, max_k, seed, offset, mask] = *served;
+  return py::make_tuple(out, lse, py::none(), py::none(), max_q.guard_int(__FILE__, __LINE__),
+                        max_k.guard_int(__FILE__, __LINE__), seed, offset, py::none());
+}
+
+py::object py_serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& lse, bool causal, std::optional<double> scale) {
+  auto served = serve_backward(dout, q, k, v, out, lse, causal, scale);
+  if (!served) return py::none();
+  auto& [dq, dk, dv] = *served;
+  return py::make_tuple(dq, dk, dv);
+}
+
 py::dict counts() {
   auto& st = state();
   std::shared_lock<std::shared_mutex> g(st.lock);
@@ -350,4 +382,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_forward", &add_forward, "hand over a forward configuration's plan, keyed by the call's tensors");
   m.def("add_backward", &add_backward, "hand over a backward configuration's plan, keyed by the call's tensors");
   m.def("counts", &counts, "calls served here by direction, and configurations held");
+  m.def("serve_forward", &py_serve_forward, "a held forward configuration run: the kernel's outputs, or None");
+  m.def("serve_backward", &py_serve_backward, "a held backward configuration run: (dq, dk, dv), or None");
 }

@@ -392,3 +392,34 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
     plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
     plancache.torch.uninstall()
     assert started == [{"torch fwd attention", "torch bwd attention"} if route else set()]
+
+
+def test_verified_blobs_are_fetched_together_loaded_nowhere_and_say_where_they_came_from(srv, tmp_path, signer):
+    """What the attention route's C++ steady path loads itself: one round trip for the specs it asks for, nothing
+    deserialized by the cache, each blob with its record and its source (``memory`` once kept); a spec the server
+    lacks is left out, never built."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs[:2])
+    cache = make_cache(srv, tmp_path, signer)
+    found = cache.verified_blobs(specs)
+    assert list(found) == [s.graph_key for s in specs[:2]] and srv.requests[RESOLVE] == 1
+    assert [(f.blob, f.source, f.record.graph_key) for f in found.values()] == [
+        (blob_of(s), "server", s.graph_key) for s in specs[:2]]
+    assert loaded(cache) == [] and cache.stats().hits == {"server": 2}
+    again = cache.verified_blobs(specs[:2])
+    assert [f.source for f in again.values()] == ["memory", "memory"] and srv.requests[RESOLVE] == 1
+    cache.count_load(0.25)
+    assert cache.stats().deserialize_seconds == 0.25
+
+
+def test_a_kept_blob_is_verified_again_and_refused_once_a_newer_revision_was_accepted(srv, tmp_path, signer, caplog):
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    cache.verified_blobs(specs)
+    stale = specs[0].graph_key
+    cache.context.disk.accept_revision(stale, cache.context.verified[stale][0].revision + 1)  # a withdrawal, say
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        found = cache.verified_blobs(specs)
+    assert stale not in found and len(found) == 2 and stale not in cache.context.verified
+    assert cache.stats().rejects == {"revision": 1} and "is refused now (revision)" in caplog.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -17,7 +18,10 @@ import torch.utils.cpp_extension  # noqa: E402 - before a test empties sys.path:
 
 import plancache.torch  # noqa: E402
 from plancache.client import PlanCache, sdpa, sdpa_ext  # noqa: E402
+from plancache.client.core import VerifiedBlob  # noqa: E402
 from tests.unit.test_sdpa_route import GraphBackend, forward, fwd_specs, qkv  # noqa: E402
+
+RECORD = types.SimpleNamespace(winner_median_ms=1.0, native_median_ms={"flash": 0.99, "cudnn_aten": 0.99})
 
 
 class FakeExt:
@@ -29,6 +33,7 @@ class FakeExt:
         self.backwards: list[tuple[Any, ...]] = []
         self.served = {"fwd": 0, "bwd": 0}
         self.refuse = False
+        self.lose = False  # serve_forward finds nothing (a defect the route survives)
         self.uninstalled = 0
 
     def install(self, device: int, py_forward: Any, py_backward: Any) -> None:
@@ -49,6 +54,16 @@ class FakeExt:
 
     def counts(self) -> dict[str, int]:
         return {**self.served, "fwd_configs": len(self.forwards), "bwd_configs": len(self.backwards)}
+
+    def serve_forward(self, *call: Any) -> Any:
+        if self.lose:
+            return None
+        self.served["fwd"] += 1
+        return ("served forward", call)
+
+    def serve_backward(self, *call: Any) -> Any:
+        self.served["bwd"] += 1
+        return ("served backward", call)
 
 
 @pytest.fixture
@@ -261,3 +276,90 @@ def test_the_source_ships_in_the_package():
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["plancache"]
     relative = sdpa_ext.SOURCE.relative_to(root / "plancache").as_posix()
     assert sdpa_ext.SOURCE.is_file() and any(fnmatch(relative, p) for p in patterns)
+
+
+# ------------------------------------------------------------------ plans the cache verified: loaded in C++ only
+
+
+@pytest.fixture
+def served(route, monkeypatch):
+    """The route's cache answers every spec with a verified blob from the server (``asked`` records each call)."""
+    backend, ext, cache = route
+    asked: list[list[str]] = []
+
+    def verified_blobs(specs):
+        keys = [s.graph_key for s in specs]
+        asked.append(keys)
+        return {k: VerifiedBlob(RECORD, f"blob {k}".encode(), "server") for k in keys}
+
+    monkeypatch.setattr(cache, "verified_blobs", verified_blobs)
+    return backend, ext, cache, asked
+
+
+def test_a_verified_plan_is_loaded_in_cpp_only_and_serves_the_first_call_there(served):
+    backend, ext, cache, asked = served
+    q, k, v = qkv()
+    out = forward(q, k, v, lse=False)
+    assert out[0] == "served forward" and backend.specs == [], "no plan built nor loaded in Python"
+    (handed,) = ext.forwards
+    assert handed[6] == f"blob {asked[0][0]}".encode() and len(handed[7]) == 4
+    stats = sdpa.stats()
+    assert stats["fwd"] == 1 and stats["cpp:fwd"] == 1 and stats["load:server"] == 1
+    assert cache.stats().deserialize_seconds > 0, "the C++ load is counted as the cache's own loads are"
+
+
+def test_a_training_forward_hands_its_backward_over_with_it_in_one_request(served):
+    _, ext, _, asked = served
+    q, k, v = qkv()
+    forward(q, k, v)
+    assert len(asked) == 1 and len(asked[0]) == 2, "forward and backward plans asked for together"
+    (bwd,) = ext.backwards
+    out, lse = bwd[3], bwd[4]
+    assert out.device.type == "meta" and lse.shape == (2, 4, 64, 1), "keyed by the layouts the forward will return"
+    assert sdpa.stats()["load:server"] == 2
+
+
+def test_a_backward_held_in_cpp_is_served_there(served):
+    _, ext, _, _ = served
+    q, k, v = qkv()
+    o = torch.randn_like(q)
+    result = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0, True)
+    assert result[0] == "served backward" and sdpa.stats()["cpp:bwd"] == 1
+
+
+def test_a_record_that_measured_a_native_kernel_faster_loads_no_plan_at_all(served, monkeypatch):
+    _, ext, _, _ = served
+    natives = []
+    monkeypatch.setattr(sdpa._Native, "of", classmethod(lambda cls, kernel: natives.append(kernel) or cls(
+        kernel, lambda *a: ("native", None), lambda *a: None)))
+    record = types.SimpleNamespace(winner_median_ms=1.0, native_median_ms={"flash": 0.5})
+    monkeypatch.setattr(sys.modules[__name__], "RECORD", record)
+    q, k, v = qkv()
+    sdpa._route.cache.verified_blobs = lambda specs: {s.graph_key: VerifiedBlob(record, b"b", "disk") for s in specs}
+    forward(q, k, v, lse=False, causal=True)
+    assert natives == ["flash"] and ext.forwards == [] and sdpa.stats()["fwd_native:flash"] == 1
+
+
+def test_a_verified_plan_the_extension_refuses_is_loaded_in_python(served):
+    backend, ext, _, _ = served
+    ext.refuse = True
+    q, k, v = qkv()
+    forward(q, k, v, lse=False)
+    assert len(fwd_specs(backend)) == 1, "loaded by the Python route's ladder instead"
+    assert sdpa.stats()["fwd_cpp_refused"] == 1 and sdpa.stats()["fwd"] == 1 and "load:server" not in sdpa.stats()
+
+
+def test_a_held_configuration_the_extension_cannot_serve_runs_torchs_kernel_logged(served, caplog):
+    _, ext, _, _ = served
+    ext.lose = True
+    q, k, v = qkv()
+    with caplog.at_level(logging.ERROR, logger="plancache.client"):
+        assert forward(q, k, v, lse=False) == "aten"
+    assert sdpa.stats()["fwd_aten:unsupported"] == 1 and "lost the attention fwd" in caplog.text
+
+
+def test_bias_dropout_and_pinned_configurations_never_ask_for_verified_blobs(served, monkeypatch):
+    _, ext, _, asked = served
+    q, k, v = qkv()
+    forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16), lse=False)
+    assert asked == [] and ext.forwards == []
