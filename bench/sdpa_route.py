@@ -23,6 +23,9 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
 4. ``block_warm``: a fresh strict-mode process with a warm start from the capture file step 1 wrote
    (``PLANCACHE_WARM``): the route's plans fetched and deserialized in the background at install, then the block's
    first step of each shape as in 3.
+5. ``block_cpp``: a fresh strict-mode process with the route's steady path in C++ (``attention_cpp``): the block's
+   first step of each shape as in 3. Steps 2 and 3 measure the C++ path too (``plancache_cpp``), after the Python
+   route in the same process (its first calls there find the plans verified already).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(2, 16, 1024, 128), (8, 16, 4096, 128), (16, 32, 512, 64), (1, 8, 8192, 128)]
 BLOCK_HEADS, BLOCK_DIM = 16, 128
 BLOCK_SHAPES = [(2, 512), (2, 1024), (4, 2048), (1, 4096)]  # (batch, sequence); the first warms the process
-BACKENDS = ("plancache", "flash", "aten_cudnn")  # the route first: its block's first steps are a new process's
+#: The route first: its block's first steps are a new process's. ``plancache_cpp``: the route with its C++ steady path.
+BACKENDS = ("plancache", "plancache_cpp", "flash", "aten_cudnn")
+ROUTES = ("plancache", "plancache_cpp")
 SPIN_CYCLES = 400_000_000  # a spin kernel of about 0.2 s ahead of each host timing (50 calls take far less)
 
 
@@ -47,11 +52,14 @@ def _backend(name: str) -> Any:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION])
 
 
-def _route(on: bool, cache: Any) -> None:
+def _route(name: str, cache: Any) -> None:
+    """The route as backend ``name`` runs it (``plancache``, ``plancache_cpp``), or off for torch's own kernels."""
     from plancache.client import sdpa
 
-    if on:
-        sdpa.install(cache)
+    if name in ROUTES:
+        sdpa.install(cache, cpp=name == "plancache_cpp")
+        if name == "plancache_cpp" and sdpa.stats().get("cpp_unavailable"):
+            raise SystemExit("the route's C++ steady path is unavailable here (the log says why)")
     else:
         sdpa.uninstall()
 
@@ -76,8 +84,9 @@ def kernels(cache: Any) -> dict[str, Any]:
 
         step = _step(q, k, v, do)
         row: dict[str, Any] = {}
+        outputs: dict[str, tuple[Any, ...]] = {}
         for name in BACKENDS:
-            _route(name == "plancache", cache)
+            _route(name, cache)
             with _backend(name):
                 before = sdpa.stats()
                 torch.cuda.synchronize()
@@ -85,7 +94,7 @@ def kernels(cache: Any) -> dict[str, Any]:
                 step()  # the shape's first forward + backward in this process: plans prepared, kernels loaded
                 torch.cuda.synchronize()
                 first = {"first_ms": (time.perf_counter() - t0) * 1e3}
-                if name == "plancache":  # of which the route's preparing of both plans (writing, keying, loading)
+                if name in ROUTES:  # of which the route's preparing of both plans (writing, keying, loading)
                     first["first_prepare_ms"] = (sdpa.stats()["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                 # the capture gets leaves of its own: ones an eager step used hold autograd's gradient accumulators
                 # on the default stream, which a captured backward cannot wait on (cudaErrorStreamCaptureImplicit)
@@ -93,17 +102,18 @@ def kernels(cache: Any) -> dict[str, Any]:
                 row[name] = {**first, "eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
                 # the host cost of a whole step; and of torch's cuDNN kernels, or of the route's, per call
                 row[name]["host_us"] = _host_us(q, k, v, do, ("step",) if name == "flash" else ("fwd", "bwd", "step"))
-                if name == "plancache":
+                if name in ROUTES:
                     after = sdpa.stats()
                     row[name]["served"] = _delta(before, after)
                     row[name]["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    grads = torch.autograd.grad(o, (q, k, v), do)
+                    outputs[name] = (o, *torch.autograd.grad(o, (q, k, v), do))
         qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
         ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do.float())
-        row["plancache"]["error"] = max(_error(o, ref), *(_error(g, r) for g, r in zip(grads, ref_grads)))
-        _route(False, cache)
+        for name, got in outputs.items():
+            row[name]["error"] = max(_error(g, r) for g, r in zip(got, (ref, *ref_grads)))
+        _route("", cache)
         out["x".join(map(str, shape))] = row
     return out
 
@@ -187,7 +197,7 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name in backends:
-        _route(name == "plancache", cache)
+        _route(name, cache)
         with _backend(name):
             for b, s in BLOCK_SHAPES:
                 g2 = torch.Generator(device="cuda").manual_seed(s)
@@ -200,7 +210,7 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 first = (time.perf_counter() - t0) * 1e3
                 row = {"first_ms": first}
-                if name == "plancache":  # where the first step's time went: the route preparing its plans
+                if name in ROUTES:  # where the first step's time went: the route preparing its plans
                     after, loaded = sdpa.stats(), cache.stats()
                     row["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                     row["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
@@ -208,7 +218,7 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                     row["served"] = _delta(before, after)
                 row["steady_ms"] = median_ms(lambda x=x, dy=dy: step(x, dy))
                 out.setdefault(f"{b}x{s}", {})[name] = row
-    _route(False, cache)
+    _route("", cache)
     return out
 
 
@@ -237,6 +247,8 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
         result["block"] = block(cache, ("aten_cudnn",))
     if what == "block_warm":
         result["block"] = block(cache, ("plancache",))
+    if what == "block_cpp":
+        result["block"] = block(cache, ("plancache_cpp",))
     result["stats"] = cache.stats().as_dict()
     cache.close()
     print(json.dumps(result))
@@ -251,18 +263,22 @@ def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
 def _tables(results: dict[str, Any]) -> None:
     nan = float("nan")
     kern = results["kernels"]["kernels"]
-    print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} | "
-          f"{'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} | {'host us fwd/bwd: route':>23} "
-          f"{'ATen':>13} | {'host us/step: flash':>20} {'ATen':>6} {'route':>6} | {'error':>8}")
+    print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} "
+          f"{'C++':>7} {'ratio':>6} | {'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} {'C++':>7} "
+          f"{'ratio':>6} | {'host us fwd/bwd: route':>23} {'C++':>13} {'ATen':>13} | "
+          f"{'host us/step: flash':>20} {'ATen':>6} {'route':>6} {'C++':>6} | {'error':>8} {'C++':>8}")
     for shape, row in kern.items():
-        f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
-        fg, ag, pg = (r.get("graphed_ms", nan) for r in (f, a, p))
-        fh, ah, ph = (r.get("host_us", {}) for r in (f, a, p))
+        f, a, p, c = row["flash"], row["aten_cudnn"], row["plancache"], row.get("plancache_cpp", {})
+        fg, ag, pg, cg = (r.get("graphed_ms", nan) for r in (f, a, p, c))
+        fh, ah, ph, ch = (r.get("host_us", {}) for r in (f, a, p, c))
+        ce = c.get("eager_ms", nan)
         print(f"{shape:>24} | {f['eager_ms']:>7.3f} {a['eager_ms']:>11.3f} {p['eager_ms']:>10.3f} "
-              f"{p['eager_ms'] / a['eager_ms']:>6.2f} | {fg:>15.3f} {ag:>7.3f} {pg:>10.3f} {pg / ag:>6.2f} | "
-              f"{ph.get('fwd', nan):>11.1f}/{ph.get('bwd', nan):<11.1f} {ah.get('fwd', nan):>6.1f}/"
-              f"{ah.get('bwd', nan):<6.1f} | {fh.get('step', nan):>20.1f} {ah.get('step', nan):>6.1f} "
-              f"{ph.get('step', nan):>6.1f} | {p['error']:>8.1e}")
+              f"{p['eager_ms'] / a['eager_ms']:>6.2f} {ce:>7.3f} {ce / a['eager_ms']:>6.2f} | "
+              f"{fg:>15.3f} {ag:>7.3f} {pg:>10.3f} {pg / ag:>6.2f} {cg:>7.3f} {cg / ag:>6.2f} | "
+              f"{ph.get('fwd', nan):>11.1f}/{ph.get('bwd', nan):<11.1f} {ch.get('fwd', nan):>6.1f}/"
+              f"{ch.get('bwd', nan):<6.1f} {ah.get('fwd', nan):>6.1f}/{ah.get('bwd', nan):<6.1f} | "
+              f"{fh.get('step', nan):>20.1f} {ah.get('step', nan):>6.1f} {ph.get('step', nan):>6.1f} "
+              f"{ch.get('step', nan):>6.1f} | {p['error']:>8.1e} {c.get('error', nan):>8.1e}")
     print(f"{'first call (ms)':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'preparing':>10}")
     for shape, row in kern.items():
         f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
@@ -271,19 +287,22 @@ def _tables(results: dict[str, Any]) -> None:
     blk = results["block"]["block"]
     first_aten = results.get("block_aten", {}).get("block", {})
     warm = results.get("block_warm", {}).get("block", {})
-    print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} | "
-          f"{'first step: plancache':>22} {'preparing':>10} {'warm start':>11} {'preparing':>10} "
-          f"{'ATen cuDNN':>11} | served")
+    first_cpp = results.get("block_cpp", {}).get("block", {})
+    print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} "
+          f"{'C++':>7} {'vs best':>8} | {'first step: plancache':>22} {'preparing':>10} {'warm start':>11} "
+          f"{'preparing':>10} {'C++':>7} {'ATen cuDNN':>11} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
-        aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", float("nan"))
-        route = row["plancache"]
+        aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", nan)
+        route, cpp = row["plancache"], row.get("plancache_cpp", {})
         warmed = warm.get(shape, {}).get("plancache", {})
+        cpp_first = first_cpp.get(shape, {}).get("plancache_cpp", {}).get("first_ms", nan)
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
-              f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} | "
+              f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} {cpp.get('steady_ms', nan):>7.3f} "
+              f"{cpp.get('steady_ms', nan) / best:>8.2f} | "
               f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} "
-              f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {aten_first:>11.1f} | "
-              f"{route.get('served', {})}")
+              f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {cpp_first:>7.1f} "
+              f"{aten_first:>11.1f} | {route.get('served', {})} {cpp.get('served', '')}")
     for shape, row in kern.items():
         for name, got in row.items():
             if isinstance(got, dict) and "graphed_error" in got:
@@ -308,6 +327,7 @@ def main() -> None:
         results["kernels"] = _run("--child", "kernels")
         results["block"] = _run("--child", "block")
         results["block_aten"] = _run("--child", "block_aten")
+        results["block_cpp"] = _run("--child", "block_cpp")
     else:
         import tempfile
 
@@ -333,6 +353,8 @@ def main() -> None:
                     results[what] = _run("--child", what, *common, "--cache", str(root / what), "--mode", "strict")
                 results["block_warm"] = _run("--child", "block_warm", *common, "--cache", str(root / "warm"),
                                              "--mode", "strict", settings={"PLANCACHE_WARM": capture})
+                results["block_cpp"] = _run("--child", "block_cpp", *common, "--cache", str(root / "cpp"),
+                                            "--mode", "strict")
                 results["block_aten"] = _run("--child", "block_aten")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -49,3 +49,27 @@ def test_the_block_table_shows_the_warm_starts_first_step_beside_the_cold_one(ca
     sdpa_route._tables(results)
     block = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2x1024 |"))
     assert block.split("|")[2].split()[:4] == ["40.0", "29.5", "13.2", "2.5"]
+
+
+def test_the_tables_put_the_cpp_steady_path_beside_the_python_route(capsys):
+    cpp = _row(0.27, 0.141)
+    cpp.update(error=2e-3, host_us={"fwd": 9.5, "bwd": 12.25, "step": 61.0})
+    plancache = _row(0.30, 0.142)
+    plancache["error"] = 1e-3
+    results = {
+        "kernels": {"kernels": {"2x16x1024x128": {"flash": _row(0.35, 0.34), "aten_cudnn": _row(0.25, 0.14),
+                                                  "plancache": plancache, "plancache_cpp": cpp}}},
+        "block": {"block": {"2x1024": {name: {"first_ms": 40.0, "prepare_ms": 29.5, "steady_ms": 1.0}
+                                       for name in ("flash", "aten_cudnn", "plancache")}}},
+        "block_cpp": {"block": {"2x1024": {"plancache_cpp": {"first_ms": 17.5, "steady_ms": 0.98}}}},
+    }
+    results["block"]["block"]["2x1024"]["plancache_cpp"] = {"first_ms": 3.0, "steady_ms": 0.99}
+    sdpa_route._tables(results)
+    out = capsys.readouterr().out.splitlines()
+    kern = next(line for line in out if line.strip().startswith("2x16x1024x128 |")).split("|")
+    assert kern[1].split() == ["0.350", "0.250", "0.300", "1.20", "0.270", "1.08"]
+    assert kern[2].split() == ["0.340", "0.140", "0.142", "1.01", "0.141", "1.01"]
+    assert kern[3].split()[1] == "9.5/12.2" and kern[4].split()[-1] == "61.0" and kern[5].split()[-1] == "2.0e-03"
+    block = next(line for line in out if line.strip().startswith("2x1024 |")).split("|")
+    assert block[1].split()[-2:] == ["0.990", "0.99"], "the C++ path's steady step, against the best of torch's"
+    assert block[2].split()[4] == "17.5", "its first step, from a fresh process of its own"
