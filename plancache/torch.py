@@ -51,9 +51,15 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     import cudnn.sdpa.fwd.torch_op  # noqa: F401 - defines torch.ops.cudnn.sdpa_fwd / sdpa_bwd
 
     with _lock:
-        hook.install(cache, warm=warm, warm_vary=warm_vary, warm_load=sdpa.SPEC_NAMES.values() if sdpa_route else ())
-        if sdpa_route:
+        if sdpa_route:  # first: a warm start loads the route's plans into its C++ steady path, where it has one
             sdpa.install(cache, attention=attention, cpp=attention_cpp)
+        try:
+            hook.install(cache, warm=warm, warm_vary=warm_vary,
+                         warm_load=sdpa.SPEC_NAMES.values() if sdpa_route else (),
+                         warm_loader=sdpa.preload if sdpa_route and attention_cpp else None)
+        except BaseException:
+            sdpa.uninstall()  # nothing is installed (a strict process's unusable capture file)
+            raise
     return cache
 
 

@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanCacheError, PlanMiss, SpecError, UnsupportedGraph
 from . import fe_ops
 from .core import PlanCache
+from .startup import WarmLoader, WarmStart, warm_specs
 from .startup import WarmSource as WarmSource  # plancache.torch names it hook.WarmSource
-from .startup import WarmStart, warm_specs
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec
@@ -120,7 +120,7 @@ _error_logged = False            # the first error of the hook's own was logged 
 
 def install(cache: PlanCache | None, *, graph_class: type | None = None, capture: str | os.PathLike[str] | None = None,
             warm: WarmSource | None = None, warm_vary: Mapping[str, Sequence[int]] | None = None,
-            warm_load: Collection[str] = ()) -> None:
+            warm_load: Collection[str] = (), warm_loader: WarmLoader | None = None) -> None:
     """Route every build of a ``graph_class`` (default ``cudnn.pygraph``) in this process through ``cache`` until
     :func:`uninstall`. Installing again switches the cache. ``capture`` (default ``PLANCACHE_CAPTURE``): a capture file
     that counts every graph built; with ``cache`` None the hook only captures.
@@ -130,7 +130,8 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     with no further request. ``warm_vary``: their variants too, at every combination of these sizes of shape axes
     (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes.
     ``warm_load``: names of graphs whose plans the warm start also deserializes, each into an empty graph of its own
-    (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing). A
+    (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing);
+    ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
     and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
     global _cache, _max_workspace
@@ -167,7 +168,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
             _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
-        _warm_start.start(cache, specs, warm_load)
+        _warm_start.start(cache, specs, warm_load, warm_loader)
 
 
 def uninstall() -> None:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("plancache.client")
 
 __all__ = ["ATEN_REASONS", "CHOICES", "NATIVE", "NATIVE_MARGIN", "OPS", "SPEC_NAMES", "check_choice", "install",
-           "installed", "stats", "uninstall"]
+           "installed", "preload", "stats", "uninstall"]
 
 #: The ATen ops whose CUDA kernels the route replaces.
 OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
@@ -191,9 +191,10 @@ def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool = False) 
         if ext is not None:
             try:
                 ext.install(cache.context.backend.device.index or 0, _forward, _backward)
-            except Exception:
-                lib._destroy()
-                raise
+            except Exception as exc:  # noqa: BLE001 - registered in full or not at all: Python serves
+                log.warning("plancache: the attention route runs in Python: its C++ steady path did not install: "
+                            "%s", exc)
+                ext = None
         _route = _Route(cache, lib, attention, ext)
         if cpp and ext is None:
             _route.count("cpp_unavailable")
@@ -423,26 +424,46 @@ def _hand(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], ex: _Exec
         return
     held = route.cache.context.verified.get(ex.graph_key)
     blob = held[1] if held is not None else bytes(ex.graph.serialize(as_bytes=True))
-    _give(route, ckey, call, blob, ex.uids, ex.out_strides)
+    _give(route, ckey, call, ex.graph_key, blob, ex.uids, ex.out_strides)
 
 
-def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], blob: bytes, uids: tuple[int, ...],
-          layout: tuple[int, ...]) -> bool:
-    """The C++ steady path loads ``blob`` for the configuration ``ckey``, keyed there by ``call`` (the call's tensors
-    and flags; a backward written ahead: meta tensors of its O and log-sum-exp), its buffers bound by ``uids`` in
-    call order. False when it refuses it (logged and counted once; this route keeps serving it). Its loading time
-    counts in the cache's ``deserialize_seconds``."""
+def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key: str, blob: bytes,
+          uids: tuple[int, ...], layout: tuple[int, ...]) -> bool:
+    """The C++ steady path takes the plan of graph ``graph_key`` (loaded ahead by :func:`preload`, else ``blob``
+    loaded now) for the configuration ``ckey``, keyed there by ``call`` (the call's tensors and flags; a backward
+    written ahead: meta tensors of its O and log-sum-exp), its buffers bound by ``uids`` in call order. False when it
+    refuses it (logged and counted once; this route keeps serving it). Its loading time counts in the cache's
+    ``deserialize_seconds``."""
     route.handed.add(ckey)
     t0 = time.perf_counter()
     try:
         if ckey[0] == "fwd":
-            route.ext.add_forward(*call, blob, list(uids), list(layout))
+            route.ext.add_forward(*call, graph_key, blob, list(uids), list(layout))
         else:
-            route.ext.add_backward(*call, blob, list(uids))
+            route.ext.add_backward(*call, graph_key, blob, list(uids))
     except Exception as exc:  # noqa: BLE001 - this route keeps serving it
         log.warning("plancache: the C++ steady path did not take the attention %s of %s (Python serves it): %s",
                     ckey[0], _describe(ckey), exc)
         route.count(f"{ckey[0]}_cpp_refused")
+        return False
+    finally:
+        route.cache.count_load(time.perf_counter() - t0)
+    return True
+
+
+def preload(spec: Any, blob: bytes) -> bool:
+    """Load a verified plan of the route's (a warm start's: ``hook.install(warm_loader=...)``) into the C++ steady
+    path ahead of its configurations' first calls, which then only bind it. False where that path does not serve
+    the spec (an attention bias, dropout), is not installed, or refuses it (logged): the caller loads it itself."""
+    route = _route
+    if route is None or route.ext is None or {t.name for t in spec.tensors} & {"bias", "seed", "offset"}:
+        return False
+    t0 = time.perf_counter()
+    try:
+        route.ext.preload(spec.graph_key, blob)
+    except Exception as exc:  # noqa: BLE001 - its configurations load it at their first calls
+        log.warning("plancache: the C++ steady path did not load the attention plan %s ahead: %s",
+                    spec.graph_key[:12], exc)
         return False
     finally:
         route.cache.count_load(time.perf_counter() - t0)
@@ -711,7 +732,7 @@ def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _
         ckey = w.config.ckey
         if (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
             taken[ckey] = _Native.of(kernel)
-        elif _give(route, ckey, call, held.blob, _uids(w), w.layout):
+        elif _give(route, ckey, call, w.spec.graph_key, held.blob, _uids(w), w.layout):
             taken[ckey] = _HELD
         else:
             continue

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import SpecError
@@ -22,6 +22,8 @@ log = logging.getLogger("plancache.client")
 
 #: What a warm start takes: a capture file, or specs.
 WarmSource = str | os.PathLike[str] | Iterable[SpecLike]
+#: What loads a warm start's named plans in place of the cache (a spec, its verified blob): True when it took it.
+WarmLoader = Callable[["GraphSpec", bytes], bool]
 
 
 def warm_specs(mode: Mode, source: WarmSource, axes: Mapping[str, Sequence[int]]) -> list[GraphSpec]:
@@ -64,11 +66,13 @@ class WarmStart:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
 
-    def start(self, cache: PlanCache, specs: list[GraphSpec], load: Collection[str] = ()) -> None:
+    def start(self, cache: PlanCache, specs: list[GraphSpec], load: Collection[str] = (),
+              loader: WarmLoader | None = None) -> None:
         """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own, and deserialize those of
-        the specs named one of ``load`` (:meth:`PlanCache.warm`'s ``load``)."""
+        the specs named one of ``load`` (:meth:`PlanCache.warm`'s ``load``): by ``loader(spec, blob)`` where it
+        returns True, else into an empty graph each."""
         keys = frozenset(s.graph_key for s in specs if s.name in load)
-        thread = threading.Thread(target=_warm, args=(cache, specs, keys), name="plancache-warm", daemon=True)
+        thread = threading.Thread(target=_warm, args=(cache, specs, keys, loader), name="plancache-warm", daemon=True)
         self._thread = thread
         thread.start()
 
@@ -83,9 +87,15 @@ class WarmStart:
         self._thread = None
 
 
-def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str]) -> None:
+def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str], loader: WarmLoader | None = None) -> None:
     t0 = time.perf_counter()
     try:
+        if loader is not None and load:
+            cache.warm(specs)  # fetched and verified: the loader takes what it can of the rest
+            named = [s for s in specs if s.graph_key in load]
+            blobs = cache.verified_blobs(named)
+            load = frozenset(s.graph_key for s in named
+                             if s.graph_key not in blobs or not loader(s, blobs[s.graph_key].blob))
         kept = cache.warm(specs, load=load)
     except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
         log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,

@@ -51,10 +51,12 @@ struct Executor {
 };
 
 using Map = std::unordered_map<Key, std::shared_ptr<const Executor>, KeyHash>;
+using Graphs = std::unordered_map<std::string, std::shared_ptr<fe::graph::Graph>>;
 
 struct State {
-  std::shared_mutex lock;  // readers: every call; writers: add_*, install, uninstall
+  std::shared_mutex lock;  // readers: every call; writers: add_*, preload, install, uninstall
   Map forward, backward;
+  Graphs preloaded;  // plans loaded ahead by graph key (a warm start's), for the configurations that will run them
   py::object py_forward, py_backward;  // the Python route's kernels: every call not served here
   int device = -1;
   std::unique_ptr<torch::Library> library;
@@ -187,6 +189,7 @@ std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, co
   if (q.get_device() != st.device || !aligned({&q, &k, &v})) return std::nullopt;
   auto ex = find(st.forward, forward_key(q, k, v, stats, causal, scale));
   if (!ex) return std::nullopt;
+  c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   const auto b = q.size(0), h = q.size(1), s = q.size(2);
   auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
   auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
@@ -240,6 +243,7 @@ std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q
     d = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(dout);
   }
   if (!aligned({&q, &k, &v, &out, &d, &lse})) return std::nullopt;
+  c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   run(*ex, {&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv}, st.device, q.options());
   st.served_backward.fetch_add(1, std::memory_order_relaxed);
@@ -258,24 +262,37 @@ BwdOut backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
                          scale);
 }
 
-// A plan deserialized (without FE's warm-up run) and checked: the uids it binds are exactly those of the call's
-// buffers, in whatever order.
-std::shared_ptr<const Executor> load(const py::bytes& blob, const std::vector<int64_t>& uids,
-                                     std::vector<int64_t> out_strides) {
+// A plan deserialized without FE's warm-up run, with the GIL released.
+std::shared_ptr<fe::graph::Graph> deserialize(const py::bytes& blob) {
   std::string_view view = blob;
   std::vector<uint8_t> bytes(view.begin(), view.end());
+  auto graph = std::make_shared<fe::graph::Graph>();
+  const int device = state().device;
+  py::gil_scoped_release nogil;
+  c10::cuda::CUDAGuard guard(device);
+  auto status = graph->deserialize(handle_for(device), bytes, false, /*run_warmup=*/false);
+  TORCH_CHECK(status.is_good(), "plancache: FE could not load the plan: ", status.get_message());
+  return graph;
+}
+
+// A configuration's executor of a plan (the one preloaded under `graph_key`, else `blob` loaded now), checked: the
+// uids the plan binds are exactly those of the call's buffers, in whatever order.
+std::shared_ptr<const Executor> load(const std::string& graph_key, const py::bytes& blob,
+                                     const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
   TORCH_CHECK(!uids.empty() && uids.size() <= kMaxBuffers, "plancache: ", uids.size(), " buffers; at most ",
               kMaxBuffers);
   auto ex = std::make_shared<Executor>();
-  ex->graph = std::make_shared<fe::graph::Graph>();
-  const int device = state().device;
+  {
+    auto& st = state();
+    std::shared_lock<std::shared_mutex> g(st.lock);
+    auto it = st.preloaded.find(graph_key);
+    if (it != st.preloaded.end()) ex->graph = it->second;
+  }
+  if (!ex->graph) ex->graph = deserialize(blob);
   std::vector<int64_t> sorted;
   {
     py::gil_scoped_release nogil;
-    c10::cuda::CUDAGuard guard(device);
-    auto status = ex->graph->deserialize(handle_for(device), bytes, false, /*run_warmup=*/false);
-    TORCH_CHECK(status.is_good(), "plancache: FE could not load the plan: ", status.get_message());
-    status = ex->graph->prepare_variant_pack_template();
+    auto status = ex->graph->prepare_variant_pack_template();
     TORCH_CHECK(status.is_good(), "plancache: FE could not prepare the plan's variant pack: ", status.get_message());
     status = ex->graph->get_workspace_size(ex->workspace);
     TORCH_CHECK(status.is_good(), "plancache: FE could not tell the plan's workspace: ", status.get_message());
@@ -292,6 +309,12 @@ std::shared_ptr<const Executor> load(const py::bytes& blob, const std::vector<in
   return ex;
 }
 
+void check_installed() {
+  auto& st = state();
+  std::shared_lock<std::shared_mutex> g(st.lock);
+  TORCH_CHECK(st.library, "plancache: the C++ attention route is not installed");
+}
+
 void add(Map& map, Key key, std::shared_ptr<const Executor> ex) {
   auto& st = state();
   std::unique_lock<std::shared_mutex> g(st.lock);
@@ -305,15 +328,17 @@ void install(int device, py::object py_forward, py::object py_backward) {
   auto& st = state();
   std::unique_lock<std::shared_mutex> g(st.lock);
   TORCH_CHECK(!st.library, "plancache: the C++ attention route is installed already");
+  // registered in full or not at all: a library destroyed half-made unregisters what it registered
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__,
+                                                  __LINE__);
+  library->impl("_scaled_dot_product_cudnn_attention", TORCH_FN(forward));
+  library->impl("_scaled_dot_product_cudnn_attention_backward", TORCH_FN(backward));
   st.device = device;
   st.py_forward = std::move(py_forward);
   st.py_backward = std::move(py_backward);
   st.served_forward = 0;
   st.served_backward = 0;
-  st.library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__,
-                                                __LINE__);
-  st.library->impl("_scaled_dot_product_cudnn_attention", TORCH_FN(forward));
-  st.library->impl("_scaled_dot_product_cudnn_attention_backward", TORCH_FN(backward));
+  st.library = std::move(library);
 }
 
 void uninstall() {
@@ -322,27 +347,39 @@ void uninstall() {
   st.library.reset();  // the kernels registered before (the Python route's) are the ops' again
   st.forward.clear();
   st.backward.clear();
+  st.preloaded.clear();
   st.py_forward = py::object();
   st.py_backward = py::object();
 }
 
+void preload(const std::string& graph_key, const py::bytes& blob) {
+  check_installed();
+  auto graph = deserialize(blob);
+  auto& st = state();
+  std::unique_lock<std::shared_mutex> g(st.lock);
+  TORCH_CHECK(st.library, "plancache: the C++ attention route is not installed");
+  st.preloaded[graph_key] = std::move(graph);
+}
+
 void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
-                 std::optional<double> scale, const py::bytes& blob, const std::vector<int64_t>& uids,
-                 std::vector<int64_t> out_strides) {
+                 std::optional<double> scale, const std::string& graph_key, const py::bytes& blob,
+                 const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
   TORCH_CHECK(out_strides.size() == 4, "plancache: the forward's output strides have ", out_strides.size(),
               " entries; expected 4");
   TORCH_CHECK(uids.size() == (stats ? 5u : 4u), "plancache: a forward binds ", stats ? 5 : 4, " buffers, not ",
               uids.size());
-  auto ex = load(blob, uids, std::move(out_strides));
+  check_installed();
+  auto ex = load(graph_key, blob, uids, std::move(out_strides));
   add(state().forward, forward_key(q, k, v, stats, causal, scale), std::move(ex));
 }
 
 void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                   const at::Tensor& lse, bool causal, std::optional<double> scale, bool deterministic,
-                  const py::bytes& blob, const std::vector<int64_t>& uids) {
+                  const std::string& graph_key, const py::bytes& blob, const std::vector<int64_t>& uids) {
   TORCH_CHECK(uids.size() == 9u, "plancache: a backward binds 9 buffers, not ", uids.size());
   TORCH_CHECK(lse.dim() == 4, "plancache: the log-sum-exp of a backward is 4-d");
-  auto ex = load(blob, uids, {});
+  check_installed();
+  auto ex = load(graph_key, blob, uids, {});
   add(state().backward, backward_key(q, k, v, out, lse, causal, scale, deterministic), std::move(ex));
 }
 
@@ -372,6 +409,7 @@ py::dict counts() {
   d["bwd"] = st.served_backward.load();
   d["fwd_configs"] = st.forward.size();
   d["bwd_configs"] = st.backward.size();
+  d["preloaded"] = st.preloaded.size();
   return d;
 }
 
@@ -379,6 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "plancache's attention route, its steady path (plancache/csrc/sdpa_route.cpp)";
   m.def("install", &install, "register the two kernels over the Python route's, calling it for what they miss");
   m.def("uninstall", &uninstall, "unregister them and drop every plan");
+  m.def("preload", &preload, "load a plan ahead, by graph key, for the configurations that will run it");
   m.def("add_forward", &add_forward, "hand over a forward configuration's plan, keyed by the call's tensors");
   m.def("add_backward", &add_backward, "hand over a backward configuration's plan, keyed by the call's tensors");
   m.def("counts", &counts, "calls served here by direction, and configurations held");

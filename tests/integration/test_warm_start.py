@@ -386,8 +386,8 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
     from plancache.client import sdpa
 
     started: list[Any] = []
-    monkeypatch.setattr(hook._warm_start, "start", lambda cache, specs, load=(): started.append(set(load)))
-    monkeypatch.setattr(sdpa, "install", lambda cache, attention: None)
+    monkeypatch.setattr(hook._warm_start, "start", lambda cache, specs, load=(), loader=None: started.append(set(load)))
+    monkeypatch.setattr(sdpa, "install", lambda cache, attention, cpp: None)
     cache = make_cache(srv, tmp_path, signer)
     plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
     plancache.torch.uninstall()
@@ -423,3 +423,25 @@ def test_a_kept_blob_is_verified_again_and_refused_once_a_newer_revision_was_acc
         found = cache.verified_blobs(specs)
     assert stale not in found and len(found) == 2 and stale not in cache.context.verified
     assert cache.stats().rejects == {"revision": 1} and "is refused now (revision)" in caplog.text
+
+
+def test_a_warm_loader_takes_the_named_plans_it_can_and_the_cache_loads_the_rest(srv, tmp_path, signer):
+    """The attention route's C++ steady path loads its plans itself at a warm start (``warm_loader``): the named
+    plans it takes are deserialized nowhere else; one it declines is loaded into an empty graph as without it."""
+    specs = [spec_of(g) for g in step_graphs()]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    names = [specs[1].name, specs[2].name]  # both norms share a name
+    taken: list[tuple[str, bytes]] = []
+
+    def loader(spec: GraphSpec, blob: bytes) -> bool:
+        if spec.graph_key == specs[2].graph_key:
+            return False
+        taken.append((spec.graph_key, blob))
+        return True
+
+    hook._warm_start.start(cache, specs, names, loader)
+    hook._warm_start.wait()
+    assert taken == [(s.graph_key, blob_of(s)) for s in specs[:2]]
+    assert loaded(cache) == [blob_of(specs[2])] and list(cache.context.memory) == [specs[2].graph_key]
+    assert {s.graph_key for s in specs} <= set(cache.context.verified) and srv.requests[RESOLVE] == 1

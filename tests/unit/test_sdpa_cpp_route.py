@@ -31,6 +31,7 @@ class FakeExt:
         self.installed: tuple[Any, ...] | None = None
         self.forwards: list[tuple[Any, ...]] = []
         self.backwards: list[tuple[Any, ...]] = []
+        self.preloaded: list[tuple[str, bytes]] = []
         self.served = {"fwd": 0, "bwd": 0}
         self.refuse = False
         self.lose = False  # serve_forward finds nothing (a defect the route survives)
@@ -41,6 +42,11 @@ class FakeExt:
 
     def uninstall(self) -> None:
         self.uninstalled += 1
+
+    def preload(self, graph_key: str, blob: bytes) -> None:
+        if self.refuse:
+            raise RuntimeError("FE could not load the plan")
+        self.preloaded.append((graph_key, blob))
 
     def add_forward(self, *args: Any) -> None:
         if self.refuse:
@@ -100,9 +106,10 @@ def test_a_configuration_run_here_once_is_handed_over_with_its_plan_and_uids_in_
     out = forward(q, k, v, scale=0.25)
     forward(q, k, v, scale=0.25)  # in the process, the C++ kernel serves this one: here, nothing is handed again
     (handed,) = ext.forwards
-    hq, hk, hv, stats, causal, scale, blob, uids, out_strides = handed
+    hq, hk, hv, stats, causal, scale, graph_key, blob, uids, out_strides = handed
     assert (hq, hk, hv) == (q, k, v) and (stats, causal, scale) == (True, True, 0.25)
     spec = fwd_specs(backend)[0]
+    assert graph_key == spec.graph_key
     canonical = spec.canonical_uids()
     assert uids == [canonical[u] for u in (1, 2, 3, 100, 101)]
     assert out_strides == list(out[0].stride())
@@ -122,7 +129,7 @@ def test_a_served_plan_is_handed_over_as_the_verified_blob_the_cache_admitted(ro
     cache.context.verified[key2] = ("record", b"verified bytes")
     sdpa._route.handed.clear()
     forward(q, k, v, causal=False)
-    assert ext.forwards[-1][6] == b"verified bytes"
+    assert ext.forwards[-1][7] == b"verified bytes"
 
 
 def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setting(route):
@@ -132,8 +139,9 @@ def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setti
     sdpa._backward(torch.randn_like(o), q, k, v, o, lse.squeeze(-1), None, None, None, None, None, 64, 64, 0.0,
                    True)
     (handed,) = ext.backwards
-    assert len(handed) == 10
-    hq, hk, hv, ho, hlse, causal, scale, deterministic, blob, uids = handed
+    assert len(handed) == 11
+    hq, hk, hv, ho, hlse, causal, scale, deterministic, graph_key, blob, uids = handed
+    assert graph_key == backend.specs[-1].graph_key
     assert ho is o and hlse.shape == (2, 4, 64, 1) and (causal, scale, deterministic) == (True, None, False)
     canonical = backend.specs[-1].canonical_uids()
     assert uids == [canonical[u] for u in (1, 2, 3, 100, 200, 101, 201, 202, 203)]
@@ -215,17 +223,20 @@ def test_the_setting_turns_the_cpp_path_on_and_a_changed_choice_reinstalls(tmp_p
         plancache.torch.uninstall()
 
 
-def test_an_extension_that_fails_to_install_leaves_no_kernel_registered(tmp_path, monkeypatch, ext):
+def test_an_extension_that_fails_to_install_leaves_python_serving(tmp_path, monkeypatch, ext, caplog):
     def broken(*_: Any) -> None:
         raise RuntimeError("plancache: the C++ attention route is installed already")
 
     monkeypatch.setattr(ext, "install", broken)
     cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
-    with pytest.raises(RuntimeError, match="installed already"):
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
         sdpa.install(cache, cpp=True)
-    assert not sdpa.installed()
-    sdpa.install(cache)  # the Python kernels register again: the failed install left none behind
-    sdpa.uninstall()
+    try:
+        assert sdpa.installed() and sdpa._route.ext is None and sdpa.stats()["cpp_unavailable"] == 1
+        assert "did not install: plancache: the C++ attention route is installed already" in caplog.text
+    finally:
+        sdpa.uninstall()
+    assert ext.uninstalled == 0, "nothing of it was installed to take back"
 
 
 # ------------------------------------------------------------------ finding and building the extension
@@ -302,7 +313,7 @@ def test_a_verified_plan_is_loaded_in_cpp_only_and_serves_the_first_call_there(s
     out = forward(q, k, v, lse=False)
     assert out[0] == "served forward" and backend.specs == [], "no plan built nor loaded in Python"
     (handed,) = ext.forwards
-    assert handed[6] == f"blob {asked[0][0]}".encode() and len(handed[7]) == 4
+    assert handed[6] == asked[0][0] and handed[7] == f"blob {asked[0][0]}".encode() and len(handed[8]) == 4
     stats = sdpa.stats()
     assert stats["fwd"] == 1 and stats["cpp:fwd"] == 1 and stats["load:server"] == 1
     assert cache.stats().deserialize_seconds > 0, "the C++ load is counted as the cache's own loads are"
@@ -363,3 +374,55 @@ def test_bias_dropout_and_pinned_configurations_never_ask_for_verified_blobs(ser
     q, k, v = qkv()
     forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16), lse=False)
     assert asked == [] and ext.forwards == []
+
+
+# ------------------------------------------------------------------ a warm start's plans, loaded ahead in C++
+
+
+def _spec(*names: str) -> Any:
+    return types.SimpleNamespace(graph_key=f"key of {'+'.join(names)}",
+                                 tensors=[types.SimpleNamespace(name=n) for n in names])
+
+
+def test_preload_loads_a_plain_attention_plan_ahead_and_declines_bias_and_dropout(route):
+    _, ext, cache = route
+    assert sdpa.preload(_spec("q", "k", "v", "o", "stats"), b"plan") is True
+    assert ext.preloaded == [("key of q+k+v+o+stats", b"plan")] and cache.stats().deserialize_seconds > 0
+    assert sdpa.preload(_spec("q", "k", "v", "o", "bias"), b"plan") is False
+    assert sdpa.preload(_spec("q", "k", "v", "o", "seed", "offset"), b"plan") is False
+    ext.refuse = True
+    assert sdpa.preload(_spec("q", "k", "v", "o"), b"plan") is False, "refused: the caller loads it itself"
+    sdpa.uninstall()
+    assert sdpa.preload(_spec("q", "k", "v", "o"), b"plan") is False
+
+
+def test_plancache_torch_installs_the_route_first_and_hands_the_warm_start_its_preload(tmp_path, monkeypatch, ext):
+    from plancache.client import hook
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(hook, "install", lambda cache, **kw: seen.update(kw, route=sdpa.installed()))
+    monkeypatch.setattr(hook, "uninstall", lambda: None)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    plancache.torch.install(cache, attention_cpp=True)
+    try:
+        assert seen["route"] and seen["warm_loader"] is sdpa.preload
+        assert set(seen["warm_load"]) == set(sdpa.SPEC_NAMES.values())
+    finally:
+        plancache.torch.uninstall()
+    plancache.torch.install(cache, attention_cpp=False)
+    plancache.torch.uninstall()
+    assert seen["warm_loader"] is None
+
+
+def test_a_hook_install_that_fails_leaves_no_route_installed(tmp_path, monkeypatch, ext):
+    from plancache.client import hook
+    from plancache.errors import SpecError
+
+    def refuse(cache: Any, **kw: Any) -> None:
+        raise SpecError("capture.json: not a capture file")
+
+    monkeypatch.setattr(hook, "install", refuse)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    with pytest.raises(SpecError, match="not a capture file"):
+        plancache.torch.install(cache, attention_cpp=True)
+    assert not sdpa.installed() and ext.uninstalled == 1
