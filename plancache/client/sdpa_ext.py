@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOURCE", "SYSTEM_CUDA_INCLUDE", "ExtensionUnavailable", "build_options", "load"]
+__all__ = ["SOURCE", "SYSTEM_CUDA_INCLUDE", "ExtensionUnavailable", "build_options", "load", "module_name"]
 
 #: The extension's one source file.
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "sdpa_route.cpp"
@@ -44,6 +44,14 @@ def _first(what: str, patterns: list[str]) -> str:
         if found:
             return found[0]
     raise ExtensionUnavailable(f"{what} not found (looked for {', '.join(patterns[:4])}{', ...' if len(patterns) > 4 else ''})")
+
+
+def module_name() -> str:
+    """The extension's name: one per version of its source, so that a build of another version is never loaded
+    (torch's build step trusts file times, which an upgrade may leave older than the last build)."""
+    import hashlib
+
+    return f"{_NAME}_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
 
 
 def build_options() -> dict[str, Any]:
@@ -87,7 +95,7 @@ def load(*, verbose: bool = False) -> Any:
             if torch.version.cuda is None:
                 raise ExtensionUnavailable(f"torch {torch.__version__} is a build without CUDA")
             try:
-                _module = build(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
+                _module = build(name=module_name(), sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
                                 verbose=verbose, **build_options())
             except ExtensionUnavailable:
                 raise

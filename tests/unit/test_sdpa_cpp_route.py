@@ -426,3 +426,12 @@ def test_a_hook_install_that_fails_leaves_no_route_installed(tmp_path, monkeypat
     with pytest.raises(SpecError, match="not a capture file"):
         plancache.torch.install(cache, attention_cpp=True)
     assert not sdpa.installed() and ext.uninstalled == 1
+
+
+def test_each_version_of_the_source_builds_under_a_name_of_its_own(monkeypatch, tmp_path):
+    first = sdpa_ext.module_name()
+    assert first.startswith("plancache_sdpa_route_") and first == sdpa_ext.module_name()
+    changed = tmp_path / "sdpa_route.cpp"
+    changed.write_bytes(sdpa_ext.SOURCE.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(sdpa_ext, "SOURCE", changed)
+    assert sdpa_ext.module_name() != first
