@@ -196,19 +196,25 @@ def test_stats_count_the_calls_the_cpp_kernels_served_with_the_routes(route):
     assert stats["fwd"] == 8 and stats["cpp:fwd"] == 7 and stats["bwd"] == 3 and stats["cpp:bwd"] == 3
 
 
-def test_where_the_extension_is_unavailable_python_serves_and_says_why(tmp_path, monkeypatch, caplog):
-    def unavailable(**_: Any) -> Any:
-        raise sdpa_ext.ExtensionUnavailable("cuDNN FE's C++ headers not found")
+@pytest.mark.parametrize("failure", ["build", "install"])
+def test_where_the_extension_cannot_be_built_or_installed_python_serves_and_says_why(tmp_path, monkeypatch, ext,
+                                                                                      caplog, failure):
+    def fail(*_: Any, **__: Any) -> Any:
+        if failure == "build":
+            raise sdpa_ext.ExtensionUnavailable("cuDNN FE's C++ headers not found")
+        raise RuntimeError("plancache: the C++ attention route is installed already")
 
-    monkeypatch.setattr(sdpa_ext, "load", unavailable)
+    monkeypatch.setattr(sdpa_ext if failure == "build" else ext, "load" if failure == "build" else "install", fail)
     cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
     with caplog.at_level(logging.WARNING, logger="plancache.client"):
         sdpa.install(cache, cpp=True)
     try:
         assert sdpa.installed() and sdpa._route.ext is None and sdpa.stats()["cpp_unavailable"] == 1
-        assert "C++ steady path is unavailable: cuDNN FE's C++ headers not found" in caplog.text
+        assert ("C++ steady path is unavailable: cuDNN FE's C++ headers not found" if failure == "build" else
+                "did not install: plancache: the C++ attention route is installed already") in caplog.text
     finally:
         sdpa.uninstall()
+    assert ext.uninstalled == 0, "nothing of it was installed to take back"
 
 
 def test_the_setting_turns_the_cpp_path_on_and_a_changed_choice_reinstalls(tmp_path, monkeypatch, ext):
@@ -221,22 +227,6 @@ def test_the_setting_turns_the_cpp_path_on_and_a_changed_choice_reinstalls(tmp_p
         assert sdpa._route.ext is None and ext.uninstalled == 1
     finally:
         plancache.torch.uninstall()
-
-
-def test_an_extension_that_fails_to_install_leaves_python_serving(tmp_path, monkeypatch, ext, caplog):
-    def broken(*_: Any) -> None:
-        raise RuntimeError("plancache: the C++ attention route is installed already")
-
-    monkeypatch.setattr(ext, "install", broken)
-    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
-    with caplog.at_level(logging.WARNING, logger="plancache.client"):
-        sdpa.install(cache, cpp=True)
-    try:
-        assert sdpa.installed() and sdpa._route.ext is None and sdpa.stats()["cpp_unavailable"] == 1
-        assert "did not install: plancache: the C++ attention route is installed already" in caplog.text
-    finally:
-        sdpa.uninstall()
-    assert ext.uninstalled == 0, "nothing of it was installed to take back"
 
 
 # ------------------------------------------------------------------ finding and building the extension
