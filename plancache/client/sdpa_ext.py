@@ -12,6 +12,7 @@ sdpa_ext; sdpa_ext.load()"`` does it ahead (in an image, with ``TORCH_EXTENSIONS
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,7 @@ _NAME = "plancache_sdpa_route"
 #: A CUDA toolkit's headers where ``CUDA_HOME`` is not set.
 SYSTEM_CUDA_INCLUDE = "/usr/local/cuda/include"
 
+log = logging.getLogger("plancache.client")
 _lock = threading.Lock()
 _module: Any = None
 
@@ -80,6 +82,16 @@ def build_options() -> dict[str, Any]:
                               "-ltorch_cuda"]}
 
 
+def _built(name: str) -> bool:
+    """Whether a build of ``name`` is under ``TORCH_EXTENSIONS_DIR`` already (loading it then takes milliseconds)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:  # noqa: BLE001 - torch's helper (private) changed or failed: only the warning depends on it
+        return False
+
+
 def load(*, verbose: bool = False) -> Any:
     """The compiled extension module, built on first use (see the module docstring); raises
     :class:`ExtensionUnavailable` when it cannot be built or loaded, saying why."""
@@ -94,9 +106,14 @@ def load(*, verbose: bool = False) -> Any:
                 raise ExtensionUnavailable(f"{exc.name} is not installed: pip install 'plancache[gpu]'") from None
             if torch.version.cuda is None:
                 raise ExtensionUnavailable(f"torch {torch.__version__} is a build without CUDA")
+            name = module_name()
             try:
-                _module = build(name=module_name(), sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
-                                verbose=verbose, **build_options())
+                options = build_options()
+                if not _built(name):
+                    log.warning("plancache: compiling the attention route's C++ steady path (once per machine and "
+                                "torch build: a minute or two)")
+                _module = build(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
+                                verbose=verbose, **options)
             except ExtensionUnavailable:
                 raise
             except Exception as exc:  # noqa: BLE001 - a compiler missing or failing, a library not loading

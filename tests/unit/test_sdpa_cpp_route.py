@@ -425,3 +425,32 @@ def test_each_version_of_the_source_builds_under_a_name_of_its_own(monkeypatch, 
     changed.write_bytes(sdpa_ext.SOURCE.read_bytes() + b"// another version\n")
     monkeypatch.setattr(sdpa_ext, "SOURCE", changed)
     assert sdpa_ext.module_name() != first
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_load_builds_with_the_options_found_and_says_so_when_it_compiles(monkeypatch, caplog, built):
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(sdpa_ext, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(sdpa_ext, "build_options", lambda: {"extra_include_paths": ["/fe"], "extra_ldflags": []})
+    monkeypatch.setattr(sdpa_ext, "_built", lambda name: built)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or "module")
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        assert sdpa_ext.load() == "module" and sdpa_ext.load() == "module"
+    (call,) = calls
+    assert call["name"] == sdpa_ext.module_name() and call["sources"] == [str(sdpa_ext.SOURCE)]
+    assert call["extra_include_paths"] == ["/fe"] and call["with_cuda"] is False
+    assert ("compiling the attention route's C++ steady path" in caplog.text) is not built
+
+
+def test_a_failed_compile_is_unavailable_with_the_compilers_last_words(monkeypatch):
+    def compile_fails(**_: Any) -> Any:
+        raise RuntimeError("Error building extension 'plancache_sdpa_route': sdpa_route.cpp:12: error: no match")
+
+    monkeypatch.setattr(sdpa_ext, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(sdpa_ext, "build_options", lambda: {})
+    monkeypatch.setattr(sdpa_ext, "_built", lambda name: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_fails)
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match="could not build sdpa_route.cpp: .*error: no match"):
+        sdpa_ext.load()
