@@ -6,8 +6,8 @@
 // key it. A later call of a configuration held here runs with no Python and no graph work: one hash lookup of the
 // configuration (every size, stride, dtype and flag the plan was built for), outputs and workspace from torch's
 // caching allocator on the current stream, one FE execute from a pointer array in the plan's own order. Every
-// other call (a configuration not handed here yet, an attention bias, dropout, a debug mask, a nested batch,
-// another device, an address not 16-byte aligned) calls the Python route's kernel, which decides as before.
+// other call (a configuration not handed here yet, a mask the route converts, dropout, a debug mask, a nested
+// batch, another device, an address not 16-byte aligned) calls the Python route's kernel, which decides as before.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Context.h>
@@ -87,32 +87,53 @@ void push_flags(Key& k, const at::Tensor& q, bool causal, std::optional<double> 
   k.push_back(scale.has_value() ? bits(*scale) : 0);
 }
 
-Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
-                std::optional<double> scale) {
+void push_bias(Key& k, const at::Tensor& bias) {
+  k.push_back(bias.defined());
+  if (bias.defined()) push_tensor(k, bias);
+}
+
+Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, bool stats,
+                bool causal, std::optional<double> scale) {
   Key key;
-  key.reserve(48);
+  key.reserve(64);
   key.push_back(1);
   push_tensor(key, q);
   push_tensor(key, k);
   push_tensor(key, v);
+  push_bias(key, bias);
   push_flags(key, q, causal, scale);
   key.push_back(stats);
   return key;
 }
 
 Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                 const at::Tensor& lse, bool causal, std::optional<double> scale, bool deterministic) {
+                 const at::Tensor& lse, const at::Tensor& bias, bool causal, std::optional<double> scale,
+                 bool deterministic) {
   Key key;
-  key.reserve(64);
+  key.reserve(80);
   key.push_back(2);
   push_tensor(key, q);
   push_tensor(key, k);
   push_tensor(key, v);
   push_tensor(key, out);
   push_tensor(key, lse);
+  push_bias(key, bias);
   push_flags(key, q, causal, scale);
   key.push_back(deterministic);
   return key;
+}
+
+// torch's attn_bias as the route hands it to cuDNN (plancache.client.sdpa._bias) where that is a view of it: the
+// broadcast head dim kept at size 1. Undefined where the route converts it (a boolean mask, another dtype, a
+// batch, query or key dim broadcast, keys not innermost): those calls are the Python route's.
+at::Tensor bias_view(const at::Tensor& bias, const at::Tensor& q, const at::Tensor& k) {
+  if (bias.scalar_type() != q.scalar_type()) return {};
+  auto e = bias.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+  for (int i : {0, 2, 3}) {
+    if (e.stride(i) == 0 && e.size(i) > 1) return {};
+  }
+  if (e.stride(3) != 1) return {};
+  return e.stride(1) == 0 ? e.narrow(1, 0, 1) : e;
 }
 
 // This thread's cuDNN handle on `device`, bound to the thread's current stream there.
@@ -143,17 +164,26 @@ std::shared_ptr<const Executor> find(const Map& map, const Key& key) {
   return it == map.end() ? nullptr : it->second;
 }
 
-bool aligned(std::initializer_list<const at::Tensor*> ts) {
-  uintptr_t any = 0;
-  for (auto* t : ts) any |= reinterpret_cast<uintptr_t>(t->data_ptr());
-  return any % kAlignment == 0;
-}
-
-void run(const Executor& ex, std::initializer_list<const at::Tensor*> buffers, int device,
-         const at::TensorOptions& options) {
-  void* given[kMaxBuffers];
+// The tensors of a call in the order of the Python route's roles (plancache.client.sdpa: q, k, v, o, ...).
+struct Buffers {
+  const at::Tensor* t[kMaxBuffers];
   int n = 0;
-  for (auto* t : buffers) given[n++] = t->data_ptr();
+  Buffers(std::initializer_list<const at::Tensor*> ts) {
+    for (auto* x : ts) t[n++] = x;
+  }
+  void add(const at::Tensor& x) { t[n++] = &x; }
+  bool aligned() const {
+    uintptr_t any = 0;
+    for (int i = 0; i < n; ++i) any |= reinterpret_cast<uintptr_t>(t[i]->data_ptr());
+    return any % kAlignment == 0;
+  }
+};
+
+void run(const Executor& ex, const Buffers& buffers, int device, const at::TensorOptions& options) {
+  TORCH_CHECK(buffers.n == static_cast<int>(ex.order.size()), "plancache: ", buffers.n,
+              " buffers for a plan that binds ", ex.order.size());
+  void* given[kMaxBuffers];
+  for (int i = 0; i < buffers.n; ++i) given[i] = buffers.t[i]->data_ptr();
   void* sorted[kMaxBuffers];
   for (size_t i = 0; i < ex.order.size(); ++i) sorted[i] = given[ex.order[i]];
   auto workspace = at::empty({std::max<int64_t>(ex.workspace, 1)}, options.dtype(at::kByte));
@@ -182,22 +212,24 @@ FwdOut python_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           or_undefined(r[7]), or_undefined(r[8])};
 }
 
-// A forward without bias, dropout or debug mask whose configuration is held here, run; else nothing.
-std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats,
-                                    bool causal, std::optional<double> scale) {
+// A forward without dropout or debug mask whose configuration is held here, run; else nothing. ``bias``: the
+// route's view of the attention bias (bias_view), or undefined.
+std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& bias, bool stats, bool causal, std::optional<double> scale) {
   auto& st = state();
-  if (q.get_device() != st.device || !aligned({&q, &k, &v})) return std::nullopt;
-  auto ex = find(st.forward, forward_key(q, k, v, stats, causal, scale));
+  Buffers inputs{&q, &k, &v};
+  if (bias.defined()) inputs.add(bias);
+  if (q.get_device() != st.device || !inputs.aligned()) return std::nullopt;
+  auto ex = find(st.forward, forward_key(q, k, v, bias, stats, causal, scale));
   if (!ex) return std::nullopt;
   c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   const auto b = q.size(0), h = q.size(1), s = q.size(2);
   auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
   auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
-  if (stats) {
-    run(*ex, {&q, &k, &v, &out, &lse}, st.device, q.options());
-  } else {
-    run(*ex, {&q, &k, &v, &out}, st.device, q.options());
-  }
+  Buffers buffers{&q, &k, &v, &out};
+  if (stats) buffers.add(lse);
+  if (bias.defined()) buffers.add(bias);
+  run(*ex, buffers, st.device, q.options());
   st.served_forward.fetch_add(1, std::memory_order_relaxed);
   // the philox seed and offset, which a call without dropout leaves unread (as torch's kernel returns them)
   auto seed = at::empty({}, q.options().dtype(at::kLong));
@@ -209,8 +241,11 @@ std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, co
 // aten::_scaled_dot_product_cudnn_attention's CUDA kernel.
 FwdOut forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
                bool stats, double p, bool causal, bool debug, std::optional<double> scale) {
-  if (!bias.has_value() && p == 0.0 && !debug) {
-    if (auto served = serve_forward(q, k, v, stats, causal, scale)) return *std::move(served);
+  if (p == 0.0 && !debug) {
+    const at::Tensor view = bias.has_value() ? bias_view(*bias, q, k) : at::Tensor();
+    if (!bias.has_value() || view.defined()) {
+      if (auto served = serve_forward(q, k, v, view, stats, causal, scale)) return *std::move(served);
+    }
   }
   return python_forward(q, k, v, bias, stats, p, causal, debug, scale);
 }
@@ -228,24 +263,29 @@ BwdOut python_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
   return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
 }
 
-// A backward without bias, dropout or nested batch whose configuration is held here, run; else nothing.
+// A backward without dropout or nested batch whose configuration is held here, run; else nothing. ``bias``: the
+// route's view of the attention bias (bias_view), or undefined.
 std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& logsumexp,
-                                     bool causal, std::optional<double> scale) {
+                                     const at::Tensor& bias, bool causal, std::optional<double> scale) {
   auto& st = state();
   if (q.get_device() != st.device) return std::nullopt;
   const at::Tensor lse = logsumexp.dim() == 4 ? logsumexp : logsumexp.unsqueeze(-1);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  auto ex = find(st.backward, backward_key(q, k, v, out, lse, causal, scale, deterministic));
+  auto ex = find(st.backward, backward_key(q, k, v, out, lse, bias, causal, scale, deterministic));
   if (!ex) return std::nullopt;
   at::Tensor d = dout;
   if (dout.strides() != out.strides()) {  // cuDNN reads dO in O's layout
     d = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(dout);
   }
-  if (!aligned({&q, &k, &v, &out, &d, &lse})) return std::nullopt;
+  Buffers inputs{&q, &k, &v, &out, &d, &lse};
+  if (bias.defined()) inputs.add(bias);
+  if (!inputs.aligned()) return std::nullopt;
   c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  run(*ex, {&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv}, st.device, q.options());
+  Buffers buffers{&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv};
+  if (bias.defined()) buffers.add(bias);
+  run(*ex, buffers, st.device, q.options());
   st.served_backward.fetch_add(1, std::memory_order_relaxed);
   return BwdOut{dq, dk, dv};
 }
@@ -255,8 +295,13 @@ BwdOut backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
                 const at::Tensor& out, const at::Tensor& logsumexp, const at::Tensor& seed,
                 const at::Tensor& offset, const at::Tensor& bias, const at::Tensor& cum_q, const at::Tensor& cum_k,
                 c10::SymInt max_q, c10::SymInt max_k, double p, bool causal, std::optional<double> scale) {
-  if (!bias.defined() && p == 0.0 && !cum_q.defined()) {
-    if (auto served = serve_backward(dout, q, k, v, out, logsumexp, causal, scale)) return *std::move(served);
+  if (p == 0.0 && !cum_q.defined()) {
+    const at::Tensor view = bias.defined() ? bias_view(bias, q, k) : at::Tensor();
+    if (!bias.defined() || view.defined()) {
+      if (auto served = serve_backward(dout, q, k, v, out, logsumexp, view, causal, scale)) {
+        return *std::move(served);
+      }
+    }
   }
   return python_backward(dout, q, k, v, out, logsumexp, seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal,
                          scale);
@@ -361,32 +406,36 @@ void preload(const std::string& graph_key, const py::bytes& blob) {
   st.preloaded[graph_key] = std::move(graph);
 }
 
-void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
-                 std::optional<double> scale, const std::string& graph_key, const py::bytes& blob,
-                 const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
+void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
+                 bool stats, bool causal, std::optional<double> scale, const std::string& graph_key,
+                 const py::bytes& blob, const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
   TORCH_CHECK(out_strides.size() == 4, "plancache: the forward's output strides have ", out_strides.size(),
               " entries; expected 4");
-  TORCH_CHECK(uids.size() == (stats ? 5u : 4u), "plancache: a forward binds ", stats ? 5 : 4, " buffers, not ",
-              uids.size());
+  const size_t n = 4 + stats + bias.has_value();
+  TORCH_CHECK(uids.size() == n, "plancache: this forward binds ", n, " buffers, not ", uids.size());
   check_installed();
   auto ex = load(graph_key, blob, uids, std::move(out_strides));
-  add(state().forward, forward_key(q, k, v, stats, causal, scale), std::move(ex));
+  add(state().forward, forward_key(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale), std::move(ex));
 }
 
 void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  const at::Tensor& lse, bool causal, std::optional<double> scale, bool deterministic,
-                  const std::string& graph_key, const py::bytes& blob, const std::vector<int64_t>& uids) {
-  TORCH_CHECK(uids.size() == 9u, "plancache: a backward binds 9 buffers, not ", uids.size());
+                  const at::Tensor& lse, const std::optional<at::Tensor>& bias, bool causal,
+                  std::optional<double> scale, bool deterministic, const std::string& graph_key,
+                  const py::bytes& blob, const std::vector<int64_t>& uids) {
+  const size_t n = 9 + bias.has_value();
+  TORCH_CHECK(uids.size() == n, "plancache: this backward binds ", n, " buffers, not ", uids.size());
   TORCH_CHECK(lse.dim() == 4, "plancache: the log-sum-exp of a backward is 4-d");
   check_installed();
   auto ex = load(graph_key, blob, uids, {});
-  add(state().backward, backward_key(q, k, v, out, lse, causal, scale, deterministic), std::move(ex));
+  add(state().backward, backward_key(q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale, deterministic),
+      std::move(ex));
 }
 
 // serve_forward / serve_backward for the Python route: a tuple of the kernel's outputs, or None.
-py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool stats, bool causal,
+py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& bias, bool stats, bool causal,
                             std::optional<double> scale) {
-  auto served = serve_forward(q, k, v, stats, causal, scale);
+  auto served = serve_forward(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale);
   if (!served) return py::none();
   auto& [out, lse, cum_q, cum_k, max_q, max_k, seed, offset, mask] = *served;
   return py::make_tuple(out, lse, py::none(), py::none(), max_q.guard_int(__FILE__, __LINE__),
@@ -394,8 +443,9 @@ py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 py::object py_serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& out, const at::Tensor& lse, bool causal, std::optional<double> scale) {
-  auto served = serve_backward(dout, q, k, v, out, lse, causal, scale);
+                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& bias,
+                             bool causal, std::optional<double> scale) {
+  auto served = serve_backward(dout, q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale);
   if (!served) return py::none();
   auto& [dq, dk, dv] = *served;
   return py::make_tuple(dq, dk, dv);

@@ -106,8 +106,8 @@ def test_a_configuration_run_here_once_is_handed_over_with_its_plan_and_uids_in_
     out = forward(q, k, v, scale=0.25)
     forward(q, k, v, scale=0.25)  # in the process, the C++ kernel serves this one: here, nothing is handed again
     (handed,) = ext.forwards
-    hq, hk, hv, stats, causal, scale, graph_key, blob, uids, out_strides = handed
-    assert (hq, hk, hv) == (q, k, v) and (stats, causal, scale) == (True, True, 0.25)
+    hq, hk, hv, bias, stats, causal, scale, graph_key, blob, uids, out_strides = handed
+    assert (hq, hk, hv, bias) == (q, k, v, None) and (stats, causal, scale) == (True, True, 0.25)
     spec = fwd_specs(backend)[0]
     assert graph_key == spec.graph_key
     canonical = spec.canonical_uids()
@@ -129,7 +129,7 @@ def test_a_served_plan_is_handed_over_as_the_verified_blob_the_cache_admitted(ro
     cache.context.verified[key2] = ("record", b"verified bytes")
     sdpa._route.handed.clear()
     forward(q, k, v, causal=False)
-    assert ext.forwards[-1][7] == b"verified bytes"
+    assert ext.forwards[-1][8] == b"verified bytes"
 
 
 def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setting(route):
@@ -139,24 +139,44 @@ def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setti
     sdpa._backward(torch.randn_like(o), q, k, v, o, lse.squeeze(-1), None, None, None, None, None, 64, 64, 0.0,
                    True)
     (handed,) = ext.backwards
-    assert len(handed) == 11
-    hq, hk, hv, ho, hlse, causal, scale, deterministic, graph_key, blob, uids = handed
+    assert len(handed) == 12
+    hq, hk, hv, ho, hlse, bias, causal, scale, deterministic, graph_key, blob, uids = handed
+    assert bias is None
     assert graph_key == backend.specs[-1].graph_key
     assert ho is o and hlse.shape == (2, 4, 64, 1) and (causal, scale, deterministic) == (True, None, False)
     canonical = backend.specs[-1].canonical_uids()
     assert uids == [canonical[u] for u in (1, 2, 3, 100, 200, 101, 201, 202, 203)]
 
 
-@pytest.mark.parametrize("variant", ["bias", "dropout"])
-def test_bias_and_dropout_configurations_stay_in_python(route, variant, monkeypatch):
+@pytest.mark.parametrize("variant", ["bool_mask", "float32_bias", "broadcast_rows", "dropout"])
+def test_converted_masks_and_dropout_stay_in_python(route, variant, monkeypatch):
     _, ext, _ = route
     q, k, v = qkv()
-    if variant == "bias":
-        forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16))
+    if variant == "bool_mask":
+        forward(q, k, v, torch.ones(2, 1, 1, 64, dtype=torch.bool))
+    elif variant == "float32_bias":
+        forward(q, k, v, torch.zeros(2, 1, 64, 64))
+    elif variant == "broadcast_rows":
+        forward(q, k, v, torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16))
     else:
         monkeypatch.setattr(sdpa, "_philox", lambda q, k: (torch.zeros((), dtype=torch.long),) * 2)
         forward(q, k, v, dropout=0.1)
-    assert ext.forwards == [] and sdpa.stats()["fwd"] == 1
+    assert ext.forwards == [] and ext.backwards == [] and sdpa.stats()["fwd"] == 1
+
+
+def test_an_additive_bias_of_the_inputs_dtype_is_handed_over_as_the_view_cudnn_reads(route):
+    backend, ext, _ = route
+    q, k, v = qkv()
+    bias = torch.randn(2, 1, 64, 64, dtype=torch.bfloat16)
+    o, lse = forward(q, k, v, bias)[:2]
+    (handed,) = ext.forwards
+    view = handed[3]
+    assert view.data_ptr() == bias.data_ptr() and view.shape == (2, 1, 64, 64), "no copy: the caller's own bias"
+    canonical = fwd_specs(backend)[0].canonical_uids()
+    assert handed[9] == [canonical[u] for u in (1, 2, 3, 100, 101, 4)], "the bias bound last, as in Python"
+    sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, bias, None, None, 64, 64, 0.0, True)
+    (bwd,) = ext.backwards
+    assert bwd[5].data_ptr() == bias.data_ptr() and len(bwd[11]) == 10
 
 
 def test_nothing_is_handed_over_while_a_cuda_graph_is_captured_and_a_later_eager_call_hands_it(route, monkeypatch):
@@ -303,7 +323,7 @@ def test_a_verified_plan_is_loaded_in_cpp_only_and_serves_the_first_call_there(s
     out = forward(q, k, v, lse=False)
     assert out[0] == "served forward" and backend.specs == [], "no plan built nor loaded in Python"
     (handed,) = ext.forwards
-    assert handed[6] == asked[0][0] and handed[7] == f"blob {asked[0][0]}".encode() and len(handed[8]) == 4
+    assert handed[7] == asked[0][0] and handed[8] == f"blob {asked[0][0]}".encode() and len(handed[9]) == 4
     stats = sdpa.stats()
     assert stats["fwd"] == 1 and stats["cpp:fwd"] == 1 and stats["load:server"] == 1
     assert cache.stats().deserialize_seconds > 0, "the C++ load is counted as the cache's own loads are"
@@ -359,10 +379,10 @@ def test_a_held_configuration_the_extension_cannot_serve_runs_torchs_kernel_logg
     assert sdpa.stats()["fwd_aten:unsupported"] == 1 and "lost the attention fwd" in caplog.text
 
 
-def test_bias_dropout_and_pinned_configurations_never_ask_for_verified_blobs(served, monkeypatch):
+def test_converted_masks_never_ask_for_verified_blobs(served, monkeypatch):
     _, ext, _, asked = served
     q, k, v = qkv()
-    forward(q, k, v, torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16), lse=False)
+    forward(q, k, v, torch.ones(2, 1, 64, 64, dtype=torch.bool), lse=False)
     assert asked == [] and ext.forwards == []
 
 
