@@ -474,3 +474,19 @@ def test_a_failed_compile_is_unavailable_with_the_compilers_last_words(monkeypat
     monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_fails)
     with pytest.raises(sdpa_ext.ExtensionUnavailable, match="could not build sdpa_route.cpp: .*error: no match"):
         sdpa_ext.load()
+
+
+def test_a_strict_process_without_the_plans_raises_plan_miss_through_the_cpp_path(tmp_path, monkeypatch, ext):
+    from plancache.errors import PlanMiss
+
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[], mode="strict")
+    asked: list[int] = []
+    real = cache.verified_blobs
+    monkeypatch.setattr(cache, "verified_blobs", lambda specs: asked.append(len(specs)) or real(specs))
+    sdpa.install(cache, cpp=True)
+    try:
+        with pytest.raises(PlanMiss):
+            forward(*qkv())
+        assert asked == [2] and ext.forwards == [] and ext.backwards == []
+    finally:
+        sdpa.uninstall()
