@@ -341,8 +341,8 @@ class PlanCache:
     def verified_blobs(self, specs: Iterable[SpecLike]) -> dict[str, VerifiedBlob]:
         """The verified blobs of ``specs``, for a caller that loads plans itself (the attention route's C++ steady
         path): fetched as :meth:`warm` fetches them (nothing built, never :class:`PlanMiss`), or kept from before and
-        verified again now (a withdrawal or a newer revision since refuses it), by graph key; a spec without one is
-        left out. The caller counts its loading time with :meth:`count_load`."""
+        verified again now (a withdrawal or a newer revision since refuses it; a ``memory`` hit), by graph key; a spec
+        without one is left out. The caller counts its loading time with :meth:`count_load`."""
         from ..errors import VerificationError
         from ..spec import graph_key, parse_spec
 
@@ -367,6 +367,7 @@ class PlanCache:
                     c.count("rejects", exc.reason)
                     log.warning("plancache: the kept plan %s is refused now (%s): %s", key[:12], exc.reason, exc.message)
                     continue
+                c.count("hits", StepName.MEMORY.value)
             found[key] = VerifiedBlob(*held, sources.get(key, StepName.MEMORY.value))
         return found
 

@@ -434,21 +434,22 @@ def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key
     """The C++ steady path takes the plan of graph ``graph_key`` (loaded ahead by :func:`preload`, else ``blob``
     loaded now) for the configuration ``ckey``, keyed there by ``call`` (the call's tensors and flags; a backward
     written ahead: meta tensors of its O and log-sum-exp), its buffers bound by ``uids`` in call order. False when it
-    refuses it (logged and counted once; this route keeps serving it). Its loading time counts in the cache's
-    ``deserialize_seconds``."""
+    refuses it (logged and counted once; this route keeps serving it). A plan it deserialized now (not preloaded)
+    counts its time in the cache's ``deserialize_seconds``."""
     route.handed.add(ckey)
     t0 = time.perf_counter()
     try:
         if ckey[0] == "fwd":
-            route.ext.add_forward(*call, graph_key, blob, list(uids), list(layout))
+            loaded = route.ext.add_forward(*call, graph_key, blob, list(uids), list(layout))
         else:
-            route.ext.add_backward(*call, graph_key, blob, list(uids))
+            loaded = route.ext.add_backward(*call, graph_key, blob, list(uids))
     except Exception as exc:  # noqa: BLE001 - this route keeps serving it
         log.warning("plancache: the C++ steady path did not take the attention %s of %s (Python serves it): %s",
                     ckey[0], _describe(ckey), exc)
         route.count(f"{ckey[0]}_cpp_refused")
+        route.cache.count_load(time.perf_counter() - t0)
         return False
-    finally:
+    if loaded:
         route.cache.count_load(time.perf_counter() - t0)
     return True
 

@@ -91,11 +91,10 @@ def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str], loader
     t0 = time.perf_counter()
     try:
         if loader is not None and load:
-            cache.warm(specs)  # fetched and verified: the loader takes what it can of the rest
-            named = [s for s in specs if s.graph_key in load]
-            blobs = cache.verified_blobs(named)
-            load = frozenset(s.graph_key for s in named
-                             if s.graph_key not in blobs or not loader(s, blobs[s.graph_key].blob))
+            cache.warm(specs)  # fetched and verified (kept): the loader takes what it can of those named
+            held = cache.context.verified
+            load = frozenset(s.graph_key for s in specs if s.graph_key in load
+                             and not (s.graph_key in held and loader(s, held[s.graph_key][1])))
         kept = cache.warm(specs, load=load)
     except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
         log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,

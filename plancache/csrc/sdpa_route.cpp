@@ -320,10 +320,11 @@ std::shared_ptr<fe::graph::Graph> deserialize(const py::bytes& blob) {
   return graph;
 }
 
-// A configuration's executor of a plan (the one preloaded under `graph_key`, else `blob` loaded now), checked: the
-// uids the plan binds are exactly those of the call's buffers, in whatever order.
+// A configuration's executor of a plan (the one preloaded under `graph_key`, else `blob` loaded now: `loaded`),
+// checked: the uids the plan binds are exactly those of the call's buffers, in whatever order.
 std::shared_ptr<const Executor> load(const std::string& graph_key, const py::bytes& blob,
-                                     const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
+                                     const std::vector<int64_t>& uids, std::vector<int64_t> out_strides,
+                                     bool& loaded) {
   TORCH_CHECK(!uids.empty() && uids.size() <= kMaxBuffers, "plancache: ", uids.size(), " buffers; at most ",
               kMaxBuffers);
   auto ex = std::make_shared<Executor>();
@@ -333,7 +334,8 @@ std::shared_ptr<const Executor> load(const std::string& graph_key, const py::byt
     auto it = st.preloaded.find(graph_key);
     if (it != st.preloaded.end()) ex->graph = it->second;
   }
-  if (!ex->graph) ex->graph = deserialize(blob);
+  loaded = !ex->graph;
+  if (loaded) ex->graph = deserialize(blob);
   std::vector<int64_t> sorted;
   {
     py::gil_scoped_release nogil;
@@ -406,7 +408,8 @@ void preload(const std::string& graph_key, const py::bytes& blob) {
   st.preloaded[graph_key] = std::move(graph);
 }
 
-void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
+// Returns whether the plan was deserialized now (not preloaded).
+bool add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
                  bool stats, bool causal, std::optional<double> scale, const std::string& graph_key,
                  const py::bytes& blob, const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
   TORCH_CHECK(out_strides.size() == 4, "plancache: the forward's output strides have ", out_strides.size(),
@@ -414,11 +417,14 @@ void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const size_t n = 4 + stats + bias.has_value();
   TORCH_CHECK(uids.size() == n, "plancache: this forward binds ", n, " buffers, not ", uids.size());
   check_installed();
-  auto ex = load(graph_key, blob, uids, std::move(out_strides));
+  bool loaded = false;
+  auto ex = load(graph_key, blob, uids, std::move(out_strides), loaded);
   add(state().forward, forward_key(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale), std::move(ex));
+  return loaded;
 }
 
-void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+// Returns whether the plan was deserialized now (not preloaded).
+bool add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                   const at::Tensor& lse, const std::optional<at::Tensor>& bias, bool causal,
                   std::optional<double> scale, bool deterministic, const std::string& graph_key,
                   const py::bytes& blob, const std::vector<int64_t>& uids) {
@@ -426,9 +432,11 @@ void add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(uids.size() == n, "plancache: this backward binds ", n, " buffers, not ", uids.size());
   TORCH_CHECK(lse.dim() == 4, "plancache: the log-sum-exp of a backward is 4-d");
   check_installed();
-  auto ex = load(graph_key, blob, uids, {});
+  bool loaded = false;
+  auto ex = load(graph_key, blob, uids, {}, loaded);
   add(state().backward, backward_key(q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale, deterministic),
       std::move(ex));
+  return loaded;
 }
 
 // serve_forward / serve_backward for the Python route: a tuple of the kernel's outputs, or None.

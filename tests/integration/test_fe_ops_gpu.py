@@ -168,16 +168,19 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
               f"{offline['paths'][name].get('first_ms', float('nan')):>9.1f}  {worst:.2e}")
 
 
-def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path):
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path, cpp):
     """PLANCACHE_WARM: a fresh strict process fetches every captured graph's plan in one resolve at install; each
     path's graphs then load from the kept blobs (memory), none asks the server; a graph without a tuned plan
     (:data:`UNTUNED`), which that resolve missed, raises PlanMiss when built without asking again (a client
-    remembers a miss for a minute: plancache.client.remote.MISS_RECHECK_SECONDS)."""
+    remembers a miss for a minute: plancache.client.remote.MISS_RECHECK_SECONDS). ``cpp``: with the attention
+    route's C++ steady path, which the warm start loads the route's plans into."""
     srv, root, capture, tuned, failed = fleet
     before = srv.requests[RESOLVE]
     warm = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                  "--cache", str(tmp_path / "cache"), "--mode", "strict",
-                 settings={"PLANCACHE_WARM": str(root / "capture.json")})
+                 settings={"PLANCACHE_WARM": str(root / "capture.json"),
+                           **({"PLANCACHE_ATTENTION_CPP": "1"} if cpp else {})})
     check_numerics(warm, "warm", untuned=bool(failed))
     check_served(warm, "warm", hits="memory", untuned=bool(failed))
     assert srv.requests[RESOLVE] - before == 1
@@ -186,6 +189,11 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
     # the route's plans run from graphs of plancache's own: the warm start deserialized them, the first call nothing
     assert warm["paths"]["torch_sdpa"]["deserialize_ms"] == 0, warm["paths"]["torch_sdpa"]
+    route = warm["sdpa_route"]
+    if cpp:  # the first call bound the plans the warm start loaded into the C++ side, and ran there
+        assert not route.get("cpp_unavailable") and route.get("cpp:fwd", 0) >= 1 and route.get("cpp:bwd", 0) >= 1, route
+    else:
+        assert "cpp:fwd" not in route, route
     print(f"\n{'path':<20}{'first ms (FE)':>15}{'first ms (served, warm)':>25}")
     for name, got in warm["paths"].items():
         if "first_ms" in got:

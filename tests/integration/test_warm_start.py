@@ -408,6 +408,7 @@ def test_verified_blobs_are_fetched_together_loaded_nowhere_and_say_where_they_c
     assert loaded(cache) == [] and cache.stats().hits == {"server": 2}
     again = cache.verified_blobs(specs[:2])
     assert [f.source for f in again.values()] == ["memory", "memory"] and srv.requests[RESOLVE] == 1
+    assert cache.stats().hits == {"server": 2, "memory": 2}, "each kept blob handed out is a memory hit, as plan()'s"
     cache.count_load(0.25)
     assert cache.stats().deserialize_seconds == 0.25
 

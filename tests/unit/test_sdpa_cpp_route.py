@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import types
 from typing import Any
 
@@ -48,15 +49,22 @@ class FakeExt:
             raise RuntimeError("FE could not load the plan")
         self.preloaded.append((graph_key, blob))
 
-    def add_forward(self, *args: Any) -> None:
+    def add_forward(self, *args: Any) -> bool:
         if self.refuse:
             raise RuntimeError("plancache: the plan binds 6 tensors; the call has 5")
         self.forwards.append(args)
+        return self._loads(args[-4])
 
-    def add_backward(self, *args: Any) -> None:
+    def add_backward(self, *args: Any) -> bool:
         if self.refuse:
             raise RuntimeError("refused")
         self.backwards.append(args)
+        return self._loads(args[-3])
+
+    def _loads(self, graph_key: str) -> bool:
+        """Whether add_* deserializes (True) or binds a preloaded plan; a little time passes either way."""
+        time.sleep(0.001)
+        return graph_key not in dict(self.preloaded)
 
     def counts(self) -> dict[str, int]:
         return {**self.served, "fwd_configs": len(self.forwards), "bwd_configs": len(self.backwards)}
@@ -490,3 +498,18 @@ def test_a_strict_process_without_the_plans_raises_plan_miss_through_the_cpp_pat
         assert asked == [2] and ext.forwards == [] and ext.backwards == []
     finally:
         sdpa.uninstall()
+
+
+def test_a_plan_preloaded_by_the_warm_start_is_only_bound_at_the_first_call(served):
+    """Its deserializing was counted when the warm start loaded it (:func:`sdpa.preload`); binding it counts nothing
+    more."""
+    _, ext, cache, _ = served
+    q, k, v = qkv()
+    forward(q, k, v, lse=False)  # deserialized by the C++ side now: counted
+    counted = cache.stats().deserialize_seconds
+    assert counted > 0
+    ext.preloaded.append((ext.forwards[0][7], b"preloaded"))  # as a warm start's preload leaves it
+    sdpa._route.executors.clear()  # the configuration met anew, as in a process that warm-started
+    sdpa._route.handed.clear()
+    forward(q, k, v, lse=False)
+    assert len(ext.forwards) == 2 and cache.stats().deserialize_seconds == counted
