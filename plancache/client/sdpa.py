@@ -19,8 +19,9 @@ Calls that go to torch's own C++ kernel, counted in :func:`stats` by :data:`ATEN
 
 With ``install(cpp=True)`` (``PLANCACHE_ATTENTION_CPP``) the steady path runs in C++ (:mod:`~plancache.client.sdpa_ext`,
 ``plancache/csrc/sdpa_route.cpp``): kernels registered over these, holding the plans of the configurations run here
-once without dropout or a mask this route converts (:func:`_viewed`); a later call of one is served with no Python
-at all, and every other call comes here. Where the extension cannot be built, the route runs as above and says why once.
+once without a mask this route converts (:func:`_viewed`); a later call of one is served with no Python at all
+(dropout drawn from torch's generator as :func:`_philox` draws it, except under CUDA-graph capture), and every other
+call comes here. Where the extension cannot be built, the route runs as above and says why once.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
     if reason is None:
         assert route is not None
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
-        cpp = not dropout_p and _viewed(attn_bias, bias)
+        cpp = _viewed(attn_bias, bias)
         ckey = _forward_key(query, key, value, bias, compute_log_sumexp, is_causal, scale, dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
@@ -291,7 +292,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                                          lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal,
                                                                 scale, dropout_p),
                                          _inner_strided(query, key, value, bias),
-                                         (query, key, value, bias, compute_log_sumexp, is_causal, scale)
+                                         (query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale)
                                          if cpp else None),
                           _backward_ahead(query, key, value, bias, is_causal, scale, dropout_p, cpp)
                           if compute_log_sumexp else None)
@@ -304,7 +305,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             route.count(f"fwd_native:{ex.kernel}")
             return out, lse, None, None, query.shape[2], key.shape[2], *_unused_rng(query), None
         elif isinstance(ex, _Held):
-            served = route.ext.serve_forward(query, key, value, bias, compute_log_sumexp, is_causal, scale)
+            served = route.ext.serve_forward(query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale)
             if served is not None:
                 return served
             reason = _lost(ckey)
@@ -328,7 +329,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
             if route.ext is not None and cpp and ckey not in route.handed:
-                _hand(route, ckey, (query, key, value, bias, compute_log_sumexp, is_causal, scale), ex)
+                _hand(route, ckey, (query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale), ex)
             return out, lse, None, None, s, key.shape[2], *rng, None
     if route is not None:
         route.count(f"fwd_aten:{reason}")
@@ -351,7 +352,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
             grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
         lse = logsumexp if logsumexp.dim() == 4 else logsumexp.unsqueeze(-1)
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
-        cpp = not dropout_p and _viewed(attn_bias, bias)
+        cpp = _viewed(attn_bias, bias)
         deterministic = torch.are_deterministic_algorithms_enabled()
         ckey = _backward_key(query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
         ex = route.executors.get(ckey)
@@ -367,7 +368,8 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
             route.count(f"bwd_native:{ex.kernel}")
             return ex.backward(grad_out, query, key, value, out, lse, bias, is_causal, scale)
         elif isinstance(ex, _Held):
-            served = route.ext.serve_backward(grad_out, query, key, value, out, lse, bias, is_causal, scale)
+            served = route.ext.serve_backward(grad_out, query, key, value, out, lse, philox_seed, philox_offset, bias,
+                                              dropout_p, is_causal, scale)
             if served is not None:
                 return served
             reason = _lost(ckey)
@@ -381,7 +383,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
             _run(route, ex, buffers)
             route.counts["bwd"] += 1
             if route.ext is not None and cpp and ckey not in route.handed:
-                _hand(route, ckey, (query, key, value, out, lse, bias, is_causal, scale, deterministic), ex)
+                _hand(route, ckey, (query, key, value, out, lse, bias, dropout_p, is_causal, scale, deterministic), ex)
             return dq, dk, dv
     if route is not None:
         route.count(f"bwd_aten:{reason}")
@@ -457,10 +459,10 @@ def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key
 def preload(spec: Any, blob: bytes) -> bool:
     """Load a verified plan of the route's (a warm start's: ``hook.install(warm_loader=...)``) into the C++ steady
     path ahead of its configurations' first calls, which then only bind it. False where that path may not serve
-    the spec (dropout; a mask, which the route may convert per call: a spec does not tell), is not installed, or
-    refuses it (logged): the caller loads it itself."""
+    the spec (a mask, which the route may convert per call: a spec does not tell), is not installed, or refuses it
+    (logged): the caller loads it itself."""
     route = _route
-    if route is None or route.ext is None or {t.name for t in spec.tensors} & {"bias", "seed", "offset"}:
+    if route is None or route.ext is None or any(t.name == "bias" for t in spec.tensors):
         return False
     t0 = time.perf_counter()
     try:
@@ -576,7 +578,7 @@ class _Config:
     write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]
     strided: bool = False  # an input's innermost stride is not 1: torch's kernel runs it ("layout")
     #: The C++ steady path's key of it: the tensors and flags ``add_forward`` / ``add_backward`` take; None where
-    #: that path does not serve it (dropout, a mask the route converts: :func:`_viewed`).
+    #: that path does not serve it (a mask the route converts: :func:`_viewed`).
     cpp_call: tuple[Any, ...] | None = None
 
     @property
@@ -604,7 +606,7 @@ def _backward_config(ckey: tuple[Any, ...], query: Any, key: Any, value: Any, ou
                    lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic,
                                            dropout_p),
                    _inner_strided(query, key, value, out, lse, bias),
-                   (query, key, value, out, lse, bias, is_causal, scale, deterministic) if cpp else None)
+                   (query, key, value, out, lse, bias, dropout_p, is_causal, scale, deterministic) if cpp else None)
 
 
 def _viewed(attn_bias: Any, bias: Any) -> bool:
@@ -725,7 +727,7 @@ def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _
     """The configurations of ``written`` the C++ steady path takes from verified blobs, by key: their plans asked
     for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one round trip to the server for those it is
     asked for) and loaded there only, never into a Python graph; or the native kernel a record measured faster.
-    The others (no C++ path, dropout or a converted mask, no verified plan, a plan it refuses) load here as before."""
+    The others (no C++ path, a converted mask, no verified plan, a plan it refuses) load here as before."""
     eligible = [w for w in written if route.ext is not None and w.config.cpp_call is not None]
     if not eligible:
         return {}

@@ -6,11 +6,14 @@
 // key it. A later call of a configuration held here runs with no Python and no graph work: one hash lookup of the
 // configuration (every size, stride, dtype and flag the plan was built for), outputs and workspace from torch's
 // caching allocator on the current stream, one FE execute from a pointer array in the plan's own order. Every
-// other call (a configuration not handed here yet, a mask the route converts, dropout, a debug mask, a nested
-// batch, another device, an address not 16-byte aligned) calls the Python route's kernel, which decides as before.
+// other call (a configuration not handed here yet, a mask the route converts, dropout under CUDA-graph capture, a
+// debug mask, a nested batch, another device, an address not 16-byte aligned) calls the Python route's kernel,
+// which decides as before.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Context.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cudnn_frontend.h>
@@ -29,7 +32,7 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kMaxBuffers = 16;  // a forward binds 5 buffers, a backward 9
+constexpr int kMaxBuffers = 16;  // a forward binds 4 to 8 buffers, a backward 9 to 12
 constexpr uintptr_t kAlignment = 16;
 
 using Key = std::vector<int64_t>;
@@ -80,11 +83,12 @@ int64_t bits(double v) {
   return out;
 }
 
-void push_flags(Key& k, const at::Tensor& q, bool causal, std::optional<double> scale) {
+void push_flags(Key& k, const at::Tensor& q, bool causal, std::optional<double> scale, double p) {
   k.push_back(static_cast<int64_t>(q.scalar_type()));
   k.push_back(causal);
   k.push_back(scale.has_value());
   k.push_back(scale.has_value() ? bits(*scale) : 0);
+  k.push_back(bits(p));
 }
 
 void push_bias(Key& k, const at::Tensor& bias) {
@@ -93,7 +97,7 @@ void push_bias(Key& k, const at::Tensor& bias) {
 }
 
 Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, bool stats,
-                bool causal, std::optional<double> scale) {
+                bool causal, std::optional<double> scale, double p) {
   Key key;
   key.reserve(64);
   key.push_back(1);
@@ -101,13 +105,13 @@ Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   push_tensor(key, k);
   push_tensor(key, v);
   push_bias(key, bias);
-  push_flags(key, q, causal, scale);
+  push_flags(key, q, causal, scale, p);
   key.push_back(stats);
   return key;
 }
 
 Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                 const at::Tensor& lse, const at::Tensor& bias, bool causal, std::optional<double> scale,
+                 const at::Tensor& lse, const at::Tensor& bias, bool causal, std::optional<double> scale, double p,
                  bool deterministic) {
   Key key;
   key.reserve(80);
@@ -118,7 +122,7 @@ Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   push_tensor(key, out);
   push_tensor(key, lse);
   push_bias(key, bias);
-  push_flags(key, q, causal, scale);
+  push_flags(key, q, causal, scale, p);
   key.push_back(deterministic);
   return key;
 }
@@ -162,6 +166,28 @@ std::shared_ptr<const Executor> find(const Map& map, const Key& key) {
   std::shared_lock<std::shared_mutex> g(state().lock);
   auto it = map.find(key);
   return it == map.end() ? nullptr : it->second;
+}
+
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// The philox seed and offset a dropout forward hands cuDNN, drawn as the Python route draws them (sdpa._philox,
+// torch's own cuDNN kernel's way): the device generator's seed and offset, the offset then advanced by one draw
+// per element of the attention matrix; int64 scalars on the device (a 64-bit seed as the int64 of its bits).
+std::pair<at::Tensor, at::Tensor> philox(const at::Tensor& q, const at::Tensor& k) {
+  auto* impl = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(q.get_device()));
+  uint64_t seed = 0, offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl->mutex_);
+    seed = impl->current_seed();
+    offset = impl->get_offset();
+    const uint64_t draws = static_cast<uint64_t>(q.size(0) * q.size(1) * q.size(2) * k.size(2));
+    impl->set_offset(offset + (draws + 3) / 4 * 4);
+  }
+  auto options = q.options().dtype(at::kLong);
+  return {at::full({}, static_cast<int64_t>(seed), options), at::full({}, static_cast<int64_t>(offset), options)};
 }
 
 // The tensors of a call in the order of the Python route's roles (plancache.client.sdpa: q, k, v, o, ...).
@@ -215,25 +241,32 @@ FwdOut python_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // A forward without dropout or debug mask whose configuration is held here, run; else nothing. ``bias``: the
 // route's view of the attention bias (bias_view), or undefined.
 std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& bias, bool stats, bool causal, std::optional<double> scale) {
+                                    const at::Tensor& bias, bool stats, bool causal, std::optional<double> scale,
+                                    double p) {
   auto& st = state();
   Buffers inputs{&q, &k, &v};
   if (bias.defined()) inputs.add(bias);
   if (q.get_device() != st.device || !inputs.aligned()) return std::nullopt;
-  auto ex = find(st.forward, forward_key(q, k, v, bias, stats, causal, scale));
+  auto ex = find(st.forward, forward_key(q, k, v, bias, stats, causal, scale, p));
   if (!ex) return std::nullopt;
+  if (p != 0.0 && capturing()) return std::nullopt;  // a replay must draw anew: torch's own kernel does
   c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   const auto b = q.size(0), h = q.size(1), s = q.size(2);
   auto out = at::empty_strided({b, h, s, v.size(3)}, ex->out_strides, q.options());
   auto lse = at::empty({b, h, s, 1}, q.options().dtype(at::kFloat));
+  // the philox seed and offset: drawn for dropout; else unread, as torch's own kernel returns them
+  auto [seed, offset] = p != 0.0 ? philox(q, k)
+                                 : std::pair{at::empty({}, q.options().dtype(at::kLong)),
+                                             at::empty({}, q.options().dtype(at::kLong))};
   Buffers buffers{&q, &k, &v, &out};
   if (stats) buffers.add(lse);
   if (bias.defined()) buffers.add(bias);
+  if (p != 0.0) {
+    buffers.add(seed);
+    buffers.add(offset);
+  }
   run(*ex, buffers, st.device, q.options());
   st.served_forward.fetch_add(1, std::memory_order_relaxed);
-  // the philox seed and offset, which a call without dropout leaves unread (as torch's kernel returns them)
-  auto seed = at::empty({}, q.options().dtype(at::kLong));
-  auto offset = at::empty({}, q.options().dtype(at::kLong));
   return FwdOut{out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
                 at::Tensor()};
 }
@@ -241,10 +274,10 @@ std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, co
 // aten::_scaled_dot_product_cudnn_attention's CUDA kernel.
 FwdOut forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
                bool stats, double p, bool causal, bool debug, std::optional<double> scale) {
-  if (p == 0.0 && !debug) {
+  if (!debug) {
     const at::Tensor view = bias.has_value() ? bias_view(*bias, q, k) : at::Tensor();
     if (!bias.has_value() || view.defined()) {
-      if (auto served = serve_forward(q, k, v, view, stats, causal, scale)) return *std::move(served);
+      if (auto served = serve_forward(q, k, v, view, stats, causal, scale, p)) return *std::move(served);
     }
   }
   return python_forward(q, k, v, bias, stats, p, causal, debug, scale);
@@ -267,12 +300,17 @@ BwdOut python_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
 // route's view of the attention bias (bias_view), or undefined.
 std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& logsumexp,
-                                     const at::Tensor& bias, bool causal, std::optional<double> scale) {
+                                     const at::Tensor& bias, bool causal, std::optional<double> scale, double p,
+                                     const at::Tensor& seed, const at::Tensor& offset) {
   auto& st = state();
   if (q.get_device() != st.device) return std::nullopt;
+  if (p != 0.0 && !(seed.defined() && offset.defined() && seed.get_device() == st.device &&
+                    offset.get_device() == st.device)) {
+    return std::nullopt;  // not what a cuDNN forward returns: torch's own kernel
+  }
   const at::Tensor lse = logsumexp.dim() == 4 ? logsumexp : logsumexp.unsqueeze(-1);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  auto ex = find(st.backward, backward_key(q, k, v, out, lse, bias, causal, scale, deterministic));
+  auto ex = find(st.backward, backward_key(q, k, v, out, lse, bias, causal, scale, p, deterministic));
   if (!ex) return std::nullopt;
   at::Tensor d = dout;
   if (dout.strides() != out.strides()) {  // cuDNN reads dO in O's layout
@@ -285,6 +323,10 @@ std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Buffers buffers{&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv};
   if (bias.defined()) buffers.add(bias);
+  if (p != 0.0) {
+    buffers.add(seed);
+    buffers.add(offset);
+  }
   run(*ex, buffers, st.device, q.options());
   st.served_backward.fetch_add(1, std::memory_order_relaxed);
   return BwdOut{dq, dk, dv};
@@ -295,10 +337,10 @@ BwdOut backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
                 const at::Tensor& out, const at::Tensor& logsumexp, const at::Tensor& seed,
                 const at::Tensor& offset, const at::Tensor& bias, const at::Tensor& cum_q, const at::Tensor& cum_k,
                 c10::SymInt max_q, c10::SymInt max_k, double p, bool causal, std::optional<double> scale) {
-  if (p == 0.0 && !cum_q.defined()) {
+  if (!cum_q.defined()) {
     const at::Tensor view = bias.defined() ? bias_view(bias, q, k) : at::Tensor();
     if (!bias.defined() || view.defined()) {
-      if (auto served = serve_backward(dout, q, k, v, out, logsumexp, view, causal, scale)) {
+      if (auto served = serve_backward(dout, q, k, v, out, logsumexp, view, causal, scale, p, seed, offset)) {
         return *std::move(served);
       }
     }
@@ -410,40 +452,40 @@ void preload(const std::string& graph_key, const py::bytes& blob) {
 
 // Returns whether the plan was deserialized now (not preloaded).
 bool add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
-                 bool stats, bool causal, std::optional<double> scale, const std::string& graph_key,
+                 bool stats, double p, bool causal, std::optional<double> scale, const std::string& graph_key,
                  const py::bytes& blob, const std::vector<int64_t>& uids, std::vector<int64_t> out_strides) {
   TORCH_CHECK(out_strides.size() == 4, "plancache: the forward's output strides have ", out_strides.size(),
               " entries; expected 4");
-  const size_t n = 4 + stats + bias.has_value();
+  const size_t n = 4 + stats + bias.has_value() + 2 * (p != 0.0);
   TORCH_CHECK(uids.size() == n, "plancache: this forward binds ", n, " buffers, not ", uids.size());
   check_installed();
   bool loaded = false;
   auto ex = load(graph_key, blob, uids, std::move(out_strides), loaded);
-  add(state().forward, forward_key(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale), std::move(ex));
+  add(state().forward, forward_key(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale, p), std::move(ex));
   return loaded;
 }
 
 // Returns whether the plan was deserialized now (not preloaded).
 bool add_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  const at::Tensor& lse, const std::optional<at::Tensor>& bias, bool causal,
+                  const at::Tensor& lse, const std::optional<at::Tensor>& bias, double p, bool causal,
                   std::optional<double> scale, bool deterministic, const std::string& graph_key,
                   const py::bytes& blob, const std::vector<int64_t>& uids) {
-  const size_t n = 9 + bias.has_value();
+  const size_t n = 9 + bias.has_value() + 2 * (p != 0.0);
   TORCH_CHECK(uids.size() == n, "plancache: this backward binds ", n, " buffers, not ", uids.size());
   TORCH_CHECK(lse.dim() == 4, "plancache: the log-sum-exp of a backward is 4-d");
   check_installed();
   bool loaded = false;
   auto ex = load(graph_key, blob, uids, {}, loaded);
-  add(state().backward, backward_key(q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale, deterministic),
-      std::move(ex));
+  add(state().backward,
+      backward_key(q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale, p, deterministic), std::move(ex));
   return loaded;
 }
 
 // serve_forward / serve_backward for the Python route: a tuple of the kernel's outputs, or None.
 py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& bias, bool stats, bool causal,
+                            const std::optional<at::Tensor>& bias, bool stats, double p, bool causal,
                             std::optional<double> scale) {
-  auto served = serve_forward(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale);
+  auto served = serve_forward(q, k, v, bias.value_or(at::Tensor()), stats, causal, scale, p);
   if (!served) return py::none();
   auto& [out, lse, cum_q, cum_k, max_q, max_k, seed, offset, mask] = *served;
   return py::make_tuple(out, lse, py::none(), py::none(), max_q.guard_int(__FILE__, __LINE__),
@@ -451,9 +493,11 @@ py::object py_serve_forward(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 py::object py_serve_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& bias,
+                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& seed,
+                             const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, double p,
                              bool causal, std::optional<double> scale) {
-  auto served = serve_backward(dout, q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale);
+  auto served = serve_backward(dout, q, k, v, out, lse, bias.value_or(at::Tensor()), causal, scale, p,
+                               seed.value_or(at::Tensor()), offset.value_or(at::Tensor()));
   if (!served) return py::none();
   auto& [dq, dk, dv] = *served;
   return py::make_tuple(dq, dk, dv);

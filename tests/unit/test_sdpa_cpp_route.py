@@ -114,8 +114,8 @@ def test_a_configuration_run_here_once_is_handed_over_with_its_plan_and_uids_in_
     out = forward(q, k, v, scale=0.25)
     forward(q, k, v, scale=0.25)  # in the process, the C++ kernel serves this one: here, nothing is handed again
     (handed,) = ext.forwards
-    hq, hk, hv, bias, stats, causal, scale, graph_key, blob, uids, out_strides = handed
-    assert (hq, hk, hv, bias) == (q, k, v, None) and (stats, causal, scale) == (True, True, 0.25)
+    hq, hk, hv, bias, stats, p, causal, scale, graph_key, blob, uids, out_strides = handed
+    assert (hq, hk, hv, bias) == (q, k, v, None) and (stats, p, causal, scale) == (True, 0.0, True, 0.25)
     spec = fwd_specs(backend)[0]
     assert graph_key == spec.graph_key
     canonical = spec.canonical_uids()
@@ -137,7 +137,7 @@ def test_a_served_plan_is_handed_over_as_the_verified_blob_the_cache_admitted(ro
     cache.context.verified[key2] = ("record", b"verified bytes")
     sdpa._route.handed.clear()
     forward(q, k, v, causal=False)
-    assert ext.forwards[-1][8] == b"verified bytes"
+    assert ext.forwards[-1][9] == b"verified bytes"
 
 
 def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setting(route):
@@ -147,29 +147,41 @@ def test_a_backward_is_handed_over_with_nine_buffers_and_its_deterministic_setti
     sdpa._backward(torch.randn_like(o), q, k, v, o, lse.squeeze(-1), None, None, None, None, None, 64, 64, 0.0,
                    True)
     (handed,) = ext.backwards
-    assert len(handed) == 12
-    hq, hk, hv, ho, hlse, bias, causal, scale, deterministic, graph_key, blob, uids = handed
-    assert bias is None
+    assert len(handed) == 13
+    hq, hk, hv, ho, hlse, bias, p, causal, scale, deterministic, graph_key, blob, uids = handed
+    assert bias is None and p == 0.0
     assert graph_key == backend.specs[-1].graph_key
     assert ho is o and hlse.shape == (2, 4, 64, 1) and (causal, scale, deterministic) == (True, None, False)
     canonical = backend.specs[-1].canonical_uids()
     assert uids == [canonical[u] for u in (1, 2, 3, 100, 200, 101, 201, 202, 203)]
 
 
-@pytest.mark.parametrize("variant", ["bool_mask", "float32_bias", "broadcast_rows", "dropout"])
-def test_converted_masks_and_dropout_stay_in_python(route, variant, monkeypatch):
+@pytest.mark.parametrize("variant", ["bool_mask", "float32_bias", "broadcast_rows"])
+def test_converted_masks_stay_in_python(route, variant):
     _, ext, _ = route
     q, k, v = qkv()
     if variant == "bool_mask":
         forward(q, k, v, torch.ones(2, 1, 1, 64, dtype=torch.bool))
     elif variant == "float32_bias":
         forward(q, k, v, torch.zeros(2, 1, 64, 64))
-    elif variant == "broadcast_rows":
-        forward(q, k, v, torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16))
     else:
-        monkeypatch.setattr(sdpa, "_philox", lambda q, k: (torch.zeros((), dtype=torch.long),) * 2)
-        forward(q, k, v, dropout=0.1)
+        forward(q, k, v, torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16))
     assert ext.forwards == [] and ext.backwards == [] and sdpa.stats()["fwd"] == 1
+
+
+def test_a_dropout_configuration_is_handed_over_with_p_and_its_seed_and_offset_bound_last(route, monkeypatch):
+    backend, ext, _ = route
+    seeds = (torch.full((), 7, dtype=torch.long), torch.full((), 1000, dtype=torch.long))
+    monkeypatch.setattr(sdpa, "_philox", lambda q, k: seeds)
+    q, k, v = qkv()
+    out = forward(q, k, v, dropout=0.1)
+    (handed,) = ext.forwards
+    assert handed[5] == pytest.approx(0.1)
+    canonical = fwd_specs(backend)[0].canonical_uids()
+    assert handed[10] == [canonical[u] for u in (1, 2, 3, 100, 101, 5, 6)]
+    sdpa._backward(torch.randn_like(q), q, k, v, out[0], out[1], out[6], out[7], None, None, None, 64, 64, 0.1, True)
+    (bwd,) = ext.backwards
+    assert bwd[6] == pytest.approx(0.1) and len(bwd[12]) == 11
 
 
 def test_an_additive_bias_of_the_inputs_dtype_is_handed_over_as_the_view_cudnn_reads(route):
@@ -181,10 +193,10 @@ def test_an_additive_bias_of_the_inputs_dtype_is_handed_over_as_the_view_cudnn_r
     view = handed[3]
     assert view.data_ptr() == bias.data_ptr() and view.shape == (2, 1, 64, 64), "no copy: the caller's own bias"
     canonical = fwd_specs(backend)[0].canonical_uids()
-    assert handed[9] == [canonical[u] for u in (1, 2, 3, 100, 101, 4)], "the bias bound last, as in Python"
+    assert handed[10] == [canonical[u] for u in (1, 2, 3, 100, 101, 4)], "the bias bound last, as in Python"
     sdpa._backward(torch.randn_like(o), q, k, v, o, lse, None, None, bias, None, None, 64, 64, 0.0, True)
     (bwd,) = ext.backwards
-    assert bwd[5].data_ptr() == bias.data_ptr() and len(bwd[11]) == 10
+    assert bwd[5].data_ptr() == bias.data_ptr() and len(bwd[12]) == 10
 
 
 def test_nothing_is_handed_over_while_a_cuda_graph_is_captured_and_a_later_eager_call_hands_it(route, monkeypatch):
@@ -331,7 +343,7 @@ def test_a_verified_plan_is_loaded_in_cpp_only_and_serves_the_first_call_there(s
     out = forward(q, k, v, lse=False)
     assert out[0] == "served forward" and backend.specs == [], "no plan built nor loaded in Python"
     (handed,) = ext.forwards
-    assert handed[7] == asked[0][0] and handed[8] == f"blob {asked[0][0]}".encode() and len(handed[9]) == 4
+    assert handed[8] == asked[0][0] and handed[9] == f"blob {asked[0][0]}".encode() and len(handed[10]) == 4
     stats = sdpa.stats()
     assert stats["fwd"] == 1 and stats["cpp:fwd"] == 1 and stats["load:server"] == 1
     assert cache.stats().deserialize_seconds > 0, "the C++ load is counted as the cache's own loads are"
@@ -402,12 +414,13 @@ def _spec(*names: str) -> Any:
                                  tensors=[types.SimpleNamespace(name=n) for n in names])
 
 
-def test_preload_loads_a_plain_attention_plan_ahead_and_declines_bias_and_dropout(route):
+def test_preload_loads_an_attention_plan_ahead_and_declines_one_with_a_mask(route):
     _, ext, cache = route
     assert sdpa.preload(_spec("q", "k", "v", "o", "stats"), b"plan") is True
-    assert ext.preloaded == [("key of q+k+v+o+stats", b"plan")] and cache.stats().deserialize_seconds > 0
-    assert sdpa.preload(_spec("q", "k", "v", "o", "bias"), b"plan") is False
-    assert sdpa.preload(_spec("q", "k", "v", "o", "seed", "offset"), b"plan") is False
+    assert sdpa.preload(_spec("q", "k", "v", "o", "seed", "offset"), b"dropout plan") is True
+    assert ext.preloaded == [("key of q+k+v+o+stats", b"plan"), ("key of q+k+v+o+seed+offset", b"dropout plan")]
+    assert cache.stats().deserialize_seconds > 0
+    assert sdpa.preload(_spec("q", "k", "v", "o", "bias"), b"plan") is False, "a mask the route may convert per call"
     ext.refuse = True
     assert sdpa.preload(_spec("q", "k", "v", "o"), b"plan") is False, "refused: the caller loads it itself"
     sdpa.uninstall()
@@ -508,7 +521,7 @@ def test_a_plan_preloaded_by_the_warm_start_is_only_bound_at_the_first_call(serv
     forward(q, k, v, lse=False)  # deserialized by the C++ side now: counted
     counted = cache.stats().deserialize_seconds
     assert counted > 0
-    ext.preloaded.append((ext.forwards[0][7], b"preloaded"))  # as a warm start's preload leaves it
+    ext.preloaded.append((ext.forwards[0][8], b"preloaded"))  # as a warm start's preload leaves it
     sdpa._route.executors.clear()  # the configuration met anew, as in a process that warm-started
     sdpa._route.handed.clear()
     forward(q, k, v, lse=False)
