@@ -742,8 +742,8 @@ def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _
         if held is None or call is None:
             continue
         ckey = w.config.ckey
-        if (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
-            taken[ckey] = _Native.of(kernel)
+        if not w.config.dropout_p and (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
+            taken[ckey] = _Native.of(kernel)  # never for dropout: torch's own kernels run it only through its own op
         elif _give(route, ckey, call, w.spec.graph_key, held.blob, _uids(w), w.layout):
             taken[ckey] = _HELD
         else:

@@ -381,6 +381,16 @@ def test_a_record_that_measured_a_native_kernel_faster_loads_no_plan_at_all(serv
     assert natives == ["flash"] and ext.forwards == [] and sdpa.stats()["fwd_native:flash"] == 1
 
 
+def test_a_dropout_configuration_never_takes_a_native_kernel_a_record_names(served, monkeypatch):
+    _, ext, cache, _ = served
+    record = types.SimpleNamespace(winner_median_ms=1.0, native_median_ms={"cudnn_aten": 0.5})
+    cache.verified_blobs = lambda specs: {s.graph_key: VerifiedBlob(record, b"b", "disk") for s in specs}
+    monkeypatch.setattr(sdpa, "_philox", lambda q, k: (torch.zeros((), dtype=torch.long),) * 2)
+    q, k, v = qkv()
+    forward(q, k, v, lse=False, dropout=0.1)
+    assert len(ext.forwards) == 1 and not any(k.startswith("fwd_native") for k in sdpa.stats())
+
+
 def test_a_verified_plan_the_extension_refuses_is_loaded_in_python(served):
     backend, ext, _, _ = served
     ext.refuse = True
