@@ -18,10 +18,11 @@ lookup key holds every layout the plan was built for.
 Calls that go to torch's own C++ kernel, counted in :func:`stats` by :data:`ATEN_REASONS`: see that table.
 
 With ``install(cpp=True)`` (``PLANCACHE_ATTENTION_CPP``) the steady path runs in C++ (:mod:`~plancache.client.sdpa_ext`,
-``plancache/csrc/sdpa_route.cpp``): kernels registered over these, holding the plans of the configurations run here
-once without a mask this route converts (:func:`_viewed`); a later call of one is served with no Python at all
-(dropout drawn from torch's generator as :func:`_philox` draws it, except under CUDA-graph capture), and every other
-call comes here. Where the extension cannot be built, the route runs as above and says why once.
+``plancache/csrc/sdpa_route.cpp``): kernels registered over these, holding the plans of the configurations that ran
+a plan (:data:`_HELD` here). A later call of one is served there with no Python at all (dropout drawn from torch's
+generator as :func:`_philox` draws it), except a mask this route converts (:func:`_bias`), which comes here to be
+converted and is then served there; every other call comes here. Where the extension cannot be built, the route
+runs as above and says why once.
 """
 
 from __future__ import annotations
@@ -284,7 +285,6 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
     if reason is None:
         assert route is not None
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
-        cpp = _viewed(attn_bias, bias)
         ckey = _forward_key(query, key, value, bias, compute_log_sumexp, is_causal, scale, dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
@@ -292,9 +292,8 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                                          lambda: _forward_graph(query, key, value, bias, compute_log_sumexp, is_causal,
                                                                 scale, dropout_p),
                                          _inner_strided(query, key, value, bias),
-                                         (query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale)
-                                         if cpp else None),
-                          _backward_ahead(query, key, value, bias, is_causal, scale, dropout_p, cpp)
+                                         (query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale)),
+                          _backward_ahead(query, key, value, bias, is_causal, scale, dropout_p)
                           if compute_log_sumexp else None)
         if isinstance(ex, _Aten):
             reason = ex.reason
@@ -328,7 +327,7 @@ def _forward(query: Any, key: Any, value: Any, attn_bias: Any, compute_log_sumex
                 buffers += rng
             _run(route, ex, buffers)
             route.counts["fwd"] += 1
-            if route.ext is not None and cpp and ckey not in route.handed:
+            if route.ext is not None and ckey not in route.handed:
                 _hand(route, ckey, (query, key, value, bias, compute_log_sumexp, dropout_p, is_causal, scale), ex)
             return out, lse, None, None, s, key.shape[2], *rng, None
     if route is not None:
@@ -352,13 +351,12 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
             grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
         lse = logsumexp if logsumexp.dim() == 4 else logsumexp.unsqueeze(-1)
         bias = None if attn_bias is None else _bias(attn_bias, query, key)
-        cpp = _viewed(attn_bias, bias)
         deterministic = torch.are_deterministic_algorithms_enabled()
         ckey = _backward_key(query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
         ex = route.executors.get(ckey)
         if ex is None:
             ex = _prepare(route, _backward_config(ckey, query, key, value, out, lse, bias, is_causal, scale,
-                                                  deterministic, dropout_p, cpp))
+                                                  deterministic, dropout_p))
         if isinstance(ex, _Aten):
             reason = ex.reason
         elif (query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr() | grad_out.data_ptr()
@@ -382,7 +380,7 @@ def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsume
                 buffers += (philox_seed, philox_offset)
             _run(route, ex, buffers)
             route.counts["bwd"] += 1
-            if route.ext is not None and cpp and ckey not in route.handed:
+            if route.ext is not None and ckey not in route.handed:
                 _hand(route, ckey, (query, key, value, out, lse, bias, dropout_p, is_causal, scale, deterministic), ex)
             return dq, dk, dv
     if route is not None:
@@ -422,13 +420,14 @@ def _run(route: _Route, ex: _Executor, buffers: list[Any]) -> None:
 
 def _hand(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], ex: _Executor) -> None:
     """Hand a configuration this route ran to the C++ steady path (:func:`_give`): its plan as the verified blob the
-    cache admitted, or a plan built here serialized. Not while a CUDA graph is captured (loading a plan is not
-    capturable): a later eager call hands it."""
+    cache admitted, or a plan built here serialized; from then on it is held there. Not while a CUDA graph is
+    captured (loading a plan is not capturable): a later eager call hands it."""
     if _capturing():
         return
     held = route.cache.context.verified.get(ex.graph_key)
     blob = held[1] if held is not None else bytes(ex.graph.serialize(as_bytes=True))
-    _give(route, ckey, call, ex.graph_key, blob, ex.uids, ex.out_strides)
+    if _give(route, ckey, call, ex.graph_key, blob, ex.uids, ex.out_strides):
+        route.executors[ckey] = _HELD  # a call that comes here (a mask to convert) is served there too
 
 
 def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key: str, blob: bytes,
@@ -458,11 +457,10 @@ def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key
 
 def preload(spec: Any, blob: bytes) -> bool:
     """Load a verified plan of the route's (a warm start's: ``hook.install(warm_loader=...)``) into the C++ steady
-    path ahead of its configurations' first calls, which then only bind it. False where that path may not serve
-    the spec (a mask, which the route may convert per call: a spec does not tell), is not installed, or refuses it
-    (logged): the caller loads it itself."""
+    path ahead of its configurations' first calls, which then only bind it. False where that path is not installed
+    or refuses it (logged): the caller loads it itself."""
     route = _route
-    if route is None or route.ext is None or any(t.name == "bias" for t in spec.tensors):
+    if route is None or route.ext is None:
         return False
     t0 = time.perf_counter()
     try:
@@ -577,9 +575,9 @@ class _Config:
     flash: bool
     write: Callable[[], tuple[Any, tuple[str, ...], tuple[int, ...]]]
     strided: bool = False  # an input's innermost stride is not 1: torch's kernel runs it ("layout")
-    #: The C++ steady path's key of it: the tensors and flags ``add_forward`` / ``add_backward`` take; None where
-    #: that path does not serve it (a mask the route converts: :func:`_viewed`).
-    cpp_call: tuple[Any, ...] | None = None
+    #: The C++ steady path's key of it: the tensors (the bias as :func:`_bias` makes it) and flags ``add_forward`` /
+    #: ``add_backward`` take.
+    cpp_call: tuple[Any, ...] = ()
 
     @property
     def dropout_p(self) -> float:
@@ -600,23 +598,16 @@ def _backward_key(query: Any, key: Any, value: Any, out: Any, lse: Any, bias: An
 
 
 def _backward_config(ckey: tuple[Any, ...], query: Any, key: Any, value: Any, out: Any, lse: Any, bias: Any,
-                     is_causal: bool, scale: float | None, deterministic: bool, dropout_p: float,
-                     cpp: bool) -> _Config:
+                     is_causal: bool, scale: float | None, deterministic: bool, dropout_p: float) -> _Config:
     return _Config(ckey, _flash_takes(query, key, value, bias) and not deterministic and not dropout_p,
                    lambda: _backward_graph(query, key, value, out, lse, bias, is_causal, scale, deterministic,
                                            dropout_p),
                    _inner_strided(query, key, value, out, lse, bias),
-                   (query, key, value, out, lse, bias, dropout_p, is_causal, scale, deterministic) if cpp else None)
-
-
-def _viewed(attn_bias: Any, bias: Any) -> bool:
-    """Whether the bias cuDNN reads (:func:`_bias`) is a view of torch's ``attn_bias``, no mask converted (or there
-    is none): the C++ steady path takes such a call, making the same view (``bias_view`` in sdpa_route.cpp)."""
-    return attn_bias is None or (bias.data_ptr() == attn_bias.data_ptr() and bias.dtype == attn_bias.dtype)
+                   (query, key, value, out, lse, bias, dropout_p, is_causal, scale, deterministic))
 
 
 def _backward_ahead(query: Any, key: Any, value: Any, bias: Any, is_causal: bool, scale: float | None,
-                    dropout_p: float, cpp: bool) -> _Config:
+                    dropout_p: float) -> _Config:
     """The configuration of the backward a training forward's outputs will feed: O in the forward's layout, its
     log-sum-exp as the forward returns it, the deterministic setting of now (a backward under another one prepares
     its own)."""
@@ -630,7 +621,7 @@ def _backward_ahead(query: Any, key: Any, value: Any, bias: Any, is_causal: bool
     lse = torch.empty((b, h, s, 1), dtype=torch.float32, device="meta")
     deterministic = torch.are_deterministic_algorithms_enabled()
     ckey = _backward_key(query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
-    return _backward_config(ckey, query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p, cpp)
+    return _backward_config(ckey, query, key, value, out, lse, bias, is_causal, scale, deterministic, dropout_p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -727,24 +718,23 @@ def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _
     """The configurations of ``written`` the C++ steady path takes from verified blobs, by key: their plans asked
     for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one round trip to the server for those it is
     asked for) and loaded there only, never into a Python graph; or the native kernel a record measured faster.
-    The others (no C++ path, a converted mask, no verified plan, a plan it refuses) load here as before."""
-    eligible = [w for w in written if route.ext is not None and w.config.cpp_call is not None]
-    if not eligible:
+    The others (no C++ path, no verified plan, a plan it refuses) load here as before."""
+    if route.ext is None or not written:
         return {}
     try:
-        blobs = route.cache.verified_blobs([w.spec for w in eligible])
+        blobs = route.cache.verified_blobs([w.spec for w in written])
     except Exception as exc:  # noqa: BLE001 - the ladder's own calls meet it again, and raise it
         log.debug("plancache: attention plans asked for the C++ steady path: %s", exc)
         return {}
     taken: dict[tuple[Any, ...], _Held | _Native] = {}
-    for w in eligible:
-        held, call = blobs.get(w.spec.graph_key), w.config.cpp_call
-        if held is None or call is None:
+    for w in written:
+        held = blobs.get(w.spec.graph_key)
+        if held is None:
             continue
         ckey = w.config.ckey
         if not w.config.dropout_p and (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
             taken[ckey] = _Native.of(kernel)  # never for dropout: torch's own kernels run it only through its own op
-        elif _give(route, ckey, call, w.spec.graph_key, held.blob, _uids(w), w.layout):
+        elif _give(route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout):
             taken[ckey] = _HELD
         else:
             continue

@@ -8,7 +8,7 @@
 // caching allocator on the current stream, one FE execute from a pointer array in the plan's own order. Every
 // other call (a configuration not handed here yet, a mask the route converts, dropout under CUDA-graph capture, a
 // debug mask, a nested batch, another device, an address not 16-byte aligned) calls the Python route's kernel,
-// which decides as before.
+// which decides as before; for a held configuration with a mask to convert, it converts it and calls serve_*.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Context.h>
@@ -129,7 +129,7 @@ Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 // torch's attn_bias as the route hands it to cuDNN (plancache.client.sdpa._bias) where that is a view of it: the
 // broadcast head dim kept at size 1. Undefined where the route converts it (a boolean mask, another dtype, a
-// batch, query or key dim broadcast, keys not innermost): those calls are the Python route's.
+// batch, query or key dim broadcast, keys not innermost): the Python route converts it, then calls serve_*.
 at::Tensor bias_view(const at::Tensor& bias, const at::Tensor& q, const at::Tensor& k) {
   if (bias.scalar_type() != q.scalar_type()) return {};
   auto e = bias.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
