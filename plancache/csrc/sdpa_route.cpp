@@ -198,6 +198,15 @@ struct Buffers {
     for (auto* x : ts) t[n++] = x;
   }
   void add(const at::Tensor& x) { t[n++] = &x; }
+  // The optional roles after the fixed ones, in the Python route's order (sdpa._extra_roles): the bias, then
+  // dropout's seed and offset.
+  void add_extra(const at::Tensor& bias, double p, const at::Tensor& seed, const at::Tensor& offset) {
+    if (bias.defined()) add(bias);
+    if (p != 0.0) {
+      add(seed);
+      add(offset);
+    }
+  }
   bool aligned() const {
     uintptr_t any = 0;
     for (int i = 0; i < n; ++i) any |= reinterpret_cast<uintptr_t>(t[i]->data_ptr());
@@ -260,11 +269,7 @@ std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, co
                                              at::empty({}, q.options().dtype(at::kLong))};
   Buffers buffers{&q, &k, &v, &out};
   if (stats) buffers.add(lse);
-  if (bias.defined()) buffers.add(bias);
-  if (p != 0.0) {
-    buffers.add(seed);
-    buffers.add(offset);
-  }
+  buffers.add_extra(bias, p, seed, offset);
   run(*ex, buffers, st.device, q.options());
   st.served_forward.fetch_add(1, std::memory_order_relaxed);
   return FwdOut{out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
@@ -322,11 +327,7 @@ std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q
   c10::cuda::CUDAGuard guard(st.device);  // cuDNN launches on the current device
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Buffers buffers{&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv};
-  if (bias.defined()) buffers.add(bias);
-  if (p != 0.0) {
-    buffers.add(seed);
-    buffers.add(offset);
-  }
+  buffers.add_extra(bias, p, seed, offset);
   run(*ex, buffers, st.device, q.options());
   st.served_backward.fetch_add(1, std::memory_order_relaxed);
   return BwdOut{dq, dk, dv};
