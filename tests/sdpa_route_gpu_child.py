@@ -190,12 +190,20 @@ def main() -> None:
     args = parser.parse_args()
 
     import plancache.torch
-    from plancache.client import PlanCache, sdpa
+    from plancache.client import PlanCache, sdpa, sdpa_ext
+
+    cpp_error = None
+    if args.cpp:  # built here first, so that a failure's reason reaches the test (the route only logs it)
+        try:
+            sdpa_ext.load()
+        except sdpa_ext.ExtensionUnavailable as exc:
+            cpp_error = str(exc)
 
     cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
                                               cache_dir=args.cache, mode=args.mode), attention=args.attention,
                                       attention_cpp=args.cpp)
-    out: dict[str, Any] = {"variants": {}, "cpp_unavailable": sdpa.stats().get("cpp_unavailable", 0)}
+    out: dict[str, Any] = {"variants": {}, "cpp_unavailable": sdpa.stats().get("cpp_unavailable", 0),
+                           "cpp_error": cpp_error}
     for name in args.variants or VARIANTS:
         if args.cpp:
             with contextlib.suppress(Exception):  # the second run says what failed
