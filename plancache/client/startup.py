@@ -90,12 +90,15 @@ class WarmStart:
 def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str], loader: WarmLoader | None = None) -> None:
     t0 = time.perf_counter()
     try:
-        if loader is not None and load:
-            cache.warm(specs)  # fetched and verified (kept): the loader takes what it can of those named
+        if loader is None:
+            kept = cache.warm(specs, load=load)
+        else:  # fetched and verified (kept): the loader loads what it can of those named, the cache the rest
+            kept = cache.warm(specs)
             held = cache.context.verified
-            load = frozenset(s.graph_key for s in specs if s.graph_key in load
-                             and not (s.graph_key in held and loader(s, held[s.graph_key][1])))
-        kept = cache.warm(specs, load=load)
+            declined = [s for s in specs if s.graph_key in load and s.graph_key in held
+                        and not loader(s, held[s.graph_key][1])]
+            if declined:
+                cache.warm(declined, load={s.graph_key for s in declined})
     except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
         log.warning("plancache: warm start failed (%s: %s); each graph is served when it is built", type(exc).__name__,
                     exc)
