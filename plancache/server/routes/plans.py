@@ -124,13 +124,12 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     inline_bytes = sum(len(blob) for _, _, blob in plans if blob is not None)
     metrics.observe_resolve(len(found), len(missing), inline_bytes)
     chunks = resolve_json(plans, missing, presign or _server_route, reasons)
-    if held:  # the held bytes go back once the answer is sent, or the client is gone (background)
-        hold = Held(request.app.state.inflight, held)
-        if inline_bytes <= WHOLE_ANSWER_BLOB_BYTES:
-            return Response(b"".join(chunks), media_type="application/json", background=BackgroundTask(hold.release))
-        return StreamingResponse(_releasing(chunks, hold), media_type="application/json",
-                                 background=BackgroundTask(hold.release))
-    return Response(b"".join(chunks), media_type="application/json")
+    # the held bytes go back once the answer is sent, or the client is gone (background)
+    hold = Held(request.app.state.inflight, held) if held else None
+    release = BackgroundTask(hold.release) if hold is not None else None
+    if hold is not None and inline_bytes > WHOLE_ANSWER_BLOB_BYTES:
+        return StreamingResponse(_releasing(chunks, hold), media_type="application/json", background=release)
+    return Response(b"".join(chunks), media_type="application/json", background=release)
 
 
 def _answer_heads(store: Store, memo: RecordMemo, env: Environment, keys: list[str]
