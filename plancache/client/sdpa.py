@@ -439,6 +439,7 @@ def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key
     counts its time in the cache's ``deserialize_seconds``."""
     route.handed.add(ckey)
     t0 = time.perf_counter()
+    loaded = True  # a plan refused while loading took its time too
     try:
         if ckey[0] == "fwd":
             loaded = route.ext.add_forward(*call, graph_key, blob, list(uids), list(layout))
@@ -448,10 +449,10 @@ def _give(route: _Route, ckey: tuple[Any, ...], call: tuple[Any, ...], graph_key
         log.warning("plancache: the C++ steady path did not take the attention %s of %s (Python serves it): %s",
                     ckey[0], _describe(ckey), exc)
         route.count(f"{ckey[0]}_cpp_refused")
-        route.cache.count_load(time.perf_counter() - t0)
         return False
-    if loaded:
-        route.cache.count_load(time.perf_counter() - t0)
+    finally:
+        if loaded:
+            route.cache.count_load(time.perf_counter() - t0)
     return True
 
 
