@@ -96,35 +96,30 @@ void push_bias(Key& k, const at::Tensor& bias) {
   if (bias.defined()) push_tensor(k, bias);
 }
 
+// A configuration's key: its direction (1 forward, 2 backward), the sizes and strides of its tensors (q, k, v and,
+// for a backward, O and the log-sum-exp), its bias's, dtype and flags, and the direction's own flag (the forward's
+// stats, the backward's deterministic setting).
+Key config_key(int64_t direction, std::initializer_list<const at::Tensor*> tensors, const at::Tensor& bias,
+               bool causal, std::optional<double> scale, double p, bool flag) {
+  Key key;
+  key.reserve(80);
+  key.push_back(direction);
+  for (auto* t : tensors) push_tensor(key, *t);
+  push_bias(key, bias);
+  push_flags(key, **tensors.begin(), causal, scale, p);
+  key.push_back(flag);
+  return key;
+}
+
 Key forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, bool stats,
                 bool causal, std::optional<double> scale, double p) {
-  Key key;
-  key.reserve(64);
-  key.push_back(1);
-  push_tensor(key, q);
-  push_tensor(key, k);
-  push_tensor(key, v);
-  push_bias(key, bias);
-  push_flags(key, q, causal, scale, p);
-  key.push_back(stats);
-  return key;
+  return config_key(1, {&q, &k, &v}, bias, causal, scale, p, stats);
 }
 
 Key backward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& lse, const at::Tensor& bias, bool causal, std::optional<double> scale, double p,
                  bool deterministic) {
-  Key key;
-  key.reserve(80);
-  key.push_back(2);
-  push_tensor(key, q);
-  push_tensor(key, k);
-  push_tensor(key, v);
-  push_tensor(key, out);
-  push_tensor(key, lse);
-  push_bias(key, bias);
-  push_flags(key, q, causal, scale, p);
-  key.push_back(deterministic);
-  return key;
+  return config_key(2, {&q, &k, &v, &out, &lse}, bias, causal, scale, p, deterministic);
 }
 
 // torch's attn_bias as the route hands it to cuDNN (plancache.client.sdpa._bias) where that is a view of it: the
