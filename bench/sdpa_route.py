@@ -21,11 +21,13 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    shape of the process, with how much of it the route spent preparing its plans (writing, keying, loading), and
    with torch's own cuDNN in a process of its own.
 4. ``block_warm``: a fresh strict-mode process with a warm start from the capture file step 1 wrote
-   (``PLANCACHE_WARM``): the route's plans fetched and deserialized in the background at install, then the block's
-   first step of each shape as in 3.
-5. ``block_cpp``: a fresh strict-mode process with the route's steady path in C++ (``attention_cpp``): the block's
-   first step of each shape as in 3. Steps 2 and 3 measure the C++ path too (``plancache_cpp``), after the Python
-   route in the same process (its first calls there find the plans verified already).
+   (``PLANCACHE_WARM``): the route's plans fetched and loaded into its C++ steady path in the background at
+   install, then the block's first step of each shape as in 3.
+5. ``block_cpp``: a fresh strict-mode process with the route's steady path in C++ (``attention_cpp``, the route as
+   installed by default where its extension is built): the block's first step of each shape as in 3. Steps 2 and 3
+   measure it too (``plancache_cpp``, the ``C++`` columns), after the route with its steady path in Python
+   (``plancache``, ``attention_cpp=False``, the ``py route`` columns) in the same process, whose first calls there
+   find the plans verified already.
 """
 
 from __future__ import annotations
@@ -222,6 +224,19 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _warm_gpu(seconds: float = 2.0) -> None:
+    """Matrix products for ``seconds``, so that the first backend timed meets the GPU at the clocks the later ones
+    do (a fresh process's first timings otherwise run while the clocks ramp up)."""
+    import torch
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The route's counters that moved between two ``sdpa.stats()`` (the route's are gone once it is off)."""
     return {k: after[k] - before.get(k, 0) for k in after if k != "prepare_seconds" and after[k] != before.get(k, 0)}
@@ -235,8 +250,10 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
     from plancache.client import PlanCache
 
     cache = PlanCache(server, token=token, trusted_keys=trusted or [], cache_dir=cache_dir, mode=mode)
-    plancache.torch.install(cache)  # the route is switched on and off per backend below
+    # the route is switched on and off per backend below; a warm start loads into the C++ steady path
+    plancache.torch.install(cache, attention_cpp=what == "block_warm")
     torch.cuda.synchronize()
+    _warm_gpu()
     result: dict[str, Any] = {"what": what, "import_ms": (time.perf_counter() - t_start) * 1e3,
                               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if what in ("kernels", "capture"):
@@ -246,7 +263,7 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
     if what == "block_aten":
         result["block"] = block(cache, ("aten_cudnn",))
     if what == "block_warm":
-        result["block"] = block(cache, ("plancache",))
+        result["block"] = block(cache, ("plancache_cpp",))
     if what == "block_cpp":
         result["block"] = block(cache, ("plancache_cpp",))
     result["stats"] = cache.stats().as_dict()
@@ -263,8 +280,8 @@ def _run(*args: str, settings: dict[str, str] | None = None) -> dict[str, Any]:
 def _tables(results: dict[str, Any]) -> None:
     nan = float("nan")
     kern = results["kernels"]["kernels"]
-    print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'ratio':>6} "
-          f"{'C++':>7} {'ratio':>6} | {'graphed: flash':>15} {'ATen':>7} {'plancache':>10} {'ratio':>6} {'C++':>7} "
+    print(f"{'shape (b,h,s,d) causal':>24} | {'flash':>7} {'ATen cuDNN':>11} {'py route':>10} {'ratio':>6} "
+          f"{'C++':>7} {'ratio':>6} | {'graphed: flash':>15} {'ATen':>7} {'py route':>10} {'ratio':>6} {'C++':>7} "
           f"{'ratio':>6} | {'host us fwd/bwd: route':>23} {'C++':>13} {'ATen':>13} | "
           f"{'host us/step: flash':>20} {'ATen':>6} {'route':>6} {'C++':>6} | {'error':>8} {'C++':>8}")
     for shape, row in kern.items():
@@ -279,7 +296,7 @@ def _tables(results: dict[str, Any]) -> None:
               f"{ch.get('bwd', nan):<6.1f} {ah.get('fwd', nan):>6.1f}/{ah.get('bwd', nan):<6.1f} | "
               f"{fh.get('step', nan):>20.1f} {ah.get('step', nan):>6.1f} {ph.get('step', nan):>6.1f} "
               f"{ch.get('step', nan):>6.1f} | {p['error']:>8.1e} {c.get('error', nan):>8.1e}")
-    print(f"{'first call (ms)':>24} | {'flash':>7} {'ATen cuDNN':>11} {'plancache':>10} {'preparing':>10}")
+    print(f"{'first call (ms)':>24} | {'flash':>7} {'ATen cuDNN':>11} {'py route':>10} {'preparing':>10}")
     for shape, row in kern.items():
         f, a, p = row["flash"], row["aten_cudnn"], row["plancache"]
         print(f"{shape:>24} | {f.get('first_ms', nan):>7.1f} {a.get('first_ms', nan):>11.1f} "
@@ -288,14 +305,14 @@ def _tables(results: dict[str, Any]) -> None:
     first_aten = results.get("block_aten", {}).get("block", {})
     warm = results.get("block_warm", {}).get("block", {})
     first_cpp = results.get("block_cpp", {}).get("block", {})
-    print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'plancache':>10} {'vs best':>8} "
-          f"{'C++':>7} {'vs best':>8} | {'first step: plancache':>22} {'preparing':>10} {'warm start':>11} "
+    print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'py route':>10} {'vs best':>8} "
+          f"{'C++':>7} {'vs best':>8} | {'first step: py route':>22} {'preparing':>10} {'warm, C++':>11} "
           f"{'preparing':>10} {'C++':>7} {'ATen cuDNN':>11} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
         aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", nan)
         route, cpp = row["plancache"], row.get("plancache_cpp", {})
-        warmed = warm.get(shape, {}).get("plancache", {})
+        warmed = warm.get(shape, {}).get("plancache_cpp", {})
         cpp_first = first_cpp.get(shape, {}).get("plancache_cpp", {}).get("first_ms", nan)
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
               f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} {cpp.get('steady_ms', nan):>7.3f} "

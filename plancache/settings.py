@@ -260,8 +260,9 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     hook_max_workspace_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
     # what runs torch's cuDNN attention per configuration (plancache.client.sdpa.CHOICES)
     attention: Literal["fastest", "plan", "flash", "cudnn_aten"] = "fastest"
-    # the attention route's steady path in C++, compiled on first use (plancache.client.sdpa_ext)
-    attention_cpp: bool = False
+    # the attention route's steady path in C++ (plancache.client.sdpa_ext): auto (where built; else built in the
+    # background for the next processes), true (built now), false (Python only)
+    attention_cpp: Literal["auto"] | bool = "auto"
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
     index_url: str | None = None  # a published static index (plancache index publish) read before the server

@@ -27,7 +27,7 @@ _lock = threading.Lock()
 
 def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: hook.WarmSource | None = None,
             warm_vary: Mapping[str, Sequence[int]] | None = None, attention: str | None = None,
-            attention_cpp: bool | None = None) -> PlanCache:
+            attention_cpp: bool | str | None = None) -> PlanCache:
     """Serve every cuDNN FE build of this process from ``cache`` (default ``PlanCache()`` from the
     ``PLANCACHE_*`` settings) and, with ``sdpa_route``, torch's cuDNN attention kernels from its plans.
     ``warm`` (default ``PLANCACHE_WARM``) and ``warm_vary``: a warm start (:func:`plancache.client.hook.install`):
@@ -36,8 +36,8 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     ``sdpa_route``, the route's attention plans are deserialized there too, so a known shape's first call loads
     nothing.
     ``attention`` (default ``PLANCACHE_ATTENTION``, else ``fastest``): what runs each attention configuration, one
-    of :data:`plancache.client.sdpa.CHOICES`. ``attention_cpp`` (default ``PLANCACHE_ATTENTION_CPP``, else off): the
-    route's steady path in C++ (:func:`plancache.client.sdpa.install`). Returns the cache."""
+    of :data:`plancache.client.sdpa.CHOICES`. ``attention_cpp`` (default ``PLANCACHE_ATTENTION_CPP``, else ``"auto"``):
+    the route's steady path in C++ (:func:`plancache.client.sdpa.install`). Returns the cache."""
     from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
     from .settings import ClientSettings
 

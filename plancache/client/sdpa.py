@@ -17,12 +17,14 @@ lookup key holds every layout the plan was built for.
 
 Calls that go to torch's own C++ kernel, counted in :func:`stats` by :data:`ATEN_REASONS`: see that table.
 
-With ``install(cpp=True)`` (``PLANCACHE_ATTENTION_CPP``) the steady path runs in C++ (:mod:`~plancache.client.sdpa_ext`,
+The steady path runs in C++ where its extension is built (:mod:`~plancache.client.sdpa_ext`,
 ``plancache/csrc/sdpa_route.cpp``): kernels registered over these, holding the plans of the configurations that ran
 a plan (:data:`_HELD` here). A later call of one is served there with no Python at all (dropout drawn from torch's
 generator as :func:`_philox` draws it), except a mask this route converts (:func:`_bias`), which comes here to be
-converted and is then served there; every other call comes here. Where the extension cannot be built, the route
-runs as above and says why once.
+converted and is then served there; every other call comes here. ``install(cpp=...)`` (``PLANCACHE_ATTENTION_CPP``):
+``"auto"`` (the default) takes the extension where this machine has it built and otherwise starts its build in the
+background, for the processes after this one; ``True`` builds it now; ``False`` keeps every call in Python. Where
+the extension cannot be had, the route runs as above and says why once.
 """
 
 from __future__ import annotations
@@ -128,12 +130,13 @@ class _Aten:
 class _Route:
     """The installed route: its cache, its device, its prepared executors and the call counters."""
 
-    def __init__(self, cache: PlanCache, lib: Any, choice: str, ext: Any = None) -> None:
+    def __init__(self, cache: PlanCache, lib: Any, choice: str, ext: Any = None, cpp: bool | str = False) -> None:
         import torch
 
         self.cache = cache
         self.lib = lib
         self.choice = choice
+        self.cpp = cpp  # what install() was asked for
         self.ext = ext  # the C++ steady path (sdpa_ext), installed over ``lib``'s kernels; None: Python only
         self.handed: set[tuple[Any, ...]] = set()  # configurations handed to ``ext`` (or that it refused)
         self.device = cache.context.backend.device
@@ -173,23 +176,25 @@ _lock = threading.Lock()
 _route: _Route | None = None
 
 
-def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool = False) -> None:
+def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "auto") -> None:
     """Serve torch's cuDNN attention kernels from ``cache`` (its device's tensors; others run torch's kernel).
-    ``attention``: what runs a configuration, one of :data:`CHOICES`. ``cpp``: the steady path in C++, built on
-    first use (see the module docstring); where it cannot be built, a warning says why and Python serves."""
+    ``attention``: what runs a configuration, one of :data:`CHOICES`. ``cpp``: the steady path in C++, ``"auto"``,
+    True or False (see the module docstring); where it cannot be had, the log says why and Python serves."""
     global _route
     import torch
 
     check_choice(attention)
+    if cpp not in (True, False, "auto"):
+        raise ValueError(f"cpp={cpp!r}: expected True, False or 'auto'")
     with _lock:
         if _route is not None:
-            if _route.cache is cache and _route.choice == attention and (_route.ext is not None) == cpp:
+            if _route.cache is cache and _route.choice == attention and _route.cpp == cpp:
                 return
             _uninstall_locked()
         lib = torch.library.Library("aten", "IMPL")
         lib.impl(OPS[0], _forward, "CUDA")
         lib.impl(OPS[1], _backward, "CUDA")
-        ext = _load_ext() if cpp else None
+        ext = _load_ext(cpp) if cpp else None
         if ext is not None:
             try:
                 ext.install(cache.context.backend.device.index or 0, _forward, _backward)
@@ -197,20 +202,27 @@ def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool = False) 
                 log.warning("plancache: the attention route runs in Python: its C++ steady path did not install: "
                             "%s", exc)
                 ext = None
-        _route = _Route(cache, lib, attention, ext)
+        _route = _Route(cache, lib, attention, ext, cpp)
         if cpp and ext is None:
             _route.count("cpp_unavailable")
 
 
-def _load_ext() -> Any:
-    """The C++ steady path's module, or None (logged) where it cannot be built or loaded here."""
+def _load_ext(cpp: bool | str) -> Any:
+    """The C++ steady path's module, or None (logged) where it cannot be had here: with ``cpp`` ``"auto"``, where
+    it is not built yet, its build is started in the background for the processes after this one."""
     from . import sdpa_ext
 
     try:
-        return sdpa_ext.load()
+        return sdpa_ext.load(build=cpp is True)
+    except sdpa_ext.NotBuilt as exc:
+        started = sdpa_ext.build_in_background()
+        log.warning("plancache: this process's attention route runs in Python: %s; %s", exc,
+                    "compiling it in the background for the next processes (a minute or two; "
+                    "python -m plancache.client.sdpa_ext builds it ahead)" if started else "another process builds it")
     except sdpa_ext.ExtensionUnavailable as exc:
-        log.warning("plancache: the attention route runs in Python: its C++ steady path is unavailable: %s", exc)
-        return None
+        (log.warning if cpp is True else log.info)(
+            "plancache: the attention route runs in Python: its C++ steady path is unavailable: %s", exc)
+    return None
 
 
 def check_choice(attention: str) -> None:
@@ -240,12 +252,12 @@ def installed() -> bool:
 
 def stats() -> dict[str, float]:
     """Calls served by the route (``fwd``, ``bwd``; of which by the C++ steady path ``cpp:fwd``, ``cpp:bwd``),
-    plans loaded by source (``load:<source>``), calls run by a
-    native kernel chosen as measured faster or pinned (``fwd_native:<kernel>``, ``bwd_native:<kernel>``), calls left
-    to torch's kernel (``fwd_aten:<reason>``, ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of
-    configurations spent writing, keying and loading their plans (the waits for a warm start included). With the
-    C++ steady path asked for: ``cpp_unavailable`` (1: it could not be built or loaded) and configurations it refused
-    (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them)."""
+    plans loaded by source (``load:<source>``), calls run by a native kernel chosen as measured faster or pinned
+    (``fwd_native:<kernel>``, ``bwd_native:<kernel>``), calls left to torch's kernel (``fwd_aten:<reason>``,
+    ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of configurations spent writing,
+    keying and loading their plans (the waits for a warm start included). With the C++ steady path asked for
+    (``auto`` or True): ``cpp_unavailable`` (1: it is not built yet, or cannot be built or loaded) and
+    configurations it refused (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them)."""
     route = _route
     if route is None:
         return {}

@@ -1,31 +1,40 @@
 """The attention route's steady path in C++ (``plancache/csrc/sdpa_route.cpp``): found, built and loaded.
 
-The source is compiled on first use by ``torch.utils.cpp_extension`` with the machine's C++ compiler, against the
-headers of torch, cuDNN and FE's wheel (which ships them), and kept under ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``): a process later loads it in milliseconds, and a process of another torch build
-compiles its own. The CUDA runtime's headers come from a CUDA toolkit (``CUDA_HOME``, ``/usr/local/cuda``) or from
-NVIDIA's wheels where those hold them whole; nothing is compiled for the GPU.
-Building takes a minute or two, once per machine and torch build: ``python -c "from plancache.client import
-sdpa_ext; sdpa_ext.load()"`` does it ahead (in an image, with ``TORCH_EXTENSIONS_DIR`` in it).
+The source is compiled by ``torch.utils.cpp_extension`` with the machine's C++ compiler, against the headers of
+torch, cuDNN and FE's wheel (which ships them), and kept under ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``) with a name of its own per source, torch, FE and Python version: a later process
+imports that build in milliseconds, and a process of another version has its own. The CUDA runtime's headers come
+from a CUDA toolkit (``CUDA_HOME``, ``/usr/local/cuda``) or from NVIDIA's wheels where those hold them whole;
+nothing is compiled for the GPU.
+Building takes a minute or two, once per machine and version: ``python -m plancache.client.sdpa_ext`` does it ahead
+(in an image, with ``TORCH_EXTENSIONS_DIR`` in it), and the route's default (``PLANCACHE_ATTENTION_CPP=auto``)
+starts it in the background where it is missing (:func:`build_in_background`).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOURCE", "SYSTEM_CUDA_INCLUDE", "ExtensionUnavailable", "build_options", "load", "module_name"]
+__all__ = ["SOURCE", "STALE_LOCK_SECONDS", "SYSTEM_CUDA_INCLUDE", "ExtensionUnavailable", "NotBuilt", "build_in_background",
+           "build_options", "load", "module_name"]
 
 #: The extension's one source file.
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "sdpa_route.cpp"
 _NAME = "plancache_sdpa_route"
 #: A CUDA toolkit's headers where ``CUDA_HOME`` is not set.
 SYSTEM_CUDA_INCLUDE = "/usr/local/cuda/include"
+#: A build lock older than this is a killed build's: torch's builder would wait on it for ever. A build takes a
+#: minute or two; a process finding a younger lock waits for that build to end (and loads what it made).
+STALE_LOCK_SECONDS = 600.0
 
 log = logging.getLogger("plancache.client")
 _lock = threading.Lock()
@@ -34,6 +43,10 @@ _module: Any = None
 
 class ExtensionUnavailable(RuntimeError):
     """The C++ steady path cannot be built or loaded here; the message says what is missing."""
+
+
+class NotBuilt(ExtensionUnavailable):
+    """No build of this version is on this machine yet (``load(build=False)``), or one is being made."""
 
 
 def _search_roots() -> list[str]:
@@ -49,11 +62,20 @@ def _first(what: str, patterns: list[str]) -> str:
 
 
 def module_name() -> str:
-    """The extension's name: one per version of its source, so that a build of another version is never loaded
-    (torch's build step trusts file times, which an upgrade may leave older than the last build)."""
+    """The extension's name: one per version of its source, of torch, of FE and of Python, so that a build of
+    another version is never loaded (torch's builder trusts file times, which an upgrade may leave older)."""
     import hashlib
+    from importlib.metadata import PackageNotFoundError, version
 
-    return f"{_NAME}_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    import torch
+
+    try:
+        fe = version("nvidia-cudnn-frontend")
+    except PackageNotFoundError:
+        fe = "unknown"
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"\0{torch.__version__}\0{torch.version.cuda}\0{fe}\0{sys.implementation.cache_tag}".encode())
+    return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
 def build_options() -> dict[str, Any]:
@@ -82,40 +104,116 @@ def build_options() -> dict[str, Any]:
                               "-ltorch_cuda"]}
 
 
-def _built(name: str) -> bool:
-    """Whether a build of ``name`` is under ``TORCH_EXTENSIONS_DIR`` already (loading it then takes milliseconds)."""
+def _build_directory(name: str) -> Path | None:
+    """Where torch's builder keeps ``name`` (under ``TORCH_EXTENSIONS_DIR``); None where its helper fails."""
     from torch.utils.cpp_extension import _get_build_directory
 
     try:
-        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
-    except Exception:  # noqa: BLE001 - torch's helper (private) changed or failed: only the warning depends on it
-        return False
+        return Path(_get_build_directory(name, False))
+    except Exception:  # noqa: BLE001 - torch's helper (private) changed or failed: only the checks below need it
+        return None
 
 
-def load(*, verbose: bool = False) -> Any:
-    """The compiled extension module, built on first use (see the module docstring); raises
-    :class:`ExtensionUnavailable` when it cannot be built or loaded, saying why."""
+def _await_lock(directory: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
+    """Waits while another process builds in ``directory`` (its ``lock`` file); removes a lock older than
+    ``stale_after`` seconds, which a killed build left (torch's builder would wait on it for ever)."""
+    lock = directory / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            log.warning("plancache: removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)
+
+
+def _import(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ExtensionUnavailable(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise ExtensionUnavailable(f"could not import {path}: {exc}") from exc
+    return module
+
+
+def _requirements() -> None:
+    try:
+        import cudnn  # noqa: F401 - FE's Python package: its wheel holds the headers
+        import torch
+        import torch.utils.cpp_extension  # noqa: F401
+    except ImportError as exc:
+        raise ExtensionUnavailable(f"{exc.name} is not installed: pip install 'plancache[gpu]'") from None
+    if torch.version.cuda is None:
+        raise ExtensionUnavailable(f"torch {torch.__version__} is a build without CUDA")
+
+
+def load(*, build: bool = True, verbose: bool = False) -> Any:
+    """The compiled extension module: this version's build imported where it is on this machine, else built now
+    with ``build`` (see the module docstring); raises :class:`NotBuilt` where it is not built and ``build`` is
+    False, :class:`ExtensionUnavailable` where it cannot be built or loaded, saying why."""
     global _module
     with _lock:
         if _module is None:
-            try:
-                import cudnn  # noqa: F401 - FE's Python package: its wheel holds the headers
-                import torch
-                from torch.utils.cpp_extension import load as build
-            except ImportError as exc:
-                raise ExtensionUnavailable(f"{exc.name} is not installed: pip install 'plancache[gpu]'") from None
-            if torch.version.cuda is None:
-                raise ExtensionUnavailable(f"torch {torch.__version__} is a build without CUDA")
+            _requirements()
             name = module_name()
+            directory = _build_directory(name)
+            built = directory is not None and (directory / f"{name}.so").exists()
+            if built and directory is not None and not (directory / "lock").exists():
+                _module = _import(name, directory / f"{name}.so")
+                return _module
+            if not build:
+                raise NotBuilt(f"{name} is not built here yet" if not built else f"{name} is being built")
+            from torch.utils.cpp_extension import load as compile_and_load
+
             try:
                 options = build_options()
-                if not _built(name):
+                if directory is not None:
+                    _await_lock(directory)
+                if not built:
                     log.warning("plancache: compiling the attention route's C++ steady path (once per machine and "
-                                "torch build: a minute or two)")
-                _module = build(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
-                                verbose=verbose, **options)
+                                "version: a minute or two)")
+                _module = compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
+                                           verbose=verbose, **options)
             except ExtensionUnavailable:
                 raise
             except Exception as exc:  # noqa: BLE001 - a compiler missing or failing, a library not loading
                 raise ExtensionUnavailable(f"could not build {SOURCE.name}: {str(exc).strip()[-400:]}") from exc
         return _module
+
+
+def build_in_background() -> bool:
+    """Start ``python -m plancache.client.sdpa_ext`` (a build of this version) in a process of its own, which
+    outlives this one; False where a build is under way already. Its output goes to ``build.log`` beside it."""
+    name = module_name()
+    directory = _build_directory(name)
+    if directory is None:
+        return False
+    if (directory / "lock").exists():
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.log", "ab") as out:
+        subprocess.Popen([sys.executable, "-m", "plancache.client.sdpa_ext"], stdin=subprocess.DEVNULL, stdout=out,
+                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    return True
+
+
+def main() -> int:
+    """``python -m plancache.client.sdpa_ext``: build this version here (or find it built) and say where."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        module = load(verbose="-v" in sys.argv[1:])
+    except ExtensionUnavailable as exc:
+        print(f"plancache: the attention route's C++ steady path cannot be built here: {exc}", file=sys.stderr)
+        return 1
+    print(f"plancache: the attention route's C++ steady path is built: {module.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ def test_the_block_table_shows_the_warm_starts_first_step_beside_the_cold_one(ca
         "kernels": {"kernels": {}},
         "block": {"block": {"2x1024": {name: {"first_ms": 40.0, "prepare_ms": 29.5, "steady_ms": 1.0}
                                        for name in ("flash", "aten_cudnn", "plancache")}}},
-        "block_warm": {"block": {"2x1024": {"plancache": {"first_ms": 13.25, "prepare_ms": 2.5, "steady_ms": 1.0}}}},
+        "block_warm": {"block": {"2x1024": {"plancache_cpp": {"first_ms": 13.25, "prepare_ms": 2.5, "steady_ms": 1.0}}}},
     }
     sdpa_route._tables(results)
     block = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2x1024 |"))

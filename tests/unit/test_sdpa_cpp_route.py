@@ -312,6 +312,29 @@ def test_build_options_take_fe_cudnn_and_cuda_from_wheels_and_link_torchs_cuda_l
                                         "-ltorch_cuda"]
 
 
+def test_a_killed_builds_lock_is_removed_and_a_live_build_is_waited_for(tmp_path, caplog):
+    """torch's builder waits for ever on a lock a killed build left: an old one is removed, a young one awaited."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - sdpa_ext.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    sdpa_ext._await_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+
+    lock.write_text("")  # a build under way: waited for until it releases its lock
+    timer = threading.Timer(0.3, lock.unlink)
+    timer.start()
+    t0 = time.perf_counter()
+    sdpa_ext._await_lock(tmp_path, poll=0.02)
+    assert time.perf_counter() - t0 >= 0.25 and not lock.exists()
+    timer.join()
+    sdpa_ext._await_lock(tmp_path)  # no lock: returns at once
+
+
 def test_the_source_ships_in_the_package():
     import tomllib
     from fnmatch import fnmatch
@@ -478,33 +501,119 @@ def test_each_version_of_the_source_builds_under_a_name_of_its_own(monkeypatch, 
     assert sdpa_ext.module_name() != first
 
 
-@pytest.mark.parametrize("built", [False, True])
-def test_load_builds_with_the_options_found_and_says_so_when_it_compiles(monkeypatch, caplog, built):
+def test_another_torch_or_python_builds_under_another_name(monkeypatch):
+    first = sdpa_ext.module_name()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert sdpa_ext.module_name() != first
+
+
+@pytest.fixture
+def builds(monkeypatch, tmp_path):
+    """load() with a CUDA torch, a build folder under ``tmp_path`` and torch's builder recorded."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(sdpa_ext, "_module", None)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(sdpa_ext, "build_options", lambda: {"extra_include_paths": ["/fe"], "extra_ldflags": []})
-    monkeypatch.setattr(sdpa_ext, "_built", lambda name: built)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or "module")
+    monkeypatch.setattr(sdpa_ext, "_build_directory", lambda name: tmp_path)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or "compiled")
+    monkeypatch.setattr(sdpa_ext, "_import", lambda name, path: f"imported {path.name}")
+    return calls
+
+
+def test_load_compiles_a_missing_build_once_and_says_so(builds, caplog):
     with caplog.at_level(logging.WARNING, logger="plancache.client"):
-        assert sdpa_ext.load() == "module" and sdpa_ext.load() == "module"
-    (call,) = calls
+        assert sdpa_ext.load() == "compiled" and sdpa_ext.load() == "compiled"
+    (call,) = builds
     assert call["name"] == sdpa_ext.module_name() and call["sources"] == [str(sdpa_ext.SOURCE)]
     assert call["extra_include_paths"] == ["/fe"] and call["with_cuda"] is False
-    assert ("compiling the attention route's C++ steady path" in caplog.text) is not built
+    assert "compiling the attention route's C++ steady path" in caplog.text
 
 
-def test_a_failed_compile_is_unavailable_with_the_compilers_last_words(monkeypatch):
+def test_load_imports_this_versions_build_without_the_builder(builds, tmp_path, caplog):
+    name = sdpa_ext.module_name()
+    (tmp_path / f"{name}.so").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        assert sdpa_ext.load(build=False) == f"imported {name}.so"
+    assert builds == [] and "compiling" not in caplog.text
+
+
+def test_without_build_a_missing_or_unfinished_build_is_not_built(builds, tmp_path):
+    with pytest.raises(sdpa_ext.NotBuilt, match="is not built here yet"):
+        sdpa_ext.load(build=False)
+    (tmp_path / f"{sdpa_ext.module_name()}.so").write_bytes(b"")
+    (tmp_path / "lock").write_text("")  # another process is still linking it
+    with pytest.raises(sdpa_ext.NotBuilt, match="is being built"):
+        sdpa_ext.load(build=False)
+    assert builds == []
+
+
+def test_a_failed_compile_is_unavailable_with_the_compilers_last_words(builds, monkeypatch):
     def compile_fails(**_: Any) -> Any:
         raise RuntimeError("Error building extension 'plancache_sdpa_route': sdpa_route.cpp:12: error: no match")
 
-    monkeypatch.setattr(sdpa_ext, "_module", None)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(sdpa_ext, "build_options", lambda: {})
-    monkeypatch.setattr(sdpa_ext, "_built", lambda name: True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_fails)
     with pytest.raises(sdpa_ext.ExtensionUnavailable, match="could not build sdpa_route.cpp: .*error: no match"):
         sdpa_ext.load()
+
+
+def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(monkeypatch, tmp_path):
+    import subprocess
+
+    started: list[tuple[list[str], dict[str, Any]]] = []
+    monkeypatch.setattr(sdpa_ext, "_build_directory", lambda name: tmp_path / name)
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kw: started.append((argv, kw)))
+    assert sdpa_ext.build_in_background() is True
+    ((argv, kw),) = started
+    assert argv == [sys.executable, "-m", "plancache.client.sdpa_ext"] and kw["start_new_session"] is True
+    assert (tmp_path / sdpa_ext.module_name() / "build.log").exists()
+    (tmp_path / sdpa_ext.module_name() / "lock").write_text("")
+    assert sdpa_ext.build_in_background() is False and len(started) == 1
+
+
+def test_the_build_command_says_why_it_cannot_build(monkeypatch, capsys):
+    monkeypatch.setattr(sdpa_ext, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert sdpa_ext.main() == 1
+    assert "cannot be built here: torch" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="on a CUDA torch the command compiles (a GPU test's job)")
+def test_the_build_command_runs_as_the_docs_write_it():
+    """``python -m plancache.client.sdpa_ext`` (README, FE.md): on a torch without CUDA, one line saying why."""
+    import subprocess
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "plancache.client.sdpa_ext"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("plancache: the attention route's C++ steady path cannot be "
+                                                           "built here: torch ")
+
+
+@pytest.mark.parametrize("cpp", ["auto", True])
+def test_auto_starts_a_missing_build_in_the_background_and_true_builds_it_now(tmp_path, monkeypatch, caplog, cpp):
+    asked: list[bool] = []
+    started: list[bool] = []
+
+    def load(*, build: bool = True, verbose: bool = False) -> Any:
+        asked.append(build)
+        raise (sdpa_ext.NotBuilt("plancache_sdpa_route_x is not built here yet") if not build
+               else sdpa_ext.ExtensionUnavailable("no compiler"))
+
+    monkeypatch.setattr(sdpa_ext, "load", load)
+    monkeypatch.setattr(sdpa_ext, "build_in_background", lambda: started.append(True) or True)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[], mode="normal")
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        sdpa.install(cache, cpp=cpp)
+    try:
+        assert sdpa._route.ext is None and sdpa.stats()["cpp_unavailable"] == 1
+        assert asked == [cpp is True]
+        assert started == ([True] if cpp == "auto" else [])
+        assert ("compiling it in the background" if cpp == "auto" else "no compiler") in caplog.text
+    finally:
+        sdpa.uninstall()
+    with pytest.raises(ValueError, match="expected True, False or 'auto'"):
+        sdpa.install(cache, cpp="yes")
 
 
 def test_a_strict_process_without_the_plans_raises_plan_miss_through_the_cpp_path(tmp_path, monkeypatch, ext):

@@ -57,7 +57,7 @@ def route(tmp_path, monkeypatch):
     aten: list[tuple[str, tuple[Any, ...]]] = []
     monkeypatch.setattr(sdpa, "_aten_forward", lambda *a, **k: aten.append(("fwd", a)) or "aten")
     monkeypatch.setattr(sdpa, "_aten_backward", lambda *a, **k: aten.append(("bwd", a)) or "aten")
-    sdpa.install(cache)
+    sdpa.install(cache, cpp=False)
     yield backend, aten
     sdpa.uninstall()
 
@@ -365,7 +365,7 @@ def test_a_float32_call_is_refused_by_the_graph_writer_with_a_clear_error():
 def test_strict_mode_raises_plan_miss_instead_of_building(tmp_path, monkeypatch):
     cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[], mode="strict")
     monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
-    sdpa.install(cache)
+    sdpa.install(cache, cpp=False)
     try:
         with pytest.raises(PlanMiss):
             forward(*qkv())
@@ -382,7 +382,7 @@ def test_tensors_of_another_device_run_torchs_kernel(route, monkeypatch):
 def test_install_replaces_the_two_kernels_and_uninstall_gives_them_back(tmp_path):
     cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
     original = cudnn.pygraph.build_plans
-    plancache.torch.install(cache)
+    plancache.torch.install(cache, attention_cpp=False)
     try:
         assert sdpa.installed() and cudnn.pygraph.build_plans is not original  # route and hook
         for op in sdpa.OPS:
@@ -509,7 +509,7 @@ def test_a_pinned_native_kernel_loads_no_plan(tmp_path, natives, monkeypatch):
     backend = GraphBackend()
     cache = PlanCache("", backend=backend, cache_dir=tmp_path, trusted_keys=[], mode="strict")
     monkeypatch.setattr(sdpa._Route, "handle", lambda self: "handle")
-    sdpa.install(cache, attention="flash")
+    sdpa.install(cache, attention="flash", cpp=False)
     try:
         q, k, v = qkv()
         forward(q, k, v)  # strict mode, no server: only a pin can serve it
@@ -564,7 +564,7 @@ def test_plancache_attention_setting_pins_the_route(tmp_path, monkeypatch):
     assert sdpa.NATIVE == NATIVE_KERNELS
     monkeypatch.setenv("PLANCACHE_ATTENTION", "cudnn_aten")
     cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
-    plancache.torch.install(cache)
+    plancache.torch.install(cache, attention_cpp=False)
     try:
         assert sdpa._route.choice == "cudnn_aten"
     finally:
