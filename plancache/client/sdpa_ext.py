@@ -156,7 +156,8 @@ def _requirements() -> None:
 def load(*, build: bool = True, verbose: bool = False) -> Any:
     """The compiled extension module: this version's build imported where it is on this machine, else built now
     with ``build`` (see the module docstring); raises :class:`NotBuilt` where it is not built and ``build`` is
-    False, :class:`ExtensionUnavailable` where it cannot be built or loaded, saying why."""
+    False, :class:`ExtensionUnavailable` where it cannot be built or loaded, saying why. A failed build is noted
+    beside it (``failed``): without ``build`` it is not tried again."""
     global _module
     with _lock:
         if _module is None:
@@ -167,24 +168,40 @@ def load(*, build: bool = True, verbose: bool = False) -> Any:
             if built and directory is not None and not (directory / "lock").exists():
                 _module = _import(name, directory / f"{name}.so")
                 return _module
+            failed = directory / "failed" if directory is not None else None
             if not build:
+                if failed is not None and failed.exists():
+                    raise ExtensionUnavailable(
+                        f"its build here failed ({failed.read_text(errors='replace').strip()[-300:]}); "
+                        f"python -m plancache.client.sdpa_ext tries again")
                 raise NotBuilt(f"{name} is not built here yet" if not built else f"{name} is being built")
-            from torch.utils.cpp_extension import load as compile_and_load
-
             try:
-                options = build_options()
-                if directory is not None:
-                    _await_lock(directory)
-                if not built:
-                    log.warning("plancache: compiling the attention route's C++ steady path (once per machine and "
-                                "version: a minute or two)")
-                _module = compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
-                                           verbose=verbose, **options)
-            except ExtensionUnavailable:
+                _module = _build(name, directory, built, verbose)
+            except ExtensionUnavailable as exc:
+                if failed is not None:  # the processes after this one do not start the same build again
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(f"{exc}\n")
                 raise
-            except Exception as exc:  # noqa: BLE001 - a compiler missing or failing, a library not loading
-                raise ExtensionUnavailable(f"could not build {SOURCE.name}: {str(exc).strip()[-400:]}") from exc
+            if failed is not None:
+                failed.unlink(missing_ok=True)
         return _module
+
+
+def _build(name: str, directory: Path | None, built: bool, verbose: bool) -> Any:
+    """Compiles ``name`` (or waits for another process's build of it) and imports it."""
+    from torch.utils.cpp_extension import load as compile_and_load
+
+    options = build_options()
+    if directory is not None:
+        _await_lock(directory)
+    if not built:
+        log.warning("plancache: compiling the attention route's C++ steady path (once per machine and version: a "
+                    "minute or two)")
+    try:
+        return compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], with_cuda=False,
+                                verbose=verbose, **options)
+    except Exception as exc:  # noqa: BLE001 - a compiler missing or failing, a library not loading
+        raise ExtensionUnavailable(f"could not build {SOURCE.name}: {str(exc).strip()[-400:]}") from exc
 
 
 def build_in_background() -> bool:

@@ -556,6 +556,22 @@ def test_a_failed_compile_is_unavailable_with_the_compilers_last_words(builds, m
         sdpa_ext.load()
 
 
+def test_a_failed_build_is_not_started_again_until_asked(builds, monkeypatch, tmp_path):
+    """A failed build is noted beside it: the processes after it serve in Python without starting it again (not
+    NotBuilt, which starts a build), until a build asked for (``build=True``, the command) succeeds."""
+    def compile_fails(**_: Any) -> Any:
+        raise RuntimeError("c++: fatal error: cudnn_frontend.h: No such file or directory")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_fails)
+    with pytest.raises(sdpa_ext.ExtensionUnavailable):
+        sdpa_ext.load()
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match="its build here failed .*No such file") as caught:
+        sdpa_ext.load(build=False)
+    assert not isinstance(caught.value, sdpa_ext.NotBuilt)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: "compiled")
+    assert sdpa_ext.load() == "compiled" and not (tmp_path / "failed").exists()
+
+
 def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(monkeypatch, tmp_path):
     import subprocess
 
