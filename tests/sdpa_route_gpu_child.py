@@ -6,8 +6,10 @@ Installs ``plancache.torch`` and runs each variant of ``F.scaled_dot_product_att
 forward and backward, against a float32 reference; then a CUDA-graph replay against eager, and a block under
 ``torch.compile(fullgraph=True)``. Prints one JSON line: per variant, what the route did (its counters' change:
 ``fwd``, ``bwd``, ``load:<source>``, ``fwd_aten:<reason>``) and the worst normalised error; the client's stats.
-With ``--cpp`` the route's steady path runs in C++, and each variant runs twice: what is reported is the second run,
-the one a configuration handed over at its first is served by.
+With ``--cpp`` the extension of the route's steady path in C++ is built first, the route installed as by default
+(``attention_cpp`` left to ``PLANCACHE_ATTENTION_CPP``'s default, ``auto``: it takes the build), and each variant
+runs twice: what is reported is the second run, the one a configuration handed over at its first is served by.
+Without it the route's steady path is Python's (``attention_cpp=False``).
 """
 
 from __future__ import annotations
@@ -185,7 +187,8 @@ def main() -> None:
     parser.add_argument("--cache")
     parser.add_argument("--mode", default="normal")
     parser.add_argument("--attention", default="plan", help="plancache.client.sdpa.CHOICES")
-    parser.add_argument("--cpp", action="store_true", help="the route's steady path in C++; each variant twice")
+    parser.add_argument("--cpp", action="store_true", help="the route as by default, its C++ extension built first; "
+                        "each variant twice")
     parser.add_argument("variants", nargs="*")
     args = parser.parse_args()
 
@@ -201,7 +204,7 @@ def main() -> None:
 
     cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
                                               cache_dir=args.cache, mode=args.mode), attention=args.attention,
-                                      attention_cpp=args.cpp)
+                                      attention_cpp=None if args.cpp else False)
     out: dict[str, Any] = {"variants": {}, "cpp_unavailable": sdpa.stats().get("cpp_unavailable", 0),
                            "cpp_error": cpp_error}
     for name in args.variants or VARIANTS:

@@ -131,9 +131,10 @@ def test_native_kernels_measured_or_pinned_serve_every_variant_with_reference_nu
 
 
 def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tmp_path):
-    """``attention_cpp``: the extension builds here, and every variant's second call (eager, replayed or compiled)
-    is served by the C++ kernels with float32-reference numerics (dropout: equal to torch's own kernel drawing from
-    the same generator state; a boolean mask: converted by the Python route on the way)."""
+    """The route as installed by default (``attention_cpp`` ``auto``) takes the extension built here, and every
+    variant's second call (eager, replayed or compiled) is served by the C++ kernels with float32-reference numerics
+    (dropout: equal to torch's own kernel drawing from the same generator state; a boolean mask: converted by the
+    Python route on the way)."""
     srv, root, _, _, _ = fleet
     run = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                 "--cache", str(tmp_path / "cache"), "--mode", "strict", "--cpp")
