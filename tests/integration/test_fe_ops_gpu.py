@@ -42,8 +42,11 @@ WHOLE = ("layer_norm", "rms_norm")
 
 
 def child(*args: str, check: bool = True, settings: dict[str, str] | None = None) -> dict:
-    """Run tests/fe_ops_gpu_child.py with ``args``; ``settings``: its only ``PLANCACHE_*`` variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | (settings or {})
+    """Run tests/fe_ops_gpu_child.py with ``args``; ``settings``: its only ``PLANCACHE_*`` variables (the attention
+    route's steady path in Python unless they say otherwise: what a child measures does not depend on whether this
+    machine has the C++ extension built)."""
+    env = ({k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | {"PLANCACHE_ATTENTION_CPP": "0"}
+           | (settings or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env["CUDA_CACHE_DISABLE"] = "1"
     proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", *args], capture_output=True, text=True,
