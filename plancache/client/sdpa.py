@@ -218,7 +218,8 @@ def _load_ext(cpp: bool | str) -> Any:
         started = sdpa_ext.build_in_background()
         log.warning("plancache: this process's attention route runs in Python: %s; %s", exc,
                     "compiling it in the background for the next processes (a minute or two; "
-                    "python -m plancache.client.sdpa_ext builds it ahead)" if started else "another process builds it")
+                    "python -m plancache.client.sdpa_ext builds it ahead)" if started
+                    else "a build is under way, or python -m plancache.client.sdpa_ext makes one")
     except sdpa_ext.ExtensionUnavailable as exc:
         (log.warning if cpp is True else log.info)(
             "plancache: the attention route runs in Python: its C++ steady path is unavailable: %s", exc)

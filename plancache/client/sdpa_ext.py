@@ -206,7 +206,10 @@ def _build(name: str, directory: Path | None, built: bool, verbose: bool) -> Any
 
 def build_in_background() -> bool:
     """Start ``python -m plancache.client.sdpa_ext`` (a build of this version) in a process of its own, which
-    outlives this one; False where a build is under way already. Its output goes to ``build.log`` beside it."""
+    outlives this one; False where a build is under way already, or where this process's executable is not a
+    Python interpreter (an application embedding one). Its output goes to ``build.log`` beside it."""
+    if not os.path.basename(sys.executable or "").startswith("python"):
+        return False
     name = module_name()
     directory = _build_directory(name)
     if directory is None:

@@ -584,6 +584,9 @@ def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(mo
     assert (tmp_path / sdpa_ext.module_name() / "build.log").exists()
     (tmp_path / sdpa_ext.module_name() / "lock").write_text("")
     assert sdpa_ext.build_in_background() is False and len(started) == 1
+    (tmp_path / sdpa_ext.module_name() / "lock").unlink()
+    monkeypatch.setattr(sys, "executable", "/opt/app/bin/inference-server")  # embeds Python: not run with -m
+    assert sdpa_ext.build_in_background() is False and len(started) == 1
 
 
 def test_the_build_command_says_why_it_cannot_build(monkeypatch, capsys):
