@@ -218,7 +218,10 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                     row["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
                     row["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
                     row["served"] = _delta(before, after)
+                steady_before = sdpa.stats()
                 row["steady_ms"] = median_ms(lambda x=x, dy=dy: step(x, dy))
+                if name in ROUTES:  # who served the steady steps (cpp:fwd / cpp:bwd for the C++ path)
+                    row["steady_served"] = _delta(steady_before, sdpa.stats())
                 out.setdefault(f"{b}x{s}", {})[name] = row
     _route("", cache)
     return out
@@ -319,7 +322,7 @@ def _tables(results: dict[str, Any]) -> None:
               f"{cpp.get('steady_ms', nan) / best:>8.2f} | "
               f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} "
               f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {cpp_first:>7.1f} "
-              f"{aten_first:>11.1f} | {route.get('served', {})} {cpp.get('served', '')}")
+              f"{aten_first:>11.1f} | {route.get('served', {})} {cpp.get('served', '')} steady: {cpp.get('steady_served', '')}")
     for shape, row in kern.items():
         for name, got in row.items():
             if isinstance(got, dict) and "graphed_error" in got:
