@@ -609,6 +609,18 @@ def test_the_build_command_runs_as_the_docs_write_it():
                                                            "built here: torch ")
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, "auto"), ("auto", "auto"), ("1", True), ("true", True),
+                                                 ("0", False), ("false", False)])
+def test_plancache_attention_cpp_reads_auto_or_a_boolean(monkeypatch, value, expected):
+    from plancache.settings import ClientSettings
+
+    if value is None:
+        monkeypatch.delenv("PLANCACHE_ATTENTION_CPP", raising=False)
+    else:
+        monkeypatch.setenv("PLANCACHE_ATTENTION_CPP", value)
+    assert ClientSettings().attention_cpp == expected
+
+
 @pytest.mark.parametrize("cpp", ["auto", True])
 def test_auto_starts_a_missing_build_in_the_background_and_true_builds_it_now(tmp_path, monkeypatch, caplog, cpp):
     asked: list[bool] = []
