@@ -186,6 +186,7 @@ def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "
     check_choice(attention)
     if cpp not in (True, False, "auto"):
         raise ValueError(f"cpp={cpp!r}: expected True, False or 'auto'")
+    cpp = cpp if cpp == "auto" else bool(cpp)
     with _lock:
         if _route is not None:
             if _route.cache is cache and _route.choice == attention and _route.cpp == cpp:

@@ -114,14 +114,21 @@ def _build_directory(name: str) -> Path | None:
         return None
 
 
+def _lock_age(directory: Path) -> float | None:
+    """Seconds since a build took ``directory``'s lock; None where none holds it."""
+    try:
+        return time.time() - (directory / "lock").stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def _await_lock(directory: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
     """Waits while another process builds in ``directory`` (its ``lock`` file); removes a lock older than
     ``stale_after`` seconds, which a killed build left (torch's builder would wait on it for ever)."""
     lock = directory / "lock"
     while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
+        age = _lock_age(directory)
+        if age is None:
             return
         if age > stale_after:
             log.warning("plancache: removing %s, left %.0f s ago by a build that did not finish", lock, age)
@@ -206,15 +213,17 @@ def _build(name: str, directory: Path | None, built: bool, verbose: bool) -> Any
 
 def build_in_background() -> bool:
     """Start ``python -m plancache.client.sdpa_ext`` (a build of this version) in a process of its own, which
-    outlives this one; False where a build is under way already, or where this process's executable is not a
-    Python interpreter (an application embedding one). Its output goes to ``build.log`` beside it."""
+    outlives this one; False where a build is under way (a lock younger than :data:`STALE_LOCK_SECONDS`), or where
+    this process's executable is not a Python interpreter (an application embedding one). Its output goes to
+    ``build.log`` beside it."""
     if not os.path.basename(sys.executable or "").startswith("python"):
         return False
     name = module_name()
     directory = _build_directory(name)
     if directory is None:
         return False
-    if (directory / "lock").exists():
+    age = _lock_age(directory)
+    if age is not None and age <= STALE_LOCK_SECONDS:  # a stale one is the new build's to remove (_await_lock)
         return False
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "build.log", "ab") as out:

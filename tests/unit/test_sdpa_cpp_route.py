@@ -573,7 +573,9 @@ def test_a_failed_build_is_not_started_again_until_asked(builds, monkeypatch, tm
 
 
 def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(monkeypatch, tmp_path):
+    import os
     import subprocess
+    import time
 
     started: list[tuple[list[str], dict[str, Any]]] = []
     monkeypatch.setattr(sdpa_ext, "_build_directory", lambda name: tmp_path / name)
@@ -582,11 +584,15 @@ def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(mo
     ((argv, kw),) = started
     assert argv == [sys.executable, "-m", "plancache.client.sdpa_ext"] and kw["start_new_session"] is True
     assert (tmp_path / sdpa_ext.module_name() / "build.log").exists()
-    (tmp_path / sdpa_ext.module_name() / "lock").write_text("")
+    lock = tmp_path / sdpa_ext.module_name() / "lock"
+    lock.write_text("")
     assert sdpa_ext.build_in_background() is False and len(started) == 1
-    (tmp_path / sdpa_ext.module_name() / "lock").unlink()
+    old = time.time() - sdpa_ext.STALE_LOCK_SECONDS - 5  # a killed build's: the new build removes it
+    os.utime(lock, (old, old))
+    assert sdpa_ext.build_in_background() is True and len(started) == 2
+    lock.unlink()
     monkeypatch.setattr(sys, "executable", "/opt/app/bin/inference-server")  # embeds Python: not run with -m
-    assert sdpa_ext.build_in_background() is False and len(started) == 1
+    assert sdpa_ext.build_in_background() is False and len(started) == 2
 
 
 def test_the_build_command_says_why_it_cannot_build(monkeypatch, capsys):
