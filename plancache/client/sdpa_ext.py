@@ -214,8 +214,8 @@ def _build(name: str, directory: Path | None, built: bool, verbose: bool) -> Any
 def build_in_background() -> bool:
     """Start ``python -m plancache.client.sdpa_ext`` (a build of this version) in a process of its own, which
     outlives this one; False where a build is under way (a lock younger than :data:`STALE_LOCK_SECONDS`), or where
-    this process's executable is not a Python interpreter (an application embedding one). Its output goes to
-    ``build.log`` beside it."""
+    this process's executable is not a Python interpreter (an application embedding one). It sees no GPU (a
+    compile needs none, and takes no memory of the job's); its output goes to ``build.log`` beside it."""
     if not os.path.basename(sys.executable or "").startswith("python"):
         return False
     name = module_name()
@@ -228,7 +228,8 @@ def build_in_background() -> bool:
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "build.log", "ab") as out:
         subprocess.Popen([sys.executable, "-m", "plancache.client.sdpa_ext"], stdin=subprocess.DEVNULL, stdout=out,
-                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # compiling needs no GPU: it takes none
     return True
 
 

@@ -583,6 +583,7 @@ def test_a_background_build_runs_this_module_detached_unless_one_is_under_way(mo
     assert sdpa_ext.build_in_background() is True
     ((argv, kw),) = started
     assert argv == [sys.executable, "-m", "plancache.client.sdpa_ext"] and kw["start_new_session"] is True
+    assert kw["env"]["CUDA_VISIBLE_DEVICES"] == "" and kw["env"]["PATH"] == os.environ["PATH"]
     assert (tmp_path / sdpa_ext.module_name() / "build.log").exists()
     lock = tmp_path / sdpa_ext.module_name() / "lock"
     lock.write_text("")
