@@ -81,10 +81,8 @@ def module_name() -> str:
 def build_options() -> dict[str, Any]:
     """Include directories and linker flags: FE's headers, cuDNN's headers and library, the CUDA runtime's headers
     and library, torch's CUDA libraries (raises :class:`ExtensionUnavailable` naming what is missing)."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
     roots = _search_roots()
-    cuda_roots = [c for c in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME) if c]
+    cuda_roots = [c for c in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), _builder().CUDA_HOME) if c]
     fe = _first("cuDNN FE's C++ headers (pip install nvidia-cudnn-frontend)",
                 [f"{r}/include/cudnn_frontend.h" for r in roots])
     cudnn_h = _first("cuDNN's headers (pip install nvidia-cudnn-cu13, or -cu12)",
@@ -104,12 +102,41 @@ def build_options() -> dict[str, Any]:
                               "-ltorch_cuda"]}
 
 
+def _usual_directory(name: str) -> Path | None:
+    """Where torch's builder keeps ``name`` by its rule as of torch 2.11, found without importing the builder (which
+    imports setuptools: 70 ms); None where that rule does not apply. A miss here only costs that import."""
+    try:
+        import torch
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if root is None:
+            if torch.version.cuda is None or torch.version.hip is not None:
+                return None
+            from torch import _appdirs
+
+            folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+            root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                                f"{folder}_cu{torch.version.cuda.replace('.', '')}")
+        return Path(root) / name
+    except Exception:  # noqa: BLE001 - torch's private helper moved: the builder's own answer is asked instead
+        return None
+
+
+def _builder() -> Any:
+    """torch's extension builder (``torch.utils.cpp_extension``)."""
+    try:
+        import torch.utils.cpp_extension as builder
+    except ImportError as exc:
+        raise ExtensionUnavailable(f"torch's extension builder cannot be imported ({exc}): pip install setuptools "
+                                   f"ninja") from None
+    return builder
+
+
 def _build_directory(name: str) -> Path | None:
     """Where torch's builder keeps ``name`` (under ``TORCH_EXTENSIONS_DIR``); None where its helper fails."""
-    from torch.utils.cpp_extension import _get_build_directory
-
+    builder = _builder()
     try:
-        return Path(_get_build_directory(name, False))
+        return Path(builder._get_build_directory(name, False))
     except Exception:  # noqa: BLE001 - torch's helper (private) changed or failed: only the checks below need it
         return None
 
@@ -153,7 +180,6 @@ def _requirements() -> None:
     try:
         import cudnn  # noqa: F401 - FE's Python package: its wheel holds the headers
         import torch
-        import torch.utils.cpp_extension  # noqa: F401
     except ImportError as exc:
         raise ExtensionUnavailable(f"{exc.name} is not installed: pip install 'plancache[gpu]'") from None
     if torch.version.cuda is None:
@@ -170,6 +196,10 @@ def load(*, build: bool = True, verbose: bool = False) -> Any:
         if _module is None:
             _requirements()
             name = module_name()
+            usual = _usual_directory(name)
+            if usual is not None and (usual / f"{name}.so").exists() and not (usual / "lock").exists():
+                _module = _import(name, usual / f"{name}.so")
+                return _module
             directory = _build_directory(name)
             built = directory is not None and (directory / f"{name}.so").exists()
             if built and directory is not None and not (directory / "lock").exists():
@@ -196,8 +226,7 @@ def load(*, build: bool = True, verbose: bool = False) -> Any:
 
 def _build(name: str, directory: Path | None, built: bool, verbose: bool) -> Any:
     """Compiles ``name`` (or waits for another process's build of it) and imports it."""
-    from torch.utils.cpp_extension import load as compile_and_load
-
+    compile_and_load = _builder().load
     options = build_options()
     if directory is not None:
         _await_lock(directory)

@@ -515,6 +515,7 @@ def builds(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(sdpa_ext, "build_options", lambda: {"extra_include_paths": ["/fe"], "extra_ldflags": []})
     monkeypatch.setattr(sdpa_ext, "_build_directory", lambda name: tmp_path)
+    monkeypatch.setattr(sdpa_ext, "_usual_directory", lambda name: None)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or "compiled")
     monkeypatch.setattr(sdpa_ext, "_import", lambda name, path: f"imported {path.name}")
     return calls
@@ -535,6 +536,38 @@ def test_load_imports_this_versions_build_without_the_builder(builds, tmp_path, 
     with caplog.at_level(logging.WARNING, logger="plancache.client"):
         assert sdpa_ext.load(build=False) == f"imported {name}.so"
     assert builds == [] and "compiling" not in caplog.text
+
+
+@pytest.mark.parametrize("env_dir", [False, True])
+def test_the_usual_folder_is_torchs_own_and_a_build_there_is_imported_without_the_builder(monkeypatch, tmp_path,
+                                                                                        env_dir):
+    """A build where torch's builder keeps it by its rule is imported without importing the builder (setuptools:
+    70 ms at install); the rule copied is checked against the builder's own answer on this torch."""
+    from pathlib import Path
+
+    from torch import _appdirs
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setattr(sdpa_ext, "_module", None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_appdirs, "user_cache_dir", lambda appname: str(tmp_path / "home" / appname))
+    if env_dir:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    name = sdpa_ext.module_name()
+    usual = sdpa_ext._usual_directory(name)
+    assert usual == Path(_get_build_directory(name, False))
+    (usual / f"{name}.so").write_bytes(b"")
+    monkeypatch.setattr(sdpa_ext, "_import", lambda name, path: f"imported {path}")
+    monkeypatch.setattr(sdpa_ext, "_build_directory", lambda name: pytest.fail("the builder was asked"))
+    assert sdpa_ext.load(build=False) == f"imported {usual / f'{name}.so'}"
+
+
+def test_a_builder_that_cannot_be_imported_is_named(builds, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # as without setuptools
+    with pytest.raises(sdpa_ext.ExtensionUnavailable, match="torch's extension builder cannot be imported .*setuptools"):
+        sdpa_ext.load()
 
 
 def test_without_build_a_missing_or_unfinished_build_is_not_built(builds, tmp_path):
