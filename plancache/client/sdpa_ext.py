@@ -164,6 +164,14 @@ def _await_lock(directory: Path, stale_after: float = STALE_LOCK_SECONDS, poll: 
         time.sleep(poll)
 
 
+def _finished(directory: Path | None, name: str) -> Path | None:
+    """``name``'s build in ``directory``, where it is there and no build holds the folder's lock."""
+    if directory is None:
+        return None
+    path = directory / f"{name}.so"
+    return path if path.exists() and _lock_age(directory) is None else None
+
+
 def _import(name: str, path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -196,15 +204,15 @@ def load(*, build: bool = True, verbose: bool = False) -> Any:
         if _module is None:
             _requirements()
             name = module_name()
-            usual = _usual_directory(name)
-            if usual is not None and (usual / f"{name}.so").exists() and not (usual / "lock").exists():
-                _module = _import(name, usual / f"{name}.so")
+            directory = None
+            finished = _finished(_usual_directory(name), name)
+            if finished is None:  # not where torch's rule puts it: asked of torch's builder
+                directory = _build_directory(name)
+                finished = _finished(directory, name)
+            if finished is not None:
+                _module = _import(name, finished)
                 return _module
-            directory = _build_directory(name)
             built = directory is not None and (directory / f"{name}.so").exists()
-            if built and directory is not None and not (directory / "lock").exists():
-                _module = _import(name, directory / f"{name}.so")
-                return _module
             failed = directory / "failed" if directory is not None else None
             if not build:
                 if failed is not None and failed.exists():
