@@ -5,9 +5,9 @@
 
 One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
 
-1. ``capture``: plancache installed in normal mode against a live server runs every configuration below once: each
-   graph misses, FE builds it and its spec is registered; every registered miss is then autotuned (one process per
-   graph) and published signed.
+1. ``capture``: plancache installed in normal mode against a live server runs every configuration below once,
+   untimed, through the route: each graph misses, FE builds it and its spec is registered; every registered miss
+   is then autotuned (one process per graph) and published signed.
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
    own cuDNN (ATen) and plancache's route (every plan from the server): the shape's first call (synchronised wall
    time; for the route, with its preparing of the plans apart), eager (median of 50 CUDA-event timings after
@@ -176,7 +176,19 @@ def _host_us(q: Any, k: Any, v: Any, do: Any, which: tuple[str, ...] = ("fwd", "
     return results
 
 
-def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
+def capture(cache: Any) -> None:
+    """Every configuration of steps 2 to 5 once through the route, untimed: each of its graphs misses once."""
+    import torch
+
+    _route("plancache", cache)
+    for shape in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+        q, k, v, do = (torch.randn(*shape, device="cuda", generator=gen).bfloat16() for _ in range(4))
+        _step(*(t.requires_grad_() for t in (q, k, v)), do)()
+    block(cache, ("plancache",), steady=False)
+
+
+def block(cache: Any, backends: tuple[str, ...], steady: bool = True) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -218,11 +230,13 @@ def block(cache: Any, backends: tuple[str, ...]) -> dict[str, Any]:
                     row["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
                     row["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
                     row["served"] = _delta(before, after)
+                out.setdefault(f"{b}x{s}", {})[name] = row
+                if not steady:
+                    continue
                 steady_before = sdpa.stats()
                 row["steady_ms"] = median_ms(lambda x=x, dy=dy: step(x, dy))
                 if name in ROUTES:  # who served the steady steps (cpp:fwd / cpp:bwd for the C++ path)
                     row["steady_served"] = _delta(steady_before, sdpa.stats())
-                out.setdefault(f"{b}x{s}", {})[name] = row
     _route("", cache)
     return out
 
@@ -259,9 +273,11 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
     _warm_gpu()
     result: dict[str, Any] = {"what": what, "import_ms": (time.perf_counter() - t_start) * 1e3,
                               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if what in ("kernels", "capture"):
+    if what == "capture":
+        capture(cache)
+    if what == "kernels":
         result["kernels"] = kernels(cache)
-    if what in ("block", "capture"):
+    if what == "block":
         result["block"] = block(cache, BACKENDS)
     if what == "block_aten":
         result["block"] = block(cache, ("aten_cudnn",))
