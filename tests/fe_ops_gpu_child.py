@@ -5,7 +5,8 @@ THD varlen, bottom-right causal, sliding window), ``cudnn.ops.norm`` layer_norm 
 backend -- each checked against a float32 torch reference (normalised max error per output).
 
 usage: python -m tests.fe_ops_gpu_child --server URL --token T --trusted DIR --cache DIR --mode MODE [PATH ...]
-prints one JSON line: {"paths": {name: {"errors": {...}, "first_ms": ..., "error": ...}}, "stats": ..., ...}
+prints one JSON line: {"paths": {name: {"errors": {...}, "first_ms": ..., "op_ms": ..., "error": ...}}, "stats": ...}
+(``first_ms``: the whole path, its inputs and reference included; ``op_ms``: FE's op alone, where measured)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 BF16 = torch.bfloat16
+#: A path's own op alone, forward + backward, synchronised wall ms (its inputs and float32 reference left out).
+OP_MS: dict[str, float] = {}
 
 
 def _err(out: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor | None = None) -> float:
@@ -152,8 +155,12 @@ def _norm(kind: str, rows: int = 4096, hidden: int = 1024, seed: int = 3) -> Cal
         w = (1 + 0.1 * torch.randn(hidden, device=DEV, generator=g)).to(BF16).requires_grad_()
         b = (0.1 * torch.randn(hidden, device=DEV, generator=g)).to(BF16).requires_grad_()
         dy = torch.randn(rows, hidden, device=DEV, generator=g).to(BF16)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         y = layer_norm(x, (hidden,), w, b, 1e-5) if kind == "layer_norm" else rms_norm(x, w, None, 1e-5)
         y.backward(dy)
+        torch.cuda.synchronize()
+        OP_MS[kind] = (time.perf_counter() - t0) * 1e3
         xf, wf, bf = (t.detach().float().requires_grad_() for t in (x, w, b))
         if kind == "layer_norm":
             ref = F.layer_norm(xf, (hidden,), wf, bf, 1e-5)
@@ -351,6 +358,8 @@ def main() -> None:
             errs = PATHS[name]()
             torch.cuda.synchronize()
             out[name] = {"errors": errs, "first_ms": (time.perf_counter() - t0) * 1e3}
+            if name in OP_MS:
+                out[name]["op_ms"] = OP_MS[name]
         except Exception as exc:  # noqa: BLE001 - reported per path; the test asserts on it
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         if cache is not None and before is not None:

@@ -159,16 +159,18 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
     check_numerics(offline, "replay_only", untuned=bool(failed))
     check_served(offline, "replay_only", hits="disk", untuned=bool(failed))
     assert offline["stats"]["hits"] == {"disk": len(tuned)} and offline["stats"]["fe_builds"] == {}
-    print(f"\n{'path':<20}{'graphs':>7}{'first ms (FE)':>15}{'first ms (served)':>19}{'offline':>9}  max error")
+    nan = float("nan")
+    print(f"\n{'path':<20}{'graphs':>7}{'first ms (FE)':>15}{'first ms (served)':>19}{'offline':>9}"
+          f"{'op alone: FE':>14}{'served':>8}{'offline':>9}  max error")
     for name, got in online["paths"].items():
-        cap = capture["paths"][name]
+        cap, off = capture["paths"][name], offline["paths"][name]
         if "first_ms" not in got:
             print(f"{name:<20} {got.get('error', '')[:80]}")
             continue
         n = sum(got["hits"].values())
         worst = max((e for o, e in got["errors"].items() if not o.startswith("route_")), default=0.0)
-        print(f"{name:<20}{n:>7}{cap.get('first_ms', float('nan')):>15.1f}{got['first_ms']:>19.1f}"
-              f"{offline['paths'][name].get('first_ms', float('nan')):>9.1f}  {worst:.2e}")
+        print(f"{name:<20}{n:>7}{cap.get('first_ms', nan):>15.1f}{got['first_ms']:>19.1f}{off.get('first_ms', nan):>9.1f}"
+              f"{cap.get('op_ms', nan):>14.1f}{got.get('op_ms', nan):>8.1f}{off.get('op_ms', nan):>9.1f}  {worst:.2e}")
 
 
 @pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
