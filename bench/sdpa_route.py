@@ -10,24 +10,24 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    is then autotuned (one process per graph) and published signed.
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
    own cuDNN (ATen) and plancache's route (every plan from the server): the shape's first call (synchronised wall
-   time; for the route, with its preparing of the plans apart), eager (median of 50 CUDA-event timings after
-   10 warm-ups) and replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's
-   host time per call and per eager step (``time.perf_counter`` around 50 calls queued behind a spin kernel, so
-   the host never waits on the GPU unless the call itself does);
-   the route's worst normalised error against a float32 reference.
+   time; for the route, with its preparing of the plans apart), eager (the backends taking turns for 5 rounds,
+   each a median of 20 CUDA-event timings after 5 warm-ups; a backend's figure the median of its rounds) and
+   replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's host time per
+   call and per eager step (``time.perf_counter`` around 50 calls queued behind a spin kernel, so the host never
+   waits on the GPU unless the call itself does); the route's worst normalised error against a float32 reference.
 3. ``block``: a fresh strict-mode process. LayerNorm -> QKV -> attention (causal) -> projection + residual, forward
-   and backward, at four shapes: the steady step (median of 50 after 10 warm-ups) for flash, torch's cuDNN and
-   the route; then the first step of each shape (synchronised wall time) with the route serving, after a first
-   shape of the process, with how much of it the route spent preparing its plans (writing, keying, loading), and
-   with torch's own cuDNN in a process of its own.
+   and backward, at four shapes: the first step of each shape (synchronised wall time) with each backend, the
+   route's after a first shape of the process, with how much of it the route spent preparing its plans (writing,
+   keying, loading), and with torch's own cuDNN in a process of its own; then the shape's steady step for flash,
+   torch's cuDNN and the route, the backends taking turns as in 2.
 4. ``block_warm``: a fresh strict-mode process with a warm start from the capture file step 1 wrote
    (``PLANCACHE_WARM``): the route's plans fetched and loaded into its C++ steady path in the background at
-   install, then the block's first step of each shape as in 3.
+   install, then the block's first and steady steps of each shape as in 3.
 5. ``block_cpp``: a fresh strict-mode process with the route's steady path in C++ (``attention_cpp``, the route as
-   installed by default where its extension is built): the block's first step of each shape as in 3. Steps 2 and 3
-   measure it too (``plancache_cpp``, the ``C++`` columns), after the route with its steady path in Python
-   (``plancache``, ``attention_cpp=False``, the ``py route`` columns) in the same process, whose first calls there
-   find the plans verified already.
+   installed by default where its extension is built): the block's first and steady steps of each shape as in 3.
+   Steps 2 and 3 measure it too (``plancache_cpp``, the ``C++`` columns), after the route with its steady path in
+   Python (``plancache``, ``attention_cpp=False``, the ``py route`` columns) in the same process, whose first
+   calls there find the plans verified already.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ BLOCK_SHAPES = [(2, 512), (2, 1024), (4, 2048), (1, 4096)]  # (batch, sequence);
 #: The route first: its block's first steps are a new process's. ``plancache_cpp``: the route with its C++ steady path.
 BACKENDS = ("plancache", "plancache_cpp", "flash", "aten_cudnn")
 ROUTES = ("plancache", "plancache_cpp")
+#: Steady timings: the backends take turns, each round a median of 20 steps; a backend's figure is its rounds' median.
+ROUNDS = 5
 SPIN_CYCLES = 400_000_000  # a spin kernel of about 0.2 s ahead of each host timing (50 calls take far less)
 
 
@@ -101,7 +103,7 @@ def kernels(cache: Any) -> dict[str, Any]:
                 # the capture gets leaves of its own: ones an eager step used hold autograd's gradient accumulators
                 # on the default stream, which a captured backward cannot wait on (cudaErrorStreamCaptureImplicit)
                 fresh = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                row[name] = {**first, "eager_ms": median_ms(step), **_graphed(_step(*fresh, do))}
+                row[name] = {**first, **_graphed(_step(*fresh, do))}
                 # the host cost of a whole step; and of torch's cuDNN kernels, or of the route's, per call
                 row[name]["host_us"] = _host_us(q, k, v, do, ("step",) if name == "flash" else ("fwd", "bwd", "step"))
                 if name in ROUTES:
@@ -110,6 +112,8 @@ def kernels(cache: Any) -> dict[str, Any]:
                     row[name]["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     outputs[name] = (o, *torch.autograd.grad(o, (q, k, v), do))
+        for name, (ms, rounds, _) in _interleaved(cache, BACKENDS, lambda step=step: median_ms(step, n=20, warmup=5)).items():
+            row[name].update(eager_ms=ms, eager_rounds_ms=rounds)
         qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
         ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do.float())
@@ -210,35 +214,57 @@ def block(cache: Any, backends: tuple[str, ...], steady: bool = True) -> dict[st
     from plancache.client import sdpa
 
     out: dict[str, Any] = {}
-    for name in backends:
-        _route(name, cache)
-        with _backend(name):
-            for b, s in BLOCK_SHAPES:
-                g2 = torch.Generator(device="cuda").manual_seed(s)
-                x = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16().requires_grad_()
-                dy = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16()
+    for b, s in BLOCK_SHAPES:
+        g2 = torch.Generator(device="cuda").manual_seed(s)
+        x = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16().requires_grad_()
+        dy = torch.randn(b, s, hidden, device="cuda", generator=g2).bfloat16()
+        rows: dict[str, Any] = {}
+        for name in backends:  # the shape's first step with each backend
+            _route(name, cache)
+            with _backend(name):
                 before, loads = sdpa.stats(), cache.stats()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step(x, dy)
                 torch.cuda.synchronize()
-                first = (time.perf_counter() - t0) * 1e3
-                row = {"first_ms": first}
+                rows[name] = {"first_ms": (time.perf_counter() - t0) * 1e3}
                 if name in ROUTES:  # where the first step's time went: the route preparing its plans
                     after, loaded = sdpa.stats(), cache.stats()
-                    row["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
-                    row["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
-                    row["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
-                    row["served"] = _delta(before, after)
-                out.setdefault(f"{b}x{s}", {})[name] = row
-                if not steady:
-                    continue
-                steady_before = sdpa.stats()
-                row["steady_ms"] = median_ms(lambda x=x, dy=dy: step(x, dy))
-                if name in ROUTES:  # who served the steady steps (cpp:fwd / cpp:bwd for the C++ path)
-                    row["steady_served"] = _delta(steady_before, sdpa.stats())
+                    rows[name]["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
+                    rows[name]["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
+                    rows[name]["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
+                    rows[name]["served"] = _delta(before, after)
+        if steady:  # who served the steady steps too (cpp:fwd / cpp:bwd for the C++ path)
+            for name, (ms, rounds, served) in _interleaved(cache, backends,
+                                                           lambda x=x, dy=dy: median_ms(lambda: step(x, dy),
+                                                                                        n=20, warmup=5)).items():
+                rows[name].update(steady_ms=ms, steady_rounds_ms=rounds, **({"steady_served": served}
+                                                                              if name in ROUTES else {}))
+        out[f"{b}x{s}"] = rows
     _route("", cache)
     return out
+
+
+def _interleaved(cache: Any, backends: tuple[str, ...], timed: Any) -> dict[str, tuple[float, list[float], dict[str, float]]]:
+    """``timed()`` (a median in ms) with each backend in turn, for :data:`ROUNDS` rounds: per backend the median of
+    its rounds, the rounds, and the route's counters that moved across them. Taking turns, the backends meet the
+    same drift of the GPU's clocks and of the host's load; one after the other, the later ones met another GPU."""
+    import statistics
+
+    from plancache.client import sdpa
+
+    rounds: dict[str, list[float]] = {name: [] for name in backends}
+    served: dict[str, dict[str, float]] = {name: {} for name in backends}
+    for _ in range(ROUNDS):
+        for name in backends:
+            _route(name, cache)
+            with _backend(name):
+                before = sdpa.stats()
+                rounds[name].append(timed())
+                for key, n in _delta(before, sdpa.stats()).items():
+                    served[name][key] = served[name].get(key, 0) + n
+    _route("", cache)
+    return {name: (statistics.median(got), got, served[name]) for name, got in rounds.items()}
 
 
 def _warm_gpu(seconds: float = 2.0) -> None:

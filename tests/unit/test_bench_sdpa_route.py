@@ -1,5 +1,5 @@
 """bench/sdpa_route.py's tables: a backend whose CUDA-graph capture failed keeps its eager figures and says why; the
-block's first step shows the route's own share of it."""
+block's first step shows the route's own share of it. Its steady timings take turns across the backends."""
 
 from __future__ import annotations
 
@@ -73,3 +73,16 @@ def test_the_tables_put_the_cpp_steady_path_beside_the_python_route(capsys):
     block = next(line for line in out if line.strip().startswith("2x1024 |")).split("|")
     assert block[1].split()[-2:] == ["0.990", "0.99"], "the C++ path's steady step, against the best of torch's"
     assert block[2].split()[4] == "17.5", "its first step, from a fresh process of its own"
+
+
+def test_steady_timings_take_turns_across_backends_and_keep_each_ones_median(monkeypatch):
+    """Round after round every backend is timed once, in order, with its own route (or none) switched on: a drift
+    of the GPU over the run reaches every backend alike, and a backend's figure is the median of its rounds."""
+    switched: list[str] = []
+    monkeypatch.setattr(sdpa_route, "_route", lambda name, cache: switched.append(name))
+    monkeypatch.setattr(sdpa_route, "ROUNDS", 3)
+    times = iter([5.0, 1.0, 4.0, 2.0, 9.0, 3.0])
+    got = sdpa_route._interleaved(None, ("plancache_cpp", "aten_cudnn"), lambda: next(times))
+    assert switched == ["plancache_cpp", "aten_cudnn"] * 3 + [""]
+    assert got["plancache_cpp"][:2] == (5.0, [5.0, 4.0, 9.0])
+    assert got["aten_cudnn"][:2] == (2.0, [1.0, 2.0, 3.0])
