@@ -248,7 +248,9 @@ def block(cache: Any, backends: tuple[str, ...], steady: bool = True) -> dict[st
 def _interleaved(cache: Any, backends: tuple[str, ...], timed: Any) -> dict[str, tuple[float, list[float], dict[str, float]]]:
     """``timed()`` (a median in ms) with each backend in turn, for :data:`ROUNDS` rounds: per backend the median of
     its rounds, the rounds, and the route's counters that moved across them. Taking turns, the backends meet the
-    same drift of the GPU's clocks and of the host's load; one after the other, the later ones met another GPU."""
+    same drift of the GPU's clocks and of the host's load; one after the other, the later ones met another GPU. The
+    last backend's route stays on: switching to the route already on is a no-op, so a process timing one backend
+    keeps what its warm start loaded."""
     import statistics
 
     from plancache.client import sdpa
@@ -263,7 +265,6 @@ def _interleaved(cache: Any, backends: tuple[str, ...], timed: Any) -> dict[str,
                 rounds[name].append(timed())
                 for key, n in _delta(before, sdpa.stats()).items():
                     served[name][key] = served[name].get(key, 0) + n
-    _route("", cache)
     return {name: (statistics.median(got), got, served[name]) for name, got in rounds.items()}
 
 
