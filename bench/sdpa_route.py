@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,10 @@ def kernels(cache: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from plancache.client import sdpa
-    from tests.gpu_util import median_ms
 
     out: dict[str, Any] = {}
     for shape in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(sum(shape))
-        q, k, v, do = (torch.randn(*shape, device="cuda", generator=gen).bfloat16() for _ in range(4))
-        for t in (q, k, v):
-            t.requires_grad_()
-
+        q, k, v, do = _inputs(shape)
         step = _step(q, k, v, do)
         row: dict[str, Any] = {}
         outputs: dict[str, tuple[Any, ...]] = {}
@@ -112,7 +108,7 @@ def kernels(cache: Any) -> dict[str, Any]:
                     row[name]["prepare_ms"] = (after["prepare_seconds"] - before["prepare_seconds"]) * 1e3
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     outputs[name] = (o, *torch.autograd.grad(o, (q, k, v), do))
-        for name, (ms, rounds, _) in _interleaved(cache, BACKENDS, lambda step=step: median_ms(step, n=20, warmup=5)).items():
+        for name, (ms, rounds, _) in _interleaved(cache, BACKENDS, step).items():
             row[name].update(eager_ms=ms, eager_rounds_ms=rounds)
         qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
@@ -122,6 +118,15 @@ def kernels(cache: Any) -> dict[str, Any]:
         _route("", cache)
         out["x".join(map(str, shape))] = row
     return out
+
+
+def _inputs(shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """A kernel shape's random bf16 ``q``, ``k``, ``v`` (leaves that require grad) and ``do``, seeded by the shape."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    q, k, v, do = (torch.randn(*shape, device="cuda", generator=gen).bfloat16() for _ in range(4))
+    return (*(t.requires_grad_() for t in (q, k, v)), do)
 
 
 def _step(q: Any, k: Any, v: Any, do: Any) -> Any:
@@ -182,21 +187,15 @@ def _host_us(q: Any, k: Any, v: Any, do: Any, which: tuple[str, ...] = ("fwd", "
 
 def capture(cache: Any) -> None:
     """Every configuration of steps 2 to 5 once through the route, untimed: each of its graphs misses once."""
-    import torch
-
     _route("plancache", cache)
     for shape in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(sum(shape))
-        q, k, v, do = (torch.randn(*shape, device="cuda", generator=gen).bfloat16() for _ in range(4))
-        _step(*(t.requires_grad_() for t in (q, k, v)), do)()
+        _step(*_inputs(shape))()
     block(cache, ("plancache",), steady=False)
 
 
 def block(cache: Any, backends: tuple[str, ...], steady: bool = True) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-
-    from tests.gpu_util import median_ms
 
     hidden = BLOCK_HEADS * BLOCK_DIM
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -234,26 +233,26 @@ def block(cache: Any, backends: tuple[str, ...], steady: bool = True) -> dict[st
                     rows[name]["load_ms"] = (loaded.load_seconds - loads.load_seconds) * 1e3
                     rows[name]["deserialize_ms"] = (loaded.deserialize_seconds - loads.deserialize_seconds) * 1e3
                     rows[name]["served"] = _delta(before, after)
-        if steady:  # who served the steady steps too (cpp:fwd / cpp:bwd for the C++ path)
-            for name, (ms, rounds, served) in _interleaved(cache, backends,
-                                                           lambda x=x, dy=dy: median_ms(lambda: step(x, dy),
-                                                                                        n=20, warmup=5)).items():
-                rows[name].update(steady_ms=ms, steady_rounds_ms=rounds, **({"steady_served": served}
-                                                                              if name in ROUTES else {}))
+        if steady:
+            for name, (ms, rounds, served) in _interleaved(cache, backends, partial(step, x, dy)).items():
+                rows[name].update(steady_ms=ms, steady_rounds_ms=rounds)
+                if name in ROUTES:  # who served the steady steps (cpp:fwd / cpp:bwd for the C++ path)
+                    rows[name]["steady_served"] = served
         out[f"{b}x{s}"] = rows
     _route("", cache)
     return out
 
 
-def _interleaved(cache: Any, backends: tuple[str, ...], timed: Any) -> dict[str, tuple[float, list[float], dict[str, float]]]:
-    """``timed()`` (a median in ms) with each backend in turn, for :data:`ROUNDS` rounds: per backend the median of
-    its rounds, the rounds, and the route's counters that moved across them. Taking turns, the backends meet the
-    same drift of the GPU's clocks and of the host's load; one after the other, the later ones met another GPU. The
-    last backend's route stays on: switching to the route already on is a no-op, so a process timing one backend
-    keeps what its warm start loaded."""
+def _interleaved(cache: Any, backends: tuple[str, ...], step: Any) -> dict[str, tuple[float, list[float], dict[str, float]]]:
+    """``step()`` timed with each backend in turn, for :data:`ROUNDS` rounds of a median of 20 CUDA-event timings
+    after 5 warm-ups: per backend the median of its rounds, the rounds, and the route's counters that moved across
+    them. Taking turns, the backends meet the same drift of the GPU's clocks and of the host's load; one after the
+    other, the later ones met another GPU. The last backend's route stays on: switching to the route already on is
+    a no-op, so a process timing one backend keeps what its warm start loaded."""
     import statistics
 
     from plancache.client import sdpa
+    from tests.gpu_util import median_ms
 
     rounds: dict[str, list[float]] = {name: [] for name in backends}
     served: dict[str, dict[str, float]] = {name: {} for name in backends}
@@ -262,7 +261,7 @@ def _interleaved(cache: Any, backends: tuple[str, ...], timed: Any) -> dict[str,
             _route(name, cache)
             with _backend(name):
                 before = sdpa.stats()
-                rounds[name].append(timed())
+                rounds[name].append(median_ms(step, n=20, warmup=5))
                 for key, n in _delta(before, sdpa.stats()).items():
                     served[name][key] = served[name].get(key, 0) + n
     return {name: (statistics.median(got), got, served[name]) for name, got in rounds.items()}
