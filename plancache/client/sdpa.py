@@ -10,7 +10,9 @@ Each configuration (shapes, strides, dtype, device and flags) is prepared once: 
 is written without a handle, keyed as a spec, and its plan taken from the :class:`~plancache.client.PlanCache`
 ladder (memory, disk, server; a plan is deserialized without the op graph's re-lowering and warm-up), or built by
 FE where the ladder allows it. A training forward (``compute_log_sumexp``) prepares the backward its outputs will
-feed with it: both plans come in one round trip to the server, and the backward's first call finds its executor.
+feed with it: both plans come in one round trip to the server, and the backward's first call finds its executor
+(with the C++ steady path, the backward's plan loads there on the route's loader thread while the forward goes on,
+and its first call waits for it only if it is not loaded yet).
 A later call is one dict lookup of that executor, its outputs and workspace from torch's caching allocator on the
 current stream, and one launch through FE's ordered execute: no graph work and no Python validation, since the
 lookup key holds every layout the plan was built for.
@@ -34,7 +36,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanMiss
@@ -145,12 +149,33 @@ class _Route:
         self.counts: dict[str, int] = {"fwd": 0, "bwd": 0}
         self.prepare_seconds = 0.0  # first calls of configurations: writing, keying and loading their plans
         self.prepare_lock = threading.Lock()
+        #: backwards written ahead whose plans the C++ steady path is loading on :attr:`loader`: whether it took each
+        self.pending: dict[tuple[Any, ...], Future[bool]] = {}
+        self.loader: ThreadPoolExecutor | None = None  # one thread, made at its first load (its own cuDNN handle)
         self.tls = threading.local()
         self.raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
             lambda i: int(torch.cuda.current_stream(i).cuda_stream))
 
     def count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
+
+    def load_later(self, ckey: tuple[Any, ...], give: Callable[[], bool]) -> None:
+        """Run ``give`` (a backward's plan handed to the C++ steady path) on the loader thread; its configuration's
+        first call takes the outcome (:meth:`taken`)."""
+        if self.loader is None:
+            self.loader = ThreadPoolExecutor(1, thread_name_prefix="plancache-attention-load")
+        self.pending[ckey] = self.loader.submit(give)
+
+    def taken(self, ckey: tuple[Any, ...]) -> bool | None:
+        """Whether the C++ steady path took the plan :meth:`load_later` handed it for ``ckey``, once that is done
+        (waited for); None when none was handed."""
+        future = self.pending.pop(ckey, None)
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        """Wait for the loads under way (they end before the C++ steady path is uninstalled)."""
+        if self.loader is not None:
+            self.loader.shutdown(wait=True)
 
     def handle(self) -> Any:
         """This thread's cuDNN handle for the route's device, bound to the thread's current stream."""
@@ -242,6 +267,7 @@ def uninstall() -> None:
 def _uninstall_locked() -> None:
     global _route
     if _route is not None:
+        _route.close()
         if _route.ext is not None:
             _route.ext.uninstall()  # first: its kernels were registered over the Python ones
         _route.lib._destroy()
@@ -670,6 +696,9 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
         ex = route.executors.get(ckey)
         if ex is not None:
             return ex
+        if route.taken(ckey):  # a backward the C++ steady path loaded ahead; refused: loaded below, in Python
+            ex = route.executors[ckey] = _HELD
+            return ex
         also = None
         if config.strided:
             ex = route.executors[ckey] = _Aten("layout")
@@ -683,10 +712,11 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
             with hook._inside():  # plancache's own FE calls: not the user's builds the hook serves and counts
                 written = _write(config)
                 also = _write_ahead(route, ahead)
-                taken = _load_cpp(route, [w for w in (written, also) if w is not None])
-                if also is not None and also.config.ckey in taken:
-                    route.executors[also.config.ckey] = taken[also.config.ckey]
-                    also = None
+                taken = _load_cpp(route, written, also)
+                if also is not None and (also.config.ckey in taken or also.config.ckey in route.pending):
+                    if also.config.ckey in taken:
+                        route.executors[also.config.ckey] = taken[also.config.ckey]
+                    also = None  # held, native, or loading in C++ (its first call takes it)
                 if ckey in taken:
                     ex = route.executors[ckey] = taken[ckey]
                     if also is not None:
@@ -729,27 +759,33 @@ def _write_ahead(route: _Route, ahead: _Config | None) -> _Written | None:
         return None
 
 
-def _load_cpp(route: _Route, written: list[_Written]) -> dict[tuple[Any, ...], _Held | _Native]:
-    """The configurations of ``written`` the C++ steady path takes from verified blobs, by key: their plans asked
-    for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one round trip to the server for those it is
-    asked for) and loaded there only, never into a Python graph; or the native kernel a record measured faster.
-    The others (no C++ path, no verified plan, a plan it refuses) load here as before."""
-    if route.ext is None or not written:
+def _load_cpp(route: _Route, written: _Written, ahead: _Written | None) -> dict[tuple[Any, ...], _Held | _Native]:
+    """The configurations (``written``, and the backward written ``ahead`` of it) the C++ steady path takes from
+    verified blobs, by key: their plans asked for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one
+    round trip to the server for those it is asked for) and loaded there only, never into a Python graph; or the
+    native kernel a record measured faster. ``ahead``'s plan loads on the route's loader thread while the forward
+    goes on (:meth:`_Route.load_later`; not in the result). The others (no C++ path, no verified plan, a plan it
+    refused once) load here as before."""
+    wanted = [w for w in (written, ahead) if w is not None and w.config.ckey not in route.handed]
+    if route.ext is None or not wanted:
         return {}
     try:
-        blobs = route.cache.verified_blobs([w.spec for w in written])
+        blobs = route.cache.verified_blobs([w.spec for w in wanted])
     except Exception as exc:  # noqa: BLE001 - the ladder's own calls meet it again, and raise it
         log.debug("plancache: attention plans asked for the C++ steady path: %s", exc)
         return {}
     taken: dict[tuple[Any, ...], _Held | _Native] = {}
-    for w in written:
+    for w in wanted:
         held = blobs.get(w.spec.graph_key)
         if held is None:
             continue
         ckey = w.config.ckey
+        give = partial(_give, route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout)
         if not w.config.dropout_p and (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
             taken[ckey] = _Native.of(kernel)  # never for dropout: torch's own kernels run it only through its own op
-        elif _give(route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout):
+        elif w is ahead:
+            route.load_later(ckey, give)
+        elif give():
             taken[ckey] = _HELD
         else:
             continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import types
 from typing import Any
@@ -37,6 +38,10 @@ class FakeExt:
         self.refuse = False
         self.lose = False  # serve_forward finds nothing (a defect the route survives)
         self.uninstalled = 0
+        self.gate = threading.Event()  # add_backward waits for it (set: at once)
+        self.gate.set()
+        self.threads: list[str] = []  # the thread of each add_backward
+        self.refuse_backward = False
 
     def install(self, device: int, py_forward: Any, py_backward: Any) -> None:
         self.installed = (device, py_forward, py_backward)
@@ -56,7 +61,9 @@ class FakeExt:
         return self._loads(args[-4])
 
     def add_backward(self, *args: Any) -> bool:
-        if self.refuse:
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(10)
+        if self.refuse or self.refuse_backward:
             raise RuntimeError("refused")
         self.backwards.append(args)
         return self._loads(args[-3])
@@ -381,10 +388,69 @@ def test_a_training_forward_hands_its_backward_over_with_it_in_one_request(serve
     q, k, v = qkv()
     forward(q, k, v)
     assert len(asked) == 1 and len(asked[0]) == 2, "forward and backward plans asked for together"
+    sdpa._route.close()  # the backward's plan loads on the loader thread
     (bwd,) = ext.backwards
     out, lse = bwd[3], bwd[4]
     assert out.device.type == "meta" and lse.shape == (2, 4, 64, 1), "keyed by the layouts the forward will return"
     assert sdpa.stats()["load:server"] == 2
+
+
+def _backward_of(ext: FakeExt, q: Any, k: Any, v: Any) -> Any:
+    """The backward call of ``forward(q, k, v)``'s outputs, as the C++ side was handed its configuration ahead."""
+    out, lse = ext.backwards[0][3], ext.backwards[0][4]
+    o = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype)
+    return sdpa._backward(o, q, k, v, o, torch.randn(lse.shape[:3]), None, None, None, None, None, 64, 64, 0.0, True)
+
+
+def test_a_training_forwards_backward_loads_on_the_loader_thread_and_its_first_call_waits_for_it(served):
+    """The forward returns while its backward's plan still loads in C++; the backward's first call takes that load
+    (waiting for it), and nothing is asked for, written or loaded again."""
+    _, ext, cache, asked = served
+    ext.gate.clear()
+    q, k, v = qkv()
+    assert forward(q, k, v)[0] == "served forward" and ext.backwards == [], "returned before the backward loaded"
+    threading.Timer(0.05, ext.gate.set).start()
+    sdpa._route.close()
+    assert _backward_of(ext, q, k, v)[0] == "served backward"
+    assert ext.threads == ["plancache-attention-load_0"] and len(ext.backwards) == 1 and len(asked) == 1
+    assert sdpa._route.pending == {} and sdpa.stats()["cpp:bwd"] == 1 and sdpa.stats()["load:server"] == 2
+
+
+def test_the_backwards_first_call_waits_for_its_load_under_way(served):
+    _, ext, _, asked = served
+    ext.gate.clear()
+    q, k, v = qkv()
+    forward(q, k, v)
+    threading.Timer(0.1, ext.gate.set).start()
+    t0 = time.perf_counter()
+    o = torch.empty_like(q)  # the forward's layout
+    result = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0, True)
+    assert time.perf_counter() - t0 >= 0.05 and result[0] == "served backward", "served once its plan was loaded"
+    assert len(ext.backwards) == 1 and len(asked) == 1 and sdpa._route.pending == {}
+
+
+def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_python_logged_once(served, caplog):
+    backend, ext, _, asked = served
+    ext.refuse_backward = True
+    q, k, v = qkv()
+    with caplog.at_level(logging.WARNING, logger="plancache.client"):
+        forward(q, k, v)
+        o = torch.empty_like(q)
+        dq, dk, dv = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0,
+                                    True)
+    assert dq.shape == q.shape and len(backend.specs) == 1, "loaded by the Python route's ladder instead"
+    assert caplog.text.count("did not take the attention bwd") == 1 and sdpa.stats()["bwd_cpp_refused"] == 1
+    assert sdpa.stats()["bwd"] == 1 and len(asked) == 1 and sdpa._route.pending == {}
+
+
+def test_uninstall_waits_for_the_loads_under_way(served):
+    _, ext, _, _ = served
+    ext.gate.clear()
+    q, k, v = qkv()
+    forward(q, k, v)
+    threading.Timer(0.05, ext.gate.set).start()
+    sdpa.uninstall()
+    assert len(ext.backwards) == 1 and ext.uninstalled == 1
 
 
 def test_a_backward_held_in_cpp_is_served_there(served):
