@@ -395,38 +395,39 @@ def test_a_training_forward_hands_its_backward_over_with_it_in_one_request(serve
     assert sdpa.stats()["load:server"] == 2
 
 
-def _backward_of(ext: FakeExt, q: Any, k: Any, v: Any) -> Any:
-    """The backward call of ``forward(q, k, v)``'s outputs, as the C++ side was handed its configuration ahead."""
-    out, lse = ext.backwards[0][3], ext.backwards[0][4]
-    o = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype)
-    return sdpa._backward(o, q, k, v, o, torch.randn(lse.shape[:3]), None, None, None, None, None, 64, 64, 0.0, True)
+def _backward_of(q: Any, k: Any, v: Any) -> Any:
+    """The backward call of ``forward(q, k, v)``'s outputs (contiguous inputs: O in their layout)."""
+    o = torch.empty_like(q)
+    return sdpa._backward(o, q, k, v, o, torch.randn(q.shape[:3]), None, None, None, None, None, 64, 64, 0.0, True)
 
 
-def test_a_training_forwards_backward_loads_on_the_loader_thread_and_its_first_call_waits_for_it(served):
-    """The forward returns while its backward's plan still loads in C++; the backward's first call takes that load
-    (waiting for it), and nothing is asked for, written or loaded again."""
-    _, ext, cache, asked = served
+def _forward_while_loading(ext: FakeExt, after: float) -> tuple[Any, Any, Any]:
+    """A training forward whose backward's load in C++ is held back until ``after`` seconds later."""
     ext.gate.clear()
     q, k, v = qkv()
     assert forward(q, k, v)[0] == "served forward" and ext.backwards == [], "returned before the backward loaded"
-    threading.Timer(0.05, ext.gate.set).start()
+    threading.Timer(after, ext.gate.set).start()
+    return q, k, v
+
+
+def test_a_training_forwards_backward_loads_on_the_loader_thread_and_its_first_call_takes_it(served):
+    """The forward returns while its backward's plan still loads in C++; the backward's first call takes that load,
+    and nothing is asked for, written or loaded again."""
+    _, ext, _, asked = served
+    q, k, v = _forward_while_loading(ext, 0.05)
     sdpa._route.close()
-    assert _backward_of(ext, q, k, v)[0] == "served backward"
+    assert _backward_of(q, k, v)[0] == "served backward"
     assert ext.threads == ["plancache-attention-load_0"] and len(ext.backwards) == 1 and len(asked) == 1
     assert sdpa._route.pending == {} and sdpa.stats()["cpp:bwd"] == 1 and sdpa.stats()["load:server"] == 2
 
 
 def test_the_backwards_first_call_waits_for_its_load_under_way(served):
     _, ext, _, asked = served
-    ext.gate.clear()
-    q, k, v = qkv()
-    forward(q, k, v)
-    threading.Timer(0.1, ext.gate.set).start()
+    q, k, v = _forward_while_loading(ext, 0.1)
     t0 = time.perf_counter()
-    o = torch.empty_like(q)  # the forward's layout
-    result = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0, True)
-    assert time.perf_counter() - t0 >= 0.05 and result[0] == "served backward", "served once its plan was loaded"
-    assert len(ext.backwards) == 1 and len(asked) == 1 and sdpa._route.pending == {}
+    assert _backward_of(q, k, v)[0] == "served backward", "served once its plan was loaded"
+    assert time.perf_counter() - t0 >= 0.05 and len(ext.backwards) == 1 and len(asked) == 1
+    assert sdpa._route.pending == {}
 
 
 def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_python_logged_once(served, caplog):
@@ -435,9 +436,7 @@ def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_pyth
     q, k, v = qkv()
     with caplog.at_level(logging.WARNING, logger="plancache.client"):
         forward(q, k, v)
-        o = torch.empty_like(q)
-        dq, dk, dv = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0,
-                                    True)
+        dq, _, _ = _backward_of(q, k, v)
     assert dq.shape == q.shape and len(backend.specs) == 1, "loaded by the Python route's ladder instead"
     assert caplog.text.count("did not take the attention bwd") == 1 and sdpa.stats()["bwd_cpp_refused"] == 1
     assert sdpa.stats()["bwd"] == 1 and len(asked) == 1 and sdpa._route.pending == {}
@@ -445,10 +444,7 @@ def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_pyth
 
 def test_uninstall_waits_for_the_loads_under_way(served):
     _, ext, _, _ = served
-    ext.gate.clear()
-    q, k, v = qkv()
-    forward(q, k, v)
-    threading.Timer(0.05, ext.gate.set).start()
+    _forward_while_loading(ext, 0.05)
     sdpa.uninstall()
     assert len(ext.backwards) == 1 and ext.uninstalled == 1
 
