@@ -748,9 +748,10 @@ def _write(config: _Config) -> _Written:
 
 
 def _write_ahead(route: _Route, ahead: _Config | None) -> _Written | None:
-    """``ahead`` written, unless it is prepared already, pinned to a native kernel or FE refuses it (its own first
-    call then says why)."""
-    if ahead is None or ahead.strided or ahead.ckey in route.executors or _pick(route.choice, None, ahead.flash) != "plan":
+    """``ahead`` written, unless it is prepared already (or loading in C++), pinned to a native kernel or FE refuses
+    it (its own first call then says why)."""
+    if (ahead is None or ahead.strided or ahead.ckey in route.executors or ahead.ckey in route.pending
+            or _pick(route.choice, None, ahead.flash) != "plan"):
         return None
     try:
         return _write(ahead)

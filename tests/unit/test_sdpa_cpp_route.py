@@ -442,6 +442,14 @@ def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_pyth
     assert sdpa.stats()["bwd"] == 1 and len(asked) == 1 and sdpa._route.pending == {}
 
 
+def test_a_backward_loading_in_cpp_is_not_written_ahead_again(served):
+    _, ext, _, _ = served
+    q, k, v = _forward_while_loading(ext, 0.05)
+    ahead = sdpa._backward_ahead(q, k, v, None, True, None, 0.0)
+    assert ahead.ckey in sdpa._route.pending and sdpa._write_ahead(sdpa._route, ahead) is None
+    sdpa._route.close()
+
+
 def test_uninstall_waits_for_the_loads_under_way(served):
     _, ext, _, _ = served
     _forward_while_loading(ext, 0.05)
