@@ -222,6 +222,8 @@ def main() -> None:
         result["route"] = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         out["variants"][name] = result
     out["stats"] = cache.stats().as_dict()
+    # a training forward's backward plan loaded on the route's loader thread (the C++ path's first calls)
+    out["loader_used"] = sdpa._route is not None and sdpa._route.loader is not None
     cache.close()
     print(json.dumps(out))
 

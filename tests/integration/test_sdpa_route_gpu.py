@@ -139,6 +139,7 @@ def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tm
     run = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                 "--cache", str(tmp_path / "cache"), "--mode", "strict", "--cpp")
     assert run["cpp_unavailable"] == 0, f"the extension did not build or load: {run['cpp_error']}"
+    assert run["loader_used"], "no training forward's backward plan loaded on the route's loader thread"
     check(run, "cpp", strict=False)
     bad = []
     for name, got in run["variants"].items():
