@@ -283,7 +283,9 @@ def stats() -> dict[str, float]:
     plans loaded by source (``load:<source>``), calls run by a native kernel chosen as measured faster or pinned
     (``fwd_native:<kernel>``, ``bwd_native:<kernel>``), calls left to torch's kernel (``fwd_aten:<reason>``,
     ``bwd_aten:<reason>``), and ``prepare_seconds``: the wall time the first calls of configurations spent writing,
-    keying and loading their plans (the waits for a warm start included). With the C++ steady path asked for
+    keying and loading their plans (the waits for a warm start, and for a backward's plan loading on the route's
+    loader thread, included; that load itself counts in the cache's ``deserialize_seconds``, as every C++ load
+    does). With the C++ steady path asked for
     (``auto`` or True): ``cpp_unavailable`` (1: it is not built yet, or cannot be built or loaded) and
     configurations it refused (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them)."""
     route = _route
