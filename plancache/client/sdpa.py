@@ -783,15 +783,16 @@ def _load_cpp(route: _Route, written: _Written, ahead: _Written | None) -> dict[
         if held is None:
             continue
         ckey = w.config.ckey
-        give = partial(_give, route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout)
         if not w.config.dropout_p and (kernel := _pick(route.choice, held.record, w.config.flash)) != "plan":
             taken[ckey] = _Native.of(kernel)  # never for dropout: torch's own kernels run it only through its own op
-        elif w is ahead:
-            route.load_later(ckey, give)
-        elif give():
-            taken[ckey] = _HELD
         else:
-            continue
+            give = partial(_give, route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout)
+            if w is ahead:
+                route.load_later(ckey, give)
+            elif give():
+                taken[ckey] = _HELD
+            else:
+                continue
         route.count(f"load:{held.source}")
     return taken
 
