@@ -459,9 +459,7 @@ def test_uninstall_waits_for_the_loads_under_way(served):
 
 def test_a_backward_held_in_cpp_is_served_there(served):
     _, ext, _, _ = served
-    q, k, v = qkv()
-    o = torch.randn_like(q)
-    result = sdpa._backward(o, q, k, v, o, torch.randn(2, 4, 64), None, None, None, None, None, 64, 64, 0.0, True)
+    result = _backward_of(*qkv())
     assert result[0] == "served backward" and sdpa.stats()["cpp:bwd"] == 1
 
 
