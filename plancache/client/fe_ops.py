@@ -20,14 +20,20 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["Loaded", "Served", "patch", "patched", "take_offer", "unpatch"]
+__all__ = ["NODES", "Loaded", "Served", "binds_own_uids", "held_whole", "patch", "patched", "take_offer", "unpatch"]
 
 #: Where FE 1.32 keeps its norm ops' graph cache (imported only once torch is: those ops are torch ops).
 GRAPH_CACHE_MODULE = "cudnn.ops.norm._common"
+
+#: The node types of the graphs FE's norm ops write: ``layer_norm`` and ``rms_norm``, forward and backward.
+NODES = frozenset({"LAYERNORM", "LAYERNORM_BWD", "RMSNORM", "RMSNORM_BWD"})
 
 _local = threading.local()  # .offer: a graph cache's build is under way on this thread and takes a served graph
 _patched: tuple[type, Callable[..., Any]] | None = None  # (the class, its own get_or_build)
@@ -49,6 +55,19 @@ def take_offer() -> bool:
     offer = getattr(_local, "offer", False)
     _local.offer = False
     return offer
+
+
+def binds_own_uids(spec: GraphSpec) -> bool:
+    """Whether every tensor ``execute`` binds carries a uid its writer set (so the canonical uids are the writer's,
+    and a plan loaded on its own binds the buffers its writer hands over)."""
+    return all(t.uid_assigned for t in (*spec.input_tensors(), *spec.output_tensors()))
+
+
+def held_whole(spec: GraphSpec) -> bool:
+    """Whether ``spec`` is a graph of FE's norm ops, whose graph cache takes its served plan loaded on its own: one
+    node of :data:`NODES`, every bound uid set by the op. A warm start deserializes those plans ahead, so a known
+    shape's first call loads nothing (:func:`plancache.client.hook.install`)."""
+    return len(spec.nodes) == 1 and spec.nodes[0].type in NODES and binds_own_uids(spec)
 
 
 def patch() -> bool:

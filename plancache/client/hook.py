@@ -131,7 +131,9 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes.
     ``warm_load``: names of graphs whose plans the warm start also deserializes, each into an empty graph of its own
     (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing);
-    ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). A
+    ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). The
+    plans of the graphs FE's norm ops write (:func:`~plancache.client.fe_ops.held_whole`) are deserialized there too,
+    where those ops are served whole (torch is imported). A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
     and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
     global _cache, _max_workspace
@@ -168,7 +170,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
             _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
-        _warm_start.start(cache, specs, warm_load, warm_loader)
+        _warm_start.start(cache, specs, warm_load, warm_loader, whole=fe_ops.held_whole if fe_ops.patched() else None)
 
 
 def uninstall() -> None:
@@ -386,15 +388,9 @@ def _validate(original: Callable[..., Any], _: str, graph: Any, cache: PlanCache
             _hook_failed(cache, exc)
             _graphs[graph] = _Graph(None, "error", f"{type(exc).__name__}: {exc}")
         else:
-            if whole and state.why_not is None and state.spec is not None and _binds_own_uids(state.spec):
+            if whole and state.why_not is None and state.spec is not None and fe_ops.binds_own_uids(state.spec):
                 _serve_whole(graph, cache, state)  # raises fe_ops.Served when it loaded the plan
     return original(graph, *args, **kwargs)
-
-
-def _binds_own_uids(spec: GraphSpec) -> bool:
-    """Whether every tensor ``execute`` binds carries a uid its writer set (so the canonical uids are the writer's,
-    and a plan loaded on its own binds the buffers its writer hands over)."""
-    return all(t.uid_assigned for t in (*spec.input_tensors(), *spec.output_tensors()))
 
 
 def _serve_whole(graph: Any, cache: PlanCache, state: _Graph) -> None:

@@ -67,12 +67,15 @@ class WarmStart:
         self._thread: threading.Thread | None = None
 
     def start(self, cache: PlanCache, specs: list[GraphSpec], load: Collection[str] = (),
-              loader: WarmLoader | None = None) -> None:
+              loader: WarmLoader | None = None, *, whole: Callable[[GraphSpec], bool] | None = None) -> None:
         """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own, and deserialize those of
         the specs named one of ``load`` (:meth:`PlanCache.warm`'s ``load``): by ``loader(spec, blob)`` where it
-        returns True, else into an empty graph each."""
-        keys = frozenset(s.graph_key for s in specs if s.name in load)
-        thread = threading.Thread(target=_warm, args=(cache, specs, keys, loader), name="plancache-warm", daemon=True)
+        returns True, else into an empty graph each; and those of the specs ``whole`` says a graph takes loaded on
+        its own (FE's norm ops': :func:`plancache.client.fe_ops.held_whole`), into an empty graph each."""
+        named = frozenset(s.graph_key for s in specs if s.name in load)
+        held = frozenset(s.graph_key for s in specs if whole is not None and whole(s)) - named
+        thread = threading.Thread(target=_warm, args=(cache, specs, named, held, loader), name="plancache-warm",
+                                  daemon=True)
         self._thread = thread
         thread.start()
 
@@ -87,16 +90,17 @@ class WarmStart:
         self._thread = None
 
 
-def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str], loader: WarmLoader | None = None) -> None:
+def _warm(cache: PlanCache, specs: list[GraphSpec], named: frozenset[str], held: frozenset[str],
+          loader: WarmLoader | None = None) -> None:
     t0 = time.perf_counter()
     try:
         if loader is None:
-            kept = cache.warm(specs, load=load)
+            kept = cache.warm(specs, load=named | held)
         else:  # fetched and verified (kept): the loader loads what it can of those named, the cache the rest
-            kept = cache.warm(specs)
-            held = cache.context.verified
-            declined = [s for s in specs if s.graph_key in load and s.graph_key in held
-                        and not loader(s, held[s.graph_key][1])]
+            kept = cache.warm(specs, load=held)
+            verified = cache.context.verified
+            declined = [s for s in specs if s.graph_key in named and s.graph_key in verified
+                        and not loader(s, verified[s.graph_key][1])]
             if declined:
                 cache.warm(declined, load={s.graph_key for s in declined})
     except Exception as exc:  # noqa: BLE001 - a failed warm start only leaves each graph to the ladder, as without it
@@ -104,5 +108,5 @@ def _warm(cache: PlanCache, specs: list[GraphSpec], load: frozenset[str], loader
                     exc)
         return
     log.info("plancache: warm start: verified plans of %d of %d graphs kept (%d of them loaded) in %.0f ms",
-             len(kept), len({s.graph_key for s in specs}), len(load.intersection(kept)),
+             len(kept), len({s.graph_key for s in specs}), len((named | held).intersection(kept)),
              (time.perf_counter() - t0) * 1000)

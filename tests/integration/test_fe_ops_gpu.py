@@ -178,8 +178,10 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     """PLANCACHE_WARM: a fresh strict process fetches every captured graph's plan in one resolve at install; each
     path's graphs then load from the kept blobs (memory), none asks the server; a graph without a tuned plan
     (:data:`UNTUNED`), which that resolve missed, raises PlanMiss when built without asking again (a client
-    remembers a miss for a minute: plancache.client.remote.MISS_RECHECK_SECONDS). ``cpp``: with the attention
-    route's C++ steady path, which the warm start loads the route's plans into."""
+    remembers a miss for a minute: plancache.client.remote.MISS_RECHECK_SECONDS). The plans of the attention
+    route's graphs and of FE's norm ops' graphs, which run from graphs of their own, are deserialized at the warm
+    start: their first calls load nothing. ``cpp``: with the attention route's C++ steady path, which the warm start
+    loads the route's plans into."""
     srv, root, capture, tuned, failed = fleet
     before = srv.requests[RESOLVE]
     warm = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
@@ -194,15 +196,21 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
     # the route's plans run from graphs of plancache's own: the warm start deserialized them, the first call nothing
     assert warm["paths"]["torch_sdpa"]["deserialize_ms"] == 0, warm["paths"]["torch_sdpa"]
+    # FE's norm ops' graph caches take their plans loaded on their own: the warm start loaded those too
+    for name in WHOLE:
+        assert warm["paths"][name]["deserialize_ms"] == 0, (name, warm["paths"][name])
     route = warm["sdpa_route"]
     if cpp:  # the first call bound the plans the warm start loaded into the C++ side, and ran there
         assert not route.get("cpp_unavailable") and route.get("cpp:fwd", 0) >= 1 and route.get("cpp:bwd", 0) >= 1, route
     else:
         assert "cpp:fwd" not in route, route
-    print(f"\n{'path':<20}{'first ms (FE)':>15}{'first ms (served, warm)':>25}")
+    nan = float("nan")
+    print(f"\n{'path':<20}{'first ms (FE)':>15}{'first ms (served, warm)':>25}{'op alone: FE':>14}{'warm':>8}")
     for name, got in warm["paths"].items():
         if "first_ms" in got:
-            print(f"{name:<20}{capture['paths'][name].get('first_ms', float('nan')):>15.1f}{got['first_ms']:>25.1f}")
+            cap = capture["paths"][name]
+            print(f"{name:<20}{cap.get('first_ms', nan):>15.1f}{got['first_ms']:>25.1f}{cap.get('op_ms', nan):>14.1f}"
+                  f"{got.get('op_ms', nan):>8.1f}")
 
 
 def test_torch_sdpa_goes_through_plancaches_route(fleet):

@@ -17,7 +17,7 @@ import pytest
 
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
 
-from plancache.client import PlanCache, hook  # noqa: E402
+from plancache.client import PlanCache, fe_ops, hook  # noqa: E402
 from plancache.client.capture import Recorder, variants, vary  # noqa: E402
 from plancache.errors import PlanMiss, SpecError  # noqa: E402
 from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
@@ -386,12 +386,44 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
     from plancache.client import sdpa
 
     started: list[Any] = []
-    monkeypatch.setattr(hook._warm_start, "start", lambda cache, specs, load=(), loader=None: started.append(set(load)))
+    monkeypatch.setattr(hook._warm_start, "start",
+                        lambda cache, specs, load=(), loader=None, whole=None: started.append((set(load), whole)))
     monkeypatch.setattr(sdpa, "install", lambda cache, attention, cpp: None)
     cache = make_cache(srv, tmp_path, signer)
     plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
     plancache.torch.uninstall()
-    assert started == [{"torch fwd attention", "torch bwd attention"} if route else set()]
+    assert started == [({"torch fwd attention", "torch bwd attention"} if route else set(), fe_ops.held_whole)], \
+        "FE's norm ops are served whole once torch is imported: their plans load at the warm start too"
+
+
+def norm_op_graph() -> StageGraph:
+    """An rms_norm forward as FE's ``rms_norm`` op writes it: every bound uid set by the op."""
+    g, t = rmsnorm()
+    t["inv_rms"].set_uid(11)
+    return g
+
+
+@pytest.mark.parametrize("with_loader", [False, True], ids=["cache", "loader"])
+def test_a_warm_start_loads_the_plans_fes_norm_ops_take_whole(srv, tmp_path, signer, with_loader):
+    """``whole`` (FE's norm ops' graphs, :func:`plancache.client.fe_ops.held_whole`): their plans are deserialized at
+    the warm start into an empty graph each, never offered to a loader (the attention route's C++ path takes only
+    the graphs named for it); a graph of the same node whose uids FE assigned is only fetched."""
+    specs = [spec_of(norm_op_graph()), spec_of(rmsnorm()[0]), spec_of(attention(256))]
+    assert [fe_ops.held_whole(s) for s in specs] == [True, False, False]
+    seed(srv, signer, *specs)
+    cache = make_cache(srv, tmp_path, signer)
+    offered: list[str] = []
+
+    def loader(spec: GraphSpec, blob: bytes) -> bool:
+        offered.append(spec.graph_key)
+        return True
+
+    hook._warm_start.start(cache, specs, [specs[2].name] if with_loader else (), loader if with_loader else None,
+                           whole=fe_ops.held_whole)
+    hook._warm_start.wait()
+    assert offered == ([specs[2].graph_key] if with_loader else [])
+    assert loaded(cache) == [blob_of(specs[0])] and list(cache.context.memory) == [specs[0].graph_key]
+    assert {s.graph_key for s in specs} <= set(cache.context.verified) and srv.requests[RESOLVE] == 1
 
 
 def test_verified_blobs_are_fetched_together_loaded_nowhere_and_say_where_they_came_from(srv, tmp_path, signer):

@@ -111,6 +111,25 @@ def test_a_new_shape_gets_the_served_plan_loaded_on_its_own_and_the_ops_graph_is
     assert stats.hits == {"disk": 1} and stats.fe_builds == {} and stats.misses == 0
 
 
+def test_a_warm_start_loads_the_ops_plan_ahead_and_its_first_build_loads_nothing(tmp_path, signer):
+    """A warm start that knows the op's graph deserializes its plan on its own then; the op's first build of that
+    shape takes the loaded graph from memory: no deserialize on the first call, the op's graph never built."""
+    cache = make_cache(tmp_path, signer)
+    op = Op()
+    spec = from_pygraph(op_graph())
+    hook.install(cache, graph_class=StageGraph, warm=[spec])
+    try:
+        hook._await_warm()
+        assert cache._backend.into == [None] and cache._backend.deserialized == [BLOB], "loaded at the warm start"
+        graph, workspace = op()
+    finally:
+        hook.uninstall()
+    assert isinstance(graph, fe_ops.Loaded) and graph.graph is cache.context.memory[spec.graph_key].graph
+    assert workspace == 4096 and cache._backend.deserialized == [BLOB], "the first build loaded nothing more"
+    assert op.graphs[0].stages == []
+    assert cache.stats().hits == {"disk": 1, "memory": 1}
+
+
 def test_without_a_plan_fe_builds_the_ops_graph_after_one_ask(tmp_path, signer):
     cache = make_cache(tmp_path, signer, seeded=False)
     op = Op()
@@ -256,7 +275,7 @@ def test_fes_own_norm_graphs_bind_their_own_uids_and_are_served_whole(tmp_path, 
         with pytest.raises(_Written) as caught:
             build()
     spec = from_pygraph(caught.value.graph)
-    assert hook._binds_own_uids(spec), f"{name}: a bound tensor has a uid FE assigned"
+    assert fe_ops.binds_own_uids(spec) and fe_ops.held_whole(spec), f"{name}: a bound tensor has a uid FE assigned"
     cache = PlanCache("", backend=LoadingBackend(), cache_dir=tmp_path, trusted_keys=trusted(signer))
     cache.disk.save(make_record(spec.graph_key, H200, BLOB, signer), BLOB)
     with hook.installed(cache):
