@@ -54,7 +54,9 @@ def child(*args: str, check: bool = True, settings: dict[str, str] | None = None
     if not check and proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1][:600] if proc.stderr.strip() else f"exit {proc.returncode}"}
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    run["log"] = [line for line in proc.stderr.splitlines() if line.startswith("plancache")][-20:]  # its warnings
+    return run
 
 
 def describe(doc: dict) -> str:
@@ -82,7 +84,7 @@ def check_served(run: dict, what: str, *, hits: str | None, untuned: bool = Fals
             bad.append(f"{name}: hits {got.get('hits')} fe_builds {got.get('fe_builds')}, expected {want[0]} and {want[1]}")
         if name in WHOLE and got.get("whole") != (0 if hits is None else n):
             bad.append(f"{name}: {got.get('whole')} graphs held served whole, expected {0 if hits is None else n}")
-    assert not bad, f"{what}:\n" + "\n".join(bad)
+    assert not bad, f"{what}:\n" + "\n".join(bad) + f"\nstats: {run['stats']}\nits warnings:\n" + "\n".join(run["log"])
 
 
 def check_numerics(run: dict, what: str, *, untuned: bool = False) -> None:
