@@ -159,12 +159,18 @@ class _Route:
     def count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def load_later(self, ckey: tuple[Any, ...], give: Callable[[], bool]) -> None:
-        """Run ``give`` (a backward's plan handed to the C++ steady path) on the loader thread; its configuration's
-        first call takes the outcome (:meth:`taken`)."""
+    def load_later(self, ckey: tuple[Any, ...], give: Callable[[], bool], counted: str) -> None:
+        """Run ``give`` (a backward's plan handed to the C++ steady path) on the loader thread, counted as
+        ``counted`` (``load:<source>``) once taken; its configuration's first call takes the outcome (:meth:`taken`)."""
+        def load() -> bool:
+            took = give()
+            if took:
+                self.count(counted)
+            return took
+
         if self.loader is None:
             self.loader = ThreadPoolExecutor(1, thread_name_prefix="plancache-attention-load")
-        self.pending[ckey] = self.loader.submit(give)
+        self.pending[ckey] = self.loader.submit(load)
 
     def taken(self, ckey: tuple[Any, ...]) -> bool | None:
         """Whether the C++ steady path took the plan :meth:`load_later` handed it for ``ckey``, once that is done
@@ -715,10 +721,11 @@ def _load(route: _Route, config: _Config, ahead: _Config | None) -> _Executor | 
                 written = _write(config)
                 also = _write_ahead(route, ahead)
                 taken = _load_cpp(route, written, also)
-                if also is not None and (also.config.ckey in taken or also.config.ckey in route.pending):
-                    if also.config.ckey in taken:
-                        route.executors[also.config.ckey] = taken[also.config.ckey]
-                    also = None  # held, native, or loading in C++ (its first call takes it)
+                if also is not None and also.config.ckey in taken:
+                    route.executors[also.config.ckey] = taken[also.config.ckey]
+                    also = None  # held or native
+                elif also is not None and also.config.ckey in route.pending:
+                    also = None  # loading in C++: its first call takes it
                 if ckey in taken:
                     ex = route.executors[ckey] = taken[ckey]
                     if also is not None:
@@ -788,11 +795,11 @@ def _load_cpp(route: _Route, written: _Written, ahead: _Written | None) -> dict[
         else:
             give = partial(_give, route, ckey, w.config.cpp_call, w.spec.graph_key, held.blob, _uids(w), w.layout)
             if w is ahead:
-                route.load_later(ckey, give)
-            elif give():
-                taken[ckey] = _HELD
-            else:
+                route.load_later(ckey, give, f"load:{held.source}")  # counted there once taken
                 continue
+            if not give():
+                continue
+            taken[ckey] = _HELD
         route.count(f"load:{held.source}")
     return taken
 

@@ -440,6 +440,7 @@ def test_a_backward_the_extension_refuses_on_the_loader_thread_is_loaded_in_pyth
     assert dq.shape == q.shape and len(backend.specs) == 1, "loaded by the Python route's ladder instead"
     assert caplog.text.count("did not take the attention bwd") == 1 and sdpa.stats()["bwd_cpp_refused"] == 1
     assert sdpa.stats()["bwd"] == 1 and len(asked) == 1 and sdpa._route.pending == {}
+    assert sdpa.stats()["load:server"] == 1, "the refused backward counts where it loaded, not as a server load too"
 
 
 def test_a_backward_loading_in_cpp_is_not_written_ahead_again(served):
