@@ -24,7 +24,7 @@ from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
 from tests.client_fakes import RecordingBackend  # noqa: E402
 from tests.factories import H200, make_meta, new_signer, patient, trusted  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
-from tests.unit.test_hook import StageGraph, five_steps, rmsnorm  # noqa: E402
+from tests.unit.test_hook import StageGraph, five_steps, rmsnorm, rmsnorm_op  # noqa: E402
 
 RESOLVE = "/v1/plans/resolve"
 BF16, FP32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
@@ -396,19 +396,12 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
         "FE's norm ops are served whole once torch is imported: their plans load at the warm start too"
 
 
-def norm_op_graph() -> StageGraph:
-    """An rms_norm forward as FE's ``rms_norm`` op writes it: every bound uid set by the op."""
-    g, t = rmsnorm()
-    t["inv_rms"].set_uid(11)
-    return g
-
-
 @pytest.mark.parametrize("with_loader", [False, True], ids=["cache", "loader"])
 def test_a_warm_start_loads_the_plans_fes_norm_ops_take_whole(srv, tmp_path, signer, with_loader):
     """``whole`` (FE's norm ops' graphs, :func:`plancache.client.fe_ops.held_whole`): their plans are deserialized at
     the warm start into an empty graph each, never offered to a loader (the attention route's C++ path takes only
     the graphs named for it); a graph of the same node whose uids FE assigned is only fetched."""
-    specs = [spec_of(norm_op_graph()), spec_of(rmsnorm()[0]), spec_of(attention(256))]
+    specs = [spec_of(rmsnorm_op()), spec_of(rmsnorm()[0]), spec_of(attention(256))]
     assert [fe_ops.held_whole(s) for s in specs] == [True, False, False]
     seed(srv, signer, *specs)
     cache = make_cache(srv, tmp_path, signer)

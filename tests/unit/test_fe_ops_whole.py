@@ -18,7 +18,7 @@ from plancache.errors import PlanMiss  # noqa: E402
 from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
 from tests.client_fakes import FakeBuiltPlan, RecordingBackend  # noqa: E402
 from tests.factories import H200, make_record, new_signer, trusted  # noqa: E402
-from tests.unit.test_hook import StageGraph, five_steps, rmsnorm  # noqa: E402
+from tests.unit.test_hook import StageGraph, five_steps, rmsnorm, rmsnorm_op  # noqa: E402
 
 BLOB = b"tuned-rmsnorm-plan-of-the-op"
 OP_WORKSPACE = 123  # what the op's own build would report
@@ -57,17 +57,10 @@ class LoadingBackend(RecordingBackend):
         return built
 
 
-def op_graph() -> StageGraph:
-    """The rms_norm forward graph as FE's op writes it: every bound tensor's uid set by the op."""
-    g, t = rmsnorm()
-    t["inv_rms"].set_uid(11)
-    return g
-
-
 def make_cache(tmp_path, signer, *, mode: str = "normal", seeded: bool = True) -> PlanCache:
     cache = PlanCache("", backend=LoadingBackend(), cache_dir=tmp_path, trusted_keys=trusted(signer), mode=mode)
     if seeded:
-        key = from_pygraph(op_graph()).graph_key
+        key = from_pygraph(rmsnorm_op()).graph_key
         cache.disk.save(make_record(key, H200, BLOB, signer), BLOB)
     return cache
 
@@ -75,7 +68,7 @@ def make_cache(tmp_path, signer, *, mode: str = "normal", seeded: bool = True) -
 class Op:
     """An FE norm op's graph cache and build, as ``cudnn.ops.norm.rmsnorm`` has them: ``graphs`` the graphs it wrote."""
 
-    def __init__(self, write: Any = op_graph) -> None:
+    def __init__(self, write: Any = rmsnorm_op) -> None:
         self.cache = GraphCache()
         self.write = write
         self.graphs: list[StageGraph] = []
@@ -116,7 +109,7 @@ def test_a_warm_start_loads_the_ops_plan_ahead_and_its_first_build_loads_nothing
     shape takes the loaded graph from memory: no deserialize on the first call, the op's graph never built."""
     cache = make_cache(tmp_path, signer)
     op = Op()
-    spec = from_pygraph(op_graph())
+    spec = from_pygraph(rmsnorm_op())
     hook.install(cache, graph_class=StageGraph, warm=[spec])
     try:
         hook._await_warm()
@@ -167,7 +160,7 @@ def test_a_graph_with_uids_fe_assigned_is_served_into_the_ops_own_graph(tmp_path
 
 def test_a_graph_built_outside_an_ops_cache_is_served_into_itself(tmp_path, signer):
     cache = make_cache(tmp_path, signer)
-    g = op_graph()
+    g = rmsnorm_op()
     with hook.installed(cache, graph_class=StageGraph):
         five_steps(g)
     assert g.stages == [("validate",), ("build_operation_graph",)] and cache._backend.into == [g]
@@ -180,7 +173,7 @@ def test_only_the_first_graph_of_a_build_is_offered(tmp_path, signer):
 
     def build() -> tuple[Any, int]:
         five_steps(rmsnorm(uid_x=5)[0])  # not seeded: a miss, left to FE
-        g = op_graph()
+        g = rmsnorm_op()
         second.append(g)
         five_steps(g)
         return g, OP_WORKSPACE
@@ -194,7 +187,7 @@ def test_only_the_first_graph_of_a_build_is_offered(tmp_path, signer):
 def test_a_plan_over_the_workspace_cap_is_refused_and_fe_builds_after_one_ask(tmp_path, signer, monkeypatch):
     monkeypatch.setenv("PLANCACHE_HOOK_MAX_WORKSPACE_BYTES", "1024")  # the record states 1024 + more below
     cache = make_cache(tmp_path, signer, seeded=False)
-    key = from_pygraph(op_graph()).graph_key
+    key = from_pygraph(rmsnorm_op()).graph_key
     cache.disk.save(make_record(key, H200, BLOB, signer, workspace_bytes=1 << 20), BLOB)
     op = Op()
     with hook.installed(cache, graph_class=StageGraph):

@@ -67,6 +67,13 @@ def rmsnorm(uid_x: int | None = 1) -> tuple[StageGraph, dict[str, Any]]:
     return g, {"X": x, "Y": y, "inv_rms": inv_rms}
 
 
+def rmsnorm_op() -> StageGraph:
+    """The rms_norm forward graph as FE's ``rms_norm`` op writes it: every bound tensor's uid set by the op."""
+    g, t = rmsnorm()
+    t["inv_rms"].set_uid(11)
+    return g
+
+
 @pytest.fixture
 def signer():
     return new_signer()
