@@ -8,8 +8,10 @@ construction; it needs torch, nvidia-cudnn-frontend and a CUDA device) and
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import GpuUnavailable
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from ..spec import GraphSpec
 
 log = logging.getLogger("plancache.client")
+
+_threads = threading.local()  # .devices: the devices whose primary CUDA context this thread made current
 
 
 class BuiltPlanLike(Protocol):
@@ -81,9 +85,13 @@ class Backend(Protocol):
         """Point :attr:`handle` at ``stream`` (a no-op when it already is)."""
         ...
 
+    def new_handle(self) -> Any:
+        """A new cuDNN handle on :attr:`device`, for a thread of its own (made where it is called)."""
+        ...
+
     def on_device(self) -> AbstractContextManager[Any]:
-        """:attr:`device` made the calling thread's current CUDA device inside the block (cuDNN launches on the
-        current device, whichever device the handle and stream belong to)."""
+        """:attr:`device` made the calling thread's current CUDA device inside the block, its context current (cuDNN
+        launches on the current device, whichever device the handle and stream belong to)."""
         ...
 
 
@@ -172,9 +180,21 @@ class GpuBackend:
         with torch.cuda.stream(stream):
             return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
 
-    def on_device(self) -> AbstractContextManager[Any]:
-        scope: AbstractContextManager[Any] = self._torch.cuda.device(self.device)  # Any without the gpu extra
-        return scope
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The device's primary context is made current once per thread: torch's device guard switches only between
+        ordinals, so a thread that made no CUDA call of its own (the warm start's) has no context current, and
+        cuDNN's driver calls fail there with CUDA_ERROR_INVALID_CONTEXT (loading a plan whose kernel was compiled at
+        run time, as FE's norm ops' tuned plans are)."""
+        with self._torch.cuda.device(self.device):
+            devices = _threads.__dict__.setdefault("devices", set())
+            if self.device.index not in devices:
+                self._torch.cuda.set_device(self.device)  # cudaSetDevice: binds the primary context
+                devices.add(self.device.index)
+            yield
+
+    def new_handle(self) -> Any:
+        return self._gpu.create_handle(self.device.index)
 
     def set_stream(self, stream: Any) -> None:
         sid = int(stream.cuda_stream)

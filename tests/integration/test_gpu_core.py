@@ -248,6 +248,55 @@ def test_the_first_cudnn_handle_is_created_without_stopping_the_other_threads():
     assert res["ticks"] >= 0.3 * res["create_s"] * 1000, res  # GIL held throughout: ~0 ticks
 
 
+def test_the_client_backend_makes_the_primary_context_current_on_a_thread_that_made_no_cuda_call(tuned):
+    """The warm start deserializes plans on a thread of its own that made no CUDA call, so no context is current
+    there and torch's device guard (which switches only between ordinals) makes none current: cuDNN then failed to
+    load FE's norm ops' tuned plans (kernels compiled at run time) with CUDA_ERROR_INVALID_CONTEXT.
+    ``GpuBackend.on_device`` makes the device's primary context current there; a seed's tuned plan loaded on such a
+    thread runs with the reference's numerics."""
+    import ctypes
+    import threading
+
+    import torch
+
+    from plancache import gpu
+    from plancache.client.backend import GpuBackend
+    from plancache.gpu.reference import TOLERANCE
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def current() -> int | None:
+        ctx = ctypes.c_void_p()
+        assert cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+        return ctx.value
+
+    backend = GpuBackend(0)
+    spec, t = tuned["conv_bias_relu"]
+    seen: dict[str, object] = {}
+
+    def bare() -> None:
+        seen["before"] = current()
+        with torch.cuda.device(0):
+            seen["torch_guard"] = current()
+        plan = backend.deserialize(spec, t.blob, engine_id=None, knobs={}, plan_name="")
+        seen["after"] = current()  # before any allocation of torch's, which would make it current itself
+        dev = torch.device("cuda", 0)
+        inputs = gpu.make_inputs(spec, dev, seed=3)
+        outputs = gpu.allocate_outputs(spec, dev)
+        with backend.on_device():
+            plan.execute({**inputs, **outputs}, torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8,
+                                                            device=dev), backend.handle)
+        torch.cuda.synchronize()
+        seen["error"] = gpu.compare_outputs(spec, outputs, gpu.reference_outputs(spec, inputs), inputs=inputs)
+
+    thread = threading.Thread(target=bare)
+    thread.start()
+    thread.join()
+    assert seen.get("before") is None and seen.get("torch_guard") is None, f"the premise: {seen}"
+    assert seen.get("after") is not None, f"the backend loaded a plan with no context current: {seen}"
+    assert seen.get("error", float("inf")) <= TOLERANCE[spec.data_type_of(spec.output_tensors()[0])], seen
+
+
 def test_a_handle_made_through_the_c_entry_point_runs_plans(tuned):
     import cudnn
     import torch
