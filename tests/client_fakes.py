@@ -88,6 +88,7 @@ class RecordingBackend:
         self.stream = FakeStream(7)
         self._current: Any = None
         self.on_device_now = False
+        self.handles_made: list[Any] = []
 
     def environment(self) -> Environment:
         return self._env
@@ -151,6 +152,12 @@ class RecordingBackend:
         if stream is not self._current:
             self.streams_set.append(stream)
             self._current = stream
+
+    def new_handle(self) -> Any:
+        """A stand-in handle; ``handles_made`` records each."""
+        handle = object()
+        self.handles_made.append(handle)
+        return handle
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:

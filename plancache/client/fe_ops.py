@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("plancache.client")
 
-__all__ = ["NODES", "Loaded", "Served", "binds_own_uids", "held_whole", "patch", "patched", "take_offer", "unpatch"]
+__all__ = ["HANDLES_AHEAD", "NODES", "Loaded", "Served", "binds_own_uids", "held_whole", "patch", "patched",
+           "stock_handles", "take_offer", "unpatch"]
 
 #: Where FE 1.32 keeps its norm ops' graph cache (imported only once torch is: those ops are torch ops).
 GRAPH_CACHE_MODULE = "cudnn.ops.norm._common"
@@ -35,8 +36,14 @@ GRAPH_CACHE_MODULE = "cudnn.ops.norm._common"
 #: The node types of the graphs FE's norm ops write: ``layer_norm`` and ``rms_norm``, forward and backward.
 NODES = frozenset({"LAYERNORM", "LAYERNORM_BWD", "RMSNORM", "RMSNORM_BWD"})
 
+#: The cuDNN handles a warm start makes ahead for FE's norm ops (:func:`stock_handles`): the thread calling an op and
+#: autograd's, which runs its backward.
+HANDLES_AHEAD = 2
+
 _local = threading.local()  # .offer: a graph cache's build is under way on this thread and takes a served graph
-_patched: tuple[type, Callable[..., Any]] | None = None  # (the class, its own get_or_build)
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, FE's own): what patch() replaced, restored by unpatch()
+_stock: dict[int, list[Any]] = {}  # cuDNN handles made ahead, by device ordinal (stock_handles)
+_stock_lock = threading.Lock()
 
 
 class Served(Exception):  # noqa: N818 - control flow, never an error: the build it ends has its graph
@@ -72,9 +79,9 @@ def held_whole(spec: GraphSpec) -> bool:
 
 def patch() -> bool:
     """Open the offer in every build of FE's norm ops' graph cache, where FE has one and torch is imported (FE's norm
-    ops are torch ops: a process that imports torch after this runs them served as any graph). Whether it is patched."""
-    global _patched
-    if _patched is not None:
+    ops are torch ops: a process that imports torch after this runs them served as any graph), and let a thread's
+    first op take a handle made ahead (:func:`stock_handles`). Whether it is patched."""
+    if _patched:
         return True
     if "torch" not in sys.modules:
         return False
@@ -88,22 +95,64 @@ def patch() -> bool:
         log.info("plancache: %s has no GraphCache.get_or_build; FE's norm ops are served into their own graphs",
                  GRAPH_CACHE_MODULE)
         return False
-    setattr(cls, "get_or_build", _offering(original))  # noqa: B010 - FE's class, patched
-    _patched = (cls, original)
+    _replace(cls, "get_or_build", _offering(original))
+    get_handle, tls = getattr(module, "get_handle", None), getattr(module, "_tls", None)
+    if callable(get_handle) and isinstance(tls, threading.local):
+        taking = _taking(get_handle, tls)
+        package = GRAPH_CACHE_MODULE.rpartition(".")[0] + "."
+        for name, owner in list(sys.modules.items()):  # the op modules imported already hold FE's own by name
+            if owner is module or (name.startswith(package) and getattr(owner, "get_handle", None) is get_handle):
+                _replace(owner, "get_handle", taking)
     return True
 
 
+def _replace(owner: Any, name: str, new: Any) -> None:
+    _patched.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, new)
+
+
 def unpatch() -> None:
-    """Give the graph cache its own ``get_or_build`` back (graphs it holds stay)."""
-    global _patched
-    if _patched is not None:
-        cls, original = _patched
-        setattr(cls, "get_or_build", original)  # noqa: B010 - FE's class, restored
-        _patched = None
+    """Give FE its graph cache's own ``get_or_build`` and its own ``get_handle`` back (graphs and handles they hold
+    stay); the handles made ahead and not taken are dropped."""
+    while _patched:
+        owner, name, original = _patched.pop()
+        setattr(owner, name, original)
+    with _stock_lock:
+        _stock.clear()
 
 
 def patched() -> bool:
-    return _patched is not None
+    return bool(_patched)
+
+
+def stock_handles(device: int, make: Callable[[], Any], count: int = HANDLES_AHEAD) -> None:
+    """Make cuDNN handles for ``device`` with ``make``, on the calling thread (the warm start's), until ``count`` are
+    in stock, while patched. FE's norm ops keep one handle per thread and device, made at a thread's first op (16 ms
+    each on an H100, twice in a process's first forward and backward); a thread's first op on ``device`` takes one of
+    these as its own instead. A handle is used by the one thread that took it."""
+    with _stock_lock:
+        need = count - len(_stock.get(device, ())) if _patched else 0
+    made = [make() for _ in range(need)]
+    with _stock_lock:
+        if _patched:
+            _stock.setdefault(device, []).extend(made)
+
+
+def _taking(original: Callable[[Any], Any], tls: threading.local) -> Callable[[Any], Any]:
+    @functools.wraps(original)
+    def get_handle(device: Any) -> Any:
+        handles, index = getattr(tls, "handles", None), getattr(device, "index", None)
+        if _stock and index is not None and (handles is None or device not in handles):  # the thread's first op there
+            with _stock_lock:
+                spare = _stock.get(index)
+                handle = spare.pop() if spare else None
+            if handle is not None:
+                if handles is None:
+                    handles = tls.handles = {}
+                handles[device] = handle
+        return original(device)
+
+    return get_handle
 
 
 def _offering(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -133,7 +133,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing);
     ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). The
     plans of the graphs FE's norm ops write (:func:`~plancache.client.fe_ops.held_whole`) are deserialized there too,
-    where those ops are served whole (torch is imported). A
+    where those ops are served whole (torch is imported), and the handles those ops keep per thread made ahead. A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
     and replay-only mode (nothing is installed); in normal mode it is logged and the hook serves as without it."""
     global _cache, _max_workspace
@@ -170,7 +170,9 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
             _close_device_caches_locked()
         _cache = cache
     if specs and cache is not None:
-        _warm_start.start(cache, specs, warm_load, warm_loader, whole=fe_ops.held_whole if fe_ops.patched() else None)
+        whole = fe_ops.patched()
+        _warm_start.start(cache, specs, warm_load, warm_loader, whole=fe_ops.held_whole if whole else None,
+                          then=functools.partial(_stock_handles, cache) if whole else None)
 
 
 def uninstall() -> None:
@@ -204,6 +206,14 @@ def _close_device_caches_locked() -> None:
     for made in _devices.values():
         made.close()
     _devices.clear()
+
+
+def _stock_handles(cache: PlanCache) -> None:
+    """FE's norm ops' cuDNN handles made ahead on ``cache``'s CUDA device
+    (:func:`~plancache.client.fe_ops.stock_handles`)."""
+    index = _device_index(cache)
+    if index is not None:
+        fe_ops.stock_handles(index, cache._backend.new_handle)
 
 
 def _device_index(cache: PlanCache) -> int | None:

@@ -65,25 +65,29 @@ class WarmStart:
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._loaded = threading.Event()  # the thread's fetches and loads are done (what builds wait for)
 
     def start(self, cache: PlanCache, specs: list[GraphSpec], load: Collection[str] = (),
-              loader: WarmLoader | None = None, *, whole: Callable[[GraphSpec], bool] | None = None) -> None:
+              loader: WarmLoader | None = None, *, whole: Callable[[GraphSpec], bool] | None = None,
+              then: Callable[[], None] | None = None) -> None:
         """Fetch and verify the plans of ``specs`` into ``cache`` on a thread of its own, and deserialize those of
         the specs named one of ``load`` (:meth:`PlanCache.warm`'s ``load``): by ``loader(spec, blob)`` where it
         returns True, else into an empty graph each; and those of the specs ``whole`` says a graph takes loaded on
-        its own (FE's norm ops': :func:`plancache.client.fe_ops.held_whole`), into an empty graph each."""
+        its own (FE's norm ops': :func:`plancache.client.fe_ops.held_whole`), into an empty graph each. Where any
+        is, ``then()`` runs on that thread last (FE's norm ops' handles made ahead), not waited for by builds."""
         named = frozenset(s.graph_key for s in specs if s.name in load)
         held = frozenset(s.graph_key for s in specs if whole is not None and whole(s)) - named
-        thread = threading.Thread(target=_warm, args=(cache, specs, named, held, loader), name="plancache-warm",
-                                  daemon=True)
-        self._thread = thread
+        loaded = threading.Event()
+        thread = threading.Thread(target=_warm, args=(cache, specs, named, held, loader, loaded,
+                                                      then if held else None), name="plancache-warm", daemon=True)
+        self._thread, self._loaded = thread, loaded
         thread.start()
 
     def wait(self) -> None:
-        """Wait for the warm start under way (not from its own thread)."""
-        thread = self._thread
+        """Wait for the warm start under way to have fetched and loaded its plans (not from its own thread)."""
+        thread, loaded = self._thread, self._loaded
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            loaded.wait()
 
     def forget(self) -> None:
         """No warm start is under way any more (the hook was uninstalled)."""
@@ -91,7 +95,21 @@ class WarmStart:
 
 
 def _warm(cache: PlanCache, specs: list[GraphSpec], named: frozenset[str], held: frozenset[str],
-          loader: WarmLoader | None = None) -> None:
+          loader: WarmLoader | None, loaded: threading.Event, then: Callable[[], None] | None) -> None:
+    try:
+        _load(cache, specs, named, held, loader)
+    finally:
+        loaded.set()
+    if then is not None:
+        try:
+            then()
+        except Exception as exc:  # noqa: BLE001 - only made ahead: the ops make their own as without it
+            log.info("plancache: warm start: %s failed (%s: %s)", getattr(then, "__name__", "its last step"),
+                     type(exc).__name__, exc)
+
+
+def _load(cache: PlanCache, specs: list[GraphSpec], named: frozenset[str], held: frozenset[str],
+          loader: WarmLoader | None) -> None:
     t0 = time.perf_counter()
     try:
         if loader is None:

@@ -387,13 +387,16 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
 
     started: list[Any] = []
     monkeypatch.setattr(hook._warm_start, "start",
-                        lambda cache, specs, load=(), loader=None, whole=None: started.append((set(load), whole)))
+                        lambda cache, specs, load=(), loader=None, whole=None, then=None:
+                        started.append((set(load), whole, then)))
     monkeypatch.setattr(sdpa, "install", lambda cache, attention, cpp: None)
     cache = make_cache(srv, tmp_path, signer)
     plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
     plancache.torch.uninstall()
-    assert started == [({"torch fwd attention", "torch bwd attention"} if route else set(), fe_ops.held_whole)], \
+    assert [(load, whole) for load, whole, _ in started] == [
+        ({"torch fwd attention", "torch bwd attention"} if route else set(), fe_ops.held_whole)], \
         "FE's norm ops are served whole once torch is imported: their plans load at the warm start too"
+    assert started[0][2] is not None, "and their handles are made ahead"
 
 
 @pytest.mark.parametrize("with_loader", [False, True], ids=["cache", "loader"])
@@ -417,6 +420,38 @@ def test_a_warm_start_loads_the_plans_fes_norm_ops_take_whole(srv, tmp_path, sig
     assert offered == ([specs[2].graph_key] if with_loader else [])
     assert loaded(cache) == [blob_of(specs[0])] and list(cache.context.memory) == [specs[0].graph_key]
     assert {s.graph_key for s in specs} <= set(cache.context.verified) and srv.requests[RESOLVE] == 1
+
+
+def test_what_a_warm_start_does_last_is_not_waited_for_and_runs_only_after_loading_a_norm_plan(srv, tmp_path,
+                                                                                                signer):
+    """``then`` (FE's norm ops' handles made ahead) runs on the warm thread after its loads, where it loaded a plan
+    ``whole`` names; builds wait for the loads only, not for it; a failure of it is logged, never raised."""
+    specs = [spec_of(rmsnorm_op()), spec_of(attention(256))]
+    seed(srv, signer, *specs)
+    release, ran = threading.Event(), []
+
+    def then() -> None:
+        ran.append(threading.current_thread().name)
+        release.wait(5)
+        raise RuntimeError("no handle")
+
+    cache = make_cache(srv, tmp_path / "a", signer)
+    hook._warm_start.start(cache, specs, whole=fe_ops.held_whole, then=then)
+    hook._warm_start.wait()
+    assert hook._warm_start._thread.is_alive(), "the wait returned while then() is still to run or running"
+    assert loaded(cache) == [blob_of(specs[0])]
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["plancache-warm"]
+    release.set()
+    hook._warm_start._thread.join(5)
+    assert not hook._warm_start._thread.is_alive()
+    hook._warm_start.start(make_cache(srv, tmp_path / "b", signer), specs[1:], whole=fe_ops.held_whole,
+                           then=lambda: ran.append("again"))
+    hook._warm_start.wait()
+    hook._warm_start._thread.join(5)
+    assert ran == ["plancache-warm"], "nothing whole was loaded: then() does not run"
 
 
 def test_verified_blobs_are_fetched_together_loaded_nowhere_and_say_where_they_came_from(srv, tmp_path, signer):

@@ -5,6 +5,9 @@ tests/integration/test_fe_ops_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -220,6 +223,88 @@ def test_fes_graph_cache_is_patched_while_installed_and_restored(tmp_path, signe
     op = Op()
     op()  # no hook: FE's own build
     assert [s[0] for s in op.graphs[0].stages][:2] == ["validate", "build_operation_graph"]
+
+
+@pytest.fixture
+def handles_here(monkeypatch):
+    """FE's ``get_handle`` runnable on the CPU: the stream it binds is a stand-in and a handle FE makes itself is
+    ``("fe", n)``; yields what ``set_stream`` was given, as (handle, stream) pairs."""
+    import torch
+    from cudnn.ops.norm import _common
+
+    bound: list[tuple[Any, Any]] = []
+    made = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(_common.cudnn, "create_handle", lambda: ("fe", next(made)))
+    monkeypatch.setattr(_common.cudnn, "set_stream", lambda handle, stream: bound.append((handle, stream)))
+    yield bound
+
+
+def _on_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_threads_first_norm_op_takes_a_handle_made_ahead_and_keeps_it(tmp_path, signer, handles_here):
+    """FE's norm ops keep one cuDNN handle per thread and device (16 ms each to make on an H100): handles made ahead
+    (:func:`plancache.client.fe_ops.stock_handles`) are each taken by one thread's first op on that device, which
+    keeps it; a thread past the stock, or on another device, makes its own as FE does."""
+    import torch
+    from cudnn.ops.norm import _common
+
+    made = [("ahead", 0), ("ahead", 1)]
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    with hook.installed(make_cache(tmp_path, signer), graph_class=StageGraph):
+        fe_ops.stock_handles(0, iter(made).__next__)
+        fe_ops.stock_handles(0, lambda: pytest.fail("the stock is full: nothing more is made"))
+        first = _on_thread(lambda: [_common.get_handle(cuda0), _common.get_handle(cuda0), _common.get_handle(cuda1)])
+        second = _on_thread(lambda: _common.get_handle(cuda0))
+        third = _on_thread(lambda: _common.get_handle(cuda0))
+    assert first[0] == first[1] and first[0] in made, "the thread keeps the handle it took"
+    assert first[2] == ("fe", 0), "another device's handle is FE's own"
+    assert {first[0], second} == set(made) and third == ("fe", 1), "two threads took the stock, the third made its own"
+    assert handles_here == [(first[0], 7), (first[0], 7), (("fe", 0), 7), (second, 7), (("fe", 1), 7)], \
+        "each handle taken is bound to the caller's stream by FE's own get_handle"
+
+
+def test_handles_made_ahead_go_with_the_hook_and_fes_get_handle_comes_back(tmp_path, signer, handles_here):
+    """Uninstalled: FE's own ``get_handle`` is back where the op modules imported it, the stock is dropped and
+    nothing is made ahead any more."""
+    import torch
+    from cudnn.ops.norm import _common, layernorm, rmsnorm
+
+    own = _common.get_handle
+    assert layernorm.get_handle is own and rmsnorm.get_handle is own
+    with hook.installed(make_cache(tmp_path, signer), graph_class=StageGraph):
+        assert layernorm.get_handle is _common.get_handle is not own and layernorm.get_handle.__wrapped__ is own
+        fe_ops.stock_handles(0, lambda: ("ahead", 0))
+    assert layernorm.get_handle is own and rmsnorm.get_handle is own and _common.get_handle is own
+    fe_ops.stock_handles(0, lambda: pytest.fail("not patched: nothing is made ahead"))
+    assert _on_thread(lambda: _common.get_handle(torch.device("cuda", 0))) == ("fe", 0)
+
+
+def test_a_warm_start_that_loads_norm_plans_makes_their_handles_ahead_after_its_loads(tmp_path, signer):
+    """A warm start that deserializes FE's norm ops' plans then makes those ops' handles on its own thread, after
+    the loads a build waits for; a warm start without such a plan makes none."""
+    import torch
+
+    spec = from_pygraph(rmsnorm_op())
+    for warm, want in (([spec], 2), ([from_pygraph(rmsnorm()[0])], 0)):
+        cache = make_cache(tmp_path / str(want), signer)
+        cache._backend.device = torch.device("cuda", 0)
+        hook.install(cache, graph_class=StageGraph, warm=warm)
+        try:
+            hook._await_warm()
+            hook._warm_start._thread.join()
+            assert len(cache._backend.handles_made) == want
+            assert fe_ops._stock.get(0, []) == cache._backend.handles_made
+        finally:
+            hook.uninstall()
+        assert fe_ops._stock == {}
 
 
 def test_capture_only_installs_leave_fes_graph_cache_alone(tmp_path):
