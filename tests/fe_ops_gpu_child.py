@@ -177,6 +177,14 @@ def _norm(kind: str, rows: int = 4096, hidden: int = 1024, seed: int = 3) -> Cal
     return run
 
 
+def _handles_in_stock() -> int:
+    """cuDNN handles a warm start made ahead for FE's norm ops that no thread took
+    (:func:`plancache.client.fe_ops.stock_handles`)."""
+    from plancache.client import fe_ops
+
+    return sum(len(handles) for handles in fe_ops._stock.values())
+
+
 def _whole() -> int:
     """Graphs FE's norm ops hold as served plans loaded on their own (:class:`plancache.client.fe_ops.Loaded`)."""
     from plancache.client.fe_ops import Loaded
@@ -372,7 +380,7 @@ def main() -> None:
             out[name]["deserialize_ms"] = (after.deserialize_seconds - before.deserialize_seconds) * 1e3
     print(json.dumps({"paths": out, "stats": cache.stats().as_dict() if cache is not None else None,
                       "ready_ms": ready_ms, "torch": torch.__version__,
-                      "sdpa_route": plancache.torch.sdpa_stats()}))
+                      "sdpa_route": plancache.torch.sdpa_stats(), "handles_in_stock": _handles_in_stock()}))
     if cache is not None:
         cache.close()
 

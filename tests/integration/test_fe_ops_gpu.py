@@ -201,6 +201,8 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     # FE's norm ops' graph caches take their plans loaded on their own: the warm start loaded those too
     for name in WHOLE:
         assert warm["paths"][name]["deserialize_ms"] == 0, (name, warm["paths"][name])
+    # and made the handles those ops keep per thread: the first op's thread and autograd's took one each
+    assert warm["handles_in_stock"] == 0, warm["handles_in_stock"]
     route = warm["sdpa_route"]
     if cpp:  # the first call bound the plans the warm start loaded into the C++ side, and ran there
         assert not route.get("cpp_unavailable") and route.get("cpp:fwd", 0) >= 1 and route.get("cpp:bwd", 0) >= 1, route
