@@ -98,12 +98,17 @@ def patch() -> bool:
     _replace(cls, "get_or_build", _offering(original))
     get_handle, tls = getattr(module, "get_handle", None), getattr(module, "_tls", None)
     if callable(get_handle) and isinstance(tls, threading.local):
-        taking = _taking(get_handle, tls)
-        package = GRAPH_CACHE_MODULE.rpartition(".")[0] + "."
-        for name, owner in list(sys.modules.items()):  # the op modules imported already hold FE's own by name
-            if owner is module or (name.startswith(package) and getattr(owner, "get_handle", None) is get_handle):
+        taking = _Taking(get_handle, tls)
+        for owner in _norm_modules():  # the op modules imported already hold FE's own by name
+            if getattr(owner, "get_handle", None) is get_handle:
                 _replace(owner, "get_handle", taking)
     return True
+
+
+def _norm_modules() -> list[Any]:
+    """The modules of FE's norm ops' package imported so far (its graph cache's among them)."""
+    package = GRAPH_CACHE_MODULE.rpartition(".")[0] + "."
+    return [module for name, module in list(sys.modules.items()) if name.startswith(package)]
 
 
 def _replace(owner: Any, name: str, new: Any) -> None:
@@ -117,6 +122,9 @@ def unpatch() -> None:
     while _patched:
         owner, name, original = _patched.pop()
         setattr(owner, name, original)
+    for owner in _norm_modules():  # an op module imported while patched took the patched one by name
+        if isinstance(taking := getattr(owner, "get_handle", None), _Taking):
+            setattr(owner, "get_handle", taking.original)  # noqa: B010 - FE's module, restored
     with _stock_lock:
         _stock.clear()
 
@@ -138,21 +146,25 @@ def stock_handles(device: int, make: Callable[[], Any], count: int = HANDLES_AHE
             _stock.setdefault(device, []).extend(made)
 
 
-def _taking(original: Callable[[Any], Any], tls: threading.local) -> Callable[[Any], Any]:
-    @functools.wraps(original)
-    def get_handle(device: Any) -> Any:
-        handles, index = getattr(tls, "handles", None), getattr(device, "index", None)
+class _Taking:
+    """FE's ``get_handle(device)`` while patched: a thread's first call for a device takes a handle made ahead, if one
+    is in stock, as the thread's own; then FE's own (``original``) binds it to the current stream and returns it."""
+
+    def __init__(self, original: Callable[[Any], Any], tls: threading.local) -> None:
+        self.original = original
+        self.tls = tls
+
+    def __call__(self, device: Any) -> Any:
+        handles, index = getattr(self.tls, "handles", None), getattr(device, "index", None)
         if _stock and index is not None and (handles is None or device not in handles):  # the thread's first op there
             with _stock_lock:
                 spare = _stock.get(index)
                 handle = spare.pop() if spare else None
             if handle is not None:
                 if handles is None:
-                    handles = tls.handles = {}
+                    handles = self.tls.handles = {}
                 handles[device] = handle
-        return original(device)
-
-    return get_handle
+        return self.original(device)
 
 
 def _offering(original: Callable[..., Any]) -> Callable[..., Any]:

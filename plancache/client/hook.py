@@ -212,8 +212,13 @@ def _stock_handles(cache: PlanCache) -> None:
     """FE's norm ops' cuDNN handles made ahead on ``cache``'s CUDA device
     (:func:`~plancache.client.fe_ops.stock_handles`)."""
     index = _device_index(cache)
-    if index is not None:
+    if index is None:
+        return
+    try:
         fe_ops.stock_handles(index, cache._backend.new_handle)
+    except Exception as exc:  # noqa: BLE001 - only made ahead: each thread's first op makes its own, as without it
+        log.info("plancache: FE's norm ops' cuDNN handles were not made ahead (%s: %s); each thread's first op makes "
+                 "its own", type(exc).__name__, exc)
 
 
 def _device_index(cache: PlanCache) -> int | None:

@@ -103,9 +103,8 @@ def _warm(cache: PlanCache, specs: list[GraphSpec], named: frozenset[str], held:
     if then is not None:
         try:
             then()
-        except Exception as exc:  # noqa: BLE001 - only made ahead: the ops make their own as without it
-            log.info("plancache: warm start: %s failed (%s: %s)", getattr(then, "__name__", "its last step"),
-                     type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - what comes after the loads is never needed: logged only
+            log.warning("plancache: warm start: the work after its loads failed (%s: %s)", type(exc).__name__, exc)
 
 
 def _load(cache: PlanCache, specs: list[GraphSpec], named: frozenset[str], held: frozenset[str],

@@ -423,7 +423,7 @@ def test_a_warm_start_loads_the_plans_fes_norm_ops_take_whole(srv, tmp_path, sig
 
 
 def test_what_a_warm_start_does_last_is_not_waited_for_and_runs_only_after_loading_a_norm_plan(srv, tmp_path,
-                                                                                                signer):
+                                                                                                signer, caplog):
     """``then`` (FE's norm ops' handles made ahead) runs on the warm thread after its loads, where it loaded a plan
     ``whole`` names; builds wait for the loads only, not for it; a failure of it is logged, never raised."""
     specs = [spec_of(rmsnorm_op()), spec_of(attention(256))]
@@ -447,6 +447,7 @@ def test_what_a_warm_start_does_last_is_not_waited_for_and_runs_only_after_loadi
     release.set()
     hook._warm_start._thread.join(5)
     assert not hook._warm_start._thread.is_alive()
+    assert "the work after its loads failed (RuntimeError: no handle)" in caplog.text
     hook._warm_start.start(make_cache(srv, tmp_path / "b", signer), specs[1:], whole=fe_ops.held_whole,
                            then=lambda: ran.append("again"))
     hook._warm_start.wait()

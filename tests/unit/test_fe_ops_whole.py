@@ -6,8 +6,9 @@ tests/integration/test_fe_ops_gpu.py."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -271,20 +272,49 @@ def test_a_threads_first_norm_op_takes_a_handle_made_ahead_and_keeps_it(tmp_path
         "each handle taken is bound to the caller's stream by FE's own get_handle"
 
 
-def test_handles_made_ahead_go_with_the_hook_and_fes_get_handle_comes_back(tmp_path, signer, handles_here):
-    """Uninstalled: FE's own ``get_handle`` is back where the op modules imported it, the stock is dropped and
-    nothing is made ahead any more."""
+def test_handles_made_ahead_go_with_the_hook_and_fes_get_handle_comes_back(tmp_path, signer, handles_here,
+                                                                           monkeypatch):
+    """Uninstalled: FE's own ``get_handle`` is back where the op modules imported it (before the hook or while it was
+    installed), the stock is dropped and nothing is made ahead any more."""
+    import sys
+
     import torch
     from cudnn.ops.norm import _common, layernorm, rmsnorm
 
     own = _common.get_handle
     assert layernorm.get_handle is own and rmsnorm.get_handle is own
+    later = ModuleType("cudnn.ops.norm.later_op")
     with hook.installed(make_cache(tmp_path, signer), graph_class=StageGraph):
-        assert layernorm.get_handle is _common.get_handle is not own and layernorm.get_handle.__wrapped__ is own
+        assert layernorm.get_handle is _common.get_handle is not own and layernorm.get_handle.original is own
+        later.get_handle = _common.get_handle  # an op module imported now: `from ._common import get_handle`
+        monkeypatch.setitem(sys.modules, later.__name__, later)
         fe_ops.stock_handles(0, lambda: ("ahead", 0))
     assert layernorm.get_handle is own and rmsnorm.get_handle is own and _common.get_handle is own
+    assert later.get_handle is own
     fe_ops.stock_handles(0, lambda: pytest.fail("not patched: nothing is made ahead"))
     assert _on_thread(lambda: _common.get_handle(torch.device("cuda", 0))) == ("fe", 0)
+
+
+def test_a_handle_that_cannot_be_made_ahead_is_logged_and_the_ops_make_their_own(tmp_path, signer, caplog,
+                                                                                  monkeypatch):
+    import torch
+
+    caplog.set_level(logging.INFO, logger="plancache.client")
+    cache = make_cache(tmp_path, signer)
+    cache._backend.device = torch.device("cuda", 0)
+
+    def refuse() -> Any:
+        raise RuntimeError("cudnnCreate failed")
+
+    monkeypatch.setattr(cache._backend, "new_handle", refuse)
+    hook.install(cache, graph_class=StageGraph, warm=[from_pygraph(rmsnorm_op())])
+    try:
+        hook._await_warm()
+        hook._warm_start._thread.join()
+        assert fe_ops._stock.get(0, []) == []
+    finally:
+        hook.uninstall()
+    assert "FE's norm ops' cuDNN handles were not made ahead (RuntimeError: cudnnCreate failed)" in caplog.text
 
 
 def test_a_warm_start_that_loads_norm_plans_makes_their_handles_ahead_after_its_loads(tmp_path, signer):
