@@ -176,9 +176,10 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
 
 
 def uninstall() -> None:
-    """Give FE its methods back (graphs already served stay served), after the warm start under way."""
+    """Give FE its methods back (graphs already served stay served), after the warm start under way has ended (what
+    it does after its loads included)."""
     global _cache
-    _await_warm()
+    _warm_start.join()
     with _lock:
         _warm_start.forget()
         for cls, methods in _originals.items():

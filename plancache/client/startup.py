@@ -89,6 +89,13 @@ class WarmStart:
         if thread is not None and thread is not threading.current_thread():
             loaded.wait()
 
+    def join(self) -> None:
+        """Wait for the warm start under way to end, what it does after its loads included (not from its own
+        thread)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def forget(self) -> None:
         """No warm start is under way any more (the hook was uninstalled)."""
         self._thread = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -293,6 +294,29 @@ def test_handles_made_ahead_go_with_the_hook_and_fes_get_handle_comes_back(tmp_p
     assert later.get_handle is own
     fe_ops.stock_handles(0, lambda: pytest.fail("not patched: nothing is made ahead"))
     assert _on_thread(lambda: _common.get_handle(torch.device("cuda", 0))) == ("fe", 0)
+
+
+def test_uninstall_waits_for_the_handles_a_warm_start_is_making(tmp_path, signer, monkeypatch):
+    """Builds wait only for the warm start's loads; uninstalling waits for all of it, so no cuDNN handle is still
+    being made once the hook is gone (nor at the exit that often follows)."""
+    import torch
+
+    cache = make_cache(tmp_path, signer)
+    cache._backend.device = torch.device("cuda", 0)
+    made: list[object] = []
+
+    def slow() -> object:
+        time.sleep(0.2)
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(cache._backend, "new_handle", slow)
+    hook.install(cache, graph_class=StageGraph, warm=[from_pygraph(rmsnorm_op())])
+    hook._await_warm()
+    thread = hook._warm_start._thread
+    hook.uninstall()
+    assert len(made) == 2 and thread is not None and not thread.is_alive()
+    assert fe_ops._stock == {}, "made while installed, dropped with the hook"
 
 
 def test_a_handle_that_cannot_be_made_ahead_is_logged_and_the_ops_make_their_own(tmp_path, signer, caplog,
