@@ -421,6 +421,27 @@ def test_a_training_forwards_backward_loads_on_the_loader_thread_and_its_first_c
     assert sdpa._route.pending == {} and sdpa.stats()["cpp:bwd"] == 1 and sdpa.stats()["load:server"] == 2
 
 
+def test_the_backwards_load_is_under_way_on_the_loader_thread_while_the_forwards_loads(served, monkeypatch):
+    """The two deserializations of a training forward's first call overlap: the backward's is handed to the loader
+    thread before the forward's starts on the calling thread."""
+    _, ext, _, _ = served
+    began: list[bool] = []
+    add_forward = ext.add_forward
+
+    def watched(*args: Any) -> bool:
+        deadline = time.monotonic() + 2
+        while not ext.threads and time.monotonic() < deadline:
+            time.sleep(0.001)
+        began.append(bool(ext.threads))
+        return add_forward(*args)
+
+    monkeypatch.setattr(ext, "add_forward", watched)
+    q, k, v = qkv()
+    forward(q, k, v)
+    sdpa._route.close()
+    assert began == [True] and ext.threads == ["plancache-attention-load_0"]
+
+
 def test_the_backwards_first_call_waits_for_its_load_under_way(served):
     _, ext, _, asked = served
     q, k, v = _forward_while_loading(ext, 0.1)
