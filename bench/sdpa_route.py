@@ -10,7 +10,7 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    is then autotuned (one process per graph) and published signed.
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
    own cuDNN (ATen) and plancache's route (every plan from the server): the shape's first call (synchronised wall
-   time; for the route, with its preparing of the plans apart), eager (the backends taking turns for 5 rounds,
+   time; for the route, with its preparing of the plans apart), eager (the backends taking turns for 15 rounds,
    each a median of 20 CUDA-event timings after 5 warm-ups; a backend's figure the median of its rounds) and
    replayed as a CUDA graph (median of 50 replays of one captured forward + backward); the route's host time per
    call and per eager step (``time.perf_counter`` around 50 calls queued behind a spin kernel, so the host never
@@ -18,7 +18,8 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
 3. ``block``: a fresh strict-mode process. LayerNorm -> QKV -> attention (causal) -> projection + residual, forward
    and backward, at four shapes: the first step of each shape (synchronised wall time) with each backend, the
    route's after a first shape of the process, with how much of it the route spent preparing its plans (writing,
-   keying, loading), and with torch's own cuDNN in a process of its own; then the shape's steady step for flash,
+   keying, loading), and with torch's own cuDNN and with flash each in a process of its own (flash's: the first
+   step's other first launches, which every backend pays at a new shape); then the shape's steady step for flash,
    torch's cuDNN and the route, the backends taking turns as in 2.
 4. ``block_warm``: a fresh strict-mode process with a warm start from the capture file step 1 wrote
    (``PLANCACHE_WARM``): the route's plans fetched and loaded into its C++ steady path in the background at
@@ -47,7 +48,7 @@ BLOCK_SHAPES = [(2, 512), (2, 1024), (4, 2048), (1, 4096)]  # (batch, sequence);
 BACKENDS = ("plancache", "plancache_cpp", "flash", "aten_cudnn")
 ROUTES = ("plancache", "plancache_cpp")
 #: Steady timings: the backends take turns, each round a median of 20 steps; a backend's figure is its rounds' median.
-ROUNDS = 5
+ROUNDS = 15
 SPIN_CYCLES = 400_000_000  # a spin kernel of about 0.2 s ahead of each host timing (50 calls take far less)
 
 
@@ -307,6 +308,8 @@ def child(what: str, server: str, token: str | None, trusted: str | None, cache_
         result["block"] = block(cache, BACKENDS)
     if what == "block_aten":
         result["block"] = block(cache, ("aten_cudnn",))
+    if what == "block_flash":
+        result["block"] = block(cache, ("flash",), steady=False)
     if what == "block_warm":
         result["block"] = block(cache, ("plancache_cpp",))
     if what == "block_cpp":
@@ -348,14 +351,16 @@ def _tables(results: dict[str, Any]) -> None:
               f"{p.get('first_ms', nan):>10.1f} {p.get('first_prepare_ms', nan):>10.1f}")
     blk = results["block"]["block"]
     first_aten = results.get("block_aten", {}).get("block", {})
+    first_flash = results.get("block_flash", {}).get("block", {})
     warm = results.get("block_warm", {}).get("block", {})
     first_cpp = results.get("block_cpp", {}).get("block", {})
     print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'py route':>10} {'vs best':>8} "
           f"{'C++':>7} {'vs best':>8} | {'first step: py route':>22} {'preparing':>10} {'warm, C++':>11} "
-          f"{'preparing':>10} {'C++':>7} {'ATen cuDNN':>11} | served")
+          f"{'preparing':>10} {'C++':>7} {'ATen cuDNN':>11} {'flash':>7} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
         aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", nan)
+        flash_first = first_flash.get(shape, {}).get("flash", {}).get("first_ms", nan)
         route, cpp = row["plancache"], row.get("plancache_cpp", {})
         warmed = warm.get(shape, {}).get("plancache_cpp", {})
         cpp_first = first_cpp.get(shape, {}).get("plancache_cpp", {}).get("first_ms", nan)
@@ -364,7 +369,8 @@ def _tables(results: dict[str, Any]) -> None:
               f"{cpp.get('steady_ms', nan) / best:>8.2f} | "
               f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} "
               f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {cpp_first:>7.1f} "
-              f"{aten_first:>11.1f} | {route.get('served', {})} {cpp.get('served', '')} steady: {cpp.get('steady_served', '')}")
+              f"{aten_first:>11.1f} {flash_first:>7.1f} | {route.get('served', {})} {cpp.get('served', '')} "
+              f"steady: {cpp.get('steady_served', '')}")
     for shape, row in kern.items():
         for name, got in row.items():
             if isinstance(got, dict) and "graphed_error" in got:
@@ -389,6 +395,7 @@ def main() -> None:
         results["kernels"] = _run("--child", "kernels")
         results["block"] = _run("--child", "block")
         results["block_aten"] = _run("--child", "block_aten")
+        results["block_flash"] = _run("--child", "block_flash")
         results["block_cpp"] = _run("--child", "block_cpp")
     else:
         import tempfile
@@ -418,6 +425,7 @@ def main() -> None:
                 results["block_cpp"] = _run("--child", "block_cpp", *common, "--cache", str(root / "cpp"),
                                             "--mode", "strict")
                 results["block_aten"] = _run("--child", "block_aten")
+                results["block_flash"] = _run("--child", "block_flash")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     _tables(results)
