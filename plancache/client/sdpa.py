@@ -774,8 +774,8 @@ def _load_cpp(route: _Route, written: _Written, ahead: _Written | None) -> dict[
     verified blobs, by key: their plans asked for together (:meth:`~plancache.client.PlanCache.verified_blobs`: one
     round trip to the server for those it is asked for) and loaded there only, never into a Python graph; or the
     native kernel a record measured faster. ``ahead``'s plan loads on the route's loader thread while the forward's
-    loads here and the forward goes on (:meth:`_Route.load_later`; not in the result). The others (no C++ path, no verified plan, a plan it
-    refused once) load here as before."""
+    loads here and the forward goes on (:meth:`_Route.load_later`; not in the result). The others (no C++ path, no
+    verified plan, a plan it refused once) load here as before."""
     wanted = [w for w in (written, ahead) if w is not None and w.config.ckey not in route.handed]
     if route.ext is None or not wanted:
         return {}
