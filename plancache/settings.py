@@ -263,6 +263,8 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     # the attention route's steady path in C++ (plancache.client.sdpa_ext): auto (where built; else built in the
     # background for the next processes), true (built now), false (Python only)
     attention_cpp: Literal["auto"] | bool = "auto"
+    # the C++ steady path replays a call's captured launches where its buffers sit at an earlier call's addresses
+    attention_replay: bool = True
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
     index_url: str | None = None  # a published static index (plancache index publish) read before the server

@@ -37,14 +37,14 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
     nothing.
     ``attention`` (default ``PLANCACHE_ATTENTION``, else ``fastest``): what runs each attention configuration, one
     of :data:`plancache.client.sdpa.CHOICES`. ``attention_cpp`` (default ``PLANCACHE_ATTENTION_CPP``, else ``"auto"``):
-    the route's steady path in C++ (:func:`plancache.client.sdpa.install`). Returns the cache."""
+    the route's steady path in C++ (:func:`plancache.client.sdpa.install`), replaying captured launches unless
+    ``PLANCACHE_ATTENTION_REPLAY`` is false. Returns the cache."""
     from .environment import require_fe_gpu  # pydantic: not at import (tests/unit/test_client_import.py)
     from .settings import ClientSettings
 
-    if attention is None or attention_cpp is None:
-        settings = ClientSettings()
-        attention = settings.attention if attention is None else attention
-        attention_cpp = settings.attention_cpp if attention_cpp is None else attention_cpp
+    settings = ClientSettings()
+    attention = settings.attention if attention is None else attention
+    attention_cpp = settings.attention_cpp if attention_cpp is None else attention_cpp
     sdpa.check_choice(attention)  # before anything is installed
     require_fe_gpu(0 if cache is None else None)  # GpuUnavailable saying why, before anything is installed
     cache = cache if cache is not None else PlanCache()
@@ -52,7 +52,7 @@ def install(cache: PlanCache | None = None, *, sdpa_route: bool = True, warm: ho
 
     with _lock:
         if sdpa_route:  # first: a warm start loads the route's plans into its C++ steady path, where it has one
-            sdpa.install(cache, attention=attention, cpp=attention_cpp)
+            sdpa.install(cache, attention=attention, cpp=attention_cpp, replay=settings.attention_replay)
         try:
             hook.install(cache, warm=warm, warm_vary=warm_vary,
                          warm_load=sdpa.SPEC_NAMES.values() if sdpa_route else (),

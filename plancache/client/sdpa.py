@@ -27,6 +27,13 @@ converted and is then served there; every other call comes here. ``install(cpp=.
 ``"auto"`` (the default) takes the extension where this machine has it built and otherwise starts its build in the
 background, for the processes after this one; ``True`` builds it now; ``False`` keeps every call in Python. Where
 the extension cannot be had, the route runs as above and says why once.
+
+cuDNN's execute spends tens of microseconds of host time a call, which bounds a step of short kernels. The C++
+path therefore captures a plan's launches as a CUDA graph the second time a configuration's call binds the same
+addresses (buffers and workspace: a steady loop's, since torch's caching allocator hands out the same blocks each
+step) and replays them for every later call there: the same kernels with the same arguments, for one graph launch
+(``install(replay=False)``, ``PLANCACHE_ATTENTION_REPLAY=false``: always execute). Never while the caller's stream
+is capturing; bounded per configuration; a capture that fails leaves that configuration executing as before.
 """
 
 from __future__ import annotations
@@ -134,13 +141,15 @@ class _Aten:
 class _Route:
     """The installed route: its cache, its device, its prepared executors and the call counters."""
 
-    def __init__(self, cache: PlanCache, lib: Any, choice: str, ext: Any = None, cpp: bool | str = False) -> None:
+    def __init__(self, cache: PlanCache, lib: Any, choice: str, ext: Any = None, cpp: bool | str = False,
+                 replay: bool = True) -> None:
         import torch
 
         self.cache = cache
         self.lib = lib
         self.choice = choice
         self.cpp = cpp  # what install() was asked for
+        self.replay = replay
         self.ext = ext  # the C++ steady path (sdpa_ext), installed over ``lib``'s kernels; None: Python only
         self.handed: set[tuple[Any, ...]] = set()  # configurations handed to ``ext`` (or that it refused)
         self.device = cache.context.backend.device
@@ -207,10 +216,12 @@ _lock = threading.Lock()
 _route: _Route | None = None
 
 
-def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "auto") -> None:
+def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "auto", replay: bool = True) -> None:
     """Serve torch's cuDNN attention kernels from ``cache`` (its device's tensors; others run torch's kernel).
     ``attention``: what runs a configuration, one of :data:`CHOICES`. ``cpp``: the steady path in C++, ``"auto"``,
-    True or False (see the module docstring); where it cannot be had, the log says why and Python serves."""
+    True or False (see the module docstring); where it cannot be had, the log says why and Python serves.
+    ``replay``: the C++ steady path replays the launches of a call whose buffers sit at an earlier call's addresses
+    (see the module docstring)."""
     global _route
     import torch
 
@@ -220,7 +231,8 @@ def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "
     cpp = cpp if cpp == "auto" else bool(cpp)
     with _lock:
         if _route is not None:
-            if _route.cache is cache and _route.choice == attention and _route.cpp == cpp:
+            if (_route.cache is cache and _route.choice == attention and _route.cpp == cpp
+                    and _route.replay == replay):
                 return
             _uninstall_locked()
         lib = torch.library.Library("aten", "IMPL")
@@ -229,12 +241,12 @@ def install(cache: PlanCache, *, attention: str = "fastest", cpp: bool | str = "
         ext = _load_ext(cpp) if cpp else None
         if ext is not None:
             try:
-                ext.install(cache.context.backend.device.index or 0, _forward, _backward)
+                ext.install(cache.context.backend.device.index or 0, _forward, _backward, replay)
             except Exception as exc:  # noqa: BLE001 - registered in full or not at all: Python serves
                 log.warning("plancache: the attention route runs in Python: its C++ steady path did not install: "
                             "%s", exc)
                 ext = None
-        _route = _Route(cache, lib, attention, ext, cpp)
+        _route = _Route(cache, lib, attention, ext, cpp, replay)
         if cpp and ext is None:
             _route.count("cpp_unavailable")
 
@@ -293,7 +305,10 @@ def stats() -> dict[str, float]:
     loader thread, included; that load itself counts in the cache's ``deserialize_seconds``, as every C++ load
     does). With the C++ steady path asked for
     (``auto`` or True): ``cpp_unavailable`` (1: it is not built yet, or cannot be built or loaded) and
-    configurations it refused (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them)."""
+    configurations it refused (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them); where it serves,
+    ``cpp:fwd_replayed``, ``cpp:bwd_replayed`` (its calls served by replaying captured launches), ``cpp:captured``
+    (launches captured) and
+    ``cpp:capture_failed`` (executors whose capture or replay failed: they execute as before)."""
     route = _route
     if route is None:
         return {}
@@ -303,6 +318,8 @@ def stats() -> dict[str, float]:
         for direction in ("fwd", "bwd"):
             counts[f"cpp:{direction}"] = served[direction]
             counts[direction] += served[direction]
+        for name in ("fwd_replayed", "bwd_replayed", "captured", "capture_failed"):
+            counts[f"cpp:{name}"] = served[name]
     return counts
 
 

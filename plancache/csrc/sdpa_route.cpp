@@ -19,6 +19,7 @@
 #include <cudnn_frontend.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -34,6 +35,9 @@ namespace {
 
 constexpr int kMaxBuffers = 16;  // a forward binds 4 to 8 buffers, a backward 9 to 12
 constexpr uintptr_t kAlignment = 16;
+constexpr size_t kReplays = 4;      // captured launches kept per executor, by the addresses they bind
+constexpr size_t kSeen = 8;         // addresses seen once per executor, waiting to be seen again
+constexpr int kMaxCaptures = 32;    // per executor: addresses that keep changing are not worth capturing
 
 using Key = std::vector<int64_t>;
 
@@ -45,12 +49,44 @@ struct KeyHash {
   }
 };
 
+// The addresses one execute of a plan binds: its buffers in the plan's order, then the workspace (null where the
+// plan takes none); the slots after them null.
+using Addresses = std::array<void*, kMaxBuffers + 1>;
+
+// A plan's launches captured as CUDA graphs, by the addresses they bind. cuDNN's execute spends tens of
+// microseconds of host time a call (binding the variant pack, encoding the kernels' arguments), which bounds a
+// step whose kernels are short; a call whose buffers and workspace sit at the addresses of an earlier call (a
+// steady loop's: torch's caching allocator hands out the same blocks each step) replays the launches that
+// execute made there instead: the same kernels and memsets with the same arguments, for one graph launch. The
+// launches at a set of addresses are captured the second time they are seen (once is no pattern), from a private
+// stream that runs nothing; never while the caller's stream is capturing (the caller's graph records the execute).
+// Bounded: kReplays graphs per executor (the least recently replayed goes), kMaxCaptures captures; a capture that
+// fails turns replays off for the executor, which executes as before.
+struct Replays {
+  struct Captured {
+    Addresses at;
+    cudaGraphExec_t exec;
+    uint64_t used;
+  };
+  std::mutex lock;
+  std::vector<Captured> graphs;
+  std::vector<Addresses> seen;
+  size_t next_seen = 0;
+  int captures = 0;
+  bool off = false;
+  uint64_t tick = 0;
+  ~Replays() {
+    for (auto& c : graphs) cudaGraphExecDestroy(c.exec);  // one in flight is freed when it completes
+  }
+};
+
 // A loaded plan of one configuration and how to feed it.
 struct Executor {
   std::shared_ptr<fe::graph::Graph> graph;
   std::vector<int> order;            // for each of the plan's variant-pack slots (FE's uid order): the call's buffer
   int64_t workspace = 0;
   std::vector<int64_t> out_strides;  // the forward's output layout (torch's meta kernel's); empty for the backward
+  mutable Replays replays;
 };
 
 using Map = std::unordered_map<Key, std::shared_ptr<const Executor>, KeyHash>;
@@ -63,7 +99,9 @@ struct State {
   py::object py_forward, py_backward;  // the Python route's kernels: every call not served here
   int device = -1;
   std::unique_ptr<torch::Library> library;
+  std::atomic<bool> replay{true};
   std::atomic<int64_t> served_forward{0}, served_backward{0};
+  std::atomic<int64_t> replayed_forward{0}, replayed_backward{0}, captured{0}, capture_failed{0};
 };
 
 State& state() {
@@ -209,16 +247,119 @@ struct Buffers {
   }
 };
 
-void run(const Executor& ex, const Buffers& buffers, int device, const at::TensorOptions& options) {
+// This thread's stream on `device` that captures a plan's launches (Replays); nothing runs on it.
+cudaStream_t capture_stream(int device) {
+  thread_local std::unordered_map<int, cudaStream_t> streams;
+  auto& s = streams[device];
+  if (s == nullptr) {
+    TORCH_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess,
+                "plancache: cudaStreamCreateWithFlags failed");
+  }
+  return s;
+}
+
+// The launches of one execute of `ex` at `at`, captured from `side` and instantiated; null where that failed (the
+// CUDA error it left cleared).
+cudaGraphExec_t capture(const Executor& ex, void** sorted, int n, void* workspace, cudnnHandle_t handle,
+                        cudaStream_t stream, cudaStream_t side) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool ok = cudnnSetStream(handle, side) == CUDNN_STATUS_SUCCESS &&
+            cudaStreamBeginCapture(side, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+  if (ok) {
+    const bool executed = ex.graph->execute(handle, sorted, n, workspace).is_good();
+    ok = cudaStreamEndCapture(side, &graph) == cudaSuccess && executed && graph != nullptr;
+  }
+  TORCH_CHECK(cudnnSetStream(handle, stream) == CUDNN_STATUS_SUCCESS, "plancache: cudnnSetStream failed");
+  ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!ok) {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return exec;
+}
+
+// One execute of `ex` at `at` as a replay of launches captured there (captured now if `at` was seen before);
+// false where the caller executes instead.
+bool replay(const Executor& ex, const Addresses& at, void** sorted, int n, void* workspace, cudnnHandle_t handle,
+            cudaStream_t stream, int device, std::atomic<int64_t>& replayed) {
+  auto& st = state();
+  auto& r = ex.replays;
+  std::lock_guard<std::mutex> g(r.lock);
+  if (r.off) return false;
+  ++r.tick;
+  for (auto& c : r.graphs) {
+    if (c.at == at) {
+      c.used = r.tick;
+      if (cudaGraphLaunch(c.exec, stream) == cudaSuccess) {
+        replayed.fetch_add(1, std::memory_order_relaxed);
+        return true;
+      }
+      (void)cudaGetLastError();
+      r.off = true;
+      st.capture_failed.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+  }
+  auto seen = std::find(r.seen.begin(), r.seen.end(), at);
+  if (seen == r.seen.end()) {
+    if (r.seen.size() < kSeen) {
+      r.seen.push_back(at);
+    } else {
+      r.seen[r.next_seen] = at;
+      r.next_seen = (r.next_seen + 1) % kSeen;
+    }
+    return false;
+  }
+  if (r.captures >= kMaxCaptures) return false;
+  ++r.captures;
+  cudaGraphExec_t exec = capture(ex, sorted, n, workspace, handle, stream, capture_stream(device));
+  if (exec == nullptr) {
+    r.off = true;
+    st.capture_failed.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  st.captured.fetch_add(1, std::memory_order_relaxed);
+  *seen = Addresses{};  // no longer waiting
+  if (r.graphs.size() == kReplays) {
+    auto lru = std::min_element(r.graphs.begin(), r.graphs.end(),
+                                [](const auto& a, const auto& b) { return a.used < b.used; });
+    cudaGraphExecDestroy(lru->exec);
+    r.graphs.erase(lru);
+  }
+  r.graphs.push_back({at, exec, r.tick});
+  if (cudaGraphLaunch(exec, stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    r.off = true;
+    st.capture_failed.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  replayed.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// One execute of `ex` on the call's buffers (a replay where it can be: Replays), counted in `replayed` if replayed.
+void run(const Executor& ex, const Buffers& buffers, int device, const at::TensorOptions& options,
+         std::atomic<int64_t>& replayed) {
   TORCH_CHECK(buffers.n == static_cast<int>(ex.order.size()), "plancache: ", buffers.n,
               " buffers for a plan that binds ", ex.order.size());
+  const int n = buffers.n;
   void* given[kMaxBuffers];
-  for (int i = 0; i < buffers.n; ++i) given[i] = buffers.t[i]->data_ptr();
-  void* sorted[kMaxBuffers];
-  for (size_t i = 0; i < ex.order.size(); ++i) sorted[i] = given[ex.order[i]];
-  auto workspace = at::empty({std::max<int64_t>(ex.workspace, 1)}, options.dtype(at::kByte));
-  auto status = ex.graph->execute(handle_for(device), sorted, static_cast<int>(ex.order.size()),
-                                  workspace.data_ptr());
+  for (int i = 0; i < n; ++i) given[i] = buffers.t[i]->data_ptr();
+  Addresses at{};
+  for (int i = 0; i < n; ++i) at[i] = given[ex.order[i]];
+  // a plan that takes no workspace is handed none (FE accepts null there): one allocation less a call
+  at::Tensor workspace;
+  if (ex.workspace > 0) workspace = at::empty({ex.workspace}, options.dtype(at::kByte));
+  at[n] = workspace.defined() ? workspace.data_ptr() : nullptr;
+  cudnnHandle_t handle = handle_for(device);
+  if (state().replay.load(std::memory_order_relaxed) && !capturing()) {
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    if (replay(ex, at, at.data(), n, at[n], handle, stream, device, replayed)) return;
+  }
+  auto status = ex.graph->execute(handle, at.data(), n, at[n]);
   TORCH_CHECK(status.is_good(), "plancache: FE execute failed: ", status.get_message());
 }
 
@@ -265,7 +406,7 @@ std::optional<FwdOut> serve_forward(const at::Tensor& q, const at::Tensor& k, co
   Buffers buffers{&q, &k, &v, &out};
   if (stats) buffers.add(lse);
   buffers.add_extra(bias, p, seed, offset);
-  run(*ex, buffers, st.device, q.options());
+  run(*ex, buffers, st.device, q.options(), st.replayed_forward);
   st.served_forward.fetch_add(1, std::memory_order_relaxed);
   return FwdOut{out, lse, at::Tensor(), at::Tensor(), c10::SymInt(s), c10::SymInt(k.size(2)), seed, offset,
                 at::Tensor()};
@@ -323,7 +464,7 @@ std::optional<BwdOut> serve_backward(const at::Tensor& dout, const at::Tensor& q
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Buffers buffers{&q, &k, &v, &out, &d, &lse, &dq, &dk, &dv};
   buffers.add_extra(bias, p, seed, offset);
-  run(*ex, buffers, st.device, q.options());
+  run(*ex, buffers, st.device, q.options(), st.replayed_backward);
   st.served_backward.fetch_add(1, std::memory_order_relaxed);
   return BwdOut{dq, dk, dv};
 }
@@ -409,7 +550,7 @@ void add(Map& map, Key key, std::shared_ptr<const Executor> ex) {
 
 }  // namespace
 
-void install(int device, py::object py_forward, py::object py_backward) {
+void install(int device, py::object py_forward, py::object py_backward, bool replay) {
   auto& st = state();
   std::unique_lock<std::shared_mutex> g(st.lock);
   TORCH_CHECK(!st.library, "plancache: the C++ attention route is installed already");
@@ -421,8 +562,13 @@ void install(int device, py::object py_forward, py::object py_backward) {
   st.device = device;
   st.py_forward = std::move(py_forward);
   st.py_backward = std::move(py_backward);
+  st.replay = replay;
   st.served_forward = 0;
   st.served_backward = 0;
+  st.replayed_forward = 0;
+  st.replayed_backward = 0;
+  st.captured = 0;
+  st.capture_failed = 0;
   st.library = std::move(library);
 }
 
@@ -508,17 +654,24 @@ py::dict counts() {
   d["fwd_configs"] = st.forward.size();
   d["bwd_configs"] = st.backward.size();
   d["preloaded"] = st.preloaded.size();
+  d["fwd_replayed"] = st.replayed_forward.load();
+  d["bwd_replayed"] = st.replayed_backward.load();
+  d["captured"] = st.captured.load();
+  d["capture_failed"] = st.capture_failed.load();
   return d;
 }
 
+
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "plancache's attention route, its steady path (plancache/csrc/sdpa_route.cpp)";
-  m.def("install", &install, "register the two kernels over the Python route's, calling it for what they miss");
+  m.def("install", &install, "register the two kernels over the Python route's, calling it for what they miss; "
+        "with replay, a call at an earlier call's addresses replays the launches captured there");
   m.def("uninstall", &uninstall, "unregister them and drop every plan");
   m.def("preload", &preload, "load a plan ahead, by graph key, for the configurations that will run it");
   m.def("add_forward", &add_forward, "hand over a forward configuration's plan, keyed by the call's tensors");
   m.def("add_backward", &add_backward, "hand over a backward configuration's plan, keyed by the call's tensors");
-  m.def("counts", &counts, "calls served here by direction, and configurations held");
+  m.def("counts", &counts, "calls served here by direction, configurations held, and replays of captured launches");
   m.def("serve_forward", &py_serve_forward, "a held forward configuration run: the kernel's outputs, or None");
   m.def("serve_backward", &py_serve_backward, "a held backward configuration run: (dq, dk, dv), or None");
 }

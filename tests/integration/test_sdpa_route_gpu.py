@@ -25,11 +25,13 @@ TOLERANCE = 2e-2  # bfloat16/float16 outputs and gradients, normalised max error
 #: Variants served by the route: each must load its forward and backward plans and run both through it (dropout:
 #: compared with torch's own cuDNN kernels drawing from the same generator state, not with float32 math).
 SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask",
-          "padding_per_batch", "causal_lower_right", "scale", "dropout", "cuda_graph_replay", "compiled_block")
+          "padding_per_batch", "causal_lower_right", "scale", "dropout", "cuda_graph_replay", "compiled_block",
+          "steady_steps")
 
 
 #: Variants torch's flash kernel can run (no bias, as many key as query heads): a flash pin serves them by flash.
-FLASH_TAKES = ("causal", "no_mask_fp16", "bshd_layout", "scale", "cuda_graph_replay", "compiled_block")
+FLASH_TAKES = ("causal", "no_mask_fp16", "bshd_layout", "scale", "cuda_graph_replay", "compiled_block",
+               "steady_steps")
 
 
 def child(*args: str) -> dict:
@@ -71,7 +73,7 @@ def check(run: dict, what: str, *, strict: bool, native: str | None = None) -> N
                 bad.append(f"{name}: {way} not run as {native or 'plan'} asks: {route}")
         if any(k.startswith(("fwd_aten", "bwd_aten")) for k in route):
             bad.append(f"{name}: left to torch's kernel: {route}")
-        if strict and not pinned and name not in ("cuda_graph_replay", "compiled_block") and \
+        if strict and not pinned and name not in ("cuda_graph_replay", "compiled_block", "steady_steps") and \
                 route.get("load:server", 0) < 2:
             bad.append(f"{name}: forward and backward plans not loaded from the server: {route}")
         bad += [f"{name} {out}: error {err}" for out, err in errors.items() if not err <= TOLERANCE]
@@ -134,7 +136,8 @@ def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tm
     """The route as installed by default (``attention_cpp`` ``auto``) takes the extension built here, and every
     variant's second call (eager, replayed or compiled) is served by the C++ kernels with float32-reference numerics
     (dropout: equal to torch's own kernel drawing from the same generator state; a boolean mask: converted by the
-    Python route on the way)."""
+    Python route on the way). Steps at the same addresses replay the launches captured there, forward and backward,
+    with the first step's output exactly; no capture fails."""
     srv, root, _, _, _ = fleet
     run = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                 "--cache", str(tmp_path / "cache"), "--mode", "strict", "--cpp")
@@ -148,5 +151,13 @@ def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tm
             bad.append(f"{name}: not served by the C++ kernels at its second call: {route}")
         if any(k.endswith("_cpp_refused") for k in route):
             bad.append(f"{name}: the extension refused a plan: {route}")
+        if route.get("cpp:capture_failed", 0):
+            bad.append(f"{name}: a capture of the plan's launches failed: {route}")
+    steady = run["variants"]["steady_steps"]
+    for way in ("fwd", "bwd"):
+        if steady["route"].get(f"cpp:{way}_replayed", 0) < 2:
+            bad.append(f"steady_steps: the {way} steps at repeated addresses were not replayed: {steady['route']}")
+    if steady["errors"]["repeat_out"] != 0.0:
+        bad.append(f"steady_steps: a replayed step's output differs from the first step's: {steady['errors']}")
     assert not bad, "\n".join(bad)
     print("\ncpp: " + ", ".join(f"{n}: {g['route']}" for n, g in run["variants"].items()))

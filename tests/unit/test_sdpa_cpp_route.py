@@ -34,7 +34,7 @@ class FakeExt:
         self.forwards: list[tuple[Any, ...]] = []
         self.backwards: list[tuple[Any, ...]] = []
         self.preloaded: list[tuple[str, bytes]] = []
-        self.served = {"fwd": 0, "bwd": 0}
+        self.served = {"fwd": 0, "bwd": 0, "fwd_replayed": 0, "bwd_replayed": 0, "captured": 0, "capture_failed": 0}
         self.refuse = False
         self.lose = False  # serve_forward finds nothing (a defect the route survives)
         self.uninstalled = 0
@@ -43,8 +43,8 @@ class FakeExt:
         self.threads: list[str] = []  # the thread of each add_backward
         self.refuse_backward = False
 
-    def install(self, device: int, py_forward: Any, py_backward: Any) -> None:
-        self.installed = (device, py_forward, py_backward)
+    def install(self, device: int, py_forward: Any, py_backward: Any, replay: bool) -> None:
+        self.installed = (device, py_forward, py_backward, replay)
 
     def uninstall(self) -> None:
         self.uninstalled += 1
@@ -109,8 +109,8 @@ def route(tmp_path, monkeypatch, ext):
 
 def test_install_registers_the_cpp_kernels_over_the_python_ones_which_serve_what_they_miss(route):
     _, ext, _ = route
-    device, py_forward, py_backward = ext.installed
-    assert device == 0 and py_forward is sdpa._forward and py_backward is sdpa._backward
+    device, py_forward, py_backward, replay = ext.installed
+    assert device == 0 and py_forward is sdpa._forward and py_backward is sdpa._backward and replay is True
     sdpa.uninstall()
     assert ext.uninstalled == 1 and not sdpa.installed()
 
@@ -242,9 +242,11 @@ def test_stats_count_the_calls_the_cpp_kernels_served_with_the_routes(route):
     _, ext, _ = route
     q, k, v = qkv()
     forward(q, k, v)
-    ext.served.update(fwd=7, bwd=3)
+    ext.served.update(fwd=7, bwd=3, fwd_replayed=5, bwd_replayed=2, captured=2, capture_failed=1)
     stats = sdpa.stats()
     assert stats["fwd"] == 8 and stats["cpp:fwd"] == 7 and stats["bwd"] == 3 and stats["cpp:bwd"] == 3
+    assert stats["cpp:fwd_replayed"] == 5 and stats["cpp:bwd_replayed"] == 2
+    assert stats["cpp:captured"] == 2 and stats["cpp:capture_failed"] == 1
 
 
 @pytest.mark.parametrize("failure", ["build", "install"])
@@ -281,6 +283,21 @@ def test_the_setting_turns_the_cpp_path_on_and_a_changed_choice_reinstalls(tmp_p
 
 
 # ------------------------------------------------------------------ finding and building the extension
+
+
+@pytest.mark.parametrize(("value", "replay"), [(None, True), ("false", False), ("1", True)])
+def test_replays_are_on_unless_the_setting_turns_them_off_and_a_change_reinstalls(tmp_path, monkeypatch, ext, value,
+                                                                                    replay):
+    if value is not None:
+        monkeypatch.setenv("PLANCACHE_ATTENTION_REPLAY", value)
+    cache = PlanCache("", backend=GraphBackend(), cache_dir=tmp_path, trusted_keys=[])
+    plancache.torch.install(cache, attention_cpp=True)
+    try:
+        assert ext.installed is not None and ext.installed[3] is replay and sdpa._route.replay is replay
+        sdpa.install(cache, cpp=True, replay=not replay)
+        assert ext.uninstalled == 1 and ext.installed[3] is (not replay)
+    finally:
+        plancache.torch.uninstall()
 
 
 def test_a_torch_without_cuda_cannot_build_it(monkeypatch):
