@@ -389,7 +389,7 @@ def test_plancache_torch_install_loads_the_attention_routes_graphs_at_a_warm_sta
     monkeypatch.setattr(hook._warm_start, "start",
                         lambda cache, specs, load=(), loader=None, whole=None, then=None:
                         started.append((set(load), whole, then)))
-    monkeypatch.setattr(sdpa, "install", lambda cache, attention, cpp: None)
+    monkeypatch.setattr(sdpa, "install", lambda cache, attention, cpp, replay: None)
     cache = make_cache(srv, tmp_path, signer)
     plancache.torch.install(cache, sdpa_route=route, warm=[spec_of(g) for g in step_graphs()])
     plancache.torch.uninstall()
