@@ -307,8 +307,8 @@ def stats() -> dict[str, float]:
     (``auto`` or True): ``cpp_unavailable`` (1: it is not built yet, or cannot be built or loaded) and
     configurations it refused (``fwd_cpp_refused``, ``bwd_cpp_refused``; Python serves them); where it serves,
     ``cpp:fwd_replayed``, ``cpp:bwd_replayed`` (its calls served by replaying captured launches), ``cpp:captured``
-    (launches captured) and
-    ``cpp:capture_failed`` (executors whose capture or replay failed: they execute as before)."""
+    (launches captured) and ``cpp:capture_failed`` (executors whose capture or replay failed: they execute as
+    before)."""
     route = _route
     if route is None:
         return {}

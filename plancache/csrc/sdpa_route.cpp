@@ -258,16 +258,16 @@ cudaStream_t capture_stream(int device) {
   return s;
 }
 
-// The launches of one execute of `ex` at `at`, captured from `side` and instantiated; null where that failed (the
-// CUDA error it left cleared).
-cudaGraphExec_t capture(const Executor& ex, void** sorted, int n, void* workspace, cudnnHandle_t handle,
-                        cudaStream_t stream, cudaStream_t side) {
+// The launches of one execute of `ex` at `at` (its `n` buffers, then the workspace), captured from `side` and
+// instantiated; null where that failed (the CUDA error it left cleared).
+cudaGraphExec_t capture(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cudaStream_t stream,
+                        cudaStream_t side) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   bool ok = cudnnSetStream(handle, side) == CUDNN_STATUS_SUCCESS &&
             cudaStreamBeginCapture(side, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
   if (ok) {
-    const bool executed = ex.graph->execute(handle, sorted, n, workspace).is_good();
+    const bool executed = ex.graph->execute(handle, at.data(), n, at[n]).is_good();
     ok = cudaStreamEndCapture(side, &graph) == cudaSuccess && executed && graph != nullptr;
   }
   TORCH_CHECK(cudnnSetStream(handle, stream) == CUDNN_STATUS_SUCCESS, "plancache: cudnnSetStream failed");
@@ -281,26 +281,28 @@ cudaGraphExec_t capture(const Executor& ex, void** sorted, int n, void* workspac
   return exec;
 }
 
-// One execute of `ex` at `at` as a replay of launches captured there (captured now if `at` was seen before);
-// false where the caller executes instead.
-bool replay(const Executor& ex, const Addresses& at, void** sorted, int n, void* workspace, cudnnHandle_t handle,
-            cudaStream_t stream, int device, std::atomic<int64_t>& replayed) {
-  auto& st = state();
+// One execute of `ex` at `at` (its `n` buffers, then the workspace) as a replay of launches captured there
+// (captured now if `at` was seen before); false where the caller executes instead.
+bool replay(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cudaStream_t stream, int device,
+            std::atomic<int64_t>& replayed) {
   auto& r = ex.replays;
   std::lock_guard<std::mutex> g(r.lock);
+  auto launched = [&](cudaGraphExec_t exec) {
+    if (cudaGraphLaunch(exec, stream) == cudaSuccess) {
+      replayed.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+    (void)cudaGetLastError();
+    r.off = true;
+    state().capture_failed.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  };
   if (r.off) return false;
   ++r.tick;
   for (auto& c : r.graphs) {
     if (c.at == at) {
       c.used = r.tick;
-      if (cudaGraphLaunch(c.exec, stream) == cudaSuccess) {
-        replayed.fetch_add(1, std::memory_order_relaxed);
-        return true;
-      }
-      (void)cudaGetLastError();
-      r.off = true;
-      st.capture_failed.fetch_add(1, std::memory_order_relaxed);
-      return false;
+      return launched(c.exec);
     }
   }
   auto seen = std::find(r.seen.begin(), r.seen.end(), at);
@@ -315,13 +317,13 @@ bool replay(const Executor& ex, const Addresses& at, void** sorted, int n, void*
   }
   if (r.captures >= kMaxCaptures) return false;
   ++r.captures;
-  cudaGraphExec_t exec = capture(ex, sorted, n, workspace, handle, stream, capture_stream(device));
+  cudaGraphExec_t exec = capture(ex, at, n, handle, stream, capture_stream(device));
   if (exec == nullptr) {
     r.off = true;
-    st.capture_failed.fetch_add(1, std::memory_order_relaxed);
+    state().capture_failed.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
-  st.captured.fetch_add(1, std::memory_order_relaxed);
+  state().captured.fetch_add(1, std::memory_order_relaxed);
   *seen = Addresses{};  // no longer waiting
   if (r.graphs.size() == kReplays) {
     auto lru = std::min_element(r.graphs.begin(), r.graphs.end(),
@@ -330,14 +332,7 @@ bool replay(const Executor& ex, const Addresses& at, void** sorted, int n, void*
     r.graphs.erase(lru);
   }
   r.graphs.push_back({at, exec, r.tick});
-  if (cudaGraphLaunch(exec, stream) != cudaSuccess) {
-    (void)cudaGetLastError();
-    r.off = true;
-    st.capture_failed.fetch_add(1, std::memory_order_relaxed);
-    return false;
-  }
-  replayed.fetch_add(1, std::memory_order_relaxed);
-  return true;
+  return launched(exec);
 }
 
 // One execute of `ex` on the call's buffers (a replay where it can be: Replays), counted in `replayed` if replayed.
@@ -346,10 +341,8 @@ void run(const Executor& ex, const Buffers& buffers, int device, const at::Tenso
   TORCH_CHECK(buffers.n == static_cast<int>(ex.order.size()), "plancache: ", buffers.n,
               " buffers for a plan that binds ", ex.order.size());
   const int n = buffers.n;
-  void* given[kMaxBuffers];
-  for (int i = 0; i < n; ++i) given[i] = buffers.t[i]->data_ptr();
   Addresses at{};
-  for (int i = 0; i < n; ++i) at[i] = given[ex.order[i]];
+  for (int i = 0; i < n; ++i) at[i] = buffers.t[ex.order[i]]->data_ptr();
   // a plan that takes no workspace is handed none (FE accepts null there): one allocation less a call
   at::Tensor workspace;
   if (ex.workspace > 0) workspace = at::empty({ex.workspace}, options.dtype(at::kByte));
@@ -357,7 +350,7 @@ void run(const Executor& ex, const Buffers& buffers, int device, const at::Tenso
   cudnnHandle_t handle = handle_for(device);
   if (state().replay.load(std::memory_order_relaxed) && !capturing()) {
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    if (replay(ex, at, at.data(), n, at[n], handle, stream, device, replayed)) return;
+    if (replay(ex, at, n, handle, stream, device, replayed)) return;
   }
   auto status = ex.graph->execute(handle, at.data(), n, at[n]);
   TORCH_CHECK(status.is_good(), "plancache: FE execute failed: ", status.get_message());
@@ -660,8 +653,6 @@ py::dict counts() {
   d["capture_failed"] = st.capture_failed.load();
   return d;
 }
-
-
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "plancache's attention route, its steady path (plancache/csrc/sdpa_route.cpp)";
