@@ -60,12 +60,16 @@ using Addresses = std::array<void*, kMaxBuffers + 1>;
 // execute made there instead: the same kernels and memsets with the same arguments, for one graph launch. The
 // launches at a set of addresses are captured the second time they are seen (once is no pattern), from a private
 // stream that runs nothing; never while the caller's stream is capturing (the caller's graph records the execute).
+// A graph's launch waits on the host for its previous launch to finish, so a call whose graph is still queued
+// executes instead (an event recorded after each launch says): the host never waits here, and a step bound by the
+// GPU, where host time does not count, simply executes.
 // Bounded: kReplays graphs per executor (the least recently replayed goes), kMaxCaptures captures; a capture that
 // fails turns replays off for the executor, which executes as before.
 struct Replays {
   struct Captured {
     Addresses at;
     cudaGraphExec_t exec;
+    cudaEvent_t done;  // recorded after each launch
     uint64_t used;
   };
   std::mutex lock;
@@ -76,7 +80,11 @@ struct Replays {
   bool off = false;
   uint64_t tick = 0;
   ~Replays() {
-    for (auto& c : graphs) cudaGraphExecDestroy(c.exec);  // one in flight is freed when it completes
+    for (auto& c : graphs) drop(c);
+  }
+  static void drop(Captured& c) {
+    cudaGraphExecDestroy(c.exec);  // one in flight is freed when it completes
+    cudaEventDestroy(c.done);
   }
 };
 
@@ -287,8 +295,8 @@ bool replay(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cuda
             std::atomic<int64_t>& replayed) {
   auto& r = ex.replays;
   std::lock_guard<std::mutex> g(r.lock);
-  auto launched = [&](cudaGraphExec_t exec) {
-    if (cudaGraphLaunch(exec, stream) == cudaSuccess) {
+  auto launched = [&](Replays::Captured& c) {
+    if (cudaGraphLaunch(c.exec, stream) == cudaSuccess && cudaEventRecord(c.done, stream) == cudaSuccess) {
       replayed.fetch_add(1, std::memory_order_relaxed);
       return true;
     }
@@ -302,7 +310,11 @@ bool replay(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cuda
   for (auto& c : r.graphs) {
     if (c.at == at) {
       c.used = r.tick;
-      return launched(c.exec);
+      if (cudaEventQuery(c.done) == cudaErrorNotReady) {  // its previous launch is still queued: launching would wait
+        (void)cudaGetLastError();
+        return false;
+      }
+      return launched(c);
     }
   }
   auto seen = std::find(r.seen.begin(), r.seen.end(), at);
@@ -318,6 +330,12 @@ bool replay(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cuda
   if (r.captures >= kMaxCaptures) return false;
   ++r.captures;
   cudaGraphExec_t exec = capture(ex, at, n, handle, stream, capture_stream(device));
+  cudaEvent_t done = nullptr;
+  if (exec != nullptr && cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaGraphExecDestroy(exec);
+    exec = nullptr;
+  }
   if (exec == nullptr) {
     r.off = true;
     state().capture_failed.fetch_add(1, std::memory_order_relaxed);
@@ -328,11 +346,11 @@ bool replay(const Executor& ex, Addresses& at, int n, cudnnHandle_t handle, cuda
   if (r.graphs.size() == kReplays) {
     auto lru = std::min_element(r.graphs.begin(), r.graphs.end(),
                                 [](const auto& a, const auto& b) { return a.used < b.used; });
-    cudaGraphExecDestroy(lru->exec);
+    Replays::drop(*lru);
     r.graphs.erase(lru);
   }
-  r.graphs.push_back({at, exec, r.tick});
-  return launched(exec);
+  r.graphs.push_back({at, exec, done, r.tick});
+  return launched(r.graphs.back());
 }
 
 // One execute of `ex` on the call's buffers (a replay where it can be: Replays), counted in `replayed` if replayed.

@@ -26,12 +26,12 @@ TOLERANCE = 2e-2  # bfloat16/float16 outputs and gradients, normalised max error
 #: compared with torch's own cuDNN kernels drawing from the same generator state, not with float32 math).
 SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask",
           "padding_per_batch", "causal_lower_right", "scale", "dropout", "cuda_graph_replay", "compiled_block",
-          "steady_steps")
+          "steady_steps", "queued_steps")
 
 
 #: Variants torch's flash kernel can run (no bias, as many key as query heads): a flash pin serves them by flash.
 FLASH_TAKES = ("causal", "no_mask_fp16", "bshd_layout", "scale", "cuda_graph_replay", "compiled_block",
-               "steady_steps")
+               "steady_steps", "queued_steps")
 
 
 def child(*args: str) -> dict:
@@ -54,7 +54,7 @@ def check(run: dict, what: str, *, strict: bool, native: str | None = None) -> N
         if "error" in got:
             bad.append(f"{name}: {got['error']}")
             continue
-        errors = {out: err for out, err in got["errors"].items() if out != "generator"}
+        errors = {out: err for out, err in got["errors"].items() if out not in ("generator", "host_over_spin")}
         if name == "dropout" and native == "cudnn_aten":
             if route.get("fwd_aten:dropout", 0) < 1 or route.get("fwd", 0):
                 bad.append(f"{name}: expected torch's own op (dropout), got {route}")
@@ -73,7 +73,8 @@ def check(run: dict, what: str, *, strict: bool, native: str | None = None) -> N
                 bad.append(f"{name}: {way} not run as {native or 'plan'} asks: {route}")
         if any(k.startswith(("fwd_aten", "bwd_aten")) for k in route):
             bad.append(f"{name}: left to torch's kernel: {route}")
-        if strict and not pinned and name not in ("cuda_graph_replay", "compiled_block", "steady_steps") and \
+        if strict and not pinned and name not in ("cuda_graph_replay", "compiled_block", "steady_steps",
+                                                                 "queued_steps") and \
                 route.get("load:server", 0) < 2:
             bad.append(f"{name}: forward and backward plans not loaded from the server: {route}")
         bad += [f"{name} {out}: error {err}" for out, err in errors.items() if not err <= TOLERANCE]
@@ -137,7 +138,8 @@ def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tm
     variant's second call (eager, replayed or compiled) is served by the C++ kernels with float32-reference numerics
     (dropout: equal to torch's own kernel drawing from the same generator state; a boolean mask: converted by the
     Python route on the way). Steps at the same addresses replay the launches captured there, forward and backward,
-    with the first step's output exactly; no capture fails."""
+    with the first step's output exactly; steps whose graph is still queued behind a spin kernel do not wait for it;
+    no capture fails."""
     srv, root, _, _, _ = fleet
     run = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                 "--cache", str(tmp_path / "cache"), "--mode", "strict", "--cpp")
@@ -159,5 +161,9 @@ def test_the_cpp_steady_path_serves_every_variant_from_its_second_call(fleet, tm
             bad.append(f"steady_steps: the {way} steps at repeated addresses were not replayed: {steady['route']}")
     if steady["errors"]["repeat_out"] != 0.0:
         bad.append(f"steady_steps: a replayed step's output differs from the first step's: {steady['errors']}")
+    queued = run["variants"]["queued_steps"]["errors"]
+    if not queued["host_over_spin"] < 0.5:
+        bad.append(f"queued_steps: steps behind a spin kernel waited for the GPU (host / spin time "
+                   f"{queued['host_over_spin']:.2f})")
     assert not bad, "\n".join(bad)
     print("\ncpp: " + ", ".join(f"{n}: {g['route']}" for n, g in run["variants"].items()))
