@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,16 +96,18 @@ def _dropout() -> dict[str, float]:
     return {**errors, "generator": float(not torch.equal(advanced, torch.cuda.get_rng_state()))}
 
 
+def _causal_step(q: Any, k: Any, v: Any, do: torch.Tensor) -> list[torch.Tensor]:
+    """Causal attention forward + backward under the cuDNN backend: the output and the gradients of q, k, v."""
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return [o, *torch.autograd.grad(o, (q, k, v), do)]
+
+
 def _graph_replay() -> dict[str, float]:
     """One forward + backward captured in a CUDA graph, replayed on new data: equal to eager on that data."""
     q, k, v = _qkv()
     do = _rand(B, H, S, D, seed=11)
-
-    def step() -> list[torch.Tensor]:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return [o, *torch.autograd.grad(o, (q, k, v), do)]
-
+    step = partial(_causal_step, q, k, v, do)
     graph, captured = gpu_util.captured(step)
     with torch.no_grad():
         for i, t in enumerate((q, k, v)):
@@ -129,9 +132,8 @@ def _steady_steps() -> dict[str, float]:
     first = None
     repeat = 0.0
     for _ in range(6):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            got = [o, *torch.autograd.grad(o, (q, k, v), do)]
+        got = _causal_step(q, k, v, do)
+        o = got[0]
         for name, g, w in zip(worst, got, want):
             worst[name] = max(worst[name], _error(g, w))
         if first is None:
@@ -150,12 +152,7 @@ def _queued_steps() -> dict[str, float]:
     q, k, v = _qkv()
     do = _rand(B, H, S, D, seed=9)
     _, want = _attention(q, k, v, is_causal=True)
-
-    def step() -> list[torch.Tensor]:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return [o, *torch.autograd.grad(o, (q, k, v), do)]
-
+    step = partial(_causal_step, q, k, v, do)
     for _ in range(3):
         step()
         torch.cuda.synchronize()
