@@ -1,6 +1,7 @@
 """A new shape's two plans fetched on the CPU: where the round trip's milliseconds go.
 
     python bench/new_shape_fetch.py [--pairs 30] [--blob-kib 64] [--out bench/results/new_shape_fetch.json]
+    python bench/new_shape_fetch.py --busy-thread [--switch-interval 0.0002]
 
 What PyTorch attention's route asks at a configuration's first call, nothing known ahead: the verified blobs of its
 forward and backward (``PlanCache.verified_blobs``), one resolve of two graph keys with the blobs inline. A live
@@ -15,6 +16,11 @@ process of its own (``import torch`` first, as a training process has) takes fre
 - ``verified_blobs``: the whole ask: the disk cache looked up, the host's fetch lock taken, the resolve, the blobs
   decoded and verified (size, sha256, signature, signed statement), their disk writes queued.
 
+``--busy-thread`` runs a thread of pure-Python arithmetic in the client process throughout, as a program with a
+CPU-bound Python thread has: each time the fetching thread gives up the GIL (a socket read, a thread hop, a digest
+of a large buffer) it waits for the busy thread to be made to let it go, up to the interpreter's switch interval
+(``sys.getswitchinterval()``, 5 ms by default; ``--switch-interval`` sets it in the client process).
+
 Reports the medians (ms) and their differences, the client's parts, and writes ``--out``. Needs no GPU.
 """
 
@@ -27,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("answer", "resolve", "verified_blobs")
 
 
-def child(url: str, token: str, key: str, folder: str) -> dict[str, list[float]]:
-    """Each way's times (ms), one fresh pair of specs per time; the first round warms the connections, uncounted."""
+def child(url: str, token: str, key: str, folder: str, busy: str, switch: str) -> dict[str, list[float]]:
+    """Each way's times (ms), one fresh pair of specs per time; the first round warms the connections, uncounted.
+    ``busy`` (``1``): with a CPU-bound Python thread running; ``switch``: the switch interval (s; ``-``: left)."""
     import httpx
     import torch  # noqa: F401 - the program's own import
 
@@ -46,6 +54,10 @@ def child(url: str, token: str, key: str, folder: str) -> dict[str, list[float]]
     from plancache.spec import parse_spec
     from tests.client_fakes import RecordingBackend
 
+    if switch != "-":
+        sys.setswitchinterval(float(switch))
+    if busy == "1":
+        threading.Thread(target=_spin, daemon=True, name="busy").start()
     specs = [parse_spec(doc) for doc in json.loads((Path(folder) / "specs.json").read_text())]
     pairs = iter([specs[i:i + 2] for i in range(0, len(specs) - 1, 2)])
     times: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -78,18 +90,29 @@ def child(url: str, token: str, key: str, folder: str) -> dict[str, list[float]]
     return times
 
 
+def _spin() -> None:
+    """Pure-Python arithmetic for ever: a thread that holds the GIL until the interpreter makes it let go."""
+    n = 0
+    while True:
+        n = (n + 1) % 1_000_003
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=30, help="rounds of three fresh pairs each (default 30)")
     parser.add_argument("--blob-kib", type=int, default=64, help="each plan's blob, KiB (default 64)")
+    parser.add_argument("--busy-thread", action="store_true", help="a CPU-bound Python thread in the client process")
+    parser.add_argument("--switch-interval", type=float, help="the client process's sys.setswitchinterval (s)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
         return
     if args.pairs < 1 or args.blob_kib < 1:
         parser.error("--pairs and --blob-kib take a positive number")
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        parser.error("--switch-interval takes a positive number of seconds")
     sys.path.insert(0, str(ROOT))
     from examples.generate import sdpa_causal
     from plancache.signing import Signer, keygen
@@ -110,19 +133,27 @@ def main() -> None:
                 srv.store.publish_plan(make_meta(spec.graph_key, H200, blob, signer), blob)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    "PYTHONWARNINGS": "ignore"}
+            switch = "-" if args.switch_interval is None else repr(args.switch_interval)
             out = subprocess.run([sys.executable, __file__, "--child", srv.url, srv.token("reader"), str(public),
-                                  str(folder)], env=env, check=True, capture_output=True, text=True, timeout=600).stdout
+                                  str(folder), "1" if args.busy_thread else "0", switch],
+                                 env=env, check=True, capture_output=True, text=True, timeout=600).stdout
     times: dict[str, list[float]] = json.loads(out.strip().splitlines()[-1])
     medians = {way: round(statistics.median(times[way]), 3) for way in WAYS}
     parts = {"server's answer, received": medians["answer"],
              "client's HTTP layer (deadline thread, parsing)": round(medians["resolve"] - medians["answer"], 3),
              "client's checks and disk cache": round(medians["verified_blobs"] - medians["resolve"], 3)}
-    print(f"a new pair of {args.blob_kib} KiB plans, median of {args.pairs}: " +
+    where = ""
+    if args.busy_thread or args.switch_interval is not None:
+        where = " (client: " + ", ".join(
+            (["a busy Python thread"] if args.busy_thread else []) +
+            ([f"switch interval {args.switch_interval * 1e3:g} ms"] if args.switch_interval is not None else [])) + ")"
+    print(f"a new pair of {args.blob_kib} KiB plans{where}, median of {args.pairs}: " +
           ", ".join(f"{way} {ms:.2f} ms" for way, ms in medians.items()))
     for part, ms in parts.items():
         print(f"  {part}: {ms:.2f} ms")
     if args.out:
         args.out.write_text(json.dumps({"pairs": args.pairs, "blob_bytes": args.blob_kib * 1024,
+                                        "busy_thread": args.busy_thread, "switch_interval_s": args.switch_interval,
                                         "python": sys.version.split()[0], "cpus": os.cpu_count(),
                                         "median_ms": medians, "parts_ms": parts, "all_ms": times}, indent=1) + "\n")
 

@@ -47,6 +47,19 @@ def test_the_new_shape_fetch_benchmark_times_each_way_on_fresh_pairs(tmp_path):
     assert len(result["parts_ms"]) == 3 and "server's answer, received" in stdout
 
 
+def test_the_new_shape_fetch_benchmark_runs_beside_a_busy_python_thread(tmp_path):
+    result, stdout = _result("new_shape_fetch.py", tmp_path / "busy.json", "--pairs", "2", "--busy-thread",
+                             "--switch-interval", "0.0005")
+    assert result["busy_thread"] is True and result["switch_interval_s"] == 0.0005
+    assert all(len(times) == 2 for times in result["all_ms"].values()), result["all_ms"]
+    assert "(client: a busy Python thread, switch interval 0.5 ms)" in stdout
+
+
 def test_the_new_shape_fetch_benchmark_refuses_a_count_below_one():
     done = _bench("new_shape_fetch.py", "--pairs", "0", timeout=60)
     assert done.returncode == 2 and "--pairs and --blob-kib take a positive number" in done.stderr
+
+
+def test_the_new_shape_fetch_benchmark_refuses_a_switch_interval_of_zero():
+    done = _bench("new_shape_fetch.py", "--switch-interval", "0", timeout=60)
+    assert done.returncode == 2 and "--switch-interval takes a positive number of seconds" in done.stderr
