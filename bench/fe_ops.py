@@ -12,7 +12,8 @@ per call, so the whole step cannot be captured in a CUDA graph). Variants:
 - ``fe``: FE alone (no plancache);
 - ``capture``: plancache installed in normal mode against a live server: every graph misses, FE builds it and
   its spec is registered (and counted into a capture file, ``PLANCACHE_CAPTURE``); every registered miss is then
-  autotuned (one process per graph) and published signed;
+  autotuned (all in one process; one that fails or crashes it, and those a crash left, again in a process each)
+  and published signed;
 - ``served``: a fresh strict-mode process: every graph from the server, one resolve per graph when it is built;
 - ``served_warm``: the same, warm-started from the capture file (``PLANCACHE_WARM``): every graph's plan fetched
   and verified in one resolve at install, in the background; each graph built then loads its own, with no request;

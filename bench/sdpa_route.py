@@ -7,7 +7,8 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
 
 1. ``capture``: plancache installed in normal mode against a live server runs every configuration below once,
    untimed, through the route: each graph misses, FE builds it and its spec is registered; every registered miss
-   is then autotuned (one process per graph) and published signed.
+   is then autotuned (all in one process; one that fails or crashes it, and those a crash left, again in a
+   process each) and published signed.
 2. ``kernels``: a fresh strict-mode process. Attention forward + backward alone, bf16, at four shapes: flash, torch's
    own cuDNN (ATen) and plancache's route (every plan from the server): the shape's first call (synchronised wall
    time; for the route, with its preparing of the plans apart), eager (the backends taking turns for 15 rounds,

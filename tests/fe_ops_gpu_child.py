@@ -317,24 +317,37 @@ PATHS: dict[str, Callable[[], dict[str, float]]] = {
 }
 
 
-def tune(spec_path: str, out: str) -> None:
-    """Autotune one spec document (its own process: a crashing candidate cannot take the others down); write
-    ``KEY.blob`` and ``KEY.meta.json`` (the unsigned record) into ``out``."""
+def tune(out: str, *spec_paths: str) -> None:
+    """Autotune spec documents one after another, writing each one's ``KEY.blob`` and ``KEY.meta.json`` (the
+    unsigned record) into ``out`` as it is done; one that fails is reported on stderr and left (the caller tunes
+    it again in a process of its own, as it does those a crash left). Exits 1 when any failed."""
+    import sys
+    import traceback
     from pathlib import Path
 
     from plancache import gpu
     from plancache.spec import parse_spec
 
-    spec = parse_spec(Path(spec_path).read_text())
-    t = gpu.autotune(spec, warmup=2, repeats=5)
-    (Path(out) / f"{spec.graph_key}.blob").write_bytes(t.blob)
-    (Path(out) / f"{spec.graph_key}.meta.json").write_text(t.to_meta(spec.graph_key, "fe-ops-test").model_dump_json())
-    print(json.dumps({"graph_key": spec.graph_key, "winner_ms": t.winner_median_ms, "candidates": len(t.candidates)}))
+    failures = 0
+    for spec_path in spec_paths:
+        try:
+            spec = parse_spec(Path(spec_path).read_text())
+            t = gpu.autotune(spec, warmup=2, repeats=5)
+        except Exception:  # noqa: BLE001 - the next spec is tuned all the same
+            failures += 1
+            print(f"tuning {spec_path} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            continue
+        (Path(out) / f"{spec.graph_key}.blob").write_bytes(t.blob)
+        (Path(out) / f"{spec.graph_key}.meta.json").write_text(t.to_meta(spec.graph_key, "fe-ops-test").model_dump_json())
+        print(json.dumps({"graph_key": spec.graph_key, "winner_ms": t.winner_median_ms, "candidates": len(t.candidates)}),
+              flush=True)
+    if failures:
+        raise SystemExit(1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tune", nargs=2, metavar=("SPEC", "OUT"), help="autotune one spec into OUT and exit")
+    parser.add_argument("--tune", nargs="+", metavar="OUT SPEC", help="autotune SPEC files into OUT and exit")
     parser.add_argument("--server", default="")
     parser.add_argument("--token")
     parser.add_argument("--trusted")
@@ -344,6 +357,8 @@ def main() -> None:
     parser.add_argument("paths", nargs="*")
     args = parser.parse_args()
     if args.tune:
+        if len(args.tune) < 2:
+            parser.error("--tune takes a folder and at least one spec file")
         return tune(*args.tune)
     import plancache.torch
     from plancache.client import PlanCache

@@ -59,29 +59,44 @@ def loaded_engine_id(graph: object) -> int | None:
 
 
 def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]:
-    """Autotune every miss a live server recorded from its spec alone, one process each (a crash stays there:
-    ``tests.fe_ops_gpu_child --tune``), and publish each winner signed by ``signer``: how many were tuned, and why
-    each other one was not (by graph key)."""
+    """Autotune every miss a live server recorded from its spec alone and publish each winner signed by
+    ``signer``: all of them in one process (``tests.fe_ops_gpu_child --tune``), then each one it left (a crash
+    takes the rest of its list down, a failure leaves its own) in a process of its own, where a crash stays and its
+    error is read. How many were tuned, and why each other one was not (by graph key)."""
     from plancache.protocol import PlanMeta
 
     root = Path(root)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    tuned, failed = 0, {}
+    failed: dict[str, str] = {}
+    paths: dict[str, Path] = {}
+    (root / "specs").mkdir(parents=True, exist_ok=True)
     for miss in srv.store.list_misses(limit=500):
         doc = srv.store.get_spec(miss.graph_key)
         if doc is None:
             failed[miss.graph_key] = "the miss was recorded without its spec"
             continue
-        (root / "spec.json").write_text(json.dumps(doc))
-        proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(root / "spec.json"),
-                               str(root)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-        if proc.returncode != 0:
-            failed[miss.graph_key] = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:600]
-            continue
-        meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
-        srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
+        paths[miss.graph_key] = root / "specs" / f"{miss.graph_key}.json"
+        paths[miss.graph_key].write_text(json.dumps(doc))
+    if paths:
+        _tune(root, list(paths.values()))
+    tuned = 0
+    for key, path in paths.items():
+        meta_path = root / f"{key}.meta.json"
+        if not meta_path.exists():
+            proc = _tune(root, [path])
+            if proc.returncode != 0 or not meta_path.exists():
+                failed[key] = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:600]
+                continue
+        meta = PlanMeta.model_validate_json(meta_path.read_text())
+        srv.store.publish_plan(signer.sign(meta), (root / f"{key}.blob").read_bytes())
         tuned += 1
     return tuned, failed
+
+
+def _tune(out: Path, specs: list[Path]) -> subprocess.CompletedProcess[str]:
+    """``tests.fe_ops_gpu_child --tune`` of ``specs`` into ``out``, in one fresh process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(out), *map(str, specs)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600 * len(specs))
 
 
 def median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from plancache.spec import parse_spec
-from tests.gpu_util import requires_gpu
+from tests.gpu_util import requires_gpu, tune_misses
 from tests.live_server import LiveServer
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -41,7 +41,7 @@ ROUTED = {"torch_sdpa": 2}
 WHOLE = ("layer_norm", "rms_norm")
 
 
-def child(*args: str, check: bool = True, settings: dict[str, str] | None = None) -> dict:
+def child(*args: str, settings: dict[str, str] | None = None) -> dict:
     """Run tests/fe_ops_gpu_child.py with ``args``; ``settings``: its only ``PLANCACHE_*`` variables (the attention
     route's steady path in Python unless they say otherwise: what a child measures does not depend on whether this
     machine has the C++ extension built)."""
@@ -51,8 +51,6 @@ def child(*args: str, check: bool = True, settings: dict[str, str] | None = None
     env["CUDA_CACHE_DISABLE"] = "1"
     proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", *args], capture_output=True, text=True,
                           timeout=400, env=env, cwd=ROOT)
-    if not check and proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:600] if proc.stderr.strip() else f"exit {proc.returncode}"}
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     run["log"] = [line for line in proc.stderr.splitlines() if line.startswith("plancache")][-20:]  # its warnings
@@ -106,7 +104,6 @@ def check_numerics(run: dict, what: str, *, untuned: bool = False) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from plancache.protocol import PlanMeta
     from plancache.signing import Signer, keygen
 
     root = tmp_path_factory.mktemp("fe_ops")
@@ -116,19 +113,12 @@ def fleet(tmp_path_factory):
         capture = child("--server", srv.url, "--token", srv.token("reader"), "--trusted", str(root / "keys"),
                         "--cache", str(root / "capture-cache"), "--mode", "normal",
                         settings={"PLANCACHE_CAPTURE": str(root / "capture.json")})
-        tuned, failed = {}, {}
-        for miss in srv.store.list_misses(limit=500):
-            doc = srv.store.get_spec(miss.graph_key)
-            assert doc is not None, f"the miss {miss.graph_key[:12]} was recorded without its spec"
-            path = root / f"{miss.graph_key}.json"
-            path.write_text(json.dumps(doc))
-            got = child("--tune", str(path), str(root), check=False)  # a process each: a crash stays there
-            if "error" in got:
-                failed[miss.graph_key] = f"{describe(doc)}: {got['error']}"
-                continue
-            meta = PlanMeta.model_validate_json((root / f"{miss.graph_key}.meta.json").read_text())
-            srv.store.publish_plan(signer.sign(meta), (root / f"{miss.graph_key}.blob").read_bytes())
-            tuned[miss.graph_key] = got
+        tuned, why = tune_misses(srv, root, signer)
+        failed = {}
+        for key, error in why.items():
+            doc = srv.store.get_spec(key)
+            assert doc is not None, f"the miss {key[:12]} was recorded without its spec"
+            failed[key] = f"{describe(doc)}: {error}"
         yield srv, root, capture, tuned, failed
 
 
@@ -144,8 +134,8 @@ def test_a_normal_process_builds_every_miss_with_fe_and_registers_it(fleet):
     routed = sum(ROUTED.values())
     assert stats["hits"] == {"heuristic": routed} and stats["fe_builds"] == {"miss": stats["misses"] - routed}
     assert stats["misses"] >= sum(GRAPHS.values()) + routed
-    assert len(tuned) + len(failed) == stats["misses"]
-    print(f"\ncapture: {stats['misses']} FE graphs missed, were built by FE and registered; all {len(tuned)} tuned")
+    assert tuned + len(failed) == stats["misses"]
+    print(f"\ncapture: {stats['misses']} FE graphs missed, were built by FE and registered; all {tuned} tuned")
 
 
 def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_path):
@@ -155,12 +145,12 @@ def test_a_fresh_strict_process_gets_every_fe_graph_from_the_server(fleet, tmp_p
     check_numerics(online, "strict", untuned=bool(failed))
     check_served(online, "strict", hits="server", untuned=bool(failed))
     assert online["stats"]["fe_builds"] == {} and online["stats"]["rejects"] == {}
-    assert online["stats"]["hits"] == {"server": len(tuned)}
+    assert online["stats"]["hits"] == {"server": tuned}
     assert online["paths"]["torch_sdpa"]["deserialize_ms"] > 0  # the route loads its two plans at its first call
     offline = child("--trusted", str(root / "keys"), "--cache", str(tmp_path / "cache"), "--mode", "replay_only")
     check_numerics(offline, "replay_only", untuned=bool(failed))
     check_served(offline, "replay_only", hits="disk", untuned=bool(failed))
-    assert offline["stats"]["hits"] == {"disk": len(tuned)} and offline["stats"]["fe_builds"] == {}
+    assert offline["stats"]["hits"] == {"disk": tuned} and offline["stats"]["fe_builds"] == {}
     nan = float("nan")
     print(f"\n{'path':<20}{'graphs':>7}{'first ms (FE)':>15}{'first ms (served)':>19}{'offline':>9}"
           f"{'op alone: FE':>14}{'served':>8}{'offline':>9}  max error")
@@ -194,7 +184,7 @@ def test_a_warm_start_from_the_capture_file_asks_the_server_once(fleet, tmp_path
     check_served(warm, "warm", hits="memory", untuned=bool(failed))
     assert srv.requests[RESOLVE] - before == 1
     stats = warm["stats"]
-    assert stats["hits"] == {"server": len(tuned), "memory": len(tuned)} and stats["fe_builds"] == {}
+    assert stats["hits"] == {"server": tuned, "memory": tuned} and stats["fe_builds"] == {}
     assert [name for name, got in warm["paths"].items() if "server" in got.get("hits", {})] == []
     # the route's plans run from graphs of plancache's own: the warm start deserialized them, the first call nothing
     assert warm["paths"]["torch_sdpa"]["deserialize_ms"] == 0, warm["paths"]["torch_sdpa"]
