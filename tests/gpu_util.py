@@ -76,6 +76,7 @@ def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]
             continue
         paths[miss.graph_key] = root / "specs" / f"{miss.graph_key}.json"
         paths[miss.graph_key].write_text(json.dumps(doc))
+        (root / f"{miss.graph_key}.meta.json").unlink(missing_ok=True)  # an earlier call's: tuned again
     if paths:
         _tune(root, list(paths.values()))
     tuned = 0
@@ -92,11 +93,15 @@ def tune_misses(srv: Any, root: Path, signer: Any) -> tuple[int, dict[str, str]]
     return tuned, failed
 
 
-def _tune(out: Path, specs: list[Path]) -> subprocess.CompletedProcess[str]:
-    """``tests.fe_ops_gpu_child --tune`` of ``specs`` into ``out``, in one fresh process."""
+def _tune(out: Path, specs: list[Path], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``tests.fe_ops_gpu_child --tune`` of ``specs`` into ``out``, in one fresh process; one that runs past
+    ``timeout`` seconds is killed and answered as a failure (what it finished is in ``out``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(out), *map(str, specs)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600 * len(specs))
+    argv = [sys.executable, "-m", "tests.fe_ops_gpu_child", "--tune", str(out), *map(str, specs)]
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, -9, "", f"tuning did not end within {timeout:.0f} s")
 
 
 def median_ms(fn: Any, n: int = 50, warmup: int = 10) -> float:

@@ -78,3 +78,17 @@ def test_a_batch_that_tunes_every_miss_runs_no_other_process(tmp_path, monkeypat
     private, _, _ = keygen(tmp_path / "keys")
     assert gpu_util.tune_misses(SimpleNamespace(store=store), tmp_path, Signer.from_file(private)) == (2, {})
     assert calls == [2]
+
+
+def test_a_tuning_process_past_its_time_is_a_failure_and_a_stale_record_is_tuned_again(tmp_path, monkeypatch):
+    key = _key("slow")
+    (tmp_path / f"{key}.meta.json").write_text(make_meta(key, H200).model_dump_json())  # an earlier call's
+    monkeypatch.setattr(gpu_util.subprocess, "run", _times_out)
+    private, _, _ = keygen(tmp_path / "keys")
+    store = _Store({key: {"n": 1}})
+    tuned, failed = gpu_util.tune_misses(SimpleNamespace(store=store), tmp_path, Signer.from_file(private))
+    assert tuned == 0 and failed == {key: "tuning did not end within 600 s"} and store.published == {}
+
+
+def _times_out(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
