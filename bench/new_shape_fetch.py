@@ -142,11 +142,9 @@ def main() -> None:
     parts = {"server's answer, received": medians["answer"],
              "client's HTTP layer (deadline thread, parsing)": round(medians["resolve"] - medians["answer"], 3),
              "client's checks and disk cache": round(medians["verified_blobs"] - medians["resolve"], 3)}
-    where = ""
-    if args.busy_thread or args.switch_interval is not None:
-        where = " (client: " + ", ".join(
-            (["a busy Python thread"] if args.busy_thread else []) +
-            ([f"switch interval {args.switch_interval * 1e3:g} ms"] if args.switch_interval is not None else [])) + ")"
+    client = (["a busy Python thread"] if args.busy_thread else []) + (
+        [f"switch interval {args.switch_interval * 1e3:g} ms"] if args.switch_interval is not None else [])
+    where = f" (client: {', '.join(client)})" if client else ""
     print(f"a new pair of {args.blob_kib} KiB plans{where}, median of {args.pairs}: " +
           ", ".join(f"{way} {ms:.2f} ms" for way, ms in medians.items()))
     for part, ms in parts.items():

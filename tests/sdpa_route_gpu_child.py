@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests import gpu_util
 
 B, H, S, D = 2, 8, 256, 64
+OUTPUTS = ("out", "dq", "dk", "dv")  # what a forward + backward gives: its output, the gradients of q, k, v
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -70,9 +71,13 @@ def _attention(q: Any, k: Any, v: Any, **kwargs: Any) -> tuple[list[torch.Tensor
     return [o, *grads], [ref, *ref_grads]
 
 
+def _errors(got: Any, want: Any) -> dict[str, float]:
+    """The normalised error of each of ``got`` (the output, then the gradients of q, k, v) against ``want``."""
+    return {name: _error(g, w) for name, g, w in zip(OUTPUTS, got, want)}
+
+
 def _checked(q: Any, k: Any, v: Any, **kwargs: Any) -> dict[str, float]:
-    got, want = _attention(q, k, v, **kwargs)
-    return {name: _error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    return _errors(*_attention(q, k, v, **kwargs))
 
 
 def _dropout() -> dict[str, float]:
@@ -92,7 +97,7 @@ def _dropout() -> dict[str, float]:
     fwd = torch.ops.aten._cudnn_attention_forward(qd, kd, vd, None, None, None, S, S, True, 0.1, True, False)
     want = torch.ops.aten._cudnn_attention_backward(do, qd, kd, vd, fwd[0], fwd[1], fwd[6], fwd[7], None, None, None,
                                                     S, S, 0.1, True)
-    errors = {name: _error(g, w.float()) for name, g, w in zip(("out", "dq", "dk", "dv"), (o, *grads), (fwd[0], *want))}
+    errors = _errors((o, *grads), [w.float() for w in (fwd[0], *want)])
     return {**errors, "generator": float(not torch.equal(advanced, torch.cuda.get_rng_state()))}
 
 
@@ -115,8 +120,7 @@ def _graph_replay() -> dict[str, float]:
     graph.replay()
     torch.cuda.synchronize()
     eager = step()
-    return {"out": _error(captured[0], eager[0].float()),
-            **{n: _error(c, e.float()) for n, c, e in zip(("dq", "dk", "dv"), captured[1:], eager[1:])}}
+    return _errors(captured, [e.float() for e in eager])
 
 
 def _steady_steps() -> dict[str, float]:
@@ -128,7 +132,7 @@ def _steady_steps() -> dict[str, float]:
     q, k, v = _qkv()
     do = _rand(B, H, S, D, seed=9)
     _, want = _attention(q, k, v, is_causal=True)
-    worst = dict.fromkeys(("out", "dq", "dk", "dv"), 0.0)
+    worst = dict.fromkeys(OUTPUTS, 0.0)
     first = None
     repeat = 0.0
     for _ in range(6):
@@ -167,8 +171,7 @@ def _queued_steps() -> dict[str, float]:
     host_s = time.perf_counter() - began
     torch.cuda.synchronize()
     spin_s = start.elapsed_time(end) / 1e3
-    return {**{n: _error(g, w) for n, g, w in zip(("out", "dq", "dk", "dv"), got, want)},
-            "host_over_spin": host_s / spin_s}
+    return {**_errors(got, want), "host_over_spin": host_s / spin_s}
 
 
 def _compiled_block() -> dict[str, float]:

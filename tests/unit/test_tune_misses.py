@@ -20,6 +20,12 @@ def _key(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()
 
 
+def _write_tuned(out: Path, key: str) -> None:
+    """What the tuning child leaves for a spec it tuned: its record, then its blob."""
+    (out / f"{key}.meta.json").write_text(make_meta(key, H200).model_dump_json())
+    (out / f"{key}.blob").write_bytes(BLOB)
+
+
 class _Store:
     def __init__(self, docs: dict[str, dict[str, Any] | None]) -> None:
         self.docs = docs
@@ -49,8 +55,7 @@ def test_the_misses_are_tuned_in_one_process_and_those_it_left_in_one_each(tmp_p
                 return subprocess.CompletedProcess([], -11, "", "")
             if key == c:
                 return subprocess.CompletedProcess([], 1, "", "tuning failed\nRuntimeError: no engine took it")
-            (out / f"{key}.meta.json").write_text(make_meta(key, H200).model_dump_json())
-            (out / f"{key}.blob").write_bytes(BLOB)
+            _write_tuned(out, key)
         return subprocess.CompletedProcess([], 0, "", "")
 
     monkeypatch.setattr(gpu_util, "_tune", fake_tune)
@@ -70,8 +75,7 @@ def test_a_batch_that_tunes_every_miss_runs_no_other_process(tmp_path, monkeypat
     def fake_tune(out: Path, specs: list[Path]) -> subprocess.CompletedProcess[str]:
         calls.append(len(specs))
         for p in specs:
-            (out / f"{p.stem}.meta.json").write_text(make_meta(p.stem, H200).model_dump_json())
-            (out / f"{p.stem}.blob").write_bytes(BLOB)
+            _write_tuned(out, p.stem)
         return subprocess.CompletedProcess([], 0, "", "")
 
     monkeypatch.setattr(gpu_util, "_tune", fake_tune)
