@@ -12,6 +12,9 @@ autovacuum off), unless ``--analyze``. Per size, medians of ``--runs``:
 - ``resolve_ms`` / ``resolve_cpu_ms``: the server's records-only resolve of 49 stored keys (``_answer_heads`` of
   ``POST /v1/plans/resolve``) with an empty record memo, so the records are read: wall time and this process's CPU;
 - ``versions_ms``: its first query alone (a warm memo's whole database cost);
+- ``new_pair_ms``: the reads of a resolve of two stored keys, blobs inline (versions, records, blobs), as the server
+  makes them (Postgres: in autocommit, no ``BEGIN``/``COMMIT`` round trips), and ``new_pair_in_transactions_ms``:
+  the same, each read in a transaction of its own, the two taking turns;
 - ``explain_ms``: explain of those 49 keys (each with a plan here, and finished jobs elsewhere);
 - ``claim_ms``: one claim handing out a job of the claiming environment (median of ``--claims``), ``poll_ms``: a
   claim for an environment with nothing queued;
@@ -128,6 +131,29 @@ def median_ms(fn: Callable[[], Any], runs: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _new_pair(store: Store, pair: list[str], runs: int) -> tuple[float, float]:
+    """Median wall milliseconds of the reads a resolve of a new pair makes (versions, records, blobs inline): as
+    the store makes them (:meth:`~plancache.store.db.Database.query`: on Postgres in autocommit), and each in a
+    transaction of its own (:meth:`~plancache.store.db.Database.read`), the two taking turns, ``runs`` each."""
+    def reads() -> None:
+        versions = store.plan_versions(ENVS[0], pair)
+        assert len(store.plan_records(ENVS[0], pair)) == len(pair)
+        assert store.get_blobs({v.blob_sha256 for v in versions.values()})
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(runs):
+        for in_transactions in (False, True):
+            if in_transactions:
+                store.db.query = store.db.read  # type: ignore[method-assign]
+            try:
+                t0 = time.perf_counter()
+                reads()
+                times[in_transactions].append((time.perf_counter() - t0) * 1000)
+            finally:
+                vars(store.db).pop("query", None)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     store = open_store(url, create=True, blob_store="database")
     try:
@@ -154,6 +180,7 @@ def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[s
         out: dict[str, Any] = {"plans": plans, "jobs": jobs, "fill_s": round(filled, 1)}
         out["resolve_ms"], out["resolve_cpu_ms"] = median_ms(resolve, args.runs)
         out["versions_ms"], _ = median_ms(lambda: store.plan_versions(ENVS[0], keys), args.runs)
+        out["new_pair_ms"], out["new_pair_in_transactions_ms"] = _new_pair(store, keys[:2], args.runs)
         out["explain_ms"], _ = median_ms(lambda: store.explain_misses(ENVS[0], keys), args.runs)
         out["claim_ms"], _ = median_ms(claim, min(args.claims, OWN_JOBS))
         out["poll_ms"], _ = median_ms(poll, args.runs)
@@ -175,10 +202,17 @@ def main() -> None:
                                                              "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    least = len(ENVS) * KEYS_PER_RESOLVE
+    try:
+        sizes = [tuple(int(x) for x in size.split(":")) for size in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(size) != 2 or size[0] < least or size[1] < 0 for size in sizes):
+        ap.error(f"--sizes takes PLANS:JOBS pairs, comma-separated, each of at least {least} plans (a resolve reads "
+                 f"{KEYS_PER_RESOLVE} keys of one of {len(ENVS)} environments) and no negative jobs")
     results = []
     for database in args.databases.split(","):
-        for size in args.sizes.split(","):
-            plans, jobs = (int(x) for x in size.split(":"))
+        for plans, jobs in sizes:
             with (sqlite_db() if database == "sqlite" else postgres_db(args.postgres_url)) as url:
                 row = {"database": database, **measure(url, plans, jobs, args)}
             print(json.dumps(row), flush=True)

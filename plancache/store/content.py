@@ -175,5 +175,5 @@ class SpecsAndBlobs:
 
     def get_blob_up_to(self, sha256: str, limit: int) -> tuple[int, bytes | None] | None:
         """:meth:`CatalogBlobs.get_up_to`: a blob's size and, unless over ``limit`` bytes, its bytes (one query)."""
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             return self.blob_store.get_up_to(conn, sha256, limit)

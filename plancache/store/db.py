@@ -212,6 +212,8 @@ class Database:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
         self.clock: Clock | None = clock
+        # the same pool; a connection handed out by :meth:`query` is in autocommit until it goes back
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @property
     def is_sqlite(self) -> bool:
@@ -233,6 +235,19 @@ class Database:
     def read(self) -> Iterator[Connection]:
         """A read-only transaction."""
         with self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    @contextlib.contextmanager
+    def query(self) -> Iterator[Connection]:
+        """A connection for reads whose statements need no common snapshot (each a snapshot of its own): Postgres
+        runs them in autocommit, without the ``BEGIN`` and ``COMMIT`` round trips a :meth:`read` adds to each (under
+        its default READ COMMITTED every statement sees a snapshot of its own either way); on SQLite it is
+        :meth:`read` (a transaction there is a local call, and what keeps a reader's statements consistent)."""
+        if self.is_sqlite:
+            with self.read() as conn:
+                yield conn
+            return
+        with self._autocommit.connect() as conn:
             yield conn
 
     @contextlib.contextmanager

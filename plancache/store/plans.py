@@ -331,7 +331,7 @@ class Plans(Misses):
         check_validity(env.validity())
         if not graph_keys:
             return {}
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             rows = conn.execute(_VERSIONS[conn.dialect.name == "postgresql"], key_params(graph_keys, env))
             return {row[0]: PlanVersion(*row) for row in rows}
 
@@ -340,16 +340,16 @@ class Plans(Misses):
         versions, by graph key. Nothing is recorded."""
         if not graph_keys:
             return {}
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             rows = conn.execute(_RECORDS[conn.dialect.name == "postgresql"], key_params(graph_keys, env)).all()
         return {row.graph_key: (PlanVersion(row.graph_key, row.env_id, row.id, row.revision, row.blob_sha256,
                                             row.blob_size, row.written), row_to_record(row)) for row in rows}
 
     def get_blobs(self, digests: Collection[str]) -> dict[str, bytes]:
-        """The stored bytes of ``digests`` (absent ones left out), read in one transaction."""
+        """The stored bytes of ``digests`` (absent ones left out)."""
         if not digests:
             return {}
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             return self.blob_store.get_many(conn, digests)
 
     def plan_graph_keys(self, env_id: str) -> list[str]:
