@@ -195,6 +195,15 @@ def _indexed_by(element: IndexedAlias, compiler: Any, **kw: Any) -> str:
     return f"{text} INDEXED BY {element.index}" if kw.get("asfrom") else text
 
 
+def walk_indexes_in_order(conn: Connection) -> None:
+    """Postgres, for the rest of the transaction: no bitmap scans, so a ``LIMIT`` in an index's order walks that
+    index and stops. Without table statistics (autovacuum off, a store just filled) the planner takes thousands of
+    matching rows for a handful, and would read every one of them to sort it. SQLite: nothing (the statements that
+    need it name their index, :func:`indexed_alias`)."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql("SET LOCAL enable_bitmapscan = off")
+
+
 def upsert_insert(conn: Connection, table: sa.Table) -> Any:
     """The dialect's INSERT with ``on_conflict_do_nothing`` / ``on_conflict_do_update`` (SQLite or Postgres)."""
     return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)

@@ -35,7 +35,6 @@ from ..canonical import canonical_json
 from ..environment import VALIDITY_FIELDS, Environment
 from ..protocol import (
     ACTIVE_JOB_STATUSES,
-    FINISHED_JOB_STATUSES,
     JOB_STATUSES,
     LEASE_TOKEN_BYTES,
     Job,
@@ -45,7 +44,7 @@ from ..protocol import (
     is_job_id,
 )
 from .content import spec_exists
-from .db import Database, check_int, check_page, indexed_alias, upsert_insert
+from .db import Database, check_int, check_page, indexed_alias, upsert_insert, walk_indexes_in_order
 from .environments import check_validity
 from .models import ACTIVE_JOBS, FINISHED_JOBS, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
@@ -238,10 +237,36 @@ def _claim_statements() -> tuple[Any, Any]:
 
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
-#: Per status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement.
+#: Per active status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement
+#: (the ended ones: ``ix_jobs_finished``, :meth:`Jobs.list_jobs`).
 _STATUS_INDEX = {"queued": ("uq_jobs_active_target", _ACTIVE_PREDICATE),
-                 "running": ("ix_jobs_running", sa.text("status = 'running'")),
-                 **{s: ("ix_jobs_finished", sa.text(FINISHED_JOBS)) for s in FINISHED_JOB_STATUSES}}
+                 "running": ("ix_jobs_running", sa.text("status = 'running'"))}
+def _job_list(conn: Connection, status: str | None, graph_key: str | None) -> sa.Select[Any]:
+    """The jobs :meth:`Jobs.list_jobs` lists, newest first, read on ``conn``: those of a status through the partial
+    index that holds them, not every job newest first."""
+    if graph_key is not None:
+        return sa.select(jobs).where(jobs.c.graph_key == graph_key, *([] if status is None else [jobs.c.status == status])
+                                     ).order_by(jobs.c.id.desc())
+    if status is None:
+        return sa.select(jobs).order_by(jobs.c.id.desc())
+    if status in _STATUS_INDEX:
+        index, predicate = _STATUS_INDEX[status]
+        table = indexed_alias(jobs, "listed", index)
+        return sa.select(table).where(predicate, table.c.status == status).order_by(table.c.id.desc())
+    table = indexed_alias(jobs, "listed", "ix_jobs_finished")
+    order = (table.c.status.desc(), table.c.id.desc())  # the index's own: SQLite sorts nothing either
+    if conn.dialect.name != "postgresql":
+        return sa.select(table).where(sa.text(FINISHED_JOBS), table.c.status == status).order_by(*order)
+    # Ended jobs on Postgres: the (status, id) index walked backwards from the newest, whatever the planner's
+    # statistics say. The status as a range and the order by both columns: only that index gives the order then
+    # (with the status equal to a constant, walking every job newest first gives it too, and the planner takes that
+    # when it counts the status common, passing every job of other statuses newer than the page: a fleet's recent
+    # successes, listing its failures); no bitmap scan, which would read every job of the status and sort them.
+    walk_indexes_in_order(conn)
+    return sa.select(table).where(sa.text(FINISHED_JOBS), table.c.status >= status, table.c.status <= status
+                                  ).order_by(*order)
+
+
 #: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.
 _COUNT_ACTIVE = sa.select(
     sa.select(sa.func.count()).select_from(indexed_alias(jobs, "active", "uq_jobs_active_target"))
@@ -458,18 +483,8 @@ class Jobs:
         check_page(limit, offset)
         if status is not None and status not in JOB_STATUSES:
             raise errors.InvalidValue(f"unknown job status {status!r}; one of {', '.join(JOB_STATUSES)}")
-        table: Any = jobs
-        where: list[Any]
-        if graph_key is not None:
-            where = [jobs.c.graph_key == graph_key, *([] if status is None else [jobs.c.status == status])]
-        elif status is not None:  # through the partial index of its status, not every job newest first
-            index, predicate = _STATUS_INDEX[status]
-            table = indexed_alias(jobs, "listed", index)
-            where = [predicate, table.c.status == status]
-        else:
-            where = []
-        q = sa.select(table).where(*where).order_by(table.c.id.desc()).limit(limit).offset(offset)
         with self.db.read() as conn:
+            q = _job_list(conn, status, graph_key).limit(limit).offset(offset)
             return [row_to_job(r) for r in conn.execute(q)]
 
     def job_counts(self) -> dict[str, int]:

@@ -44,7 +44,9 @@ def plans_of(store: Store, call: Callable[[], Any], table: str) -> list[str]:
         if pg:  # a small table is rightly scanned: only a scan with no index left to take is one here
             conn.exec_driver_sql("SET enable_seqscan = off")
         for sql, params in seen:
-            if re.search(rf"\b(FROM|UPDATE) {table}\b", sql) and not sql.lstrip().upper().startswith("INSERT"):
+            if sql.startswith("SET LOCAL "):  # the planner settings the statements after it ran under
+                conn.exec_driver_sql(sql)
+            elif re.search(rf"\b(FROM|UPDATE) {table}\b", sql) and not sql.lstrip().upper().startswith("INSERT"):
                 rows = conn.exec_driver_sql(("EXPLAIN " if pg else "EXPLAIN QUERY PLAN ") + sql, params).all()
                 out.append("\n".join(str(r[-1]) for r in rows))
     assert out, f"no statement read {table}"
@@ -131,7 +133,11 @@ def test_jobs_of_a_status_are_read_through_its_index(seeded: Store, status: str)
     seeded.claim(ENVS[0], "w", lease_seconds=60)
     (plan,) = plans_of(seeded, lambda: seeded.list_jobs(status=status, limit=10), "jobs")  # type: ignore[arg-type]
     index = {"queued": "uq_jobs_active_target", "running": "ix_jobs_running"}.get(status, "ix_jobs_finished")
-    if seeded.engine.dialect.name == "postgresql":  # free to walk ids newest first where the status is common
-        assert "Seq Scan" not in plan, plan
+    if seeded.engine.dialect.name == "postgresql" and index != "ix_jobs_finished":
+        assert "Seq Scan" not in plan, plan  # active jobs: as many as are queued or running, sorted
     else:
         assert index in plan, plan
+    if index == "ix_jobs_finished" and seeded.engine.dialect.name == "postgresql":
+        # ended jobs: the page read in the index's order, never every job of the status sorted, whatever the
+        # statistics say (SQLite, which names the index, sorts the few of this store's: it counts them)
+        assert "Index Scan Backward using ix_jobs_finished" in plan and "Sort" not in plan and "Bitmap" not in plan, plan
