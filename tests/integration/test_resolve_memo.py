@@ -1,13 +1,17 @@
 """The resolve path's memories (both databases): a record comes from the per-process memo only while the store still
 holds that version of it (a replacement or a withdrawal, even by another process, is answered at once), presigned
-URLs are handed out again only while more than half their validity is left, and a small body or a remembered token
-costs no hand-off to a worker thread."""
+URLs are handed out again only while more than half their validity is left, blobs inlined once are inlined (and served
+by a GET) from the blob memory, a damaged one never, and a small body or a remembered token costs no hand-off to a
+worker thread."""
 
 from __future__ import annotations
 
+import base64
+import logging
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import sqlalchemy as sa
 
 from plancache.blobs import ObjectStoreBlobs
 from plancache.protocol import ResolveResponse, Withdrawal
@@ -16,9 +20,9 @@ from tests.factories import make_meta, new_signer
 from tests.server_util import api  # noqa: F401
 
 
-def _resolve(api, env, keys: list[str]) -> ResolveResponse:
-    r = api.client.post("/v1/plans/resolve", json={"environment": env.model_dump(), "graph_keys": keys},
-                        headers=api.reader)
+def _resolve(api, env, keys: list[str], include_blobs: bool = False) -> ResolveResponse:
+    r = api.client.post("/v1/plans/resolve", json={"environment": env.model_dump(), "graph_keys": keys,
+                                                   "include_blobs": include_blobs}, headers=api.reader)
     assert r.status_code == 200, r.text
     return ResolveResponse.model_validate_json(r.content)
 
@@ -132,3 +136,48 @@ def test_a_remembered_token_is_checked_on_the_event_loop(api, key, gpu_env, monk
     assert looked_up == ["authorize"]  # the stored token, looked up in the database once
     _resolve(api, gpu_env, [key])
     assert looked_up == ["authorize"]
+
+
+def _reads_of_blobs(store, monkeypatch) -> list[set[str]]:
+    """The digests each of the store's reads of blob bytes asks for, from now on."""
+    asked: list[set[str]] = []
+    get_blobs, get_blob_up_to = store.get_blobs, store.get_blob_up_to
+    monkeypatch.setattr(store, "get_blobs", lambda digests: asked.append(set(digests)) or get_blobs(digests))
+    monkeypatch.setattr(store, "get_blob_up_to", lambda sha256, limit: asked.append({sha256}) or get_blob_up_to(sha256, limit))
+    return asked
+
+
+def test_blobs_inlined_once_are_inlined_and_served_from_the_blob_memory(api, store, make_spec, gpu_env, signer,
+                                                                        monkeypatch):
+    keys, records = [], {}
+    for i in range(2):
+        key, spec = make_spec(i)
+        store.put_spec(key, spec)
+        blob = bytes([i]) * 3000
+        records[key] = (store.publish_plan(make_meta(key, gpu_env, blob, signer), blob), blob)
+        keys.append(key)
+    asked = _reads_of_blobs(store, monkeypatch)
+    for _ in range(2):
+        answer = _resolve(api, gpu_env, keys, include_blobs=True)
+        for key, (_, blob) in records.items():
+            assert base64.b64decode(answer.plans[key].blob_b64) == blob and answer.plans[key].blob_url is None
+    assert asked == [{record.blob_sha256 for record, _ in records.values()}, set()]  # the second: memory only
+    for record, blob in records.values():  # and a GET after them
+        r = api.client.get(f"/v1/blobs/{record.blob_sha256}", headers=api.reader)
+        assert r.status_code == 200 and r.content == blob
+    assert len(asked) == 2
+
+
+def test_a_damaged_blob_of_the_database_is_never_inlined_nor_kept(api, store, key, gpu_env, signer, monkeypatch,
+                                                                  caplog):
+    blob = b"\x07plan" * 600
+    record = store.publish_plan(make_meta(key, gpu_env, blob, signer), blob)
+    with store.db.write() as conn:  # the same size, other bytes: only a hash tells them apart
+        conn.execute(sa.text("UPDATE blobs SET data = :data WHERE sha256 = :sha256"),
+                     {"data": b"\0" * len(blob), "sha256": record.blob_sha256})
+    with caplog.at_level(logging.WARNING, logger="plancache.server"):
+        answer = _resolve(api, gpu_env, [key], include_blobs=True)
+    assert answer.plans[key].blob_b64 is None and answer.plans[key].blob_url == f"/v1/blobs/{record.blob_sha256}"
+    assert f"blob {record.blob_sha256} of database is damaged, not inlined" in caplog.text
+    assert api.app.state.blob_memory.get(record.blob_sha256) is None
+    assert api.client.get(answer.plans[key].blob_url, headers=api.reader).status_code == 404

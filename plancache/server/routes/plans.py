@@ -81,7 +81,8 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
     than half of that is left) when the blobs are in one, else this server's ``/v1/blobs/{sha256}``.
     ``include_blobs`` inlines the blobs as base64 where the server serves them itself (never when it presigns: the
     bytes then bypass it), in key order up to 128 MiB of blob bytes per answer and what the server's in-flight
-    budget has room for; a plan past that has ``blob_b64`` null."""
+    budget has room for, from this process's blob memory where it keeps them (``PLANCACHE_BLOB_MEMORY_BYTES``, as
+    for blob GETs); a plan past that has ``blob_b64`` null."""
     if len(req.graph_keys) > settings.max_resolve_keys:
         raise PayloadTooLarge(f"{len(req.graph_keys)} graph keys in one resolve; the limit is {settings.max_resolve_keys}")
     keys = list(dict.fromkeys(req.graph_keys))
@@ -115,7 +116,7 @@ def resolve(req: ResolveRequest, store: StoreDep, settings: SettingsDep, metrics
                 inline.add(key)
                 budget -= version.blob_size
         try:  # a blob collected since its record was read (replaced meanwhile) is not inlined
-            blobs = store.get_blobs({found[key][0].blob_sha256 for key in inline})
+            blobs = _inline_blobs(store, request.app.state.blob_memory, {found[key][0].blob_sha256 for key in inline})
         except BaseException:
             request.app.state.inflight.release(held)
             raise
@@ -148,6 +149,23 @@ def _answer_heads(store: Store, memo: RecordMemo, env: Environment, keys: list[s
         heads[key] = (version, answer_head(key, record))
         memo.put(version, heads[key][1])
     return {key: heads[key] for key in keys if key in heads}
+
+
+def _inline_blobs(store: Store, memory: MemoryBlobs, digests: set[str]) -> dict[str, bytes]:
+    """The bytes of ``digests`` a resolve answer inlines: those this process keeps in its blob memory, the others
+    read from the store and kept there for the next answers and GETs (each hashed once, as it goes in; one over the
+    memory's largest item is inlined as read). One found damaged as it goes in is left out (logged), as a GET
+    answers it 404: its plan gets its ``blob_url``."""
+    found = {sha256: data for sha256 in digests if (data := memory.get(sha256)) is not None}
+    for sha256, data in store.get_blobs(digests - found.keys()).items():
+        if len(data) <= memory.max_item:
+            try:
+                memory.put(sha256, data)
+            except IntegrityError as exc:
+                log.warning("blob %s of %s is damaged, not inlined: %s", sha256, store.blob_store.url, exc)
+                continue
+        found[sha256] = data
+    return found
 
 
 def answer_head(key: str, record: PlanRecord) -> bytes:
