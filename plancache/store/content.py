@@ -166,11 +166,11 @@ class SpecsAndBlobs:
         return write_blob(self.db, self.blob_store, sha256, size, data)
 
     def get_blob(self, sha256: str) -> bytes | None:
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             return self.blob_store.get(conn, sha256)
 
     def blob_size(self, sha256: str) -> int | None:
-        with self.db.read() as conn:
+        with self.db.query() as conn:
             return self.blob_store.size(conn, sha256)
 
     def get_blob_up_to(self, sha256: str, limit: int) -> tuple[int, bytes | None] | None:

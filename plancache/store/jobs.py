@@ -238,9 +238,11 @@ def _claim_statements() -> tuple[Any, Any]:
 
 _FAIL_EXHAUSTED, _CLAIM = _claim_statements()
 #: Per active status, the partial index that holds its jobs and that index's WHERE, as a literal of the statement
-#: (the ended ones: ``ix_jobs_finished``, :meth:`Jobs.list_jobs`).
+#: (the ended ones: ``ix_jobs_finished``, :func:`_job_list`).
 _STATUS_INDEX = {"queued": ("uq_jobs_active_target", _ACTIVE_PREDICATE),
                  "running": ("ix_jobs_running", sa.text("status = 'running'"))}
+
+
 def _job_list(conn: Connection, status: str | None, graph_key: str | None) -> sa.Select[Any]:
     """The jobs :meth:`Jobs.list_jobs` lists, newest first, read on ``conn``: those of a status through the partial
     index that holds them, not every job newest first."""
@@ -254,7 +256,7 @@ def _job_list(conn: Connection, status: str | None, graph_key: str | None) -> sa
         table = indexed_alias(jobs, "listed", index)
         return sa.select(table).where(predicate, table.c.status == status).order_by(table.c.id.desc())
     table = indexed_alias(jobs, "listed", "ix_jobs_finished")
-    order = (table.c.status.desc(), table.c.id.desc())  # the index's own: SQLite sorts nothing either
+    order = (table.c.status.desc(), table.c.id.desc())  # the index's own order
     if conn.dialect.name != "postgresql":
         return sa.select(table).where(sa.text(FINISHED_JOBS), table.c.status == status).order_by(*order)
     # Ended jobs on Postgres: the (status, id) index walked backwards from the newest, whatever the planner's
