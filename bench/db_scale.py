@@ -15,6 +15,8 @@ autovacuum off), unless ``--analyze``. Per size, medians of ``--runs``:
 - ``new_pair_ms``: the reads of a resolve of two stored keys, blobs inline (versions, records, blobs), as the server
   makes them (Postgres: in autocommit, no ``BEGIN``/``COMMIT`` round trips), and ``new_pair_in_transactions_ms``:
   the same, each read in a transaction of its own, the two taking turns;
+- ``env_plans_ms``: the first page (100) of one environment's records, newest first (``plancache plans list
+  --environment``), the environment whose records are the store's oldest;
 - ``explain_ms``: explain of those 49 keys (each with a plan here, and finished jobs elsewhere);
 - ``claim_ms``: one claim handing out a job of the claiming environment (median of ``--claims``), ``poll_ms``: a
   claim for an environment with nothing queued;
@@ -181,6 +183,7 @@ def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[s
         out["resolve_ms"], out["resolve_cpu_ms"] = median_ms(resolve, args.runs)
         out["versions_ms"], _ = median_ms(lambda: store.plan_versions(ENVS[0], keys), args.runs)
         out["new_pair_ms"], out["new_pair_in_transactions_ms"] = _new_pair(store, keys[:2], args.runs)
+        out["env_plans_ms"], _ = median_ms(lambda: store.list_plans(env_id=ENVS[0].env_id), args.runs)
         out["explain_ms"], _ = median_ms(lambda: store.explain_misses(ENVS[0], keys), args.runs)
         out["claim_ms"], _ = median_ms(claim, min(args.claims, OWN_JOBS))
         out["poll_ms"], _ = median_ms(poll, args.runs)

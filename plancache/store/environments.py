@@ -46,19 +46,19 @@ def by_keys(table: sa.Table, columns: list[Any], postgres: bool, *, on_env: bool
     planner's statistics say. Parameters: ``keys`` (a list), with ``on_env`` also ``env_id`` and each validity field
     (:func:`key_params`), and those of ``where``.
 
-    On SQLite ``env_id`` is compared as an expression no index serves, so the only indexes that the WHERE can use are
-    those led by ``graph_key``: a planner that takes an index on ``env_id`` (whose rows stale statistics may show as
-    few) reads every row of the environment. On Postgres, which scans a table for a long list of keys that stale
+    ``env_id`` is compared as an expression no index serves, so the only indexes that the WHERE can use are those led
+    by ``graph_key``: a planner that takes an index led by ``env_id`` (whose rows stale statistics may show as few)
+    reads every row of the environment. On Postgres, which scans a table for a long list of keys that stale
     statistics make look unselective, each key is a lookup of its own, in a subquery the planner cannot merge into a
     join: its LIMIT 1 on one environment, where ``graph_key`` and ``env_id`` are unique in these tables, or OFFSET 0."""
     env = [*where, *(table.c[f] == sa.bindparam(f) for f in VALIDITY_FIELDS if on_env)]
+    if on_env:
+        env.append(table.c.env_id.concat(sa.literal_column("''")) == sa.bindparam("env_id"))
     if not postgres:
-        if on_env:
-            env.append(table.c.env_id.concat(sa.literal_column("''")) == sa.bindparam("env_id"))
         return sa.select(*columns).where(table.c.graph_key.in_(sa.bindparam("keys", expanding=True)), *env)
     keys = sa.func.unnest(sa.bindparam("keys", type_=postgresql.ARRAY(sa.String))).table_valued("key").render_derived("keys")
     each = sa.select(*columns).where(table.c.graph_key == keys.c.key, *env)
-    each = each.where(table.c.env_id == sa.bindparam("env_id")).limit(1) if on_env else each.offset(0)
+    each = each.limit(1) if on_env else each.offset(0)
     found = each.lateral("found")
     return sa.select(found).select_from(keys.join(found, sa.true()))
 

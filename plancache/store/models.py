@@ -150,7 +150,7 @@ plans = sa.Table(
     metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("graph_key", sa.String(64), sa.ForeignKey("specs.graph_key"), nullable=False, index=True),
-    sa.Column("env_id", sa.String(32), nullable=False, index=True),
+    sa.Column("env_id", sa.String(32), nullable=False),
     *_env_columns(VALIDITY_FIELDS),
     *_env_columns(INFO_FIELDS),
     sa.Column("blob_sha256", sa.String(64), sa.ForeignKey("blobs.sha256"), nullable=False, index=True),
@@ -175,6 +175,7 @@ plans = sa.Table(
     # resolve's lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
     sa.UniqueConstraint("graph_key", "env_id"),
     sa.Index("ix_plans_created_at", "created_at", "id"),  # the newest records first (/ui, plans list)
+    sa.Index("ix_plans_env_id_created_at", "env_id", "created_at", "id"),  # an environment's, newest first
 )
 
 # The candidates table of the tuning run of a plan record (protocol.CandidateTable, bounded), apart from the record:

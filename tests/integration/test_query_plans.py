@@ -141,3 +141,13 @@ def test_jobs_of_a_status_are_read_through_its_index(seeded: Store, status: str)
         # ended jobs: the page read in the index's order, never every job of the status sorted, whatever the
         # statistics say (SQLite, which names the index, sorts the few of this store's: it counts them)
         assert "Index Scan Backward using ix_jobs_finished" in plan and "Sort" not in plan and "Bitmap" not in plan, plan
+
+
+def test_an_environments_plans_are_read_newest_first_through_its_index(seeded: Store) -> None:
+    """``plans list --environment``: the page walks the environment's index and stops, never reading every record of
+    the environment to sort it, nor every record of the store newest first (this environment's are the oldest)."""
+    (plan,) = plans_of(seeded, lambda: seeded.list_plans(env_id=ENVS[0].env_id, limit=10), "plans")
+    assert "ix_plans_env_id_created_at" in plan and "TEMP B-TREE" not in plan, plan
+    if seeded.engine.dialect.name == "postgresql":
+        assert "Index Scan Backward using ix_plans_env_id_created_at" in plan and "Sort" not in plan \
+            and "Bitmap" not in plan, plan
