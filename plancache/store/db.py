@@ -195,13 +195,19 @@ def _indexed_by(element: IndexedAlias, compiler: Any, **kw: Any) -> str:
     return f"{text} INDEXED BY {element.index}" if kw.get("asfrom") else text
 
 
-def walk_indexes_in_order(conn: Connection) -> None:
-    """Postgres, for the rest of the transaction: no bitmap scans, so a ``LIMIT`` in an index's order walks that
-    index and stops. Without table statistics (autovacuum off, a store just filled) the planner takes thousands of
-    matching rows for a handful, and would read every one of them to sort it. SQLite: nothing (the statements that
-    need it name their index, :func:`indexed_alias`)."""
-    if conn.dialect.name == "postgresql":
-        conn.exec_driver_sql("SET LOCAL enable_bitmapscan = off")
+def equal_in_index_order(conn: Connection, column: Any, value: Any) -> tuple[Any, ...]:
+    """WHERE clauses for the rows whose ``column`` equals ``value``, for a statement ordered by ``column`` first and
+    then by the rest of an index that ``column`` leads, so that its ``LIMIT`` walks that index and stops, whatever the
+    planner's statistics say. On Postgres ``column`` is a range, so that only that index gives the order (with
+    ``column`` equal to a constant, an index on the other order columns alone gives it too, and the planner takes
+    that when it counts the value common, passing every newer row of other values), and bitmap scans are off for the
+    rest of the transaction (without table statistics, as autovacuum off or a store just filled leave it, the planner
+    takes thousands of matching rows for a handful, and would read every one of them to sort it). SQLite: the
+    equality (its planner takes the index, or the statement names it: :func:`indexed_alias`)."""
+    if conn.dialect.name != "postgresql":
+        return (column == value,)
+    conn.exec_driver_sql("SET LOCAL enable_bitmapscan = off")
+    return (column >= value, column <= value)
 
 
 def upsert_insert(conn: Connection, table: sa.Table) -> Any:

@@ -44,7 +44,7 @@ from ..protocol import (
     is_job_id,
 )
 from .content import spec_exists
-from .db import Database, check_int, check_page, indexed_alias, upsert_insert, walk_indexes_in_order
+from .db import Database, check_int, check_page, equal_in_index_order, indexed_alias, upsert_insert
 from .environments import check_validity
 from .models import ACTIVE_JOBS, FINISHED_JOBS, JOB_SOURCES, UTCDateTime, job_tallies, jobs, worker_environments
 
@@ -255,18 +255,11 @@ def _job_list(conn: Connection, status: str | None, graph_key: str | None) -> sa
         index, predicate = _STATUS_INDEX[status]
         table = indexed_alias(jobs, "listed", index)
         return sa.select(table).where(predicate, table.c.status == status).order_by(table.c.id.desc())
+    # Ended jobs: the (status, id) index walked backwards from the newest, never every job newest first (past a
+    # fleet's recent successes, listing its failures) nor every job of the status sorted.
     table = indexed_alias(jobs, "listed", "ix_jobs_finished")
-    order = (table.c.status.desc(), table.c.id.desc())  # the index's own order
-    if conn.dialect.name != "postgresql":
-        return sa.select(table).where(sa.text(FINISHED_JOBS), table.c.status == status).order_by(*order)
-    # Ended jobs on Postgres: the (status, id) index walked backwards from the newest, whatever the planner's
-    # statistics say. The status as a range and the order by both columns: only that index gives the order then
-    # (with the status equal to a constant, walking every job newest first gives it too, and the planner takes that
-    # when it counts the status common, passing every job of other statuses newer than the page: a fleet's recent
-    # successes, listing its failures); no bitmap scan, which would read every job of the status and sort them.
-    walk_indexes_in_order(conn)
-    return sa.select(table).where(sa.text(FINISHED_JOBS), table.c.status >= status, table.c.status <= status
-                                  ).order_by(*order)
+    return sa.select(table).where(sa.text(FINISHED_JOBS), *equal_in_index_order(conn, table.c.status, status)
+                                  ).order_by(table.c.status.desc(), table.c.id.desc())
 
 
 #: How many jobs are active, and how many of them running: each counted in its partial index, in one statement.

@@ -17,7 +17,7 @@ from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import CatalogBlobs, ContentBlobs
 from .content import hold_blob_row, insert_blob_row, spec_exists, write_blob
-from .db import Database, check_int, check_page, upsert_insert, walk_indexes_in_order
+from .db import Database, check_int, check_page, equal_in_index_order, upsert_insert
 from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
 from .jobs import complete_held_job, tally_completion
 from .misses import Misses
@@ -78,15 +78,9 @@ def _plan_list(conn: Connection, env_id: str | None, graph_key: str | None) -> s
         return q if env_id is None else q.where(plans.c.env_id == env_id)
     if env_id is None:
         return sa.select(plans).order_by(*newest)
-    if conn.dialect.name != "postgresql":
-        return sa.select(plans).where(plans.c.env_id == env_id).order_by(*newest)
-    # One environment's on Postgres: ix_plans_env_id_created_at walked backwards from the newest, whatever the
-    # planner's statistics say. The environment as a range and the order by all three columns: only that index gives
-    # the order then (with env_id equal to a constant, walking every record newest first gives it too, and the
-    # planner takes that when it counts the environment common, passing the newer records of every other one); no
-    # bitmap scan, which would read every record of the environment and sort them.
-    walk_indexes_in_order(conn)
-    return sa.select(plans).where(plans.c.env_id >= env_id, plans.c.env_id <= env_id
+    # one environment's: ix_plans_env_id_created_at walked backwards from the newest, never every record of the
+    # store newest first (past the other environments') nor every record of the environment sorted
+    return sa.select(plans).where(*equal_in_index_order(conn, plans.c.env_id, env_id)
                                   ).order_by(plans.c.env_id.desc(), *newest)
 
 
