@@ -58,7 +58,7 @@ AUTH_STATUSES = frozenset({401, 403})
 #: The wire's revision within ``/v1`` (``MAJOR.MINOR``): a minor step only adds (a field in an answer, a route, an
 #: optional field in a request), so a caller of any earlier minor works against it unchanged; a major step is a
 #: new path prefix. Every answer names it in :data:`API_VERSION_HEADER`, and ``/healthz`` in its body.
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 API_VERSION_HEADER = "X-Plancache-Api-Version"
 #: What calls a server: a client library, a worker, the command line. Each sends ``User-Agent:
 #: plancache-<agent>/<release>`` (:func:`user_agent`); the server counts calls per agent and release.

@@ -409,6 +409,26 @@ class ExplainResponse(StrictModel):
     reasons: dict[GraphKey, MissReason]
 
 
+#: Graph keys one siblings request may name, and the most siblings it asks for per key (``limit``).
+MAX_SIBLING_KEYS, MAX_SIBLINGS = 16, 64
+
+
+class SiblingsRequest(StrictModel):
+    """The tuned plans of other shapes of ``graph_keys`` on ``environment``: graphs that differ from one of them only
+    in batch size and sequence lengths (:func:`plancache.spec.axes.family_key`), up to ``limit`` per key's family."""
+
+    environment: Environment
+    graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_SIBLING_KEYS)
+    limit: int = Field(default=16, ge=1, le=MAX_SIBLINGS)
+
+
+class SiblingsResponse(StrictModel):
+    """Each sibling's canonical spec (a schema-2 document), by graph key, the most recently published first; the
+    keys asked about are left out."""
+
+    specs: dict[GraphKey, dict[str, Any]]
+
+
 class SpecCreated(StrictModel):
     graph_key: GraphKey
     created: bool

@@ -267,6 +267,9 @@ class ClientSettings(ConnectionSettings, CacheSettings, TrustSettings, BlobLimit
     attention_replay: bool = True
     # a plan loaded from disk that the server last confirmed longer ago is asked about again in the background
     revalidate_seconds: float = Field(default=3600.0, ge=0)
+    # plans of other shapes of the graphs loaded (attention at other batch sizes and sequence lengths) fetched ahead
+    # in the background, at most this many per graph; 0: never (plancache.client.siblings)
+    prefetch_siblings: int = Field(default=16, ge=0, le=64)
     index_url: str | None = None  # a published static index (plancache index publish) read before the server
     index_sets: str | None = None  # names of the index's sets (publish --set) read first, separated by ","
 

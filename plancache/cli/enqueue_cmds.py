@@ -146,8 +146,8 @@ def _load(path: Path) -> list[tuple[str, GraphSpec, bool]]:
 
 
 def _parse_vary(values: list[str]) -> dict[str, list[int]]:
-    from ..client.capture import setters
     from ..protocol import MAX_KEYS_PER_REQUEST
+    from ..spec.axes import setters
 
     axes: dict[str, list[int]] = {}
     for value in values:
@@ -176,7 +176,7 @@ def _variants(specs: list[tuple[str, GraphSpec, bool]], axes: dict[str, list[int
     """Every graph that has each axis, at every combination of the sizes, built one at a time as they are read, and
     how many; the others are skipped (said on stderr). Each graph is varied once first, so a graph vary cannot move
     is refused before anything is sent."""
-    from ..client.capture import axes_of, variants
+    from ..spec.axes import axes_of, variants
 
     kept, skipped = [], []
     for name, spec, captured in specs:

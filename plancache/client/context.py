@@ -105,6 +105,10 @@ class RecordsSource(Protocol):
     def register_spec(self, spec: GraphSpec, *, deadline: float | None = None) -> str:
         """Store ``spec`` so an admin can tune it; its graph key."""
 
+    def siblings(self, environment: Environment, graph_keys: list[str], *, limit: int,
+                 deadline: float | None = None) -> dict[str, dict[str, Any]]:
+        """The specs of the plans held for other shapes of ``graph_keys``, by graph key (:mod:`.siblings`)."""
+
     def report_rejects(self, rejects: Mapping[str, int], *, deadline: float) -> None:
         """Report the plans this process refused, by reason."""
 
@@ -164,7 +168,8 @@ class ClientStats:
     and ``index``, those the static index step read (:mod:`plancache.client.index`: a refused root counts in
     ``rejects`` by reason, an unreachable one in ``remote_errors``). ``presigned_fallbacks``: presigned GETs that
     failed, or were refused (a plain-http URL from an https server, :class:`~plancache.client.remote.Remote`), and
-    were asked of the server's route instead."""
+    were asked of the server's route instead. ``siblings``: plans of other shapes of the graphs loaded, fetched and
+    kept ahead of their first call (:mod:`plancache.client.siblings`)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
@@ -181,6 +186,7 @@ class ClientStats:
     withdrawals: dict[str, int] = field(default_factory=dict)
     blob_sources: dict[str, int] = field(default_factory=dict)
     presigned_fallbacks: int = 0
+    siblings: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

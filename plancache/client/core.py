@@ -72,6 +72,8 @@ SpecLike = Any
 #: Seconds :meth:`PlanCache.close` gives the revalidation under way to end (a server that answers does so in
 #: milliseconds), and then, its request abandoned, to write what it has.
 CLOSE_GRACE_SECONDS, CLOSE_WAIT_SECONDS = 1.0, 0.5
+#: Where a load's plans came from for the plans of their other shapes to be fetched ahead (:mod:`.siblings`).
+_FETCHED = frozenset({StepName.SERVER.value, StepName.DISK.value})
 
 
 class VerifiedBlob(NamedTuple):
@@ -96,7 +98,9 @@ class ClientConfig:
     ``revalidate_seconds`` ``PLANCACHE_REVALIDATE_SECONDS`` (a plan loaded from disk that the server last confirmed
     longer ago is asked about again in the background: :mod:`plancache.client.revalidate`), ``index_url``
     ``PLANCACHE_INDEX_URL`` (a published static index read before the server, ``""``: none:
-    :mod:`plancache.client.index`), ``index_sets`` ``PLANCACHE_INDEX_SETS`` (its named sets read first). After a server failure
+    :mod:`plancache.client.index`), ``index_sets`` ``PLANCACHE_INDEX_SETS`` (its named sets read first),
+    ``prefetch_siblings`` ``PLANCACHE_PREFETCH_SIBLINGS`` (plans of other shapes of the graphs loaded fetched ahead,
+    at most this many per graph; 0: never: :mod:`plancache.client.siblings`). After a server failure
     the server is not asked again for ``cooldown`` seconds. ``backend`` defaults to
     :class:`~plancache.client.backend.GpuBackend` on CUDA device ``device``; ``environment`` to the backend's
     fingerprint. ``steps``: the ladder, before the mode filters it. ``records``: where the server step reads records
@@ -117,6 +121,7 @@ class ClientConfig:
     revalidate_seconds: float | None = None
     index_url: str | None = None
     index_sets: str | None = None
+    prefetch_siblings: int | None = None
     environment: Environment | None = None
     backend: Backend | None = None
     device: int = 0
@@ -132,6 +137,11 @@ class ClientConfig:
             raise ValueError("request_deadline must be > 0")
         if self.revalidate_seconds is not None and self.revalidate_seconds < 0:
             raise ValueError("revalidate_seconds must be >= 0")
+        if self.prefetch_siblings is not None:
+            from ..protocol import MAX_SIBLINGS
+
+            if not 0 <= self.prefetch_siblings <= MAX_SIBLINGS:
+                raise ValueError(f"prefetch_siblings must be from 0 to {MAX_SIBLINGS}")
 
 
 
@@ -168,6 +178,7 @@ class PlanCache:
         from .cache import DiskCache
         from .remote import connect
         from .revalidate import Revalidator
+        from .siblings import Siblings
 
         if not isinstance(config, ClientConfig):
             config = ClientConfig(**{"server_url": config, **options})
@@ -210,6 +221,9 @@ class PlanCache:
                                    settings.revalidate_seconds if revalidate is None else revalidate,
                                    index=self._index_source(config, settings))
         self.context.revalidator = Revalidator(self.context, self.context.revalidate_seconds)
+        siblings = config.prefetch_siblings
+        #: Fetches the plans of other shapes of the graphs loaded (:mod:`plancache.client.siblings`).
+        self.siblings = Siblings(self.context, settings.prefetch_siblings if siblings is None else siblings, self.warm)
         self._pid = os.getpid()  # the process this cache belongs to (a forked child makes its own)
         self._memory_hits = 0  # plan()'s hits that did not take the ladder's lock
         self._memory_hits_lock = threading.Lock()
@@ -420,7 +434,7 @@ class PlanCache:
             return ClientStats(hits, s.misses, dict(s.rejects), dict(s.fallbacks), s.remote_errors,
                                s.remote_skipped, s.load_seconds, s.deserialize_seconds, s.build_seconds,
                                dict(s.fe_builds), dict(s.miss_reasons), dict(s.revalidations), dict(s.withdrawals),
-                               dict(s.blob_sources), s.presigned_fallbacks)
+                               dict(s.blob_sources), s.presigned_fallbacks, s.siblings)
 
     def close(self) -> None:
         """Give the revalidation under way :data:`CLOSE_GRACE_SECONDS`, then abandon its request (the next process
@@ -429,10 +443,12 @@ class PlanCache:
         a forked child, nothing: they are the parent's."""
         if self.forked:
             return
-        self.context.revalidator.join(min(CLOSE_GRACE_SECONDS, self.request_deadline))
+        for background in (self.context.revalidator, self.siblings):
+            background.join(min(CLOSE_GRACE_SECONDS, self.request_deadline))
         if self._remote is not None:
             self._remote.stop()  # waits for answers and retries give up at once
-        self.context.revalidator.join(CLOSE_WAIT_SECONDS)
+        for background in (self.context.revalidator, self.siblings):
+            background.join(CLOSE_WAIT_SECONDS)
         self.disk.close()
         if self._remote is not None:
             rejects = self.stats().rejects
@@ -453,4 +469,6 @@ class PlanCache:
 
     def _load_many(self, batch: list[Pending], builds: frozenset[Builds] | None = None) -> list[Plan | PlanMiss]:
         self._check_process()
-        return self.ladder.load(batch, builds)
+        results = self.ladder.load(batch, builds)
+        self.siblings.offer(p.spec for p, r in zip(batch, results) if isinstance(r, Plan) and r.source in _FETCHED)
+        return results

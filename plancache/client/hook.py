@@ -128,7 +128,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     ``warm`` (default ``PLANCACHE_WARM``): the graphs this process will build, as a capture file or specs; their plans
     are fetched and verified on a background thread (:meth:`PlanCache.warm`) and each graph built later loads its own
     with no further request. ``warm_vary``: their variants too, at every combination of these sizes of shape axes
-    (``{"s": [1024, 2048]}``, :func:`~plancache.client.capture.variants`), for the graphs that have those axes.
+    (``{"s": [1024, 2048]}``, :func:`~plancache.spec.axes.variants`), for the graphs that have those axes.
     ``warm_load``: names of graphs whose plans the warm start also deserializes, each into an empty graph of its own
     (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing);
     ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). The

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
 from ..environment import Environment
 from ..errors import NotFound, PlanCacheError
 from ..protocol import MissReason, PlanRecord, ResolvedPlan, ResolveResponse, b64encode
 from ..spec import GraphSpec
+from ..spec.axes import family_key
 
 #: The reasons :class:`MemoryRecords` gives for a key without a plan, by whether its spec was registered.
 UNREGISTERED = MissReason(reason="not_registered", message="no spec registered in memory: the client registers it")
@@ -20,7 +22,7 @@ class MemoryRecords:
     """Plans published in memory (:meth:`publish`), served as a server of API 1.2 serves them: blobs inline, or
     (``inline`` False) fetched by digest; a missing key is counted in :attr:`misses` and answered with its reason
     (:attr:`reasons`, else :data:`UNREGISTERED` or :data:`REGISTERED`). Every call is counted in :attr:`calls`
-    (``resolve``, ``blob``, ``specs``, ``rejects``: one each is a round trip to a server), and fails with the next
+    (``resolve``, ``blob``, ``specs``, ``siblings``, ``rejects``: one each is a round trip to a server), and fails with the next
     error queued in ``failures[call]``. One environment: the records say which they are for."""
 
     where = "memory"
@@ -38,7 +40,8 @@ class MemoryRecords:
         self.is_off = False
 
     def publish(self, record: PlanRecord, blob: bytes) -> None:
-        """Serve ``record`` (replacing any of its key) with ``blob``."""
+        """Serve ``record`` (replacing any of its key, as the most recently published) with ``blob``."""
+        self.records.pop(record.graph_key, None)
         self.records[record.graph_key] = record
         self.blobs[record.blob_sha256] = blob
 
@@ -74,6 +77,21 @@ class MemoryRecords:
         self._call("specs")
         self.specs[spec.graph_key] = spec
         return spec.graph_key
+
+    def siblings(self, environment: Environment, graph_keys: list[str], *, limit: int,
+                 deadline: float | None = None) -> dict[str, dict[str, Any]]:
+        """The registered specs of published plans in the families of ``graph_keys`` (whose specs are registered),
+        the most recently published first, ``limit`` per key."""
+        self._call("siblings")
+        published = [k for k in reversed(self.records) if k in self.specs]
+        found: dict[str, dict[str, Any]] = {}
+        for key in graph_keys:
+            family = family_key(self.specs[key]) if key in self.specs else None
+            if family is None:
+                continue
+            same = [k for k in published if k not in graph_keys and family_key(self.specs[k]) == family]
+            found.update((k, self.specs[k].to_json()) for k in same[:limit])
+        return found
 
     def report_rejects(self, rejects: Mapping[str, int], *, deadline: float) -> None:
         self._call("rejects")

@@ -44,6 +44,8 @@ from ..protocol import (
     RejectReport,
     ResolveRequest,
     ResolveResponse,
+    SiblingsRequest,
+    SiblingsResponse,
     SpecCreated,
 )
 from ..spec import GraphSpec
@@ -65,6 +67,8 @@ ANSWER_ALLOWANCE = 64 * 1024
 EXPLAIN_ALLOWANCE = 16 * 1024
 #: The largest answer to ``POST /v1/specs`` (a graph key and a flag).
 SPEC_ANSWER_LIMIT = 64 * 1024
+#: Bytes allowed per spec of a siblings answer (an attention graph's is 2-4 KB).
+SPEC_ALLOWANCE = 64 * 1024
 
 
 #: Seconds a process does not ask the server again about a key it missed (so the miss is not counted again), and
@@ -214,6 +218,18 @@ class Remote:
         created = self.http.read("POST", "/v1/specs", json_as(SpecCreated), body=spec.to_json(), trips_on_refusal=False,
                                  max_bytes=SPEC_ANSWER_LIMIT, deadline=deadline)
         return created.graph_key
+
+    def siblings(self, environment: Environment, graph_keys: list[str], *, limit: int,
+                 deadline: float | None = None) -> dict[str, dict[str, Any]]:
+        """``POST /v1/plans/siblings``: the specs of the plans the server holds for other shapes of ``graph_keys``
+        (at most :data:`~plancache.protocol.MAX_SIBLING_KEYS`), ``limit`` per key, by graph key. A server without the
+        route (API 1.3 or older) answers 404 (:class:`~plancache.errors.NotFound`); a failure trips no breaker (a
+        background call)."""
+        req = SiblingsRequest(environment=environment, graph_keys=graph_keys, limit=limit)
+        answer = self.http.read("POST", "/v1/plans/siblings", json_as(SiblingsResponse), body=req.model_dump(mode="json"),
+                                deadline=deadline, trips=False, trips_on_refusal=False,
+                                max_bytes=ANSWER_ALLOWANCE + len(graph_keys) * limit * SPEC_ALLOWANCE)
+        return answer.specs
 
     def report_rejects(self, rejects: Mapping[str, int], *, deadline: float) -> None:
         """``POST /v1/reports/rejects``: the plans this process refused, by reason, so that the server counts them

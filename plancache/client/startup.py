@@ -30,7 +30,8 @@ def warm_specs(mode: Mode, source: WarmSource, axes: Mapping[str, Sequence[int]]
     """The specs a warm start fetches: those of ``source``, then their variants along ``axes`` (of the specs that have
     them all); an unusable capture file raises in strict and replay-only ``mode``, and warms nothing in normal mode."""
     from ..spec import parse_spec
-    from .capture import AXES, AXIS_ALIASES, axes_of, read_capture, variants
+    from ..spec.axes import AXES, AXIS_ALIASES, axes_of, variants
+    from .capture import read_capture
 
     known = {axis for by_node in AXES.values() for axis in by_node} | set(AXIS_ALIASES)
     unknown = sorted(set(axes) - known)

@@ -13,6 +13,8 @@ from sqlalchemy.engine import Connection, Row
 from .. import errors
 from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
+from ..spec import parse_spec
+from ..spec.axes import family_key
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import CatalogBlobs, ContentBlobs
@@ -21,7 +23,7 @@ from .db import Database, check_int, check_page, equal_in_index_order, upsert_in
 from .environments import by_keys, check_validity, env_columns, env_from_row, key_params, same_env
 from .jobs import complete_held_job, tally_completion
 from .misses import Misses
-from .models import plan_candidates, plans, withdrawals
+from .models import plan_candidates, plans, specs, withdrawals
 
 # PlanMeta fields stored in a column of the same name (the environment is spread over its own columns; the envelope
 # and native timings are null when absent).
@@ -175,10 +177,11 @@ class Plans(Misses):
             raise errors.NotFound(f"blob {meta.blob_sha256} of {meta.blob_size} bytes is not stored: upload it "
                                   "first (PUT /v1/blobs/{sha256}), then publish its record")
         env = meta.environment
+        family = self._family_of([meta.graph_key]).get(meta.graph_key)  # specs never change: read before the write
         with self.db.write() as conn:
             lock_plan_key(conn, meta.graph_key, env.env_id)
             now = self.db.now(conn)  # the database's time, as for the job's lease
-            values = _record_values(meta, job_id, now)
+            values = {**_record_values(meta, job_id, now), "family_key": family}
             job = None if job_id is None else complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key,
                                                                 env, now, holder=holder)
             _check_spec(conn, meta.graph_key)
@@ -248,6 +251,51 @@ class Plans(Misses):
     def _check_spec(self, graph_key: str) -> None:
         with self.db.read() as conn:
             _check_spec(conn, graph_key)
+
+    def _family_of(self, graph_keys: Collection[str]) -> dict[str, str]:
+        """The :func:`~plancache.spec.axes.family_key` of each of ``graph_keys`` whose stored spec has one."""
+        with self.db.query() as conn:
+            rows = conn.execute(sa.select(specs.c.graph_key, specs.c.canonical_json)
+                                .where(specs.c.graph_key.in_(list(graph_keys)))).all()
+        found = {}
+        for key, text in rows:
+            try:
+                family = family_key(parse_spec(text))
+            except errors.SpecError:  # stored by a version that wrote another format: no family
+                continue
+            if family is not None:
+                found[key] = family
+        return found
+
+    def plan_siblings(self, env: Environment, graph_keys: Collection[str], limit: int) -> dict[str, str]:
+        """The canonical specs of the plans stored on exactly this environment's validity fields for the other shapes
+        of ``graph_keys`` (their :func:`~plancache.spec.axes.family_key`), by graph key: up to ``limit`` per family,
+        the newest first, ``graph_keys`` left out. Each family is one walk of ``ix_plans_env_id_family_key`` that
+        stops at ``limit``, whatever else the store holds."""
+        check_validity(env.validity())
+        check_page(limit, 0)
+        found: dict[str, str] = {}
+        families = dict.fromkeys(self._family_of(graph_keys).values())
+        if not families:
+            return found
+        with self.db.read() as conn:  # a transaction: equal_in_index_order sets its planner option in it
+            for family in families:
+                q = (sa.select(plans.c.graph_key, specs.c.canonical_json)
+                     .join(specs, specs.c.graph_key == plans.c.graph_key)
+                     .where(*same_env(plans, env)[1:], *equal_in_index_order(conn, plans.c.env_id, env.env_id),
+                            *equal_in_index_order(conn, plans.c.family_key, family))
+                     .order_by(plans.c.env_id.desc(), plans.c.family_key.desc(), plans.c.created_at.desc(),
+                               plans.c.id.desc())
+                     .limit(limit + len(graph_keys)))
+                taken = 0
+                for key, text in conn.execute(q):
+                    if key in graph_keys or key in found:
+                        continue
+                    found[key] = text
+                    taken += 1
+                    if taken == limit:
+                        break
+        return found
 
     def _stored_size(self, sha256: str) -> int | None:
         with self.db.read() as conn:

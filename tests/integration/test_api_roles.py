@@ -22,6 +22,7 @@ ROUTES = [
     ("GET", "/v1/specs/{graph_key}", f"/v1/specs/{KEY}", "reader"),
     ("POST", "/v1/plans/resolve", "/v1/plans/resolve", "reader"),
     ("POST", "/v1/plans/explain", "/v1/plans/explain", "reader"),
+    ("POST", "/v1/plans/siblings", "/v1/plans/siblings", "reader"),
     ("POST", "/v1/reports/rejects", "/v1/reports/rejects", "reader"),
     ("GET", "/ui", "/ui", "reader"),
     # the sign-in form takes a token in its body, none in a header (a JSON body is refused with 415)

@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from plancache.errors import SchemaNotReady
 from plancache.store import Store, open_store
 from plancache.store.db import make_engine
-from plancache.store.models import metadata
+from plancache.store.models import metadata, plans
 from tests.factories import stored_plans
 
 
@@ -220,6 +220,31 @@ def test_native_timings_come_with_0011_and_go_with_its_downgrade(db_url, make_sp
         store.upgrade()
         assert store.get_plan(key, gpu_env) == record.model_copy(update={"native_median_ms": {}})
         assert store.get_candidates(key, gpu_env).candidates == make_candidates().candidates
+    finally:
+        store.close()
+
+
+def test_0013_gives_the_records_stored_before_their_family_keys_from_their_specs(db_url, make_spec, make_plan, gpu_env):
+    """Records stored at 0012 get ``plans.family_key`` from their specs when 0013 runs, so their siblings are listed
+    at once; a graph without shape axes keeps none. Downgrading drops the column."""
+    from examples.generate import sdpa_causal
+    from plancache.spec.axes import family_key
+
+    store = Store(db_url)
+    try:
+        store.upgrade()
+        shapes = [sdpa_causal(batch=b, heads=16, seq=s, d=128) for b, s in ((2, 512), (2, 1024), (4, 2048))]
+        keyed = [(s.graph_key, s.to_json()) for s in shapes] + [make_spec(0)]
+        for key, spec in keyed:
+            store.put_spec(key, spec)
+            store.publish_plan(*make_plan(key, gpu_env))
+        store.db.downgrade("0012")
+        assert "family_key" not in {c["name"] for c in sa.inspect(store.engine).get_columns("plans")}
+        store.upgrade()
+        with store.engine.connect() as conn:
+            stored = dict(conn.execute(sa.select(plans.c.graph_key, plans.c.family_key)).all())
+        assert stored == {**{s.graph_key: family_key(shapes[0]) for s in shapes}, keyed[-1][0]: None}
+        assert set(store.plan_siblings(gpu_env, [shapes[0].graph_key], 16)) == {s.graph_key for s in shapes[1:]}
     finally:
         store.close()
 

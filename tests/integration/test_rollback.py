@@ -63,7 +63,7 @@ def test_migrating_records_the_oldest_revision_whose_code_runs_on_the_schema(db_
     with open_store(db_url, create=True) as store, store.db.read() as conn:
         rows = conn.execute(sa.select(schema_compatibility)).all()
         head = store.db.head_revision()
-    assert [tuple(r) for r in rows] == [(head, "0008")]  # 0009 to 0012 only add; 0008 adds a tally code of 0007 skips
+    assert [tuple(r) for r in rows] == [(head, "0008")]  # 0009 to 0013 only add; 0008 adds a tally code of 0007 skips
 
 
 def test_a_release_runs_on_a_newer_schema_whose_migrations_since_its_own_are_expand_only(db_url, tmp_path):
@@ -88,7 +88,7 @@ def test_a_release_runs_on_a_newer_schema_whose_migrations_since_its_own_are_exp
 
 
 def older_release(tmp_path: Path) -> type[Database]:
-    """Release N-1: this code with the migrations up to 0008 only (its head); 0009 to 0012 are all expand."""
+    """Release N-1: this code with the migrations up to 0008 only (its head); 0009 to 0013 are all expand."""
     older_dir = tmp_path / "migrations-n-1"
     shutil.copytree(migrations_dir(), older_dir)
     for newer in [p for p in (older_dir / "versions").glob("0*.py") if p.name[:4] > "0008"]:
@@ -104,16 +104,16 @@ def older_release(tmp_path: Path) -> type[Database]:
 
 
 def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
-    """After this release migrated to 0012 (0009 to 0012 expand only), N-1 checks the schema and starts; it cannot
+    """After this release migrated to 0013 (0009 to 0013 expand only), N-1 checks the schema and starts; it cannot
     undo them."""
     with open_store(db_url, create=True):
         pass
     older = older_release(tmp_path)(db_url)
     try:
         assert older.head_revision() == "0008"
-        older.require_schema()  # the rollback: N-1 starts on schema 0012
+        older.require_schema()  # the rollback: N-1 starts on schema 0013
         older.upgrade()  # and its `serve` (which migrates first) leaves the schema as it is
-        assert older.current_revision() == "0012"
+        assert older.current_revision() == "0013"
         with pytest.raises(SchemaTooNew):  # only the release that made a revision can undo it
             older.downgrade("0006")
     finally:
@@ -121,7 +121,7 @@ def test_an_older_release_runs_on_this_release_s_schema(db_url, tmp_path):
 
 
 def test_a_rolling_upgrade_and_its_rollback_with_two_releases_serving_one_database(db_url, tmp_path, make_spec):
-    """Release N-1 serves on 0008; release N migrates to 0012 and serves beside it; a spec registered through
+    """Release N-1 serves on 0008; release N migrates to 0013 and serves beside it; a spec registered through
     either is read through the other; N is rolled back and N-1 goes on alone, no restore."""
     from plancache.store import Store
 
@@ -130,8 +130,8 @@ def test_a_rolling_upgrade_and_its_rollback_with_two_releases_serving_one_databa
     old_store = Store(db_url)
     old_store.db.close()
     old_store.db = older_db(db_url)
-    newer_store = open_store(db_url, create=True)  # N's migration job: 0012
-    assert newer_store.db.current_revision() == "0012"
+    newer_store = open_store(db_url, create=True)  # N's migration job: 0013
+    assert newer_store.db.current_revision() == "0013"
     old_store.db.require_schema()  # a N-1 replica restarted mid-rollout starts
     headers: dict[str, str] = {}
     with LiveServer(tmp_path / "old", store=old_store) as old, LiveServer(tmp_path / "new", store=newer_store) as new:
@@ -140,7 +140,7 @@ def test_a_rolling_upgrade_and_its_rollback_with_two_releases_serving_one_databa
             key, spec = make_spec(i)
             assert httpx.post(f"{srv.url}/v1/specs", json=spec, headers=headers).status_code in (200, 201)
             assert httpx.get(f"{other.url}/v1/specs/{key}", headers=headers).status_code == 200
-    newer_store.close()  # rolled back: N's pods are gone, the schema stays at 0012
+    newer_store.close()  # rolled back: N's pods are gone, the schema stays at 0013
     with LiveServer(tmp_path / "old-again", store=old_store) as old:
         key, _ = make_spec(1)
         assert httpx.get(f"{old.url}/v1/specs/{key}", headers=headers).status_code == 200

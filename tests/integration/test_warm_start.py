@@ -18,9 +18,10 @@ import pytest
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
 
 from plancache.client import PlanCache, fe_ops, hook  # noqa: E402
-from plancache.client.capture import Recorder, variants, vary  # noqa: E402
+from plancache.client.capture import Recorder  # noqa: E402
 from plancache.errors import PlanMiss, SpecError  # noqa: E402
 from plancache.spec import GraphSpec, from_pygraph  # noqa: E402
+from plancache.spec.axes import variants, vary  # noqa: E402
 from tests.client_fakes import RecordingBackend  # noqa: E402
 from tests.factories import H200, make_meta, new_signer, patient, trusted  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402

@@ -16,9 +16,10 @@ import pytest
 cudnn = pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed (the gpu extra)")
 
 from plancache.client import hook  # noqa: E402
-from plancache.client.capture import Recorder, axes_of, parse_capture, vary  # noqa: E402
+from plancache.client.capture import Recorder, parse_capture  # noqa: E402
 from plancache.errors import SpecError  # noqa: E402
 from plancache.spec import SpecBuilder, from_pygraph  # noqa: E402
+from plancache.spec.axes import axes_of, vary  # noqa: E402
 from tests.factories import new_signer  # noqa: E402
 from tests.unit.test_hook import StageGraph, make_cache, rmsnorm  # noqa: E402
 

@@ -11,9 +11,10 @@ import threading
 import pytest
 
 from plancache.client import hook
-from plancache.client.capture import Recorder, parse_capture, read_capture, variants, vary
+from plancache.client.capture import Recorder, parse_capture, read_capture
 from plancache.errors import SpecError
 from plancache.spec import SpecBuilder
+from plancache.spec.axes import variants, vary
 
 
 def attention(s: int, b: int = 2):

@@ -265,7 +265,7 @@ CLIENT_FLOORS = (
     ("backend", "cache", "capture", "fe_ops", "index_files", "received", "records", "sdpa_ext"),
     ("plan",),
     ("context",),
-    ("remote", "revalidate", "steps"),
+    ("remote", "revalidate", "siblings", "steps"),
     ("index", "server_step"),
     ("ladder",),
     ("core",),

@@ -28,6 +28,8 @@ from ...protocol import (
     PlanUpload,
     ResolveRequest,
     ResolveResponse,
+    SiblingsRequest,
+    SiblingsResponse,
 )
 from ...settings import ServerSettings
 from ...store import Store
@@ -195,6 +197,21 @@ def explain(req: ExplainRequest, request: Request, store: StoreDep, settings: Se
     return ExplainResponse(reasons=store.explain_misses(req.environment, req.graph_keys,
                                                         autotune=autotune_policy(request),
                                                         job_errors=principal.may("admin")))
+
+
+@router.post("/v1/plans/siblings", response_model=SiblingsResponse,
+             summary="The tuned plans of other shapes of graph keys on one environment",
+             responses=documented_errors(401, 403, 422, 503))
+def siblings(req: SiblingsRequest, store: StoreDep, _: Reader) -> Response:
+    """For each graph key, the specs of the plans stored on exactly this environment's validity fields for graphs
+    that differ from it only in batch size and sequence lengths (``plancache.spec.axes.family_key``: attention
+    forward and backward without a mask, bias or sequence-length input; other graphs have none), up to ``limit``
+    per key, the most recently published first (API 1.4). A client that has just fetched one shape's plans asks for
+    its siblings in the background and fetches theirs ahead of its next new shape. Nothing is recorded; a key
+    without a stored spec has none."""
+    found = store.plan_siblings(req.environment, req.graph_keys, req.limit)
+    body = b",".join(json.dumps(key).encode() + b":" + text.encode() for key, text in found.items())
+    return Response(b'{"specs":{' + body + b"}}", media_type="application/json")
 
 
 def _server_route(sha256: str) -> str:

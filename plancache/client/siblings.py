@@ -1,0 +1,134 @@
+"""The tuned plans of a graph's other shapes, fetched ahead of their first call (``PLANCACHE_PREFETCH_SIBLINGS``).
+
+A model that runs attention at one batch size or sequence length soon runs it at others, and each new shape's first
+call would wait for a round trip to the server. Once a load brings plans from the server or the disk cache, their
+graphs that have shape axes (:func:`plancache.spec.axes.family_key`: attention forward and backward) are asked about
+on a background thread, once per family and process: one ``POST /v1/plans/siblings`` names the plans the server holds
+for the same graphs at other shapes on this GPU (up to the setting's count per family, the most recently published
+first), and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`:
+the disk cache first, then one resolve with the blobs inline; kept in memory and written to the disk cache, not
+deserialized). A later new shape among them loads with no request (``stats().hits["memory"]``). Counted in
+``stats().siblings``. A server without the route (API 1.3 or older) is asked once; a failure is logged and the
+family asked again at its next load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import NotFound, PlanCacheError, SpecError
+from ..protocol import MAX_SIBLING_KEYS
+
+if TYPE_CHECKING:
+    from ..spec import GraphSpec
+    from .context import LoadContext
+
+log = logging.getLogger("plancache.client")
+
+
+class Siblings:
+    """Fetches the plans of other shapes of the graphs :meth:`offer` is given, on one background thread, into the
+    cache through ``warm`` (:meth:`~plancache.client.PlanCache.warm`); ``limit`` per family (0: never)."""
+
+    def __init__(self, context: LoadContext, limit: int, warm: Callable[[list[GraphSpec]], Any]) -> None:
+        self.context = context
+        self.limit = limit
+        self._warm = warm
+        self._seen: set[str] = set()  # graph keys offered or fetched as siblings: each is looked at once
+        self._families: set[str] = set()  # family keys asked about (or being asked about)
+        self._queue: list[GraphSpec] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._off = context.remote is None or limit <= 0
+
+    def offer(self, specs: Iterable[GraphSpec]) -> None:
+        """Graphs whose plans a load just brought from the server or disk: their siblings are asked about (started
+        on the background thread when none runs); a graph once per process, cheaply skipped when it has no axes."""
+        from ..spec.axes import AXES
+
+        if self._off:
+            return
+        with self._lock:
+            fresh = [s for s in specs if s.graph_key not in self._seen and all(n.type in AXES for n in s.nodes)]
+            if not fresh:
+                return
+            self._seen.update(s.graph_key for s in fresh)
+            self._queue.extend(fresh)
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="plancache-siblings", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # the interpreter is exiting (no new threads)
+                    self._queue.clear()
+                    return
+                self._thread = thread
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the fetches under way, if any (at most ``timeout`` seconds)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                specs, self._queue = self._queue, []
+                if not specs or self._off:
+                    self._thread = None
+                    return
+            try:
+                self.fetch(specs)
+            except Exception:  # noqa: BLE001 - a background fetch must never take the process down
+                log.exception("plancache: fetching the plans of other shapes of %d graphs failed", len(specs))
+
+    def fetch(self, specs: list[GraphSpec]) -> None:
+        """Ask the server for the siblings of ``specs`` (those of a family not asked about yet), then fetch and keep
+        their plans through ``warm``, within the cache's ``request_deadline`` each."""
+        from ..spec import parse_spec
+        from ..spec.axes import family_key
+
+        c = self.context
+        asking: dict[str, str] = {}  # family -> the graph key asked about
+        for spec in specs:
+            family = family_key(spec)
+            with self._lock:
+                if family is None or family in self._families:
+                    continue
+                self._families.add(family)
+            asking[family] = spec.graph_key
+        families = list(asking)
+        for start in range(0, len(families), MAX_SIBLING_KEYS):
+            part = families[start:start + MAX_SIBLING_KEYS]
+            assert c.remote is not None
+            try:
+                docs = c.remote.siblings(c.environment, [asking[f] for f in part], limit=self.limit,
+                                         deadline=time.monotonic() + c.request_deadline)
+            except NotFound:  # a server of API 1.3 or older
+                log.info("plancache: %s does not list the plans of other shapes (an older server): not asked again",
+                         c.remote.where)
+                self._off = True
+                return
+            except PlanCacheError as exc:
+                log.info("plancache: the plans of other shapes of %d graphs were not listed: %s", len(part), exc.message)
+                with self._lock:
+                    self._families.difference_update(part)  # asked again at their next load
+                continue
+            wanted = []
+            with self._lock:
+                for key, doc in docs.items():
+                    if key in self._seen:
+                        continue
+                    self._seen.add(key)
+                    try:
+                        wanted.append(parse_spec(doc))
+                    except SpecError as exc:
+                        log.debug("plancache: a sibling spec %s was not read: %s", key[:12], exc.message)
+            fresh = [s for s in wanted if s.graph_key not in c.verified and s.graph_key not in c.memory]
+            if fresh:
+                kept = len(self._warm(fresh))
+                with c.lock:
+                    c.stats.siblings += kept
