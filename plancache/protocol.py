@@ -415,7 +415,7 @@ MAX_SIBLING_KEYS, MAX_SIBLINGS = 16, 64
 
 class SiblingsRequest(StrictModel):
     """The tuned plans of other shapes of ``graph_keys`` on ``environment``: graphs that differ from one of them only
-    in batch size and sequence lengths (:func:`plancache.spec.axes.family_key`), up to ``limit`` per key's family."""
+    in batch size and sequence lengths (:func:`plancache.spec.axes.sibling_key`), up to ``limit`` per key."""
 
     environment: Environment
     graph_keys: list[GraphKeyStr] = Field(min_length=1, max_length=MAX_SIBLING_KEYS)

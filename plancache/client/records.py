@@ -11,7 +11,7 @@ from ..environment import Environment
 from ..errors import NotFound, PlanCacheError
 from ..protocol import MissReason, PlanRecord, ResolvedPlan, ResolveResponse, b64encode
 from ..spec import GraphSpec
-from ..spec.axes import family_key
+from ..spec.axes import sibling_key
 
 #: The reasons :class:`MemoryRecords` gives for a key without a plan, by whether its spec was registered.
 UNREGISTERED = MissReason(reason="not_registered", message="no spec registered in memory: the client registers it")
@@ -80,16 +80,16 @@ class MemoryRecords:
 
     def siblings(self, environment: Environment, graph_keys: list[str], *, limit: int,
                  deadline: float | None = None) -> dict[str, dict[str, Any]]:
-        """The registered specs of published plans in the families of ``graph_keys`` (whose specs are registered),
+        """The registered specs of published plans sharing the sibling keys of ``graph_keys`` (whose specs are registered),
         the most recently published first, ``limit`` per key."""
         self._call("siblings")
         published = [k for k in reversed(self.records) if k in self.specs]
         found: dict[str, dict[str, Any]] = {}
         for key in graph_keys:
-            family = family_key(self.specs[key]) if key in self.specs else None
-            if family is None:
+            shared = sibling_key(self.specs[key]) if key in self.specs else None
+            if shared is None:
                 continue
-            same = [k for k in published if k not in graph_keys and family_key(self.specs[k]) == family]
+            same = [k for k in published if k not in graph_keys and sibling_key(self.specs[k]) == shared]
             found.update((k, self.specs[k].to_json()) for k in same[:limit])
         return found
 

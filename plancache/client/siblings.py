@@ -2,14 +2,14 @@
 
 A model that runs attention at one batch size or sequence length soon runs it at others, and each new shape's first
 call would wait for a round trip to the server. Once a load brings plans from the server or the disk cache, their
-graphs that have shape axes (:func:`plancache.spec.axes.family_key`: attention forward and backward) are asked about
-on a background thread, once per family and process: one ``POST /v1/plans/siblings`` names the plans the server holds
-for the same graphs at other shapes on this GPU (up to the setting's count per family, the most recently published
+graphs that have shape axes (:func:`plancache.spec.axes.sibling_key`: attention forward and backward) are asked about
+on a background thread, once per sibling key and process: one ``POST /v1/plans/siblings`` names the plans the server holds
+for the same graphs at other shapes on this GPU (up to the setting's count per graph, the most recently published
 first), and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`:
 the disk cache first, then one resolve with the blobs inline; kept in memory and written to the disk cache, not
 deserialized). A later new shape among them loads with no request (``stats().hits["memory"]``). Counted in
 ``stats().siblings``. A server without the route (API 1.3 or older) is asked once; a failure is logged and the
-family asked again at its next load.
+graphs asked about again at their next load.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ log = logging.getLogger("plancache.client")
 
 class Siblings:
     """Fetches the plans of other shapes of the graphs :meth:`offer` is given, on one background thread, into the
-    cache through ``warm`` (:meth:`~plancache.client.PlanCache.warm`); ``limit`` per family (0: never)."""
+    cache through ``warm`` (:meth:`~plancache.client.PlanCache.warm`); ``limit`` per graph (0: never)."""
 
     def __init__(self, context: LoadContext, limit: int, warm: Callable[[list[GraphSpec]], Any]) -> None:
         self.context = context
         self.limit = limit
         self._warm = warm
         self._seen: set[str] = set()  # graph keys offered or fetched as siblings: each is looked at once
-        self._families: set[str] = set()  # family keys asked about (or being asked about)
+        self._asked: set[str] = set()  # sibling keys asked about (or being asked about)
         self._queue: list[GraphSpec] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -86,23 +86,23 @@ class Siblings:
                 log.exception("plancache: fetching the plans of other shapes of %d graphs failed", len(specs))
 
     def fetch(self, specs: list[GraphSpec]) -> None:
-        """Ask the server for the siblings of ``specs`` (those of a family not asked about yet), then fetch and keep
+        """Ask the server for the siblings of ``specs`` (those whose sibling key was not asked about yet), then fetch and keep
         their plans through ``warm``, within the cache's ``request_deadline`` each."""
         from ..spec import parse_spec
-        from ..spec.axes import family_key
+        from ..spec.axes import sibling_key
 
         c = self.context
-        asking: dict[str, str] = {}  # family -> the graph key asked about
+        asking: dict[str, str] = {}  # sibling key -> the graph key asked about
         for spec in specs:
-            family = family_key(spec)
+            shared = sibling_key(spec)
             with self._lock:
-                if family is None or family in self._families:
+                if shared is None or shared in self._asked:
                     continue
-                self._families.add(family)
-            asking[family] = spec.graph_key
-        families = list(asking)
-        for start in range(0, len(families), MAX_SIBLING_KEYS):
-            part = families[start:start + MAX_SIBLING_KEYS]
+                self._asked.add(shared)
+            asking[shared] = spec.graph_key
+        shared_keys = list(asking)
+        for start in range(0, len(shared_keys), MAX_SIBLING_KEYS):
+            part = shared_keys[start:start + MAX_SIBLING_KEYS]
             assert c.remote is not None
             try:
                 docs = c.remote.siblings(c.environment, [asking[f] for f in part], limit=self.limit,
@@ -115,7 +115,7 @@ class Siblings:
             except PlanCacheError as exc:
                 log.info("plancache: the plans of other shapes of %d graphs were not listed: %s", len(part), exc.message)
                 with self._lock:
-                    self._families.difference_update(part)  # asked again at their next load
+                    self._asked.difference_update(part)  # asked again at their next load
                 continue
             wanted = []
             with self._lock:

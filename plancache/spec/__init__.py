@@ -8,7 +8,7 @@ The package's modules, one job each:
 * :mod:`~plancache.spec.limits` -- size limits, checked before a document is modelled;
 * :mod:`~plancache.spec.document` -- the document's model and validation (:func:`parse_spec`);
 * :mod:`~plancache.spec.keys` -- its canonical form and graph key;
-* :mod:`~plancache.spec.axes` -- a graph at another batch size or sequence length, and its family key;
+* :mod:`~plancache.spec.axes` -- a graph at another batch size or sequence length, and its sibling key;
 * :mod:`~plancache.spec.pygraph` -- :func:`from_pygraph`, which reads a user's graph (it needs FE because the graph
   does);
 * :mod:`~plancache.spec.builder` -- :class:`SpecBuilder`, which writes one with the cudnn method names and no FE.

@@ -1,9 +1,9 @@
-"""Shape axes: a graph at another batch size or sequence length, and the family of graphs that differ only there.
+"""Shape axes: a graph at another batch size or sequence length, and what the graphs that differ only there share.
 
 :func:`vary` rewrites a graph at another size of a shape axis (:data:`AXES`) exactly as the graph's own code would
 have built it: the axis' dim of every tensor that carries it, and each such tensor's strides recomputed in its own
 layout (the strides of the dims outside the varied one are scaled, the inner ones kept). Warm starts and
-``plancache enqueue --vary`` take a captured graph's variants from it; :func:`family_key` names what a graph's
+``plancache enqueue --vary`` take a captured graph's variants from it; :func:`sibling_key` names what a graph's
 variants share, so that the server can list the tuned plans of a graph's other shapes (``POST /v1/plans/siblings``).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import SpecError
 from .document import GraphSpec, graph_key, parse_spec
 
-__all__ = ["AXES", "AXIS_ALIASES", "axes_of", "family_key", "setters", "variants", "vary"]
+__all__ = ["AXES", "AXIS_ALIASES", "axes_of", "sibling_key", "setters", "variants", "vary"]
 
 #: Shape axes :func:`vary` moves: per node type, per axis, the (port, dim index) pairs that move together.
 #: SDPA tensors are (batch, heads, sequence, head_dim); ``Stats`` is (batch, heads, s_q, 1). ``s`` is self-attention:
@@ -38,8 +38,8 @@ AXIS_ALIASES = {"s": ("s_q", "s_kv")}
 #: Ports of those node types that :func:`vary` leaves alone (scalars); a graph with any other port is refused, since
 #: its tensors (a bias, a mask, sequence lengths, page tables) would have to move too.
 _SCALAR_PORTS = frozenset({"attn_scale"})
-#: The sizes a graph is varied to for :func:`family_key`: distinct, so that no two axes' dims coincide.
-_FAMILY_SIZES = {"b": 3, "s_q": 5, "s_kv": 7}
+#: The sizes a graph is varied to for :func:`sibling_key`: distinct, so that no two axes' dims coincide.
+_SIBLING_SIZES = {"b": 3, "s_q": 5, "s_kv": 7}
 
 
 def axes_of(spec: GraphSpec) -> list[str]:
@@ -127,14 +127,14 @@ def _resize(tensor: dict[str, Any], sizes: dict[int, int]) -> None:
     tensor["dim"], tensor["stride"] = dim, stride
 
 
-def family_key(spec: GraphSpec) -> str | None:
+def sibling_key(spec: GraphSpec) -> str | None:
     """The graph key of ``spec`` varied to fixed sizes along all of its shape axes: the same for every graph that
     differs from it only in batch size and sequence lengths (its variants), different otherwise. None for a graph
     :func:`vary` cannot move (no shape axes, or tensors that would have to move too: a bias, a mask)."""
-    axes = [axis for axis in axes_of(spec) if axis in _FAMILY_SIZES]
+    axes = [axis for axis in axes_of(spec) if axis in _SIBLING_SIZES]
     if not axes:
         return None
     try:
-        return graph_key(vary(spec, {axis: _FAMILY_SIZES[axis] for axis in axes}))
+        return graph_key(vary(spec, {axis: _SIBLING_SIZES[axis] for axis in axes}))
     except SpecError:
         return None

@@ -171,15 +171,15 @@ plans = sa.Table(
     sa.Column("numerics_check", sa.String(32), nullable=False, server_default="reference"),
     sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), index=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
-    # the spec's plancache.spec.axes.family_key (its other shapes share it); null: none, or published by a release
+    # the spec's plancache.spec.axes.sibling_key (its other shapes share it); null: none, or published by a release
     # before 0013
-    sa.Column("family_key", sa.String(64)),
+    sa.Column("sibling_key", sa.String(64)),
     # No index on a validity field (env_id is their digest): a planner without statistics would take one for
     # resolve's lookup by graph keys and read every plan of the SM (store/environments.py, by_keys).
     sa.UniqueConstraint("graph_key", "env_id"),
     sa.Index("ix_plans_created_at", "created_at", "id"),  # the newest records first (/ui, plans list)
     sa.Index("ix_plans_env_id_created_at", "env_id", "created_at", "id"),  # an environment's, newest first
-    sa.Index("ix_plans_env_id_family_key", "env_id", "family_key", "created_at", "id"),  # a graph's siblings
+    sa.Index("ix_plans_env_id_sibling_key", "env_id", "sibling_key", "created_at", "id"),  # a graph's siblings
 )
 
 # The candidates table of the tuning run of a plan record (protocol.CandidateTable, bounded), apart from the record:

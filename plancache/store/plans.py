@@ -14,7 +14,7 @@ from .. import errors
 from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
 from ..spec import parse_spec
-from ..spec.axes import family_key
+from ..spec.axes import sibling_key
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import CatalogBlobs, ContentBlobs
@@ -177,11 +177,11 @@ class Plans(Misses):
             raise errors.NotFound(f"blob {meta.blob_sha256} of {meta.blob_size} bytes is not stored: upload it "
                                   "first (PUT /v1/blobs/{sha256}), then publish its record")
         env = meta.environment
-        family = self._family_of([meta.graph_key]).get(meta.graph_key)  # specs never change: read before the write
+        siblings = self._sibling_keys([meta.graph_key]).get(meta.graph_key)  # specs never change: read before the write
         with self.db.write() as conn:
             lock_plan_key(conn, meta.graph_key, env.env_id)
             now = self.db.now(conn)  # the database's time, as for the job's lease
-            values = {**_record_values(meta, job_id, now), "family_key": family}
+            values = {**_record_values(meta, job_id, now), "sibling_key": siblings}
             job = None if job_id is None else complete_held_job(conn, job_id, worker_id, lease_token, meta.graph_key,
                                                                 env, now, holder=holder)
             _check_spec(conn, meta.graph_key)
@@ -252,39 +252,39 @@ class Plans(Misses):
         with self.db.read() as conn:
             _check_spec(conn, graph_key)
 
-    def _family_of(self, graph_keys: Collection[str]) -> dict[str, str]:
-        """The :func:`~plancache.spec.axes.family_key` of each of ``graph_keys`` whose stored spec has one."""
+    def _sibling_keys(self, graph_keys: Collection[str]) -> dict[str, str]:
+        """The :func:`~plancache.spec.axes.sibling_key` of each of ``graph_keys`` whose stored spec has one."""
         with self.db.query() as conn:
             rows = conn.execute(sa.select(specs.c.graph_key, specs.c.canonical_json)
                                 .where(specs.c.graph_key.in_(list(graph_keys)))).all()
         found = {}
         for key, text in rows:
             try:
-                family = family_key(parse_spec(text))
-            except errors.SpecError:  # stored by a version that wrote another format: no family
+                shared = sibling_key(parse_spec(text))
+            except errors.SpecError:  # stored by a version that wrote another format: none
                 continue
-            if family is not None:
-                found[key] = family
+            if shared is not None:
+                found[key] = shared
         return found
 
     def plan_siblings(self, env: Environment, graph_keys: Collection[str], limit: int) -> dict[str, str]:
         """The canonical specs of the plans stored on exactly this environment's validity fields for the other shapes
-        of ``graph_keys`` (their :func:`~plancache.spec.axes.family_key`), by graph key: up to ``limit`` per family,
-        the newest first, ``graph_keys`` left out. Each family is one walk of ``ix_plans_env_id_family_key`` that
+        of ``graph_keys`` (their :func:`~plancache.spec.axes.sibling_key`), by graph key: up to ``limit`` per sibling key,
+        the newest first, ``graph_keys`` left out. Each sibling key is one walk of ``ix_plans_env_id_sibling_key`` that
         stops at ``limit``, whatever else the store holds."""
         check_validity(env.validity())
         check_page(limit, 0)
         found: dict[str, str] = {}
-        families = dict.fromkeys(self._family_of(graph_keys).values())
-        if not families:
+        shared = dict.fromkeys(self._sibling_keys(graph_keys).values())
+        if not shared:
             return found
         with self.db.read() as conn:  # a transaction: equal_in_index_order sets its planner option in it
-            for family in families:
+            for siblings in shared:
                 q = (sa.select(plans.c.graph_key, specs.c.canonical_json)
                      .join(specs, specs.c.graph_key == plans.c.graph_key)
                      .where(*same_env(plans, env)[1:], *equal_in_index_order(conn, plans.c.env_id, env.env_id),
-                            *equal_in_index_order(conn, plans.c.family_key, family))
-                     .order_by(plans.c.env_id.desc(), plans.c.family_key.desc(), plans.c.created_at.desc(),
+                            *equal_in_index_order(conn, plans.c.sibling_key, siblings))
+                     .order_by(plans.c.env_id.desc(), plans.c.sibling_key.desc(), plans.c.created_at.desc(),
                                plans.c.id.desc())
                      .limit(limit + len(graph_keys)))
                 taken = 0

@@ -364,3 +364,36 @@ def test_blob_unknown_or_malformed(api):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = api.client.get("/v1/blobs/ABC", headers=api.reader)
     assert r.status_code == 422 and "sha256" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ siblings
+
+
+def test_siblings_answers_the_specs_of_a_graph_s_other_shapes_and_refuses_bad_asks(api, gpu_env):
+    """``POST /v1/plans/siblings``: the canonical specs of the plans of the asked graphs' other shapes on the
+    environment, newest first, ``limit`` per key; a key without a spec has none; too many keys or too large a limit
+    is 422 naming it; a reader's token is enough, none is 401."""
+    from examples.generate import sdpa_causal
+
+    shapes = [sdpa_causal(batch=b, heads=16, seq=s, d=128) for b, s in ((2, 512), (2, 1024), (8, 256))]
+    for i, spec in enumerate(shapes):
+        api.store.put_spec(spec.graph_key, spec.to_json())
+        api.store.publish_plan(make_meta(spec.graph_key, gpu_env, b"plan%d" % i), b"plan%d" % i)
+    env = gpu_env.model_dump(mode="json")
+
+    def ask(keys, headers=api.reader, **extra):
+        return api.client.post("/v1/plans/siblings", json={"environment": env, "graph_keys": keys, **extra},
+                               headers=headers)
+
+    r = ask([shapes[0].graph_key])
+    assert r.status_code == 200, r.text
+    specs = r.json()["specs"]
+    assert list(specs) == [shapes[2].graph_key, shapes[1].graph_key]
+    assert specs[shapes[1].graph_key] == shapes[1].canonical_document().to_json()
+    assert list(ask([shapes[0].graph_key], limit=1).json()["specs"]) == [shapes[2].graph_key]
+    assert ask(["ab" * 32]).json() == {"specs": {}}
+    r = ask(["ab" * 32] * 17)
+    assert r.status_code == 422 and "graph_keys" in r.json()["error"]["message"]
+    r = ask([shapes[0].graph_key], limit=65)
+    assert r.status_code == 422 and "limit" in r.json()["error"]["message"]
+    assert ask([shapes[0].graph_key], headers={}).status_code == 401

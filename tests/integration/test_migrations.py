@@ -224,11 +224,11 @@ def test_native_timings_come_with_0011_and_go_with_its_downgrade(db_url, make_sp
         store.close()
 
 
-def test_0013_gives_the_records_stored_before_their_family_keys_from_their_specs(db_url, make_spec, make_plan, gpu_env):
-    """Records stored at 0012 get ``plans.family_key`` from their specs when 0013 runs, so their siblings are listed
+def test_0013_gives_the_records_stored_before_their_sibling_keys_from_their_specs(db_url, make_spec, make_plan, gpu_env):
+    """Records stored at 0012 get ``plans.sibling_key`` from their specs when 0013 runs, so their siblings are listed
     at once; a graph without shape axes keeps none. Downgrading drops the column."""
     from examples.generate import sdpa_causal
-    from plancache.spec.axes import family_key
+    from plancache.spec.axes import sibling_key
 
     store = Store(db_url)
     try:
@@ -239,11 +239,11 @@ def test_0013_gives_the_records_stored_before_their_family_keys_from_their_specs
             store.put_spec(key, spec)
             store.publish_plan(*make_plan(key, gpu_env))
         store.db.downgrade("0012")
-        assert "family_key" not in {c["name"] for c in sa.inspect(store.engine).get_columns("plans")}
+        assert "sibling_key" not in {c["name"] for c in sa.inspect(store.engine).get_columns("plans")}
         store.upgrade()
         with store.engine.connect() as conn:
-            stored = dict(conn.execute(sa.select(plans.c.graph_key, plans.c.family_key)).all())
-        assert stored == {**{s.graph_key: family_key(shapes[0]) for s in shapes}, keyed[-1][0]: None}
+            stored = dict(conn.execute(sa.select(plans.c.graph_key, plans.c.sibling_key)).all())
+        assert stored == {**{s.graph_key: sibling_key(shapes[0]) for s in shapes}, keyed[-1][0]: None}
         assert set(store.plan_siblings(gpu_env, [shapes[0].graph_key], 16)) == {s.graph_key for s in shapes[1:]}
     finally:
         store.close()

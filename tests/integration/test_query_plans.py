@@ -154,23 +154,23 @@ def test_an_environments_plans_are_read_newest_first_through_its_index(seeded: S
             and "Bitmap" not in plan, plan
 
 
-def test_a_graph_s_siblings_are_read_newest_first_through_their_family_index(seeded: Store) -> None:
-    """``POST /v1/plans/siblings``: a family's plans on one environment, newest first, read through
-    ``ix_plans_env_id_family_key`` and stopped at the limit: never the environment's every record, nor the family's
-    on every environment, sorted."""
+def test_a_graph_s_siblings_are_read_newest_first_through_their_index(seeded: Store) -> None:
+    """``POST /v1/plans/siblings``: a graph's other shapes' plans on one environment, newest first, read through
+    ``ix_plans_env_id_sibling_key`` and stopped at the limit: never the environment's every record, nor those of
+    every environment, sorted."""
     from examples.generate import sdpa_causal
-    from plancache.spec.axes import family_key
+    from plancache.spec.axes import sibling_key
     from tests.factories import make_meta
 
     spec = sdpa_causal(batch=2, heads=16, seq=1024, d=128)
     seeded.put_spec(spec.graph_key, spec.to_json())
     seeded.publish_plan(make_meta(spec.graph_key, ENVS[0], b"plan"), b"plan")
-    with seeded.engine.begin() as conn:  # a family of a tenth of every environment's records
-        conn.execute(sa.update(plans).where(plans.c.id % 10 == 0).values(family_key=family_key(spec)))
+    with seeded.engine.begin() as conn:  # siblings: a tenth of every environment's records
+        conn.execute(sa.update(plans).where(plans.c.id % 10 == 0).values(sibling_key=sibling_key(spec)))
     found = seeded.plan_siblings(ENVS[0], [spec.graph_key], 16)
     assert len(found) == 16
     (plan,) = plans_of(seeded, lambda: seeded.plan_siblings(ENVS[0], [spec.graph_key], 16), "plans")
-    assert "ix_plans_env_id_family_key" in plan and "TEMP B-TREE" not in plan, plan
+    assert "ix_plans_env_id_sibling_key" in plan and "TEMP B-TREE" not in plan, plan
     if seeded.engine.dialect.name == "postgresql":
-        assert "Index Scan Backward using ix_plans_env_id_family_key" in plan and "Sort" not in plan \
+        assert "Index Scan Backward using ix_plans_env_id_sibling_key" in plan and "Sort" not in plan \
             and "Bitmap" not in plan, plan

@@ -340,9 +340,9 @@ def test_concurrent_misses_are_all_counted(store, make_spec, gpu_env):
 
 def test_a_graph_s_siblings_are_its_other_shapes_plans_on_that_environment_newest_first(store, gpu_env, make_plan,
                                                                                        clock):
-    """``plan_siblings``: the specs of the plans of the asked graph's family (its other batch sizes and sequence
-    lengths) on exactly that environment, newest first, ``limit`` per family, the asked keys left out; another
-    family, another environment and a record without a family key (written by a release before 0013) are not."""
+    """``plan_siblings``: the specs of the plans of the asked graph's other shapes (its other batch sizes and sequence
+    lengths) on exactly that environment, newest first, ``limit`` per graph, the asked keys left out; another
+    graph, another environment and a record without a sibling key (written by a release before 0013) are not."""
     from examples.generate import sdpa_causal
     from plancache.spec import parse_spec
     from tests.factories import OTHER_GPU
@@ -355,7 +355,7 @@ def test_a_graph_s_siblings_are_its_other_shapes_plans_on_that_environment_newes
         clock.advance(1)
     store.publish_plan(*make_plan(shapes[1].graph_key, OTHER_GPU))
     with store.engine.begin() as conn:  # as a release before 0013 wrote it
-        conn.execute(sa.update(plans).where(plans.c.graph_key == shapes[2].graph_key).values(family_key=None))
+        conn.execute(sa.update(plans).where(plans.c.graph_key == shapes[2].graph_key).values(sibling_key=None))
     asked = shapes[0].graph_key
     found = store.plan_siblings(gpu_env, [asked], 16)
     assert list(found) == [shapes[3].graph_key, shapes[1].graph_key]
@@ -363,7 +363,7 @@ def test_a_graph_s_siblings_are_its_other_shapes_plans_on_that_environment_newes
     assert list(store.plan_siblings(gpu_env, [asked], 1)) == [shapes[3].graph_key]
     assert list(store.plan_siblings(OTHER_GPU, [asked], 16)) == [shapes[1].graph_key]
     assert list(store.plan_siblings(gpu_env, [asked, shapes[3].graph_key], 16)) == [shapes[1].graph_key]
-    assert store.plan_siblings(gpu_env, [other.graph_key], 16) == {}  # its family has no other plan here
+    assert store.plan_siblings(gpu_env, [other.graph_key], 16) == {}  # no other shape of it has a plan here
     assert store.plan_siblings(gpu_env, ["ab" * 32], 16) == {}  # no spec stored
     with pytest.raises(errors.InvalidValue, match="limit"):
         store.plan_siblings(gpu_env, [asked], -1)

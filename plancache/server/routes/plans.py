@@ -204,7 +204,7 @@ def explain(req: ExplainRequest, request: Request, store: StoreDep, settings: Se
              responses=documented_errors(401, 403, 422, 503))
 def siblings(req: SiblingsRequest, store: StoreDep, _: Reader) -> Response:
     """For each graph key, the specs of the plans stored on exactly this environment's validity fields for graphs
-    that differ from it only in batch size and sequence lengths (``plancache.spec.axes.family_key``: attention
+    that differ from it only in batch size and sequence lengths (``plancache.spec.axes.sibling_key``: attention
     forward and backward without a mask, bias or sequence-length input; other graphs have none), up to ``limit``
     per key, the most recently published first (API 1.4). A client that has just fetched one shape's plans asks for
     its siblings in the background and fetches theirs ahead of its next new shape. Nothing is recorded; a key

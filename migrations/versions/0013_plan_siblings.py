@@ -1,8 +1,8 @@
-"""Each plan's family key (``plans.family_key``): the tuned plans of a graph's other shapes, listed by environment.
+"""Each plan's sibling key (``plans.sibling_key``): the tuned plans of a graph's other shapes, listed by environment.
 
-A nullable column and the index ``ix_plans_env_id_family_key`` (``env_id``, ``family_key``, ``created_at``, ``id``),
+A nullable column and the index ``ix_plans_env_id_sibling_key`` (``env_id``, ``sibling_key``, ``created_at``, ``id``),
 which ``POST /v1/plans/siblings`` reads; the records stored before are given theirs from their specs
-(:func:`plancache.spec.axes.family_key`), a batch of graph keys at a time. Expand only: code of 0012 ignores the
+(:func:`plancache.spec.axes.sibling_key`), a batch of graph keys at a time. Expand only: code of 0012 ignores the
 column, and a record it writes during a rollback has none, so that its siblings are not listed (it is served as
 before). Downgrading drops the index and the column.
 
@@ -23,30 +23,30 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 #: docs/DEPLOYMENT.md "Rolling back": a nullable column and an index.
 expand_only = True
-#: Graph keys given their family key per statement.
+#: Graph keys given their sibling key per statement.
 BATCH = 500
 
 
 def upgrade() -> None:
     with op.batch_alter_table('plans') as batch:
-        batch.add_column(sa.Column('family_key', sa.String(64), nullable=True))
-    op.create_index('ix_plans_env_id_family_key', 'plans', ['env_id', 'family_key', 'created_at', 'id'], unique=False)
+        batch.add_column(sa.Column('sibling_key', sa.String(64), nullable=True))
+    op.create_index('ix_plans_env_id_sibling_key', 'plans', ['env_id', 'sibling_key', 'created_at', 'id'], unique=False)
     _backfill(op.get_bind())
 
 
 def downgrade() -> None:
-    op.drop_index('ix_plans_env_id_family_key', table_name='plans')
+    op.drop_index('ix_plans_env_id_sibling_key', table_name='plans')
     with op.batch_alter_table('plans') as batch:
-        batch.drop_column('family_key')
+        batch.drop_column('sibling_key')
 
 
 def _backfill(conn: sa.Connection) -> None:
-    """Every stored record's family key, from its spec: the graph keys of the records in key order, a batch at a time."""
+    """Every stored record's sibling key, from its spec: the graph keys of the records in key order, a batch at a time."""
     from plancache.errors import SpecError
     from plancache.spec import parse_spec
-    from plancache.spec.axes import family_key
+    from plancache.spec.axes import sibling_key
 
-    plans = sa.table('plans', sa.column('graph_key', sa.String), sa.column('family_key', sa.String))
+    plans = sa.table('plans', sa.column('graph_key', sa.String), sa.column('sibling_key', sa.String))
     specs = sa.table('specs', sa.column('graph_key', sa.String), sa.column('canonical_json', sa.Text))
     after = ""
     while True:
@@ -57,9 +57,9 @@ def _backfill(conn: sa.Connection) -> None:
             return
         for key, text in rows:
             try:
-                family = family_key(parse_spec(text))
+                shared = sibling_key(parse_spec(text))
             except SpecError:  # a spec this release no longer reads keeps none
-                family = None
-            if family is not None:
-                conn.execute(sa.update(plans).where(plans.c.graph_key == key).values(family_key=family))
+                shared = None
+            if shared is not None:
+                conn.execute(sa.update(plans).where(plans.c.graph_key == key).values(sibling_key=shared))
         after = rows[-1][0]
