@@ -17,6 +17,8 @@ autovacuum off), unless ``--analyze``. Per size, medians of ``--runs``:
   the same, each read in a transaction of its own, the two taking turns;
 - ``env_plans_ms``: the first page (100) of one environment's records, newest first (``plancache plans list
   --environment``), the environment whose records are the store's oldest;
+- ``siblings_ms``: the specs of 16 plans of a graph's other shapes on that environment (``POST /v1/plans/siblings``),
+  of a graph whose siblings are one in ten of every environment's records;
 - ``explain_ms``: explain of those 49 keys (each with a plan here, and finished jobs elsewhere);
 - ``claim_ms``: one claim handing out a job of the claiming environment (median of ``--claims``), ``poll_ms``: a
   claim for an environment with nothing queued;
@@ -44,13 +46,16 @@ sys.path.insert(0, str(ROOT))
 import sqlalchemy as sa  # noqa: E402
 
 from bench.claim_throughput import postgres_db, sqlite_db  # noqa: E402
+from examples.generate import sdpa_causal  # noqa: E402
 from plancache.environment import Environment  # noqa: E402
 from plancache.protocol import TargetEnvironment  # noqa: E402
 from plancache.server.memo import RecordMemo  # noqa: E402
 from plancache.server.routes.plans import _answer_heads  # noqa: E402
 from plancache.server.status_page import gather  # noqa: E402
+from plancache.spec.axes import sibling_key  # noqa: E402
 from plancache.store import Store, open_store  # noqa: E402
 from plancache.store.jobs import insert_jobs, target_key  # noqa: E402
+from plancache.store.models import plans as plans_table  # noqa: E402
 
 #: The environment that resolves and claims, and three others that share the store.
 ENVS = [Environment(sm=90, sm_count=132 - 2 * j, cudnn_version=91900 + j, driver_version=13000,
@@ -59,6 +64,9 @@ IDLE = Environment(sm=100, sm_count=148, cudnn_version=91900, driver_version=130
 QUEUED_ELSEWHERE = 20_000
 OWN_JOBS = 200
 KEYS_PER_RESOLVE = 49
+#: The fill's records fall in this many groups of siblings (each record's ``sibling_key``: the group's, from
+#: ``SIBLING_BASE`` on), so that one graph has as siblings one in ten of every environment's records.
+GROUPS, SIBLING_BASE = 10, 1 << 40
 _T = "2026-01-01 00:00:00"
 
 
@@ -97,9 +105,9 @@ def fill(store: Store, plans: int, jobs: int) -> None:
                 f"{w}INSERT INTO plans (graph_key, env_id, sm, sm_count, cudnn_version, driver_version, frontend_version, "
                 "device_name, cuda_runtime, torch_version, blob_sha256, blob_size, revision, engine_id, knobs, plan_name, "
                 "workspace_bytes, winner_median_ms, heuristic_median_ms, worst_median_ms, tuning_seconds, worker_id, "
-                f"numerics_check, created_at) SELECT {_key(d, 'i')}, :env_id, :sm, :sm_count, :cudnn_version, "
+                f"numerics_check, created_at, sibling_key) SELECT {_key(d, 'i')}, :env_id, :sm, :sm_count, :cudnn_version, "
                 ":driver_version, :frontend_version, 'bench', '', '', :blob, 1, 1, 7, '{\"k\": 1}', 'engine7', 0, 0.5, "
-                f"1.0, 2.0, 1.5, 'w', 'reference', {ts} FROM {frm}"),
+                f"1.0, 2.0, 1.5, 'w', 'reference', {ts}, {_key(d, f'{SIBLING_BASE} + i % {GROUPS}')} FROM {frm}"),
                 {"n": per_env, "env_id": env.env_id, "blob": blob, **env.validity()})
         others = [TargetEnvironment.exactly(env) for env in ENVS[1:]]
         cols = "graph_key, sm, sm_count, cudnn_version, driver_version, frontend_version, target_key"
@@ -156,6 +164,23 @@ def _new_pair(store: Store, pair: list[str], runs: int) -> tuple[float, float]:
     return statistics.median(times[False]), statistics.median(times[True])
 
 
+def _siblings(store: Store, plans: int) -> Callable[[], None]:
+    """A real attention graph's siblings lookup: its spec stored, and the records of one group of the fill (one in
+    :data:`GROUPS` of every environment's) made its siblings."""
+    spec = sdpa_causal(batch=2, heads=16, seq=1024, d=128)
+    store.put_spec(spec.graph_key, spec.to_json())
+    with store.db.write() as conn:
+        conn.execute(sa.update(plans_table).where(plans_table.c.sibling_key == f"{SIBLING_BASE:064x}")
+                     .values(sibling_key=sibling_key(spec)))
+
+    want = min(16, -(-(plans // len(ENVS)) // GROUPS))  # the group's records on ENVS[0], 16 at most
+
+    def lookup() -> None:
+        assert len(store.plan_siblings(ENVS[0], [spec.graph_key], 16)) == want
+
+    return lookup
+
+
 def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     store = open_store(url, create=True, blob_store="database")
     try:
@@ -184,6 +209,7 @@ def measure(url: str, plans: int, jobs: int, args: argparse.Namespace) -> dict[s
         out["versions_ms"], _ = median_ms(lambda: store.plan_versions(ENVS[0], keys), args.runs)
         out["new_pair_ms"], out["new_pair_in_transactions_ms"] = _new_pair(store, keys[:2], args.runs)
         out["env_plans_ms"], _ = median_ms(lambda: store.list_plans(env_id=ENVS[0].env_id), args.runs)
+        out["siblings_ms"], _ = median_ms(_siblings(store, plans), args.runs)
         out["explain_ms"], _ = median_ms(lambda: store.explain_misses(ENVS[0], keys), args.runs)
         out["claim_ms"], _ = median_ms(claim, min(args.claims, OWN_JOBS))
         out["poll_ms"], _ = median_ms(poll, args.runs)

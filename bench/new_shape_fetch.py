@@ -14,7 +14,11 @@ process of its own (``import torch`` first, as a training process has) takes fre
 - ``resolve``: the same through the client's HTTP layer, as the route sends it: held to its deadline by a helper
   thread, the answer parsed;
 - ``verified_blobs``: the whole ask: the disk cache looked up, the host's fetch lock taken, the resolve, the blobs
-  decoded and verified (size, sha256, signature, signed statement), their disk writes queued.
+  decoded and verified (size, sha256, signature, signed statement), their disk writes queued (the plans of other
+  shapes not fetched ahead: ``prefetch_siblings=0``);
+- ``sibling``: the same ask for a new pair whose plans the client fetched ahead, in the background, when it loaded
+  another shape of the same graphs (``PLANCACHE_PREFETCH_SIBLINGS``, the default; :mod:`plancache.client.siblings`),
+  timed once that background fetch is done: the kept blobs verified again.
 
 ``--busy-thread`` runs a thread of pure-Python arithmetic in the client process throughout, as a program with a
 CPU-bound Python thread has: each time the fetching thread gives up the GIL (a socket read, a thread hop, a digest
@@ -40,7 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WAYS = ("answer", "resolve", "verified_blobs")
+WAYS = ("answer", "resolve", "verified_blobs", "sibling")
 
 
 def child(url: str, token: str, key: str, folder: str, busy: str, switch: str) -> dict[str, list[float]]:
@@ -60,9 +64,12 @@ def child(url: str, token: str, key: str, folder: str, busy: str, switch: str) -
         threading.Thread(target=_spin, daemon=True, name="busy").start()
     specs = [parse_spec(doc) for doc in json.loads((Path(folder) / "specs.json").read_text())]
     pairs = iter([specs[i:i + 2] for i in range(0, len(specs) - 1, 2)])
+    kin = [parse_spec(doc) for doc in json.loads((Path(folder) / "siblings.json").read_text())]
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     with PlanCache(url, token=token, trusted_keys=key, cache_dir=Path(folder) / f"cache-{os.getpid()}",
-                   backend=RecordingBackend(), mode="strict") as cache, \
+                   backend=RecordingBackend(), mode="strict", prefetch_siblings=0) as cache, \
+            PlanCache(url, token=token, trusted_keys=key, cache_dir=Path(folder) / f"kin-{os.getpid()}",
+                      backend=RecordingBackend(), mode="strict") as ahead, \
             httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as plain:
         remote, env = cache.context.remote, cache.environment
         assert remote is not None
@@ -80,9 +87,17 @@ def child(url: str, token: str, key: str, folder: str, busy: str, switch: str) -
         def verified(pair: list[Any]) -> None:
             assert len(cache.verified_blobs(pair)) == 2
 
-        ways = {"answer": answer, "resolve": resolve, "verified_blobs": verified}
-        for n, pair_set in enumerate(zip(pairs, pairs, pairs)):
-            for (way, ask), pair in zip(ways.items(), pair_set, strict=True):
+        def sibling(pair: list[Any]) -> None:
+            got = ahead.verified_blobs(pair)
+            assert len(got) == 2 and {b.source for b in got.values()} == {"memory"}, got
+
+        ways = {"answer": answer, "resolve": resolve, "verified_blobs": verified, "sibling": sibling}
+        kin_pairs = iter([kin[i:i + 4] for i in range(0, len(kin) - 3, 4)])
+        for n, pair_set in enumerate(zip(pairs, pairs, pairs, kin_pairs)):
+            first, later = pair_set[3][:2], pair_set[3][2:]
+            ahead.verified_blobs(first)  # another shape of the same graphs: its siblings fetched in the background
+            ahead.siblings.join(60)
+            for (way, ask), pair in zip(ways.items(), (*pair_set[:3], later), strict=True):
                 t0 = time.perf_counter()
                 ask(pair)
                 if n:
@@ -121,13 +136,17 @@ def main() -> None:
 
     # a forward-sized pair per sequence length: every spec distinct, none asked for before its turn
     specs = [sdpa_causal(batch=b, heads=16, seq=64 * (i + 1), d=128) for i in range(3 * (args.pairs + 1)) for b in (2, 4)]
+    # per round, a forward-sized pair of graphs of their own (heads) at two shapes: one loaded, the other asked after
+    kin = [sdpa_causal(batch=b, heads=17 + i, seq=s, d=128) for i in range(args.pairs + 1) for s in (512, 1024)
+           for b in (2, 4)]
     with tempfile.TemporaryDirectory(prefix="plancache-new-shape-fetch-") as name:
         folder = Path(name)
         private, public, _ = keygen(folder / "keys", "bench")
         signer = Signer.from_file(private)
         (folder / "specs.json").write_text(json.dumps([s.to_json() for s in specs]))
+        (folder / "siblings.json").write_text(json.dumps([s.to_json() for s in kin]))
         with LiveServer(folder / "server", autotune=False) as srv:
-            for spec in specs:
+            for spec in [*specs, *kin]:
                 blob = os.urandom(args.blob_kib * 1024)
                 srv.store.put_spec(spec.graph_key, spec.to_json())
                 srv.store.publish_plan(make_meta(spec.graph_key, H200, blob, signer), blob)
@@ -141,7 +160,8 @@ def main() -> None:
     medians = {way: round(statistics.median(times[way]), 3) for way in WAYS}
     parts = {"server's answer, received": medians["answer"],
              "client's HTTP layer (deadline thread, parsing)": round(medians["resolve"] - medians["answer"], 3),
-             "client's checks and disk cache": round(medians["verified_blobs"] - medians["resolve"], 3)}
+             "client's checks and disk cache": round(medians["verified_blobs"] - medians["resolve"], 3),
+             "a pair fetched ahead with its siblings": medians["sibling"]}
     client = (["a busy Python thread"] if args.busy_thread else []) + (
         [f"switch interval {args.switch_interval * 1e3:g} ms"] if args.switch_interval is not None else [])
     where = f" (client: {', '.join(client)})" if client else ""

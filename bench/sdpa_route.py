@@ -27,6 +27,10 @@ One run, fresh processes with ``CUDA_CACHE_DISABLE=1``:
    install, then the block's first and steady steps of each shape as in 3.
 5. ``block_cpp``: a fresh strict-mode process with the route's steady path in C++ (``attention_cpp``, the route as
    installed by default where its extension is built): the block's first and steady steps of each shape as in 3.
+   Its first shape's plans come from the server, and with them, in the background, those of the other shapes of
+   the same graphs (``PLANCACHE_PREFETCH_SIBLINGS``, on by default: :mod:`plancache.client.siblings`), so its later
+   shapes' first steps find their plans in memory. ``block_cold``: the same with that off
+   (``PLANCACHE_PREFETCH_SIBLINGS=0``), each new shape's plans fetched at its first call, nothing known ahead.
    Steps 2 and 3 measure it too (``plancache_cpp``, the ``C++`` columns), after the route with its steady path in
    Python (``plancache``, ``attention_cpp=False``, the ``py route`` columns) in the same process, whose first
    calls there find the plans verified already.
@@ -355,9 +359,10 @@ def _tables(results: dict[str, Any]) -> None:
     first_flash = results.get("block_flash", {}).get("block", {})
     warm = results.get("block_warm", {}).get("block", {})
     first_cpp = results.get("block_cpp", {}).get("block", {})
+    first_cold = results.get("block_cold", {}).get("block", {})
     print(f"{'block (b, s)':>14} | {'steady: flash':>13} {'ATen cuDNN':>11} {'py route':>10} {'vs best':>8} "
           f"{'C++':>7} {'vs best':>8} | {'first step: py route':>22} {'preparing':>10} {'warm, C++':>11} "
-          f"{'preparing':>10} {'C++':>7} {'ATen cuDNN':>11} {'flash':>7} | served")
+          f"{'preparing':>10} {'C++':>7} {'nothing ahead':>14} {'ATen cuDNN':>11} {'flash':>7} | served")
     for shape, row in blk.items():
         best = min(row["flash"]["steady_ms"], row["aten_cudnn"]["steady_ms"])
         aten_first = first_aten.get(shape, {}).get("aten_cudnn", {}).get("first_ms", nan)
@@ -365,11 +370,13 @@ def _tables(results: dict[str, Any]) -> None:
         route, cpp = row["plancache"], row.get("plancache_cpp", {})
         warmed = warm.get(shape, {}).get("plancache_cpp", {})
         cpp_first = first_cpp.get(shape, {}).get("plancache_cpp", {}).get("first_ms", nan)
+        cold_first = first_cold.get(shape, {}).get("plancache_cpp", {}).get("first_ms", nan)
         print(f"{shape:>14} | {row['flash']['steady_ms']:>13.3f} {row['aten_cudnn']['steady_ms']:>11.3f} "
               f"{route['steady_ms']:>10.3f} {route['steady_ms'] / best:>8.2f} {cpp.get('steady_ms', nan):>7.3f} "
               f"{cpp.get('steady_ms', nan) / best:>8.2f} | "
               f"{route['first_ms']:>22.1f} {route.get('prepare_ms', nan):>10.1f} "
               f"{warmed.get('first_ms', nan):>11.1f} {warmed.get('prepare_ms', nan):>10.1f} {cpp_first:>7.1f} "
+              f"{cold_first:>14.1f} "
               f"{aten_first:>11.1f} {flash_first:>7.1f} | {route.get('served', {})} {cpp.get('served', '')} "
               f"steady: {cpp.get('steady_served', '')}")
     for shape, row in kern.items():
@@ -425,6 +432,8 @@ def main() -> None:
                                              "--mode", "strict", settings={"PLANCACHE_WARM": capture})
                 results["block_cpp"] = _run("--child", "block_cpp", *common, "--cache", str(root / "cpp"),
                                             "--mode", "strict")
+                results["block_cold"] = _run("--child", "block_cpp", *common, "--cache", str(root / "cold"),
+                                             "--mode", "strict", settings={"PLANCACHE_PREFETCH_SIBLINGS": "0"})
                 results["block_aten"] = _run("--child", "block_aten")
                 results["block_flash"] = _run("--child", "block_flash")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,8 +72,6 @@ SpecLike = Any
 #: Seconds :meth:`PlanCache.close` gives the revalidation under way to end (a server that answers does so in
 #: milliseconds), and then, its request abandoned, to write what it has.
 CLOSE_GRACE_SECONDS, CLOSE_WAIT_SECONDS = 1.0, 0.5
-#: Where a load's plans came from for the plans of their other shapes to be fetched ahead (:mod:`.siblings`).
-_FETCHED = frozenset({StepName.SERVER.value, StepName.DISK.value})
 
 
 class VerifiedBlob(NamedTuple):
@@ -470,5 +468,7 @@ class PlanCache:
     def _load_many(self, batch: list[Pending], builds: frozenset[Builds] | None = None) -> list[Plan | PlanMiss]:
         self._check_process()
         results = self.ladder.load(batch, builds)
-        self.siblings.offer(p.spec for p, r in zip(batch, results) if isinstance(r, Plan) and r.source in _FETCHED)
+        # plans the server gave: those of their other shapes are fetched ahead (one served from disk asks nothing: the
+        # process that fetched it fetched its siblings into the same disk cache)
+        self.siblings.offer(p.spec for p, r in zip(batch, results) if isinstance(r, Plan) and r.source == StepName.SERVER)
         return results

@@ -1,8 +1,8 @@
 """The tuned plans of a graph's other shapes, fetched ahead of their first call (``PLANCACHE_PREFETCH_SIBLINGS``).
 
 A model that runs attention at one batch size or sequence length soon runs it at others, and each new shape's first
-call would wait for a round trip to the server. Once a load brings plans from the server or the disk cache, their
-graphs that have shape axes (:func:`plancache.spec.axes.sibling_key`: attention forward and backward) are asked about
+call would wait for a round trip to the server. Once a load brings plans from the server, their graphs that have
+shape axes (:func:`plancache.spec.axes.sibling_key`: attention forward and backward) are asked about
 on a background thread, once per sibling key and process: one ``POST /v1/plans/siblings`` names the plans the server holds
 for the same graphs at other shapes on this GPU (up to the setting's count per graph, the most recently published
 first), and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`:
@@ -46,7 +46,7 @@ class Siblings:
         self._off = context.remote is None or limit <= 0
 
     def offer(self, specs: Iterable[GraphSpec]) -> None:
-        """Graphs whose plans a load just brought from the server or disk: their siblings are asked about (started
+        """Graphs whose plans a load just brought from the server: their siblings are asked about (started
         on the background thread when none runs); a graph once per process, cheaply skipped when it has no axes."""
         from ..spec.axes import AXES
 

@@ -43,9 +43,9 @@ def test_the_cpu_start_up_benchmark_runs_and_reports_each_phase(tmp_path):
 def test_the_new_shape_fetch_benchmark_times_each_way_on_fresh_pairs(tmp_path):
     result, stdout = _result("new_shape_fetch.py", tmp_path / "new_shape_fetch.json", "--pairs", "3")
     assert result["pairs"] == 3 and result["blob_bytes"] == 64 * 1024
-    assert list(result["median_ms"]) == ["answer", "resolve", "verified_blobs"]
+    assert list(result["median_ms"]) == ["answer", "resolve", "verified_blobs", "sibling"]
     assert all(len(times) == 3 and all(t > 0 for t in times) for times in result["all_ms"].values()), result["all_ms"]
-    assert len(result["parts_ms"]) == 3 and "server's answer, received" in stdout
+    assert len(result["parts_ms"]) == 4 and "server's answer, received" in stdout
 
 
 def test_the_new_shape_fetch_benchmark_runs_beside_a_busy_python_thread(tmp_path):
@@ -76,7 +76,8 @@ def test_the_store_scale_benchmark_times_a_new_pairs_reads_both_ways(tmp_path, d
     assert done.returncode == 0, done.stderr[-3000:]
     [row] = json.loads(out.read_text())
     assert row["database"] == database and row["plans"] == 200
-    for name in ("resolve_ms", "versions_ms", "new_pair_ms", "new_pair_in_transactions_ms", "explain_ms", "claim_ms"):
+    for name in ("resolve_ms", "versions_ms", "new_pair_ms", "new_pair_in_transactions_ms", "siblings_ms", "explain_ms",
+                 "claim_ms"):
         assert row[name] > 0, (name, row)
 
 

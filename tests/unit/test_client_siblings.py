@@ -25,8 +25,10 @@ def test_a_new_shape_whose_plan_a_sibling_brought_loads_with_no_request(records,
         for spec in SHAPES[1:]:
             assert pc.plan(spec).source == "memory"
         assert records.calls == {"resolve": 2, "siblings": 1}  # no request for the new shapes, none asked again
-    with client(records, tmp_path, signer) as again:  # and the next process finds them on disk
+    with client(records, tmp_path, signer) as again:  # the next process finds them on disk, and asks nothing
         assert again.plan(SHAPES[2]).source == "disk"
+        again.siblings.join(10)
+    assert records.calls == {"resolve": 2, "siblings": 1}
 
 
 def test_the_setting_caps_them_per_graph_and_zero_turns_them_off(records, tmp_path, signer):
