@@ -63,6 +63,7 @@ def test_the_tables_put_the_cpp_steady_path_beside_the_python_route(capsys):
         "block": {"block": {"2x1024": {name: {"first_ms": 40.0, "prepare_ms": 29.5, "steady_ms": 1.0}
                                        for name in ("flash", "aten_cudnn", "plancache")}}},
         "block_cpp": {"block": {"2x1024": {"plancache_cpp": {"first_ms": 17.5, "steady_ms": 0.98}}}},
+        "block_cold": {"block": {"2x1024": {"plancache_cpp": {"first_ms": 24.5, "steady_ms": 0.98}}}},
         "block_flash": {"block": {"2x1024": {"flash": {"first_ms": 6.25}}}},
     }
     results["block"]["block"]["2x1024"]["plancache_cpp"] = {"first_ms": 3.0, "steady_ms": 0.99}
@@ -75,7 +76,8 @@ def test_the_tables_put_the_cpp_steady_path_beside_the_python_route(capsys):
     block = next(line for line in out if line.strip().startswith("2x1024 |")).split("|")
     assert block[1].split()[-2:] == ["0.990", "0.99"], "the C++ path's steady step, against the best of torch's"
     assert block[2].split()[4] == "17.5", "its first step, from a fresh process of its own"
-    assert block[2].split()[6] == "6.2", "flash's first step, from a fresh process of its own"
+    assert block[2].split()[5] == "24.5", "the same with nothing fetched ahead (no siblings)"
+    assert block[2].split()[7] == "6.2", "flash's first step, from a fresh process of its own"
 
 
 def test_steady_timings_take_turns_across_backends_and_keep_each_ones_median(monkeypatch):
