@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests import gpu_util
 
 B, H, S, D = 2, 8, 256, 64
+_cache: Any = None  # the process's PlanCache (main)
 OUTPUTS = ("out", "dq", "dk", "dv")  # what a forward + backward gives: its output, the gradients of q, k, v
 
 
@@ -44,13 +45,14 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def _qkv(kv_heads: int = H, dtype: torch.dtype = torch.bfloat16, layout: str = "bhsd") -> list[torch.Tensor]:
+def _qkv(kv_heads: int = H, dtype: torch.dtype = torch.bfloat16, layout: str = "bhsd",
+         s: int = S) -> list[torch.Tensor]:
     out = []
     for i, heads in enumerate((H, kv_heads, kv_heads)):
         if layout == "bshd":  # a projection's output viewed as (b, h, s, d): the layout models hand over
-            t = _rand(B, S, heads, D, seed=i, dtype=dtype).transpose(1, 2)
+            t = _rand(B, s, heads, D, seed=i, dtype=dtype).transpose(1, 2)
         else:
-            t = _rand(B, heads, S, D, seed=i, dtype=dtype)
+            t = _rand(B, heads, s, D, seed=i, dtype=dtype)
         out.append(t.requires_grad_())
     return out
 
@@ -222,6 +224,13 @@ def _causal_lower_right() -> dict[str, float]:
     return _checked(q, k, v, attn_mask=keep)
 
 
+def _other_shape() -> dict[str, float]:
+    """``causal`` at twice its sequence length: a sibling of its graphs, whose plans came with causal's, fetched ahead
+    in the background (plancache.client.siblings; waited for here, so that the test does not race it)."""
+    _cache.siblings.join(60)
+    return _checked(*_qkv(s=2 * S), is_causal=True)
+
+
 VARIANTS: dict[str, Callable[[], dict[str, float]]] = {
     "causal": lambda: _checked(*_qkv(), is_causal=True),
     "no_mask_fp16": lambda: _checked(*_qkv(dtype=torch.float16)),
@@ -237,6 +246,7 @@ VARIANTS: dict[str, Callable[[], dict[str, float]]] = {
     "compiled_block": _compiled_block,
     "steady_steps": _steady_steps,
     "queued_steps": _queued_steps,
+    "causal_other_shape": _other_shape,
 }
 
 
@@ -266,6 +276,8 @@ def main() -> None:
     cache = plancache.torch.install(PlanCache(args.server, token=args.token, trusted_keys=args.trusted or [],
                                               cache_dir=args.cache, mode=args.mode), attention=args.attention,
                                       attention_cpp=None if args.cpp else False)
+    global _cache
+    _cache = cache
     out: dict[str, Any] = {"variants": {}, "cpp_unavailable": sdpa.stats().get("cpp_unavailable", 0),
                            "cpp_error": cpp_error}
     for name in args.variants or VARIANTS:

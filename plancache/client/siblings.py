@@ -2,14 +2,16 @@
 
 A model that runs attention at one batch size or sequence length soon runs it at others, and each new shape's first
 call would wait for a round trip to the server. Once a load brings plans from the server, their graphs that have
-shape axes (:func:`plancache.spec.axes.sibling_key`: attention forward and backward) are asked about
-on a background thread, once per sibling key and process: one ``POST /v1/plans/siblings`` names the plans the server holds
-for the same graphs at other shapes on this GPU (up to the setting's count per graph, the most recently published
-first), and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`:
-the disk cache first, then one resolve with the blobs inline; kept in memory and written to the disk cache, not
-deserialized). A later new shape among them loads with no request (``stats().hits["memory"]``). Counted in
-``stats().siblings``. A server without the route (API 1.3 or older) is asked once; a failure is logged and the
-graphs asked about again at their next load.
+shape axes (:func:`plancache.spec.axes.sibling_key`: attention forward and backward) are asked about on a background
+thread, once per sibling key and process: one ``POST /v1/plans/siblings`` names the plans the server holds for the
+same graphs at other shapes on this GPU (up to the setting's count per graph, the most recently published first),
+and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`: the disk
+cache first, then one resolve with the blobs inline; kept in memory and written to the disk cache). They are not
+deserialized, except where :meth:`Siblings.load_ahead` names a loader: the attention route's C++ steady path loads
+its graphs' there, on the same thread, with the GIL released. A later new shape among them loads with no request
+(``stats().hits["memory"]``), and one loaded ahead binds its plan only. Counted in ``stats().siblings``. A server
+without the route (API 1.3 or older) is asked once; a failure is logged and the graphs asked about again at their
+next load.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotFound, PlanCacheError, SpecError
@@ -44,6 +46,14 @@ class Siblings:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._off = context.remote is None or limit <= 0
+        self._load_names: frozenset[str] = frozenset()
+        self._loader: Callable[[GraphSpec, bytes], bool] | None = None
+
+    def load_ahead(self, names: Collection[str], loader: Callable[[GraphSpec, bytes], bool] | None) -> None:
+        """Have ``loader(spec, blob)`` load the kept plans of the siblings named one of ``names`` as well (the
+        attention route's C++ steady path, :func:`plancache.client.sdpa.preload`: a new shape among them then binds
+        its plan only); None: load none."""
+        self._load_names, self._loader = frozenset(names), loader
 
     def offer(self, specs: Iterable[GraphSpec]) -> None:
         """Graphs whose plans a load just brought from the server: their siblings are asked about (started
@@ -132,3 +142,12 @@ class Siblings:
                 kept = len(self._warm(fresh))
                 with c.lock:
                     c.stats.siblings += kept
+                self._load(fresh)
+
+    def _load(self, specs: list[GraphSpec]) -> None:
+        """The kept plans of ``specs`` that :meth:`load_ahead` names, through its loader."""
+        loader, names, verified = self._loader, self._load_names, self.context.verified
+        for spec in specs:
+            held = verified.get(spec.graph_key)
+            if loader is not None and held is not None and spec.name in names:
+                loader(spec, held[1])

@@ -26,15 +26,17 @@ TOLERANCE = 2e-2  # bfloat16/float16 outputs and gradients, normalised max error
 #: compared with torch's own cuDNN kernels drawing from the same generator state, not with float32 math).
 SERVED = ("causal", "no_mask_fp16", "bshd_layout", "gqa", "additive_bias", "bool_padding_mask",
           "padding_per_batch", "causal_lower_right", "scale", "dropout", "cuda_graph_replay", "compiled_block",
-          "steady_steps", "queued_steps")
+          "steady_steps", "queued_steps", "causal_other_shape")
 
 
 #: Variants torch's flash kernel can run (no bias, as many key as query heads): a flash pin serves them by flash.
 FLASH_TAKES = ("causal", "no_mask_fp16", "bshd_layout", "scale", "cuda_graph_replay", "compiled_block",
-               "steady_steps", "queued_steps")
+               "steady_steps", "queued_steps", "causal_other_shape")
 
 #: Variants that run causal's configuration again, its plans loaded by ``causal`` before them: nothing to load.
 AGAIN = ("cuda_graph_replay", "compiled_block", "steady_steps", "queued_steps")
+#: Variants of another shape of an earlier one's graphs: their plans came with its, fetched ahead (siblings).
+SIBLINGS = ("causal_other_shape",)
 
 #: What a variant reports beside its errors against the reference: not errors, not held to :data:`TOLERANCE`.
 REPORTED = ("generator", "host_over_spin")
@@ -79,7 +81,9 @@ def check(run: dict, what: str, *, strict: bool, native: str | None = None) -> N
                 bad.append(f"{name}: {way} not run as {native or 'plan'} asks: {route}")
         if any(k.startswith(("fwd_aten", "bwd_aten")) for k in route):
             bad.append(f"{name}: left to torch's kernel: {route}")
-        if strict and not pinned and name not in AGAIN and route.get("load:server", 0) < 2:
+        if strict and not pinned and name in SIBLINGS and (route.get("load:memory", 0) < 2 or route.get("load:server")):
+            bad.append(f"{name}: forward and backward plans not fetched ahead with causal's: {route}")
+        elif strict and not pinned and name not in AGAIN + SIBLINGS and route.get("load:server", 0) < 2:
             bad.append(f"{name}: forward and backward plans not loaded from the server: {route}")
         bad += [f"{name} {out}: error {err}" for out, err in errors.items() if not err <= TOLERANCE]
     assert not bad, f"{what}:\n" + "\n".join(bad)
