@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import PlanCacheError, VerificationError
 from ..verify import verify_withdrawal
+from .background import Background
 
 if TYPE_CHECKING:
     from ..protocol import PlanRecord, Withdrawal
@@ -81,9 +82,8 @@ class Revalidator:
         self.context = context
         self.max_age = max_age
         self._asked: set[str] = set()
-        self._queue: list[str] = []
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._background = Background("plancache-revalidate", self.revalidate, "revalidating plans")
 
     def due(self, key: str) -> bool:
         """Whether the entry of ``key``, just loaded from disk, is to be asked about."""
@@ -97,33 +97,11 @@ class Revalidator:
         with self._lock:
             keys = [k for k in dict.fromkeys(keys) if k not in self._asked]
             self._asked.update(keys)
-            self._queue.extend(keys)
-            if self._queue and self._thread is None:
-                thread = threading.Thread(target=self._run, name="plancache-revalidate", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # the interpreter is exiting (no new threads): the next process asks
-                    self._queue.clear()
-                    return
-                self._thread = thread
+        self._background.put(keys)  # dropped at interpreter exit: the next process asks
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the revalidation under way, if any (at most ``timeout`` seconds)."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                keys, self._queue = self._queue, []
-                if not keys:
-                    self._thread = None
-                    return
-            try:
-                self.revalidate(keys)
-            except Exception:  # noqa: BLE001 - a background check must never take the process down
-                log.exception("plancache: revalidating %d plans failed", len(keys))
+        self._background.join(timeout)
 
     def revalidate(self, keys: list[str]) -> None:
         """Ask the server about ``keys`` and act on the answers, within the cache's ``request_deadline``."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import NotFound, PlanCacheError, SpecError
 from ..protocol import MAX_SIBLING_KEYS
+from .background import Background
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec
@@ -42,9 +43,8 @@ class Siblings:
         self._warm = warm
         self._seen: set[str] = set()  # graph keys offered or fetched as siblings: each is looked at once
         self._asked: set[str] = set()  # sibling keys asked about (or being asked about)
-        self._queue: list[GraphSpec] = []
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._background = Background("plancache-siblings", self.fetch, "fetching the plans of other shapes")
         self._off = context.remote is None or limit <= 0
         self._load_names: frozenset[str] = frozenset()
         self._loader: Callable[[GraphSpec, bytes], bool] | None = None
@@ -64,44 +64,22 @@ class Siblings:
             return
         with self._lock:
             fresh = [s for s in specs if s.graph_key not in self._seen and all(n.type in AXES for n in s.nodes)]
-            if not fresh:
-                return
             self._seen.update(s.graph_key for s in fresh)
-            self._queue.extend(fresh)
-            if self._thread is None:
-                thread = threading.Thread(target=self._run, name="plancache-siblings", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # the interpreter is exiting (no new threads)
-                    self._queue.clear()
-                    return
-                self._thread = thread
+        self._background.put(fresh)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the fetches under way, if any (at most ``timeout`` seconds)."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                specs, self._queue = self._queue, []
-                if not specs or self._off:
-                    self._thread = None
-                    return
-            try:
-                self.fetch(specs)
-            except Exception:  # noqa: BLE001 - a background fetch must never take the process down
-                log.exception("plancache: fetching the plans of other shapes of %d graphs failed", len(specs))
+        self._background.join(timeout)
 
     def fetch(self, specs: list[GraphSpec]) -> None:
-        """Ask the server for the siblings of ``specs`` (those whose sibling key was not asked about yet), then fetch and keep
-        their plans through ``warm``, within the cache's ``request_deadline`` each."""
+        """Ask the server for the siblings of ``specs`` (those whose sibling key was not asked about yet), then fetch
+        and keep their plans through ``warm``, within the cache's ``request_deadline`` each."""
         from ..spec import parse_spec
         from ..spec.axes import sibling_key
 
         c = self.context
+        if self._off:
+            return
         asking: dict[str, str] = {}  # sibling key -> the graph key asked about
         for spec in specs:
             shared = sibling_key(spec)

@@ -262,7 +262,7 @@ def test_internal_imports_flow_one_way():
 #: The client's modules from the ground up (docs/CLIENT.md, "How the client is built"): each imports only modules of
 #: earlier floors, at import time, in a function or for typing alike, so the client has no import cycle.
 CLIENT_FLOORS = (
-    ("backend", "cache", "capture", "fe_ops", "index_files", "received", "records", "sdpa_ext"),
+    ("backend", "background", "cache", "capture", "fe_ops", "index_files", "received", "records", "sdpa_ext"),
     ("plan",),
     ("context",),
     ("remote", "revalidate", "siblings", "steps"),
