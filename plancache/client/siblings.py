@@ -106,8 +106,8 @@ class Siblings:
                     self._asked.difference_update(part)  # asked again at their next load
                 continue
             wanted = []
-            with self._lock:
-                for key, doc in docs.items():
+            with self._lock:  # no more than asked for, whatever the answer holds
+                for key, doc in list(docs.items())[:self.limit * len(part)]:
                     if key in self._seen:
                         continue
                     self._seen.add(key)

@@ -7,6 +7,7 @@ import pytest
 
 from examples.generate import sdpa_causal
 from plancache.client import ClientConfig
+from plancache.client.records import MemoryRecords
 from plancache.errors import NotFound, ServerUnavailable
 from tests.integration.test_client_ladder import MATMUL
 from tests.unit.test_client_ladder import client, publish, records, signer  # noqa: F401 - fixtures
@@ -95,3 +96,18 @@ def test_a_loader_loads_the_kept_siblings_it_names_on_the_same_thread(records, t
         pc.plan(SHAPES[0])
         pc.siblings.join(10)
         assert seen == [] and pc.stats().siblings == 3
+
+
+def test_an_answer_naming_more_siblings_than_asked_for_is_cut_to_the_limit(records, tmp_path, signer, monkeypatch):
+    for spec in SHAPES:
+        publish(records, spec, signer)
+    listed = MemoryRecords.siblings
+
+    def generous(self, environment, graph_keys, *, limit, deadline=None):  # a server that ignores the limit
+        return listed(self, environment, graph_keys, limit=64, deadline=deadline)
+
+    monkeypatch.setattr(MemoryRecords, "siblings", generous)
+    with client(records, tmp_path, signer, prefetch_siblings=2) as pc:
+        pc.plan(SHAPES[0])
+        pc.siblings.join(10)
+        assert pc.stats().siblings == 2
