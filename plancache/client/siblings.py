@@ -10,8 +10,8 @@ cache first, then one resolve with the blobs inline; kept in memory and written 
 deserialized, except where :meth:`Siblings.load_ahead` names a loader: the attention route's C++ steady path loads
 its graphs' there, on the same thread, with the GIL released. A later new shape among them loads with no request
 (``stats().hits["memory"]``), and one loaded ahead binds its plan only. Counted in ``stats().siblings``. A server
-without the route (API 1.3 or older) is asked once; a failure is logged and the graphs asked about again at their
-next load.
+without the route (API 1.3 or older) is asked once; after a failure (logged) a graph's siblings are asked about
+again when another of its shapes is loaded from the server.
 """
 
 from __future__ import annotations
@@ -103,18 +103,17 @@ class Siblings:
             except PlanCacheError as exc:
                 log.info("plancache: the plans of other shapes of %d graphs were not listed: %s", len(part), exc.message)
                 with self._lock:
-                    self._asked.difference_update(part)  # asked again at their next load
+                    self._asked.difference_update(part)  # asked again at another shape's load
                 continue
+            with self._lock:  # no more than asked for, whatever the answer holds (a load's offer waits on this lock)
+                new = {k: doc for k, doc in list(docs.items())[:self.limit * len(part)] if k not in self._seen}
+                self._seen.update(new)
             wanted = []
-            with self._lock:  # no more than asked for, whatever the answer holds
-                for key, doc in list(docs.items())[:self.limit * len(part)]:
-                    if key in self._seen:
-                        continue
-                    self._seen.add(key)
-                    try:
-                        wanted.append(parse_spec(doc))
-                    except SpecError as exc:
-                        log.debug("plancache: a sibling spec %s was not read: %s", key[:12], exc.message)
+            for key, doc in new.items():
+                try:
+                    wanted.append(parse_spec(doc))
+                except SpecError as exc:
+                    log.debug("plancache: a sibling spec %s was not read: %s", key[:12], exc.message)
             fresh = [s for s in wanted if s.graph_key not in c.verified and s.graph_key not in c.memory]
             if fresh:
                 kept = len(self._warm(fresh))
