@@ -44,9 +44,11 @@ WHOLE = ("layer_norm", "rms_norm")
 def child(*args: str, settings: dict[str, str] | None = None) -> dict:
     """Run tests/fe_ops_gpu_child.py with ``args``; ``settings``: its only ``PLANCACHE_*`` variables (the attention
     route's steady path in Python unless they say otherwise: what a child measures does not depend on whether this
-    machine has the C++ extension built)."""
-    env = ({k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")} | {"PLANCACHE_ATTENTION_CPP": "0"}
-           | (settings or {}))
+    machine has the C++ extension built; and no plans of other shapes fetched ahead, so that each path's plans come
+    from its own loads, never from another path's that happens to be the same graph at another shape: the route's
+    GPU test covers that)."""
+    env = ({k: v for k, v in os.environ.items() if not k.startswith("PLANCACHE_")}
+           | {"PLANCACHE_ATTENTION_CPP": "0", "PLANCACHE_PREFETCH_SIBLINGS": "0"} | (settings or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env["CUDA_CACHE_DISABLE"] = "1"
     proc = subprocess.run([sys.executable, "-m", "tests.fe_ops_gpu_child", *args], capture_output=True, text=True,
