@@ -55,11 +55,15 @@ def _backfill(conn: sa.Connection) -> None:
                             .order_by(specs.c.graph_key).limit(BATCH)).all()
         if not rows:
             return
+        given = []
         for key, text in rows:
             try:
                 shared = sibling_key(parse_spec(text))
             except SpecError:  # a spec this release no longer reads keeps none
                 shared = None
             if shared is not None:
-                conn.execute(sa.update(plans).where(plans.c.graph_key == key).values(sibling_key=shared))
+                given.append({"key": key, "shared": shared})
+        if given:  # one executemany a batch (pipelined on Postgres)
+            conn.execute(sa.update(plans).where(plans.c.graph_key == sa.bindparam("key"))
+                         .values(sibling_key=sa.bindparam("shared")), given)
         after = rows[-1][0]
