@@ -131,8 +131,7 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
     (``{"s": [1024, 2048]}``, :func:`~plancache.spec.axes.variants`), for the graphs that have those axes.
     ``warm_load``: names of graphs whose plans the warm start also deserializes, each into an empty graph of its own
     (graphs run from that loaded graph, as :mod:`plancache.client.sdpa`'s are: their first call loads nothing);
-    ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path),
-    and the plans of those graphs' other shapes fetched ahead (:mod:`plancache.client.siblings`) as well. The
+    ``warm_loader(spec, blob)`` loads them instead where it returns True (the attention route's C++ steady path). The
     plans of the graphs FE's norm ops write (:func:`~plancache.client.fe_ops.held_whole`) are deserialized there too,
     where those ops are served whole (torch is imported), and the handles those ops keep per thread made ahead. A
     capture file that cannot be read or is malformed raises :class:`~plancache.errors.SpecError` naming it in strict
@@ -170,8 +169,6 @@ def install(cache: PlanCache | None, *, graph_class: type | None = None, capture
         if cache is not _cache:
             _close_device_caches_locked()
         _cache = cache
-    if cache is not None:  # the plans of other shapes fetched ahead load where the warm start's do
-        cache.siblings.load_ahead(warm_load if warm_loader is not None else (), warm_loader)
     if specs and cache is not None:
         whole = fe_ops.patched()
         _warm_start.start(cache, specs, warm_load, warm_loader, whole=fe_ops.held_whole if whole else None,
@@ -193,8 +190,6 @@ def uninstall() -> None:
                     delattr(cls, name)
         _originals.clear()
         fe_ops.unpatch()
-        if _cache is not None:
-            _cache.siblings.load_ahead((), None)
         _cache = None
         _close_device_caches_locked()
     _stop_capture()

@@ -7,9 +7,9 @@ thread, once per sibling key and process: one ``POST /v1/plans/siblings`` names 
 same graphs at other shapes on this GPU (up to the setting's count per graph, the most recently published first),
 and the cache then fetches and verifies theirs like a warm start (:meth:`~plancache.client.PlanCache.warm`: the disk
 cache first, then one resolve with the blobs inline; kept in memory and written to the disk cache). They are not
-deserialized, except where :meth:`Siblings.load_ahead` names a loader: the attention route's C++ steady path loads
-its graphs' there, on the same thread, with the GIL released. A later new shape among them loads with no request
-(``stats().hits["memory"]``), and one loaded ahead binds its plan only. Counted in ``stats().siblings``. A server
+deserialized here: the thread makes no CUDA call, so a CUDA graph captured meanwhile on another thread (in torch's
+default global capture mode) is never disturbed. A later new shape among them loads with no request
+(``stats().hits["memory"]``) and deserializes its plans at its first call. Counted in ``stats().siblings``. A server
 without the route (API 1.3 or older) is asked once; after a failure (logged) a graph's siblings are asked about
 again when another of its shapes is loaded from the server.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotFound, PlanCacheError, SpecError
@@ -46,14 +46,6 @@ class Siblings:
         self._lock = threading.Lock()
         self._background = Background("plancache-siblings", self.fetch, "fetching the plans of other shapes")
         self._off = context.remote is None or limit <= 0
-        self._load_names: frozenset[str] = frozenset()
-        self._loader: Callable[[GraphSpec, bytes], bool] | None = None
-
-    def load_ahead(self, names: Collection[str], loader: Callable[[GraphSpec, bytes], bool] | None) -> None:
-        """Have ``loader(spec, blob)`` load the kept plans of the siblings named one of ``names`` as well (the
-        attention route's C++ steady path, :func:`plancache.client.sdpa.preload`: a new shape among them then binds
-        its plan only); None: load none."""
-        self._load_names, self._loader = frozenset(names), loader
 
     def offer(self, specs: Iterable[GraphSpec]) -> None:
         """Graphs whose plans a load just brought from the server: their siblings are asked about (started
@@ -119,12 +111,3 @@ class Siblings:
                 kept = len(self._warm(fresh))
                 with c.lock:
                     c.stats.siblings += kept
-                self._load(fresh)
-
-    def _load(self, specs: list[GraphSpec]) -> None:
-        """The kept plans of ``specs`` that :meth:`load_ahead` names, through its loader."""
-        loader, names, verified = self._loader, self._load_names, self.context.verified
-        for spec in specs:
-            held = verified.get(spec.graph_key)
-            if loader is not None and held is not None and spec.name in names:
-                loader(spec, held[1])

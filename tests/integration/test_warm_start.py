@@ -509,29 +509,3 @@ def test_a_warm_loader_takes_the_named_plans_it_can_and_the_cache_loads_the_rest
     assert loaded(cache) == [blob_of(specs[2])] and list(cache.context.memory) == [specs[2].graph_key]
     assert {s.graph_key for s in specs} <= set(cache.context.verified) and srv.requests[RESOLVE] == 1
 
-
-def test_the_hook_s_loader_also_loads_the_plans_of_other_shapes_fetched_ahead(srv, tmp_path, signer):
-    """With a ``warm_loader`` (the attention route's C++ steady path), a graph built through the hook brings, in the
-    background, the plans of its other shapes (:mod:`plancache.client.siblings`) and the loader loads those of the
-    graphs ``warm_load`` names, no warm start needed; once the hook is uninstalled it loads nothing more."""
-    now, later = attention(256), [spec_of(attention(s)) for s in (512, 1024)]
-    seed(srv, signer, spec_of(now), *later)
-    cache = make_cache(srv, tmp_path, signer)
-    taken: list[tuple[str, bytes]] = []
-
-    def loader(spec: GraphSpec, blob: bytes) -> bool:
-        taken.append((spec.graph_key, blob))
-        return True
-
-    with installed(cache, warm_load=["attention"], warm_loader=loader):
-        five_steps(now)
-        cache.siblings.join(30)
-    assert sorted(taken) == sorted((s.graph_key, blob_of(s)) for s in later)
-    assert cache.stats().siblings == 2 and srv.requests["/v1/plans/siblings"] == 1
-    other = make_cache(srv, tmp_path / "other", signer)
-    with installed(other, warm_load=["attention"], warm_loader=loader):
-        pass
-    taken.clear()
-    other.plan(spec_of(attention(256)))  # the hook is gone: its siblings are kept, not loaded
-    other.siblings.join(30)
-    assert taken == [] and other.stats().siblings == 2

@@ -78,26 +78,6 @@ def test_an_older_server_is_asked_once_and_a_failure_again_at_the_next_load(reco
         assert records.calls["siblings"] == 1 and pc.stats().siblings == 0
 
 
-def test_a_loader_loads_the_kept_siblings_it_names_on_the_same_thread(records, tmp_path, signer):
-    """``load_ahead``: the kept plans of the siblings whose names it gives go to its loader (the attention route's C++
-    steady path), with their blobs; the others are only kept; ``load_ahead((), None)`` stops it."""
-    blobs = {spec.graph_key: publish(records, spec, signer) for spec in SHAPES}
-    seen: list[tuple[str, bytes]] = []
-    with client(records, tmp_path, signer) as pc:
-        pc.siblings.load_ahead({SHAPES[1].name, SHAPES[3].name}, lambda spec, blob: seen.append((spec.graph_key, blob)))
-        pc.plan(SHAPES[0])
-        pc.siblings.join(10)
-        assert sorted(seen) == sorted((s.graph_key, blobs[s.graph_key]) for s in (SHAPES[1], SHAPES[3]))
-        assert pc.stats().siblings == 3
-    seen.clear()
-    with client(records, tmp_path / "other", signer) as pc:
-        pc.siblings.load_ahead({SHAPES[1].name}, lambda spec, blob: seen.append((spec.graph_key, blob)))
-        pc.siblings.load_ahead((), None)
-        pc.plan(SHAPES[0])
-        pc.siblings.join(10)
-        assert seen == [] and pc.stats().siblings == 3
-
-
 def test_an_answer_naming_more_siblings_than_asked_for_is_cut_to_the_limit(records, tmp_path, signer, monkeypatch):
     for spec in SHAPES:
         publish(records, spec, signer)
