@@ -508,4 +508,3 @@ def test_a_warm_loader_takes_the_named_plans_it_can_and_the_cache_loads_the_rest
     assert taken == [(s.graph_key, blob_of(s)) for s in specs[:2]]
     assert loaded(cache) == [blob_of(specs[2])] and list(cache.context.memory) == [specs[2].graph_key]
     assert {s.graph_key for s in specs} <= set(cache.context.verified) and srv.requests[RESOLVE] == 1
-
