@@ -276,7 +276,7 @@ class Plans(Misses):
         check_page(limit, 0)
         found: dict[str, str] = {}
         shared = dict.fromkeys(self._sibling_keys(graph_keys).values())
-        if not shared:
+        if not shared or not limit:
             return found
         with self.db.read() as conn:  # a transaction: equal_in_index_order sets its planner option in it
             for siblings in shared:

@@ -361,6 +361,7 @@ def test_a_graph_s_siblings_are_its_other_shapes_plans_on_that_environment_newes
     assert list(found) == [shapes[3].graph_key, shapes[1].graph_key]
     assert all(parse_spec(text).graph_key == key for key, text in found.items())
     assert list(store.plan_siblings(gpu_env, [asked], 1)) == [shapes[3].graph_key]
+    assert store.plan_siblings(gpu_env, [asked], 0) == {}
     assert list(store.plan_siblings(OTHER_GPU, [asked], 16)) == [shapes[1].graph_key]
     assert list(store.plan_siblings(gpu_env, [asked, shapes[3].graph_key], 16)) == [shapes[1].graph_key]
     assert store.plan_siblings(gpu_env, [other.graph_key], 16) == {}  # no other shape of it has a plan here
