@@ -223,8 +223,8 @@ class Remote:
                  deadline: float | None = None) -> dict[str, dict[str, Any]]:
         """``POST /v1/plans/siblings``: the specs of the plans the server holds for other shapes of ``graph_keys``
         (at most :data:`~plancache.protocol.MAX_SIBLING_KEYS`), ``limit`` per key, by graph key. A server without the
-        route (API 1.3 or older) answers 404 (:class:`~plancache.errors.NotFound`); a failure trips no breaker (a
-        background call)."""
+        route (API 1.3 or older) refuses it with 405 (its ``GET /v1/plans/{graph_key}`` takes the path); a failure
+        trips no breaker (a background call)."""
         req = SiblingsRequest(environment=environment, graph_keys=graph_keys, limit=limit)
         answer = self.http.read("POST", "/v1/plans/siblings", json_as(SiblingsResponse), body=req.model_dump(mode="json"),
                                 deadline=deadline, trips=False, trips_on_refusal=False,

@@ -10,7 +10,7 @@ cache first, then one resolve with the blobs inline; kept in memory and written 
 deserialized here: the thread makes no CUDA call, so a CUDA graph captured meanwhile on another thread (in torch's
 default global capture mode) is never disturbed. A later new shape among them loads with no request
 (``stats().hits["memory"]``) and deserializes its plans at its first call. Counted in ``stats().siblings``. A server
-without the route (API 1.3 or older) is asked once; after a failure (logged) a graph's siblings are asked about
+without the route (API 1.3 or older: it answers 405) is asked once; after a failure (logged) a graph's siblings are asked about
 again when another of its shapes is loaded from the server.
 """
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import NotFound, PlanCacheError, SpecError
+from ..errors import PlanCacheError, SpecError
 from ..protocol import MAX_SIBLING_KEYS
 from .background import Background
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from .context import LoadContext
 
 log = logging.getLogger("plancache.client")
+
+#: What a server without ``POST /v1/plans/siblings`` answers it: 405 (its ``GET /v1/plans/{graph_key}`` takes the
+#: path), or 404.
+NO_ROUTE = frozenset({404, 405})
 
 
 class Siblings:
@@ -87,12 +91,12 @@ class Siblings:
             try:
                 docs = c.remote.siblings(c.environment, [asking[f] for f in part], limit=self.limit,
                                          deadline=time.monotonic() + c.request_deadline)
-            except NotFound:  # a server of API 1.3 or older
-                log.info("plancache: %s does not list the plans of other shapes (an older server): not asked again",
-                         c.remote.where)
-                self._off = True
-                return
             except PlanCacheError as exc:
+                if exc.http_status in NO_ROUTE:  # a server of API 1.3 or older
+                    log.info("plancache: %s does not list the plans of other shapes (an older server): not asked "
+                             "again", c.remote.where)
+                    self._off = True
+                    return
                 log.info("plancache: the plans of other shapes of %d graphs were not listed: %s", len(part), exc.message)
                 with self._lock:
                     self._asked.difference_update(part)  # asked again at another shape's load

@@ -31,3 +31,36 @@ def test_the_route_s_next_new_shape_is_in_memory_before_its_first_call(tmp_path)
             assert got.source == "memory" and got.record.graph_key == shapes[2].graph_key
             assert dict(srv.requests) == asked  # no request at the new shape
     assert asked["/v1/plans/siblings"] == 1 and asked["/v1/plans/resolve"] == 2
+
+
+def test_a_server_without_the_route_is_asked_once_over_the_wire(tmp_path):
+    """An older server (API 1.3) answers ``POST /v1/plans/siblings`` 405 (its ``GET /v1/plans/{graph_key}`` takes the
+    path), as this server answers a POST to another such path: the client asks once, goes without, and serves every
+    shape from the server as before."""
+    import httpx
+
+    signer = new_signer()
+    shapes = [sdpa_causal(batch=b, heads=16, seq=s, d=128) for b, s in ((2, 512), (2, 1024), (4, 2048))]
+    asked: list[str] = []
+
+    class OlderServer(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/v1/plans/siblings":
+                asked.append(request.url.path)
+                request.url = request.url.copy_with(path="/v1/plans/" + "ab" * 32)  # what an older server answers
+            return super().handle_request(request)
+
+    with LiveServer(tmp_path / "server", autotune=False) as srv:
+        for spec in shapes:
+            blob = os.urandom(4096)
+            srv.store.put_spec(spec.graph_key, spec.to_json())
+            srv.store.publish_plan(make_meta(spec.graph_key, H200, blob, signer), blob)
+        with PlanCache(srv.url, **patient({"token": srv.token("reader"), "trusted_keys": trusted(signer),
+                                           "cache_dir": tmp_path / "cache", "backend": RecordingBackend(),
+                                           "environment": H200, "mode": "strict",
+                                           "transport": OlderServer()})) as cache:
+            for spec in shapes:
+                assert cache.verified_blobs([spec])[spec.graph_key].source == "server"
+                cache.siblings.join(30)
+            assert asked == ["/v1/plans/siblings"] and cache.stats().siblings == 0
+        assert srv.requests["/v1/plans/" + "ab" * 32] == 1
