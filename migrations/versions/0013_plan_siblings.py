@@ -42,9 +42,7 @@ def downgrade() -> None:
 
 def _backfill(conn: sa.Connection) -> None:
     """Every stored record's sibling key, from its spec: the graph keys of the records in key order, a batch at a time."""
-    from plancache.errors import SpecError
-    from plancache.spec import parse_spec
-    from plancache.spec.axes import sibling_key
+    from plancache.spec.axes import stored_sibling_key
 
     plans = sa.table('plans', sa.column('graph_key', sa.String), sa.column('sibling_key', sa.String))
     specs = sa.table('specs', sa.column('graph_key', sa.String), sa.column('canonical_json', sa.Text))
@@ -55,14 +53,8 @@ def _backfill(conn: sa.Connection) -> None:
                             .order_by(specs.c.graph_key).limit(BATCH)).all()
         if not rows:
             return
-        given = []
-        for key, text in rows:
-            try:
-                shared = sibling_key(parse_spec(text))
-            except SpecError:  # a spec this release no longer reads keeps none
-                shared = None
-            if shared is not None:
-                given.append({"key": key, "shared": shared})
+        given = [{"key": key, "shared": shared} for key, text in rows
+                 if (shared := stored_sibling_key(text)) is not None]
         if given:  # one executemany a batch (pipelined on Postgres)
             conn.execute(sa.update(plans).where(plans.c.graph_key == sa.bindparam("key"))
                          .values(sibling_key=sa.bindparam("shared")), given)

@@ -10,8 +10,8 @@ cache first, then one resolve with the blobs inline; kept in memory and written 
 deserialized here: the thread makes no CUDA call, so a CUDA graph captured meanwhile on another thread (in torch's
 default global capture mode) is never disturbed. A later new shape among them loads with no request
 (``stats().hits["memory"]``) and deserializes its plans at its first call. Counted in ``stats().siblings``. A server
-without the route (API 1.3 or older: it answers 405) is asked once; after a failure (logged) a graph's siblings are asked about
-again when another of its shapes is loaded from the server.
+without the route (API 1.3 or older: it answers 405) is asked once; after a failure (logged) a graph's siblings are
+asked about again when another of its shapes is loaded from the server.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Siblings:
             part = shared_keys[start:start + MAX_SIBLING_KEYS]
             assert c.remote is not None
             try:
-                docs = c.remote.siblings(c.environment, [asking[f] for f in part], limit=self.limit,
+                docs = c.remote.siblings(c.environment, [asking[shared] for shared in part], limit=self.limit,
                                          deadline=time.monotonic() + c.request_deadline)
             except PlanCacheError as exc:
                 if exc.http_status in NO_ROUTE:  # a server of API 1.3 or older

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import SpecError
 from .document import GraphSpec, graph_key, parse_spec
 
-__all__ = ["AXES", "AXIS_ALIASES", "axes_of", "sibling_key", "setters", "variants", "vary"]
+__all__ = ["AXES", "AXIS_ALIASES", "axes_of", "setters", "sibling_key", "stored_sibling_key", "variants", "vary"]
 
 #: Shape axes :func:`vary` moves: per node type, per axis, the (port, dim index) pairs that move together.
 #: SDPA tensors are (batch, heads, sequence, head_dim); ``Stats`` is (batch, heads, s_q, 1). ``s`` is self-attention:
@@ -136,5 +136,14 @@ def sibling_key(spec: GraphSpec) -> str | None:
         return None
     try:
         return graph_key(vary(spec, {axis: _SIBLING_SIZES[axis] for axis in axes}))
+    except SpecError:
+        return None
+
+
+def stored_sibling_key(document: str) -> str | None:
+    """:func:`sibling_key` of a stored spec document; None also when this release cannot read it (a document written
+    in another format keeps no sibling key rather than failing the read of the others)."""
+    try:
+        return sibling_key(parse_spec(document))
     except SpecError:
         return None

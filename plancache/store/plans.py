@@ -13,8 +13,7 @@ from sqlalchemy.engine import Connection, Row
 from .. import errors
 from ..environment import Environment
 from ..protocol import CandidateTable, PlanCandidates, PlanMeta, PlanRecord, Withdrawal, WithdrawalRecord
-from ..spec import parse_spec
-from ..spec.axes import sibling_key
+from ..spec.axes import stored_sibling_key
 from ..validation import INT64_MAX
 from ..verify import verify_blob
 from .blobs import CatalogBlobs, ContentBlobs
@@ -257,15 +256,7 @@ class Plans(Misses):
         with self.db.query() as conn:
             rows = conn.execute(sa.select(specs.c.graph_key, specs.c.canonical_json)
                                 .where(specs.c.graph_key.in_(list(graph_keys)))).all()
-        found = {}
-        for key, text in rows:
-            try:
-                shared = sibling_key(parse_spec(text))
-            except errors.SpecError:  # stored by a version that wrote another format: none
-                continue
-            if shared is not None:
-                found[key] = shared
-        return found
+        return {key: shared for key, text in rows if (shared := stored_sibling_key(text)) is not None}
 
     def plan_siblings(self, env: Environment, graph_keys: Collection[str], limit: int) -> dict[str, str]:
         """The canonical specs of the plans stored on exactly this environment's validity fields for the other shapes

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from examples.generate import matmul_epilogue, sdpa_causal
+from plancache.canonical import canonical_json
 from plancache.spec import parse_spec
-from plancache.spec.axes import sibling_key, vary
+from plancache.spec.axes import sibling_key, stored_sibling_key, vary
 
 
 def test_a_graph_at_other_batch_sizes_and_sequence_lengths_shares_its_sibling_key():
@@ -33,3 +34,9 @@ def test_a_graph_vary_cannot_move_has_no_sibling_key():
         doc["nodes"][0]["inputs"][name] = uid
     doc["nodes"][0]["params"]["padding_mask"] = True
     assert sibling_key(parse_spec(doc)) is None
+
+
+def test_a_stored_document_s_sibling_key_is_none_when_it_cannot_be_read():
+    spec = sdpa_causal(batch=2, heads=16, seq=1024, d=128)
+    assert stored_sibling_key(canonical_json(spec.canonical_document().to_json())) == sibling_key(spec)  # as stored
+    assert stored_sibling_key("{}") is None and stored_sibling_key("not json") is None
